@@ -1,0 +1,220 @@
+"""Configuration: `ModelConfig` is derived from GGUF metadata (never hand-edited);
+`EngineConfig` holds the serving shapes (slots, context, prefill chunks, KV dtype).
+
+Both are frozen and validated in `__post_init__`; `server/__main__.py` builds them once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+
+
+class UnsupportedModelError(ValueError):
+    """The file is a valid GGUF but describes a model this server cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    kind: str = "none"  # "none" | "linear" | "yarn" | "llama3"
+    factor: float = 1.0
+    original_context: int = 0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("none", "linear", "yarn", "llama3"):
+            raise ValueError(f"unknown rope scaling {self.kind!r}")
+        if self.factor <= 0:
+            raise ValueError("rope scaling factor must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    num_layers: int
+    embed_dim: int  # E
+    ffn_dim: int  # F
+    num_heads: int  # H
+    num_kv_heads: int  # K
+    head_dim: int  # D (key and value)
+    vocab_size: int  # V
+    context_length: int
+    rms_eps: float
+    rope_theta: float
+    rope_dim: int  # leading dims of D that are rotated
+    rope_neox: bool  # True: rotate halves (neox); False: adjacent pairs (llama GGUFs)
+    rope_scaling: RopeScaling = RopeScaling()
+    tied_output: bool = False
+    has_qkv_bias: bool = False
+    has_qk_norm: bool = False
+    # gemma3 specifics
+    embed_scale: float = 1.0  # multiply token embeddings (gemma: sqrt(E))
+    norm_weight_offset: float = 0.0  # gemma stores (w - 1): RMSNorm multiplies by (offset + w)
+    has_post_norms: bool = False  # gemma3: post-attention and post-ffn norms
+    activation: str = "silu"  # "silu" | "gelu_tanh"
+    sliding_window: int = 0  # 0: every layer global
+    sliding_window_pattern: int = 0  # gemma3: every Nth layer is global (N=6)
+    rope_theta_local: float = 0.0  # gemma3 local layers
+    attn_scale: float = 0.0  # 0: 1/sqrt(head_dim)
+    final_logit_softcap: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHS:
+            raise UnsupportedModelError(f"unsupported architecture {self.arch!r}")
+        for name in ("num_layers", "embed_dim", "ffn_dim", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if not 0 < self.rope_dim <= self.head_dim or self.rope_dim % 2:
+            raise ValueError(f"rope_dim {self.rope_dim} must be even and within head_dim {self.head_dim}")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unknown activation {self.activation!r}")
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale or self.head_dim**-0.5
+
+    def is_global_layer(self, layer: int) -> bool:
+        if not self.sliding_window:
+            return True
+        if not self.sliding_window_pattern:
+            return False
+        return (layer + 1) % self.sliding_window_pattern == 0
+
+    @staticmethod
+    def from_gguf_metadata(meta: Mapping[str, Any], tensor_names: frozenset[str]) -> "ModelConfig":
+        """Derives the config from GGUF key/values (`meta`: key -> python value)."""
+        arch = meta.get("general.architecture")
+        if arch not in SUPPORTED_ARCHS:
+            raise UnsupportedModelError(
+                f"unsupported architecture {arch!r}; this server runs {', '.join(SUPPORTED_ARCHS)}"
+            )
+
+        def get(key: str, default: Any = None, required: bool = False) -> Any:
+            full = f"{arch}.{key}"
+            if full not in meta:
+                if required:
+                    raise UnsupportedModelError(f"GGUF metadata lacks {full}")
+                return default
+            return meta[full]
+
+        num_heads = int(get("attention.head_count", required=True))
+        embed_dim = int(get("embedding_length", required=True))
+        num_kv = get("attention.head_count_kv", num_heads)
+        head_dim = int(get("attention.key_length", embed_dim // num_heads))
+        value_dim = int(get("attention.value_length", head_dim))
+        if value_dim != head_dim:
+            raise UnsupportedModelError(f"key length {head_dim} != value length {value_dim}")
+        if "token_embd.weight" not in tensor_names:
+            raise UnsupportedModelError("GGUF lacks token_embd.weight")
+        vocab = get("vocab_size")
+        if vocab is None:
+            tokens = meta.get("tokenizer.ggml.tokens")
+            if tokens is None:
+                raise UnsupportedModelError("cannot tell the vocabulary size")
+            vocab = len(tokens)
+
+        scaling = RopeScaling()
+        kind = get("rope.scaling.type", "none")
+        factor = float(get("rope.scaling.factor", 1.0) or 1.0)
+        if kind in ("linear", "yarn") and factor != 1.0:
+            scaling = RopeScaling(
+                kind=kind,
+                factor=factor,
+                original_context=int(get("rope.scaling.original_context_length", 0) or 0),
+            )
+        elif kind not in ("none", "linear", "yarn"):
+            raise UnsupportedModelError(f"unsupported rope scaling type {kind!r}")
+        # Llama 3.1+ GGUFs carry a rope_freqs.weight tensor instead of scaling keys; the
+        # loader passes those factors to the forward pass directly.
+
+        common = dict(
+            arch=arch,
+            num_layers=int(get("block_count", required=True)),
+            embed_dim=embed_dim,
+            ffn_dim=int(get("feed_forward_length", required=True)),
+            num_heads=num_heads,
+            num_kv_heads=int(num_kv),
+            head_dim=head_dim,
+            vocab_size=int(vocab),
+            context_length=int(get("context_length", 2048)),
+            rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_dim=int(get("rope.dimension_count", head_dim)),
+            rope_scaling=scaling,
+            tied_output="output.weight" not in tensor_names,
+        )
+        if arch == "llama":
+            # convert_hf_to_gguf permutes q/k so llama.cpp rotates adjacent pairs (LLAMA_ROPE_TYPE_NORM).
+            return ModelConfig(**common, rope_neox=False)
+        if arch in ("qwen2", "qwen3"):
+            return ModelConfig(
+                **common,
+                rope_neox=True,
+                has_qkv_bias="blk.0.attn_q.bias" in tensor_names,
+                has_qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            )
+        # gemma3
+        return ModelConfig(
+            **common,
+            rope_neox=True,
+            has_qk_norm=True,
+            embed_scale=embed_dim**0.5,
+            has_post_norms=True,
+            activation="gelu_tanh",
+            sliding_window=int(get("attention.sliding_window", 0) or 0),
+            sliding_window_pattern=6,
+            rope_theta_local=10000.0,
+            final_logit_softcap=float(get("final_logit_softcapping", 0.0) or 0.0),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    num_slots: int = 8
+    max_context: int = 4096  # per slot, prompt + generated
+    prefill_budget: int = 512  # prompt tokens per engine step
+    prefill_chunks: tuple[int, ...] = (64, 512)  # compiled prefill chunk sizes, ascending
+    max_queue: int = 64
+    timeout_s: float = 600.0
+    kv_dtype: str = "float32"  # "float32" | "bfloat16"
+    compute_dtype: str = "float32"  # activations; bf16 on GPU
+    max_top_logprobs: int = 20
+    max_logit_bias: int = 300
+    kernels: tuple[tuple[str, str], ...] = ()  # forced op -> impl
+
+    def __post_init__(self) -> None:
+        if self.num_slots < 1:
+            raise ValueError("slots must be >= 1")
+        if self.max_context < 16:
+            raise ValueError("max context must be >= 16")
+        if not self.prefill_chunks or list(self.prefill_chunks) != sorted(set(self.prefill_chunks)):
+            raise ValueError("prefill chunk sizes must be distinct and ascending")
+        if self.prefill_chunks[0] < 1:
+            raise ValueError("prefill chunk sizes must be >= 1")
+        if self.prefill_budget < self.prefill_chunks[-1]:
+            raise ValueError(
+                f"prefill budget {self.prefill_budget} is below the largest chunk {self.prefill_chunks[-1]}"
+            )
+        if self.max_queue < 0:
+            raise ValueError("max queue must be >= 0")
+        if self.timeout_s <= 0:
+            raise ValueError("timeout must be > 0")
+        if self.kv_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"unknown KV dtype {self.kv_dtype!r}")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"unknown compute dtype {self.compute_dtype!r}")

@@ -1,0 +1,119 @@
+"""The contract between the scheduler and the model runner.
+
+The scheduler (`scheduler/`) decides, each engine step, which slots decode and which prompt
+chunks are prefilled; it packs that into a `StepPlan` and hands it to
+`model.runner.ModelRunner.dispatch`, which enqueues one device program per part and returns a
+`PendingStep` at once (JAX dispatch is asynchronous). `PendingStep.result()` copies the step's
+outputs to the host as one `StepOutput`. The scheduler dispatches step n before it reads step
+n-1, so host bookkeeping overlaps device work.
+
+Device-resident per-slot state (next input token, position, penalty counts, RNG seed) lives in
+the runner: the scheduler never passes sampled tokens back. A slot's token sampled in step n is
+the input of its decode in step n+1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import numpy as np
+
+MAX_STOP_TOKEN_IDS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings. Become traced [B] arrays on device, never static args."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt + generated tokens (vLLM semantics)
+    presence_penalty: float = 0.0  # over generated tokens (OpenAI semantics)
+    frequency_penalty: float = 0.0  # over generated tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    seed: int | None = None  # None: the runner draws one
+    top_logprobs: int = 0  # how many alternatives per token to return (0..max_top_logprobs)
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError("temperature must be >= 0")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if not self.repetition_penalty > 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if not -2 <= self.presence_penalty <= 2:
+            raise ValueError("presence_penalty must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise ValueError("frequency_penalty must be in [-2, 2]")
+        if self.top_logprobs < 0:
+            raise ValueError("top_logprobs must be >= 0")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError("seed must be in [0, 2**63)")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotSetup:
+    """Installs a new request in a slot: resets its penalty counts, seed and sampling arrays."""
+
+    slot: int
+    sampling: SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens [start_pos, start_pos + len(tokens)) of the request in `slot`.
+
+    `is_last`: the chunk ends the prompt, so the step samples the request's first token.
+    Chunks of one prompt arrive in order; the runner pads `tokens` to a compiled chunk size.
+    """
+
+    slot: int
+    tokens: np.ndarray  # [T] int32, 1 <= T <= largest compiled chunk
+    start_pos: int
+    is_last: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    setups: tuple[SlotSetup, ...] = ()  # applied first
+    decode_slots: tuple[int, ...] = ()  # slots that compute their next token this step
+    prefills: tuple[PrefillChunk, ...] = ()  # applied after the decode, in order
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """Host copy of one step's sampled tokens. Row b is meaningful only where `valid[b]`."""
+
+    tokens: np.ndarray  # [B] int32
+    valid: np.ndarray  # [B] bool: a token was sampled for slot b (decode, or last prefill chunk)
+    logprobs: np.ndarray  # [B] f32, log-probability of the sampled token (after penalties, before temperature)
+    top_ids: np.ndarray  # [B, max_top_logprobs] int32, best alternatives, descending
+    top_logprobs: np.ndarray  # [B, max_top_logprobs] f32
+
+
+class PendingStep(Protocol):
+    def result(self) -> StepOutput: ...
+
+
+class StepModel(Protocol):
+    """What the scheduler needs of a model runner (the real one and test fakes)."""
+
+    num_slots: int
+    max_context: int
+    prefill_chunks: tuple[int, ...]
+    max_top_logprobs: int
+
+    def warmup(self) -> None: ...
+
+    def dispatch(self, plan: StepPlan) -> PendingStep: ...

@@ -1,0 +1,95 @@
+"""Requests going into the engine and the events coming out, shared with `server/`.
+
+The server builds a `GenerationRequest` (prompt already tokenized), calls `Engine.submit`,
+and iterates the returned `RequestStream` (async) for `StreamEvent`s until one carries a
+`finish_reason`. Text in events is already detokenized incrementally: no broken UTF-8, no
+piece of a stop string that might still match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from model.step_types import SamplingParams
+
+FINISH_STOP = "stop"  # EOS, a stop token id or a stop string
+FINISH_LENGTH = "length"  # max_tokens or the context
+FINISH_CANCELLED = "cancelled"  # client gone
+FINISH_TIMEOUT = "timeout"  # deadline passed
+FINISH_ERROR = "error"  # the engine failed
+
+
+class QueueFullError(Exception):
+    """The waiting queue is full: the server answers 429 with Retry-After."""
+
+    def __init__(self, retry_after_s: float = 1.0) -> None:
+        super().__init__("the server is at capacity; retry later")
+        self.retry_after_s = retry_after_s
+
+
+class EngineUnavailableError(Exception):
+    """The engine is loading, failed or shutting down (HTTP 503)."""
+
+
+class RequestValidationError(ValueError):
+    """A request the engine cannot take (HTTP 400); `field` names the offending input."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()  # stop strings; the matched string is not returned
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False  # return the chosen token's logprob (and sampling.top_logprobs alternatives)
+    timeout_s: float | None = None  # None: the engine's default
+
+    def __post_init__(self) -> None:
+        if not self.prompt_tokens:
+            raise RequestValidationError("the prompt is empty", "prompt")
+        if self.max_tokens < 1:
+            raise RequestValidationError("max_tokens must be >= 1", "max_tokens")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise RequestValidationError("timeout must be > 0", "timeout")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamEvent:
+    """What one engine step produced for one request."""
+
+    text: str = ""  # safe-to-send text delta
+    token_ids: tuple[int, ...] = ()  # tokens accepted this step (generated, not stop-trimmed)
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0  # usage, set on the final event
+    completion_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for /health and /metrics."""
+
+    state: str  # "loading" | "ready" | "failed" | "stopped"
+    num_slots: int
+    slots_busy: int
+    requests_running: int
+    requests_waiting: int
+    requests_rejected_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    error: str | None = None
