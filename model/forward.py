@@ -1,0 +1,275 @@
+"""Forward passes: pure functions of (params, KV cache, inputs) -> (logits, new cache).
+
+Legend: B slots, T tokens, S cache positions, H query heads, K kv heads, D head dim,
+E embed, F ffn, V vocab, L layers.
+
+`decode` runs one new token for each of B slots; `prefill` runs a fixed-size chunk of one
+slot's prompt that continues from the slot's cached prefix. Both write their keys/values into
+the cache (positions beyond a row's valid tokens are dropped) and are jitted by
+`model/runner.py` with the cache donated. The ops (`Kernels`) are chosen once at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from model.config import ModelConfig
+from model.weights import Params
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The op implementations one compiled program uses (hashable: a static jit argument)."""
+
+    matmul: Callable  # (x [M, K], w) -> [M, N] f32
+    embed: Callable  # (w, ids [T]) -> [T, E] f32
+    attention_decode: Callable
+    attention_prefill: Callable
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Keys and values per layer and slot, each slot a contiguous run of positions.
+
+    The layout is reached only through `write_*` and `layer_view`, so a paged layout (a block
+    table per slot, shared prefix blocks) replaces this class without touching the forward pass.
+    """
+
+    k: jax.Array  # [L, B, S, K, D]
+    v: jax.Array  # [L, B, S, K, D]
+
+    @staticmethod
+    def create(cfg: ModelConfig, num_slots: int, max_context: int, dtype: jnp.dtype) -> "KVCache":
+        shape = (cfg.num_layers, num_slots, max_context, cfg.num_kv_heads, cfg.head_dim)
+        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    @property
+    def max_context(self) -> int:
+        return self.k.shape[2]
+
+    def write_decode(self, layer, rows, positions, k, v) -> "KVCache":
+        """k, v [B, K, D] at positions [B] of each row; out-of-range positions are dropped."""
+        return KVCache(
+            self.k.at[layer, rows, positions].set(k.astype(self.k.dtype), mode="drop"),
+            self.v.at[layer, rows, positions].set(v.astype(self.v.dtype), mode="drop"),
+        )
+
+    def write_prefill(self, layer, slot, positions, k, v) -> "KVCache":
+        """k, v [T, K, D] at positions [T] of one slot; out-of-range positions are dropped."""
+        return KVCache(
+            self.k.at[layer, slot, positions].set(k.astype(self.k.dtype), mode="drop"),
+            self.v.at[layer, slot, positions].set(v.astype(self.v.dtype), mode="drop"),
+        )
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _inv_freq(cfg: ModelConfig, theta: jax.Array | float, rope_freqs: jax.Array | None) -> jax.Array:
+    half = cfg.rope_dim // 2
+    inv = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / cfg.rope_dim))
+    if rope_freqs is not None:
+        inv = inv / rope_freqs[:half]
+    sc = cfg.rope_scaling
+    if sc.kind == "linear":
+        inv = inv / sc.factor
+    elif sc.kind == "yarn":
+        inv = _yarn_inv_freq(cfg, inv)
+    return inv
+
+
+def _yarn_inv_freq(cfg: ModelConfig, inv: jax.Array) -> jax.Array:
+    # YaRN "NTK-by-parts": interpolate long wavelengths by `factor`, keep short ones (llama.cpp rope_yarn).
+    sc = cfg.rope_scaling
+    orig = sc.original_context or cfg.context_length
+    dims = jnp.arange(cfg.rope_dim // 2, dtype=jnp.float32) * 2
+
+    def corr_dim(n_rot: float) -> float:
+        return cfg.rope_dim * math.log(orig / (n_rot * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+    low = max(0.0, math.floor(corr_dim(sc.yarn_beta_fast)))
+    high = min(cfg.rope_dim - 1.0, math.ceil(corr_dim(sc.yarn_beta_slow)))
+    ramp = jnp.clip((dims / 2 - low) / max(high - low, 1e-3), 0.0, 1.0)
+    extrapolate = 1.0 - ramp
+    return inv / sc.factor * (1 - extrapolate) + inv * extrapolate
+
+
+def _yarn_mscale(cfg: ModelConfig) -> float:
+    if cfg.rope_scaling.kind != "yarn":
+        return 1.0
+    return 0.1 * math.log(cfg.rope_scaling.factor) + 1.0
+
+
+def apply_rope(x: jax.Array, pos: jax.Array, inv_freq: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """x [..., N, D] at positions pos [...] (broadcast over heads N)."""
+    angles = pos.astype(jnp.float32)[..., None] * inv_freq  # [..., D_rot/2]
+    cos = jnp.cos(angles)[..., None, :] * _yarn_mscale(cfg)
+    sin = jnp.sin(angles)[..., None, :] * _yarn_mscale(cfg)
+    rot, rest = x[..., : cfg.rope_dim], x[..., cfg.rope_dim :]
+    if cfg.rope_neox:
+        x1, x2 = rot[..., : cfg.rope_dim // 2], rot[..., cfg.rope_dim // 2 :]
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    else:  # adjacent pairs (x0, x1), (x2, x3), ...
+        pairs = rot.reshape(*rot.shape[:-1], cfg.rope_dim // 2, 2)
+        x1, x2 = pairs[..., 0], pairs[..., 1]
+        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(rot.shape)
+    return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
+
+
+def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    if cfg.activation == "gelu_tanh":
+        return jax.nn.gelu(x, approximate=True)
+    return jax.nn.silu(x)
+
+
+def _qkv(cfg: ModelConfig, kern: Kernels, lp: dict, h: jax.Array, pos: jax.Array, inv_freq: jax.Array):
+    """h [M, E] normed hidden, pos [M] -> q [M, H, D], k/v [M, K, D] (roped)."""
+    m = h.shape[0]
+    q = kern.matmul(h, lp["wq"])
+    k = kern.matmul(h, lp["wk"])
+    v = kern.matmul(h, lp["wv"])
+    if "bq" in lp:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = q.reshape(m, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(m, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(m, cfg.num_kv_heads, cfg.head_dim)
+    if "q_norm" in lp:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
+    q = apply_rope(q, pos, inv_freq, cfg)
+    k = apply_rope(k, pos, inv_freq, cfg)
+    return q, k, v
+
+
+def _ffn(cfg: ModelConfig, kern: Kernels, lp: dict, x: jax.Array) -> jax.Array:
+    h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
+    gate = kern.matmul(h, lp["w_gate"])
+    up = kern.matmul(h, lp["w_up"])
+    out = kern.matmul(_act(cfg, gate) * up, lp["w_down"])
+    if "post_ffn_norm" in lp:
+        out = rms_norm(out, lp["post_ffn_norm"], cfg.rms_eps)
+    return x + out
+
+
+def _layer_consts(cfg: ModelConfig, params: Params, layer: jax.Array | int):
+    """Per-layer rope frequencies and attention window (gemma3 alternates local/global)."""
+    if not cfg.sliding_window:
+        return _inv_freq(cfg, cfg.rope_theta, params.rope_freqs), 0
+    is_global = (layer + 1) % cfg.sliding_window_pattern == 0 if cfg.sliding_window_pattern else False
+    theta = jnp.where(is_global, cfg.rope_theta, cfg.rope_theta_local or cfg.rope_theta)
+    window = jnp.where(is_global, 0, cfg.sliding_window)
+    return _inv_freq(cfg, theta, params.rope_freqs), window
+
+
+def _run_layers(params: Params, cache: KVCache, body: Callable):
+    """Applies body(layer_params, cache, layer_index, x) -> (x, cache) over all layers.
+
+    The body writes into the whole [L, ...] cache in place (scatter at [layer, ...]): slicing a
+    layer out and setting it back copies the cache every layer, which dominated decode time.
+    """
+
+    def step(carry, xs):
+        x, c = carry
+        lp, i = xs
+        x, c = body(lp, c, i, x)
+        return (x, c), None
+
+    def run(x):
+        if params.is_stacked:
+            n = cache.k.shape[0]
+            (x, c), _ = jax.lax.scan(step, (x, cache), (params.layers, jnp.arange(n)))
+            return x, c
+        c = cache
+        for i, lp in enumerate(params.layers):
+            x, c = body(lp, c, i, x)
+        return x, c
+
+    return run
+
+
+def _embed(cfg: ModelConfig, kern: Kernels, params: Params, tokens: jax.Array) -> jax.Array:
+    x = kern.embed(params.embed, tokens)
+    return x * cfg.embed_scale if cfg.embed_scale != 1.0 else x
+
+
+def _logits(cfg: ModelConfig, kern: Kernels, params: Params, x: jax.Array) -> jax.Array:
+    h = rms_norm(x, params.output_norm, cfg.rms_eps)
+    w = params.output if params.output is not None else params.embed
+    logits = kern.matmul(h, w)
+    if cfg.final_logit_softcap:
+        c = cfg.final_logit_softcap
+        logits = jnp.tanh(logits / c) * c
+    return logits
+
+
+def decode(
+    cfg: ModelConfig,
+    kern: Kernels,
+    params: Params,
+    cache: KVCache,
+    tokens: jax.Array,  # [B] int32
+    positions: jax.Array,  # [B] int32; rows with position < 0 are inactive (nothing written)
+) -> tuple[jax.Array, KVCache]:  # logits [B, V] f32
+    b = tokens.shape[0]
+    s = cache.max_context
+    active = positions >= 0
+    pos = jnp.where(active, positions, 0)
+    write_pos = jnp.where(active, positions, s)  # out of range: dropped
+    rows = jnp.arange(b)
+
+    def body(lp, c: KVCache, i, x):  # x [B, E]
+        inv_freq, window = _layer_consts(cfg, params, i)
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+        q, k, v = _qkv(cfg, kern, lp, h, pos, inv_freq)
+        c = c.write_decode(i, rows, write_pos, k, v)
+        attn = kern.attention_decode(q, c.k[i], c.v[i], pos, cfg.scale, window)  # [B, H, D]
+        out = kern.matmul(attn.reshape(b, cfg.q_dim), lp["wo"])
+        if "post_attn_norm" in lp:
+            out = rms_norm(out, lp["post_attn_norm"], cfg.rms_eps)
+        x = _ffn(cfg, kern, lp, x + out)
+        return x, c
+
+    x = _embed(cfg, kern, params, tokens)
+    x, cache = _run_layers(params, cache, body)(x)
+    return _logits(cfg, kern, params, x), cache
+
+
+def prefill(
+    cfg: ModelConfig,
+    kern: Kernels,
+    params: Params,
+    cache: KVCache,
+    slot: jax.Array,  # [] int32
+    tokens: jax.Array,  # [T] int32, padded
+    start_pos: jax.Array,  # [] int32
+    num_valid: jax.Array,  # [] int32, 1 <= num_valid <= T
+) -> tuple[jax.Array, KVCache]:  # logits [V] f32 of the last valid token
+    t = tokens.shape[0]
+    s = cache.max_context
+    pos = start_pos + jnp.arange(t)
+    write_pos = jnp.where(jnp.arange(t) < num_valid, pos, s)  # padding: dropped
+
+    def body(lp, c: KVCache, i, x):  # x [T, E]
+        inv_freq, window = _layer_consts(cfg, params, i)
+        h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+        q, k, v = _qkv(cfg, kern, lp, h, pos, inv_freq)
+        c = c.write_prefill(i, slot, write_pos, k, v)
+        attn = kern.attention_prefill(q, c.k[i, slot], c.v[i, slot], start_pos, cfg.scale, window)  # [T, H, D]
+        out = kern.matmul(attn.reshape(t, cfg.q_dim), lp["wo"])
+        if "post_attn_norm" in lp:
+            out = rms_norm(out, lp["post_attn_norm"], cfg.rms_eps)
+        x = _ffn(cfg, kern, lp, x + out)
+        return x, c
+
+    x = _embed(cfg, kern, params, tokens)
+    x, cache = _run_layers(params, cache, body)(x)
+    last = jax.lax.dynamic_slice_in_dim(x, num_valid - 1, 1, axis=0)  # [1, E]
+    return _logits(cfg, kern, params, last)[0], cache

@@ -1,0 +1,62 @@
+"""Loads a GGUF file into everything the engine needs: config, device weights, tokenizer,
+chat template and the chosen kernels. Logs load time and memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import resource
+import time
+
+from model.config import EngineConfig, ModelConfig
+from model.forward import Kernels
+from model.gguf_file import GGUFFile, GGUFLoadError
+from model.runner import ModelRunner
+from model.tokenizer import Tokenizer
+from model.weights import Params, load_params, params_nbytes
+from model.kernels import choose_kernels
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    name: str
+    path: str
+    config: ModelConfig
+    params: Params
+    tokenizer: Tokenizer
+    kernels: Kernels
+    kernel_names: dict[str, str]
+    load_seconds: float
+
+    def make_runner(self, engine_cfg: EngineConfig) -> ModelRunner:
+        return ModelRunner(self.config, self.params, self.kernels, engine_cfg)
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def load_model(path: str | os.PathLike[str], engine_cfg: EngineConfig) -> LoadedModel:
+    t0 = time.perf_counter()
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_gguf_metadata(gf.metadata, frozenset(gf.tensors))
+    try:
+        tokenizer = Tokenizer.from_gguf_metadata(gf.metadata)
+    except ValueError as e:
+        raise GGUFLoadError(f"{gf.path}: cannot build the tokenizer: {e}") from e
+    kernels, kernel_names = choose_kernels(dict(engine_cfg.kernels))
+    params = load_params(gf, cfg)
+    seconds = time.perf_counter() - t0
+    log.info(
+        "loaded %s (%s, %d layers, E=%d, vocab %d) in %.2f s: %.1f MiB of weights on device, peak RSS %.0f MiB",
+        gf.name, cfg.arch, cfg.num_layers, cfg.embed_dim, cfg.vocab_size, seconds,
+        params_nbytes(params) / 2**20, _rss_mib(),
+    )
+    log.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in kernel_names.items()))
+    return LoadedModel(
+        name=gf.name, path=str(gf.path), config=cfg, params=params, tokenizer=tokenizer,
+        kernels=kernels, kernel_names=kernel_names, load_seconds=seconds,
+    )

@@ -1,0 +1,212 @@
+"""The model runner: compiled step programs over device-resident slot state.
+
+Holds params, the KV cache and per-slot state (next input token, position, penalty counts,
+sampling arrays) on the device. `dispatch(StepPlan)` enqueues one compiled decode program for
+the decoding slots and one compiled prefill program per prompt chunk, each sampling its next
+token on the device, and returns at once; `PendingStep.result()` copies the step's tokens to
+the host. Every (program, shape) is compiled in `warmup()`; afterwards only those executables
+run, so a shape miss is an error, never a silent recompile. Only the engine thread calls this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model import forward, sampling
+from model.config import EngineConfig, ModelConfig
+from model.forward import Kernels, KVCache
+from model.step_types import PrefillChunk, SamplingParams, StepOutput, StepPlan
+from model.weights import Params
+
+log = logging.getLogger(__name__)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SlotState:
+    tokens: jax.Array  # [B] int32: next input token (the last sampled one)
+    positions: jax.Array  # [B] int32: tokens already in the cache
+    prompt_mask: jax.Array  # [B, V] bool: token appears in the prompt (repetition penalty)
+    counts: jax.Array  # [B, V] int32: generated-token counts (presence/frequency penalties)
+    step_index: jax.Array  # [B] int32: tokens generated so far (RNG stream position)
+
+    @staticmethod
+    def create(num_slots: int, vocab: int) -> "SlotState":
+        return SlotState(
+            tokens=jnp.zeros((num_slots,), jnp.int32),
+            positions=jnp.zeros((num_slots,), jnp.int32),
+            prompt_mask=jnp.zeros((num_slots, vocab), jnp.bool_),
+            counts=jnp.zeros((num_slots, vocab), jnp.int32),
+            step_index=jnp.zeros((num_slots,), jnp.int32),
+        )
+
+
+def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, params, cache, st: SlotState, samp, active):
+    positions = jnp.where(active, st.positions, -1)
+    logits, cache = forward.decode(cfg, kern, params, cache, st.tokens, positions)
+    tok, lp, top_ids, top_lps = sampling.sample(logits, samp, st.prompt_mask, st.counts, st.step_index, num_top)
+    inc = active.astype(jnp.int32)
+    st = SlotState(
+        tokens=jnp.where(active, tok, st.tokens),
+        positions=st.positions + inc,
+        prompt_mask=st.prompt_mask,
+        counts=sampling.update_counts(st.counts, tok, active),
+        step_index=st.step_index + inc,
+    )
+    return cache, st, (tok, active, lp, top_ids, top_lps)
+
+
+def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, params, cache, st: SlotState, samp, slot, tokens, start, num_valid, is_last):
+    t = tokens.shape[0]
+    vocab = st.prompt_mask.shape[1]
+    fresh = start == 0  # a new request: clear the slot's penalty state
+    row_mask = jnp.where(fresh, False, st.prompt_mask[slot])
+    row_counts = jnp.where(fresh, 0, st.counts[slot])
+    row_step = jnp.where(fresh, 0, st.step_index[slot])
+    ids = jnp.where(jnp.arange(t) < num_valid, tokens, vocab)  # padding: dropped
+    row_mask = row_mask.at[ids].set(True, mode="drop")
+
+    logits, cache = forward.prefill(cfg, kern, params, cache, slot, tokens, start, num_valid)
+    row_samp = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), samp)
+    tok, lp, top_ids, top_lps = sampling.sample(
+        logits[None], row_samp, row_mask[None], row_counts[None], row_step[None], num_top
+    )
+    tok = tok[0]
+    row_counts = jnp.where(is_last, row_counts.at[tok].add(1), row_counts)
+    st = SlotState(
+        tokens=st.tokens.at[slot].set(jnp.where(is_last, tok, st.tokens[slot])),
+        positions=st.positions.at[slot].set(start + num_valid),
+        prompt_mask=st.prompt_mask.at[slot].set(row_mask),
+        counts=st.counts.at[slot].set(row_counts),
+        step_index=st.step_index.at[slot].set(row_step + is_last.astype(jnp.int32)),
+    )
+    return cache, st, (slot, tok, is_last, lp[0], top_ids[0], top_lps[0])
+
+
+class _Pending:
+    def __init__(self, num_slots: int, num_top: int, decode_out: Any, prefill_outs: list[Any]) -> None:
+        self._num_slots, self._num_top = num_slots, num_top
+        self._decode_out, self._prefill_outs = decode_out, prefill_outs
+
+    def result(self) -> StepOutput:
+        b, k = self._num_slots, self._num_top
+        out = StepOutput(
+            tokens=np.zeros((b,), np.int32),
+            valid=np.zeros((b,), bool),
+            logprobs=np.zeros((b,), np.float32),
+            top_ids=np.zeros((b, k), np.int32),
+            top_logprobs=np.zeros((b, k), np.float32),
+        )
+        decode_out, prefill_outs = jax.device_get((self._decode_out, self._prefill_outs))
+        if decode_out is not None:
+            tok, active, lp, top_ids, top_lps = decode_out
+            out.tokens[active] = tok[active]
+            out.valid[active] = True
+            out.logprobs[active] = lp[active]
+            out.top_ids[active] = top_ids[active]
+            out.top_logprobs[active] = top_lps[active]
+        for slot, tok, is_last, lp, top_ids, top_lps in prefill_outs:
+            if is_last:
+                out.tokens[slot], out.valid[slot], out.logprobs[slot] = tok, True, lp
+                out.top_ids[slot], out.top_logprobs[slot] = top_ids, top_lps
+        return out
+
+
+class ModelRunner:
+    """Implements `model.step_types.StepModel` over a loaded model."""
+
+    def __init__(self, cfg: ModelConfig, params: Params, kernels: Kernels, engine_cfg: EngineConfig) -> None:
+        if engine_cfg.max_context > cfg.context_length:
+            raise ValueError(f"max context {engine_cfg.max_context} exceeds the model's {cfg.context_length}")
+        self.cfg, self.params, self.kernels, self.engine_cfg = cfg, params, kernels, engine_cfg
+        self.num_slots = engine_cfg.num_slots
+        self.max_context = engine_cfg.max_context
+        self.prefill_chunks = engine_cfg.prefill_chunks
+        self.max_top_logprobs = engine_cfg.max_top_logprobs
+        self._cache = KVCache.create(cfg, self.num_slots, self.max_context, jnp.dtype(engine_cfg.kv_dtype))
+        self._state = SlotState.create(self.num_slots, cfg.vocab_size)
+        self._slot_params: list[SamplingParams | None] = [None] * self.num_slots
+        self._rng = np.random.default_rng()
+        self._samp = self._pack()
+        num_top = self.max_top_logprobs
+        self._decode_jit = jax.jit(
+            functools.partial(_decode_step, cfg, kernels, num_top), donate_argnums=(1, 2)
+        )
+        self._prefill_jit = jax.jit(
+            functools.partial(_prefill_step, cfg, kernels, num_top), donate_argnums=(1, 2)
+        )
+        self._compiled: dict[tuple[str, int], Any] = {}
+
+    def _pack(self):
+        return jax.tree_util.tree_map(
+            jnp.asarray, sampling.pack_sampling(self._slot_params, self.engine_cfg.max_logit_bias)
+        )
+
+    def _example_args(self, kind: str, size: int) -> tuple:
+        if kind == "decode":
+            return (self.params, self._cache, self._state, self._samp, jnp.zeros((self.num_slots,), jnp.bool_))
+        i32 = jnp.int32
+        return (
+            self.params, self._cache, self._state, self._samp,
+            jnp.zeros((), i32), jnp.zeros((size,), i32), jnp.zeros((), i32), jnp.ones((), i32), jnp.zeros((), jnp.bool_),
+        )
+
+    def warmup(self) -> None:
+        """Compiles every program the serving path can run (decode, one prefill per chunk size)."""
+        targets = [("decode", self.num_slots)] + [("prefill", t) for t in self.prefill_chunks]
+        for kind, size in targets:
+            t0 = time.perf_counter()
+            fn = self._decode_jit if kind == "decode" else self._prefill_jit
+            self._compiled[(kind, size)] = fn.lower(*self._example_args(kind, size)).compile()
+            log.info("compiled %s[%d] in %.1f s", kind, size, time.perf_counter() - t0)
+
+    def _program(self, kind: str, size: int):
+        try:
+            return self._compiled[(kind, size)]
+        except KeyError:
+            raise RuntimeError(f"no compiled program for {kind}[{size}]: call warmup() first") from None
+
+    def _chunk_size(self, n: int) -> int:
+        for size in self.prefill_chunks:
+            if n <= size:
+                return size
+        raise ValueError(f"prefill chunk of {n} tokens exceeds the largest compiled chunk {self.prefill_chunks[-1]}")
+
+    def dispatch(self, plan: StepPlan):
+        if plan.setups:
+            for setup in plan.setups:
+                sp = setup.sampling
+                if sp.seed is None:
+                    sp = dataclasses.replace(sp, seed=int(self._rng.integers(0, 2**63)))
+                self._slot_params[setup.slot] = sp
+            self._samp = self._pack()
+        decode_out = None
+        if plan.decode_slots:
+            active = np.zeros((self.num_slots,), bool)
+            active[list(plan.decode_slots)] = True
+            self._cache, self._state, decode_out = self._program("decode", self.num_slots)(
+                self.params, self._cache, self._state, self._samp, jnp.asarray(active)
+            )
+        prefill_outs = [self._dispatch_prefill(chunk) for chunk in plan.prefills]
+        return _Pending(self.num_slots, self.max_top_logprobs, decode_out, prefill_outs)
+
+    def _dispatch_prefill(self, chunk: PrefillChunk):
+        n = int(chunk.tokens.shape[0])
+        if n < 1 or chunk.start_pos + n > self.max_context:
+            raise ValueError(f"prefill chunk [{chunk.start_pos}, {chunk.start_pos + n}) outside the context")
+        size = self._chunk_size(n)
+        padded = np.zeros((size,), np.int32)
+        padded[:n] = chunk.tokens
+        self._cache, self._state, out = self._program("prefill", size)(
+            self.params, self._cache, self._state, self._samp,
+            np.int32(chunk.slot), padded, np.int32(chunk.start_pos), np.int32(n), np.bool_(chunk.is_last),
+        )
+        return out

@@ -1,0 +1,212 @@
+"""Token sampling over per-slot arrays: penalties, logprobs, truncation, one seeded draw per slot.
+
+`model.runner` packs each slot's `SamplingParams` with `pack_sampling` (host, numpy) when a
+request is installed, keeps the `SamplingArrays` on the device, and calls `sample` inside its
+jitted step on the step's logits. Every per-request setting is a traced [B] array, never a
+static argument, so one compiled program serves any mix of requests; `num_top` (the engine's
+`max_top_logprobs`) is the only static value.
+
+Each row is computed independently of the others: a slot's token depends only on its own
+logits, settings, counts, seed and token index, never on its neighbours or on B (batch
+invariance; the scheduler's tests and reproducible seeds rely on it).
+
+Dimension letters: B slots, V vocabulary, N logit-bias entries per slot, L top logprobs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.step_types import SamplingParams
+
+
+class SamplingArrays(NamedTuple):
+    """Per-slot sampling settings (a pytree of arrays; numpy from `pack_sampling`)."""
+
+    temperature: jax.Array  # [B] f32; 0 = greedy
+    top_k: jax.Array  # [B] int32; 0 = off
+    top_p: jax.Array  # [B] f32; 1 = off
+    min_p: jax.Array  # [B] f32; 0 = off
+    repetition_penalty: jax.Array  # [B] f32; 1 = off
+    presence_penalty: jax.Array  # [B] f32
+    frequency_penalty: jax.Array  # [B] f32
+    seed: jax.Array  # [B, 2] uint32: threefry key data (high word, low word of the 64-bit seed)
+    bias_ids: jax.Array  # [B, N] int32; -1 = unused entry
+    bias_values: jax.Array  # [B, N] f32
+
+
+def pack_sampling(
+    params: Sequence[SamplingParams | None],
+    max_bias: int,
+    rng: np.random.Generator | None = None,
+) -> SamplingArrays:
+    """Packs one `SamplingParams` per slot (None: an unused slot, neutral greedy settings).
+
+    A request without a seed gets one drawn from `rng` (default: fresh OS entropy), so two
+    unseeded requests still sample differently. Pack once per request (at its `SlotSetup`):
+    packing again would draw a new seed for unseeded requests.
+    """
+    num_slots = len(params)
+    if max_bias < 0:
+        raise ValueError("max_bias must be >= 0")
+    temperature = np.zeros((num_slots,), np.float32)
+    top_k = np.zeros((num_slots,), np.int32)
+    top_p = np.ones((num_slots,), np.float32)
+    min_p = np.zeros((num_slots,), np.float32)
+    repetition = np.ones((num_slots,), np.float32)
+    presence = np.zeros((num_slots,), np.float32)
+    frequency = np.zeros((num_slots,), np.float32)
+    seed = np.zeros((num_slots, 2), np.uint32)
+    bias_ids = np.full((num_slots, max_bias), -1, np.int32)
+    bias_values = np.zeros((num_slots, max_bias), np.float32)
+    for b, p in enumerate(params):
+        if p is None:
+            continue
+        if len(p.logit_bias) > max_bias:
+            raise ValueError(f"slot {b}: {len(p.logit_bias)} logit_bias entries exceed the maximum {max_bias}")
+        temperature[b] = p.temperature
+        top_k[b] = p.top_k
+        top_p[b] = p.top_p
+        min_p[b] = p.min_p
+        repetition[b] = p.repetition_penalty
+        presence[b] = p.presence_penalty
+        frequency[b] = p.frequency_penalty
+        s = p.seed
+        if s is None:
+            rng = rng if rng is not None else np.random.default_rng()
+            s = int(rng.integers(0, 2**63))
+        seed[b] = (s >> 32) & 0xFFFFFFFF, s & 0xFFFFFFFF
+        for i, (token, value) in enumerate(p.logit_bias):
+            bias_ids[b, i] = token
+            bias_values[b, i] = value
+    return SamplingArrays(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        seed=seed,
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+    )
+
+
+def apply_penalties(
+    logits: jax.Array,  # [B, V] f32
+    arrays: SamplingArrays,
+    prompt_mask: jax.Array,  # [B, V] bool
+    output_counts: jax.Array,  # [B, V] int32
+) -> jax.Array:  # [B, V] f32
+    """Logit bias, then the repetition penalty (HF/vLLM), then presence/frequency (OpenAI)."""
+    num_rows = logits.shape[0]
+    used = arrays.bias_ids >= 0
+    # Unused entries add 0 to column 0, which leaves it unchanged.
+    ids = jnp.where(used, arrays.bias_ids, 0)
+    values = jnp.where(used, arrays.bias_values, 0.0).astype(logits.dtype)
+    logits = logits.at[jnp.arange(num_rows)[:, None], ids].add(values, mode="drop")
+
+    generated = output_counts > 0
+    seen = prompt_mask | generated
+    rep = arrays.repetition_penalty[:, None]
+    penalised = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(seen, penalised, logits)
+
+    logits = logits - arrays.presence_penalty[:, None] * generated.astype(logits.dtype)
+    return logits - arrays.frequency_penalty[:, None] * output_counts.astype(logits.dtype)
+
+
+def _top_k_top_p(
+    scaled: jax.Array,  # [B, V] f32, temperature applied
+    top_k: jax.Array,  # [B] int32
+    top_p: jax.Array,  # [B] f32
+    is_active: jax.Array,  # [B] bool: the row wants top_k or top_p
+) -> jax.Array:  # [B, V]
+    """Masks tokens outside each row's top-k, then outside its top-p nucleus (one full sort).
+
+    Rows that do not ask for it come back bit-identical, so a row's result does not depend on
+    whether a neighbour made this branch run.
+    """
+    vocab = scaled.shape[-1]
+    ranks = jnp.arange(vocab)[None, :]
+    ordered = -jnp.sort(-scaled, axis=-1)  # [B, V] descending
+    k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)[:, None]
+    in_k = ranks < k
+    probs = jax.nn.softmax(jnp.where(in_k, ordered, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    # top_p == 1 keeps everything: a cumulative sum rounding up to 1 must not cut the tail.
+    in_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    num_keep = jnp.maximum(jnp.sum(in_k & in_p, axis=-1), 1)  # [B]; a prefix of the order
+    threshold = jnp.take_along_axis(ordered, (num_keep - 1)[:, None], axis=-1)  # [B, 1]
+    masked = jnp.where(scaled < threshold, -jnp.inf, scaled)
+    return jnp.where(is_active[:, None], masked, scaled)
+
+
+def sample(
+    logits: jax.Array,  # [B, V]
+    arrays: SamplingArrays,
+    prompt_mask: jax.Array,  # [B, V] bool: token occurs in the prompt
+    output_counts: jax.Array,  # [B, V] int32: times each token was generated
+    step_index: jax.Array,  # [B] int32: index of the token being sampled within its request
+    num_top: int,  # static: number of top alternatives returned
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Returns (tokens [B] int32, logprob [B] f32, top_ids [B, L] int32, top_logprobs [B, L] f32).
+
+    Logprobs are the log-softmax of the penalised logits, before temperature and truncation.
+    Greedy rows (temperature 0) take exactly the argmax of the penalised logits. Sampled rows
+    draw with the key fold_in(key(seed[b]), step_index[b]).
+    """
+    logits = apply_penalties(logits.astype(jnp.float32), arrays, prompt_mask, output_counts)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    is_greedy = arrays.temperature <= 0
+
+    def draw(_: None) -> jax.Array:
+        temperature = jnp.where(is_greedy, 1.0, arrays.temperature)
+        scaled = logits / temperature[:, None]
+        wants_sort = ~is_greedy & ((arrays.top_k > 0) | (arrays.top_p < 1.0))
+        # The full-vocabulary sort (V up to 262k, every step) runs only when a row needs it.
+        scaled = jax.lax.cond(
+            jnp.any(wants_sort),
+            lambda x: _top_k_top_p(x, arrays.top_k, arrays.top_p, wants_sort),
+            lambda x: x,
+            scaled,
+        )
+        # min_p in logit space: p < min_p * p_max  <=>  logit < max_logit + log(min_p).
+        floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(arrays.min_p)[:, None]
+        scaled = jnp.where(scaled < floor, -jnp.inf, scaled)
+
+        def row_draw(seed: jax.Array, index: jax.Array, row: jax.Array) -> jax.Array:
+            key = jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"), index)
+            return jax.random.categorical(key, row)
+
+        sampled = jax.vmap(row_draw)(arrays.seed, step_index, scaled).astype(jnp.int32)
+        return jnp.where(is_greedy, greedy_tokens, sampled)
+
+    # An all-greedy batch skips the random draw over the vocabulary altogether.
+    tokens = jax.lax.cond(jnp.all(is_greedy), lambda _: greedy_tokens, draw, None)
+    token_logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    num_rows, vocab = logits.shape
+    top_logprobs = jnp.full((num_rows, num_top), -jnp.inf, jnp.float32)
+    top_ids = jnp.zeros((num_rows, num_top), jnp.int32)
+    if num_top > 0:
+        # A vocabulary smaller than num_top (toy models) pads with (id 0, -inf).
+        values, ids = jax.lax.top_k(logprobs, min(num_top, vocab))
+        top_logprobs = top_logprobs.at[:, : values.shape[1]].set(values)
+        top_ids = top_ids.at[:, : ids.shape[1]].set(ids.astype(jnp.int32))
+    return tokens, token_logprob, top_ids, top_logprobs
+
+
+def update_counts(
+    output_counts: jax.Array,  # [B, V] int32
+    tokens: jax.Array,  # [B] int32
+    valid: jax.Array,  # [B] bool: the row sampled a real token this step
+) -> jax.Array:  # [B, V] int32
+    """Adds each valid row's sampled token to its generated-token counts."""
+    rows = jnp.arange(tokens.shape[0])
+    return output_counts.at[rows, tokens].add(valid.astype(output_counts.dtype), mode="drop")

@@ -1,0 +1,578 @@
+"""The engine: one thread that owns the model runner, the slot table and all request state.
+
+Data flow. `server/` tokenizes a prompt, calls `Engine.submit(GenerationRequest)` on its
+asyncio event-loop thread and iterates the returned `RequestStream`. `submit` validates the
+request, takes a place in the engine's capacity and puts a command on the engine's inbox (a
+`queue.Queue`; cancel and shutdown travel the same way). The engine thread blocks on that
+inbox while it has nothing to run; otherwise each loop iteration:
+
+  1. drains the inbox without blocking (requests join and leave between steps),
+  2. ends requests whose deadline passed,
+  3. plans step n (`StepPlan`): the next token of every decoding slot, then prompt chunks of
+     prefilling and newly admitted requests within `prefill_budget`,
+  4. dispatches it to the `StepModel` (asynchronous: returns a `PendingStep` at once),
+  5. processes step n-1's `StepOutput` while the device runs step n: accepts tokens,
+     detokenizes, checks stop conditions and pushes `StreamEvent`s to each stream's asyncio
+     queue through `loop.call_soon_threadsafe` (JetStream's async_multifuture pattern),
+  6. publishes `EngineStats` snapshots after the dispatch and after the processing (immutable
+     objects swapped in whole: `stats()` reads them from any thread without a lock).
+
+Events: one per accepted token; `text` may be "" while text is held back (incomplete UTF-8 or
+a possible stop string) even though `token_ids` is set. The final event carries the finish
+reason and usage; after a stop string its `token_ids` still include the tokens that formed it,
+but the text stops before it. A stop token's (or EOS's) text is never sent.
+
+Batch invariance: a prompt is cut at fixed absolute boundaries (multiples of the largest
+compiled chunk), so its chunks, and therefore its tokens, never depend on its neighbours.
+
+Timing for /metrics: `Engine.add_observer(fn)` registers `fn(RequestTiming)`, called on the
+engine thread once per finished request with its queue time, time to first token, inter-token
+gaps and end-to-end time (`scheduler.requests.RequestTiming`). Observers must be quick and
+thread-safe (prometheus_client metrics are); an observer that raises is logged and ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from model.config import EngineConfig
+from model.step_types import MAX_STOP_TOKEN_IDS, PendingStep, PrefillChunk, SlotSetup, StepModel, StepPlan
+from model.tokenizer import IncrementalDetokenizer
+from scheduler.requests import Detokenizer, RequestState, RequestTiming
+from scheduler.types import (
+    FINISH_CANCELLED,
+    FINISH_ERROR,
+    FINISH_TIMEOUT,
+    EngineStats,
+    EngineUnavailableError,
+    GenerationRequest,
+    QueueFullError,
+    RequestValidationError,
+    StreamEvent,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Engine", "RequestStream", "RequestTiming"]
+
+Observer = Callable[[RequestTiming], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Submit:
+    state: RequestState
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cancel:
+    seq: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shutdown:
+    pass
+
+
+class RequestStream:
+    """Async iterator of one request's `StreamEvent`s; the last one has `finish_reason` set.
+
+    Created by `Engine.submit` on the event-loop thread. The engine thread only calls `_push`,
+    which hops onto the loop with `call_soon_threadsafe`; everything else runs on the loop.
+    """
+
+    def __init__(self, request_id: str, seq: int, loop: asyncio.AbstractEventLoop, inbox: queue.Queue) -> None:
+        self.request_id = request_id
+        self._seq = seq
+        self._loop = loop
+        self._inbox = inbox
+        self._events: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self._is_final_queued = False  # loop thread: the final event is in `_events`
+        self._is_exhausted = False  # loop thread: the final event was returned
+        self._is_cancelled = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        if self._is_exhausted:
+            raise StopAsyncIteration
+        event = await self._events.get()
+        if event.finish_reason is not None:
+            self._is_exhausted = True
+        return event
+
+    def cancel(self) -> None:
+        """Thread-safe and idempotent; the engine frees the slot before its next step."""
+        if not self._is_cancelled:
+            self._is_cancelled = True
+            self._inbox.put(_Cancel(self._seq))
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    def _push(self, event: StreamEvent) -> None:
+        """Engine thread: hands an event to the loop. A closed loop means the client is gone."""
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, event)
+        except RuntimeError:
+            log.debug("request %s: event loop closed; event dropped", self.request_id)
+
+    def _deliver(self, event: StreamEvent) -> None:
+        """Loop thread. Anything after the final event (a racing duplicate end) is dropped."""
+        if self._is_final_queued:
+            return
+        self._is_final_queued = event.finish_reason is not None
+        self._events.put_nowait(event)
+
+
+def _default_detokenizer(tokenizer: Any) -> Detokenizer:
+    return IncrementalDetokenizer(tokenizer, skip_special=True)
+
+
+class Engine:
+    """Runs generation requests on one `StepModel` from one engine thread (module docstring)."""
+
+    def __init__(
+        self,
+        model_factory: Callable[[], StepModel],
+        tokenizer: Any,
+        config: EngineConfig,
+        *,
+        model_name: str = "",
+        info: dict | None = None,
+        detokenizer_factory: Callable[[Any], Detokenizer] | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
+        self._factory = model_factory
+        self._model_name = model_name
+        self._extra_info = dict(info or {})
+        self._make_detokenizer = detokenizer_factory or _default_detokenizer
+        self._inbox: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._settled = threading.Event()  # set when loading ends: ready, failed or stopped
+        # Places for running + waiting requests: taken in submit, given back when a request ends.
+        self._capacity = threading.BoundedSemaphore(config.num_slots + config.max_queue)
+        self._seqs = itertools.count()
+        self._rejected = 0  # written only by the submitting (event-loop) thread
+        self._observers: tuple[Observer, ...] = ()  # replaced whole, never mutated
+        # Engine-thread state (also read here, before the thread starts).
+        self._model: StepModel | None = None
+        self._slots: list[RequestState | None] = [None] * config.num_slots  # resized to the model's
+        self._waiting: collections.deque[RequestState] = collections.deque()
+        self._requests: dict[int, RequestState] = {}
+        self._chunk_sizes: tuple[int, ...] = config.prefill_chunks
+        self._max_context = config.max_context
+        self._max_top_logprobs = config.max_top_logprobs
+        self._is_stopping = False
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        # Read from any thread: immutable objects, replaced whole by the engine thread.
+        self._stats = self._snapshot("loading")
+        self._info = self._build_info(None)
+
+    # ---- public API (any thread unless noted) ----
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine was already started")
+        self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Waits for loading to end; True when the engine is ready to serve."""
+        self._settled.wait(timeout)
+        return self._stats.state == "ready"
+
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(self._stats, requests_rejected_total=self._rejected)
+
+    def info(self) -> dict:
+        return dict(self._info)
+
+    def add_observer(self, observer: Observer) -> None:
+        """Registers `observer(RequestTiming)`, called on the engine thread as requests end."""
+        self._observers = self._observers + (observer,)
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Event-loop thread: validates and queues a request, or raises at once."""
+        loop = asyncio.get_running_loop()
+        self._check_available()
+        self._validate(request)
+        if not self._capacity.acquire(blocking=False):
+            self._rejected += 1
+            raise QueueFullError()
+        seq = next(self._seqs)
+        stream = RequestStream(request.request_id, seq, loop, self._inbox)
+        try:
+            detok = self._make_detokenizer(self.tokenizer)
+        except Exception:
+            self._capacity.release()
+            raise
+        now = time.monotonic()
+        stop_ids = frozenset(request.stop_token_ids)
+        if not request.ignore_eos:
+            stop_ids |= frozenset(self.tokenizer.eog_ids)
+        state = RequestState(
+            request,
+            stream,
+            seq,
+            detokenizer=detok,
+            stop_ids=stop_ids,
+            max_context=self._max_context,
+            deadline=now + (request.timeout_s or self.config.timeout_s),
+            submitted_at=now,
+        )
+        self._inbox.put(_Submit(state))
+        if self._stats.state != "ready":
+            # The engine stopped between the check and the put and may never read the inbox
+            # again; end the stream here (a second final event from the engine is dropped).
+            stream._deliver(StreamEvent(finish_reason=FINISH_ERROR, error=self._unavailable_reason()))
+        return stream
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Ends every stream (finish "error"), stops the engine thread and waits for it."""
+        if self._thread is None:
+            self._publish("stopped")
+            self._settled.set()
+            return
+        self._inbox.put(_Shutdown())
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the engine thread did not stop within %s s", timeout)
+
+    # ---- submit helpers (event-loop thread) ----
+
+    def _check_available(self) -> None:
+        if self._stats.state != "ready":
+            raise EngineUnavailableError(self._unavailable_reason())
+
+    def _unavailable_reason(self) -> str:
+        stats = self._stats
+        if stats.state == "failed":
+            return f"the engine failed: {stats.error}"
+        if stats.state == "loading":
+            return "the model is loading"
+        return "the engine is shutting down"
+
+    def _validate(self, request: GenerationRequest) -> None:
+        vocab = int(self.tokenizer.vocab_size)
+        prompt = np.asarray(request.prompt_tokens)
+        if prompt.min() < 0 or prompt.max() >= vocab:
+            raise RequestValidationError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        num_prompt = len(request.prompt_tokens)
+        if num_prompt >= self._max_context:
+            raise RequestValidationError(
+                f"the prompt has {num_prompt} tokens; the context holds {self._max_context} "
+                "including at least one generated token",
+                "prompt",
+            )
+        if num_prompt + request.max_tokens > self._max_context:
+            raise RequestValidationError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) exceeds the "
+                f"context of {self._max_context} tokens",
+                "max_tokens",
+            )
+        sampling = request.sampling
+        if sampling.top_logprobs > self._max_top_logprobs:
+            raise RequestValidationError(
+                f"top_logprobs must be <= {self._max_top_logprobs}", "top_logprobs"
+            )
+        if len(sampling.logit_bias) > self.config.max_logit_bias:
+            raise RequestValidationError(
+                f"at most {self.config.max_logit_bias} logit_bias entries", "logit_bias"
+            )
+        if any(not 0 <= token < vocab for token, _ in sampling.logit_bias):
+            raise RequestValidationError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+        if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestValidationError(
+                f"at most {MAX_STOP_TOKEN_IDS} stop token ids", "stop_token_ids"
+            )
+
+    # ---- the engine thread ----
+
+    def _main(self) -> None:
+        try:
+            model = self._factory()
+            self._adopt(model)
+            model.warmup()
+        except BaseException as exc:  # noqa: BLE001 - whatever it is, streams and /health must know
+            log.exception("the model failed to load")
+            self._fail(exc)
+            self._settled.set()
+            self._serve_failed()
+            return
+        self._model = model
+        self._publish("ready")
+        self._settled.set()
+        log.info(
+            "engine ready: %d slots, context %d, prefill chunks %s, budget %d",
+            len(self._slots), self._max_context, self._chunk_sizes, self.config.prefill_budget,
+        )
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - whatever it is, streams and /health must know
+            log.exception("the engine thread failed")
+            self._fail(exc)
+            self._serve_failed()
+            return
+        self._end_all(FINISH_ERROR, "the engine is shutting down")
+        self._publish("stopped")
+        log.info("engine stopped")
+
+    def _adopt(self, model: StepModel) -> None:
+        """Takes the runner's compiled shapes as the truth for scheduling and validation."""
+        chunks = tuple(model.prefill_chunks)
+        if not chunks or list(chunks) != sorted(set(chunks)) or chunks[0] < 1:
+            raise ValueError(f"the model's prefill chunk sizes {chunks} are not distinct ascending sizes")
+        if self.config.prefill_budget < chunks[-1]:
+            raise ValueError(f"prefill budget {self.config.prefill_budget} is below the largest chunk {chunks[-1]}")
+        self._slots = [None] * int(model.num_slots)
+        self._chunk_sizes = chunks
+        self._max_context = int(model.max_context)
+        self._max_top_logprobs = int(model.max_top_logprobs)
+        self._info = self._build_info(model)
+
+    def _build_info(self, model: StepModel | None) -> dict:
+        info: dict[str, Any] = {
+            "model": self._model_name,
+            "num_slots": len(self._slots),
+            "max_context": self._max_context,
+            "prefill_chunks": list(self._chunk_sizes),
+            "prefill_budget": self.config.prefill_budget,
+            "max_queue": self.config.max_queue,
+            "max_top_logprobs": self._max_top_logprobs,
+        }
+        model_info = getattr(model, "info", None)
+        if callable(model_info):
+            info.update(model_info())  # e.g. the runner's chosen kernels
+        info.update(self._extra_info)
+        return info
+
+    def _run(self) -> None:
+        # (PendingStep, {slot: request}) of the step in flight. Rows are attributed to the request
+        # recorded at dispatch, not to the slot's current occupant, so a slot can be given to a
+        # new request (its SlotSetup in the next plan, which the runner applies after the step in
+        # flight) before that step is processed: a finished request's extra token is discarded.
+        in_flight: tuple[PendingStep, dict[int, RequestState]] | None = None
+        while True:
+            self._drain_inbox()
+            if self._is_stopping:
+                return
+            self._expire(time.monotonic())
+            plan, rows = self._plan_step()
+            if plan is None and in_flight is None:
+                # Nothing to run: block on the inbox (no polling).
+                self._publish("ready")
+                self._handle(self._inbox.get())
+                continue
+            dispatched = None
+            if plan is not None:
+                dispatched = (self._model.dispatch(plan), rows)
+                self._publish("ready")  # admissions show while the device runs
+            if in_flight is not None:
+                self._process(*in_flight)
+                self._publish("ready")
+            in_flight = dispatched
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(command)
+
+    def _handle(self, command: Any) -> None:
+        if isinstance(command, _Submit):
+            state = command.state
+            if self._is_stopping:
+                self._end_unqueued(state, "the engine is shutting down")
+                return
+            self._requests[state.seq] = state
+            self._waiting.append(state)
+        elif isinstance(command, _Cancel):
+            state = self._requests.get(command.seq)
+            if state is not None:
+                self._finish(state, FINISH_CANCELLED)
+        elif isinstance(command, _Shutdown):
+            self._is_stopping = True
+        else:
+            raise TypeError(f"unknown engine command {command!r}")
+
+    def _expire(self, now: float) -> None:
+        for state in [s for s in self._requests.values() if now >= s.deadline]:
+            self._finish(state, FINISH_TIMEOUT, flush=True)
+
+    def _chunk_cost(self, num_tokens: int) -> int:
+        """Tokens the device computes for a chunk: the compiled size it is padded to."""
+        return next(size for size in self._chunk_sizes if num_tokens <= size)
+
+    def _plan_step(self) -> tuple[StepPlan | None, dict[int, RequestState]]:
+        rows: dict[int, RequestState] = {}
+        decode_slots = []
+        for slot, state in enumerate(self._slots):
+            if state is not None and state.is_decoding and state.num_scheduled < state.limit:
+                decode_slots.append(slot)
+                state.num_scheduled += 1
+                rows[slot] = state
+        budget = self.config.prefill_budget
+        prefills: list[PrefillChunk] = []
+        # Prompts already in a slot continue first, oldest first; each takes what fits.
+        prefilling = sorted((s for s in self._slots if s is not None and not s.is_decoding), key=lambda s: s.seq)
+        for state in prefilling:
+            budget = self._plan_chunks(state, budget, prefills, rows)
+        # Then waiting requests take free slots in arrival order while their first chunk fits.
+        setups = []
+        now = time.monotonic()
+        free = [slot for slot, state in enumerate(self._slots) if state is None]
+        while self._waiting and free:
+            state = self._waiting[0]
+            if self._chunk_cost(min(self._chunk_sizes[-1], state.num_prompt)) > budget:
+                break
+            self._waiting.popleft()
+            state.slot = free.pop(0)
+            state.admitted_at = now
+            self._slots[state.slot] = state
+            setups.append(SlotSetup(state.slot, state.request.sampling))
+            budget = self._plan_chunks(state, budget, prefills, rows)
+        if not decode_slots and not prefills:
+            return None, rows
+        plan = StepPlan(setups=tuple(setups), decode_slots=tuple(decode_slots), prefills=tuple(prefills))
+        return plan, rows
+
+    def _plan_chunks(
+        self, state: RequestState, budget: int, prefills: list[PrefillChunk], rows: dict[int, RequestState]
+    ) -> int:
+        """Adds the request's next prompt chunks that fit in `budget`; returns what is left.
+
+        Chunks are [k*C, min((k+1)*C, P)) for the largest chunk size C: fixed by the prompt alone.
+        """
+        largest = self._chunk_sizes[-1]
+        while not state.is_decoding:
+            start = state.num_prefilled
+            end = min(start + largest, state.num_prompt)
+            cost = self._chunk_cost(end - start)
+            if cost > budget:
+                break
+            budget -= cost
+            is_last = end == state.num_prompt
+            prefills.append(PrefillChunk(state.slot, state.prompt[start:end], start, is_last))
+            state.num_prefilled = end
+            self._prompt_tokens_total += end - start
+            if is_last:
+                state.num_scheduled = 1  # the last chunk samples the first token
+                rows[state.slot] = state
+        return budget
+
+    def _process(self, pending: PendingStep, rows: dict[int, RequestState]) -> None:
+        out = pending.result()
+        now = time.monotonic()
+        for slot, state in rows.items():
+            if state.is_finished:
+                continue  # ended after this step was dispatched: its extra token is never sent
+            if not out.valid[slot]:
+                self._finish(state, FINISH_ERROR, error=f"the model sampled no token for slot {slot}")
+                continue
+            try:
+                event = state.accept(
+                    int(out.tokens[slot]), float(out.logprobs[slot]), out.top_ids[slot], out.top_logprobs[slot], now
+                )
+            except Exception as exc:  # one request's bad text (detokenizer) must not end the others
+                log.exception("request %s failed while processing its token", state.request.request_id)
+                self._finish(state, FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")
+                continue
+            self._generation_tokens_total += 1
+            if event.finish_reason is None:
+                state.stream._push(event)
+            else:
+                self._close(state, event, now)
+
+    def _finish(self, state: RequestState, reason: str, error: str | None = None, flush: bool = False) -> None:
+        self._close(state, state.final(reason, error, flush), time.monotonic())
+
+    def _close(self, state: RequestState, event: StreamEvent, now: float) -> None:
+        """Ends a request: frees its slot or queue place, sends its final event, tells observers."""
+        state.is_finished = True
+        if state.slot is not None:
+            self._slots[state.slot] = None
+        else:
+            self._waiting.remove(state)
+        del self._requests[state.seq]
+        self._capacity.release()
+        state.stream._push(event)
+        log.debug("request %s finished: %s", state.request.request_id, event.finish_reason)
+        timing = state.timing(event.finish_reason, now)
+        for observer in self._observers:
+            try:
+                observer(timing)
+            except Exception:
+                log.exception("engine observer %r failed", observer)
+
+    def _end_all(self, reason: str, error: str) -> None:
+        for state in list(self._requests.values()):
+            self._finish(state, reason, error=error)
+        self._drain_unqueued(error)
+
+    def _end_unqueued(self, state: RequestState, error: str) -> None:
+        """A submit that never joined the engine's tables (stopping or failed)."""
+        self._capacity.release()
+        state.stream._push(StreamEvent(finish_reason=FINISH_ERROR, error=error))
+
+    def _drain_unqueued(self, error: str) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Submit):
+                self._end_unqueued(command.state, error)
+            elif isinstance(command, _Shutdown):
+                self._is_stopping = True
+
+    def _fail(self, exc: BaseException) -> None:
+        error = f"{type(exc).__name__}: {exc}"
+        self._publish("failed", error)
+        for state in list(self._requests.values()):
+            try:
+                self._finish(state, FINISH_ERROR, error=error)
+            except Exception:
+                log.exception("could not end request %s", state.request.request_id)
+        self._drain_unqueued(error)
+
+    def _serve_failed(self) -> None:
+        """After a failure: answer submits that raced in with an error until shutdown (blocking)."""
+        error = self._stats.error or "the engine failed"
+        while not self._is_stopping:
+            command = self._inbox.get()
+            if isinstance(command, _Submit):
+                self._end_unqueued(command.state, error)
+            elif isinstance(command, _Shutdown):
+                self._is_stopping = True
+
+    def _snapshot(self, state: str, error: str | None = None) -> EngineStats:
+        running = sum(1 for s in self._slots if s is not None)
+        return EngineStats(
+            state=state,
+            num_slots=len(self._slots),
+            slots_busy=running,
+            requests_running=running,
+            requests_waiting=len(self._waiting),
+            requests_rejected_total=self._rejected,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            error=error,
+        )
+
+    def _publish(self, state: str, error: str | None = None) -> None:
+        self._stats = self._snapshot(state, error)

@@ -1,0 +1,48 @@
+"""Builds the real engine from a GGUF path: loads the model (weights to the device, tokenizer,
+kernels) and hands the engine a factory for the runner; once started, the engine thread builds
+the runner and compiles every step program before it reports ready."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pathlib
+
+from model.config import EngineConfig
+from model.loader import load_model
+from scheduler.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+def fit_engine_config(engine_config: EngineConfig, model_context: int) -> EngineConfig:
+    """Caps the per-slot context at the model's trained context."""
+    if engine_config.max_context <= model_context:
+        return engine_config
+    log.info("max context %d capped at the model's %d", engine_config.max_context, model_context)
+    return dataclasses.replace(engine_config, max_context=model_context)
+
+
+def build_engine(
+    model_path: str | os.PathLike[str],
+    engine_config: EngineConfig,
+    chat_template_path: pathlib.Path | None = None,  # rendered by the server; accepted for the seam
+) -> Engine:
+    del chat_template_path
+    loaded = load_model(model_path, engine_config)
+    engine_config = fit_engine_config(engine_config, loaded.config.context_length)
+    info = {
+        "model_path": loaded.path,
+        "arch": loaded.config.arch,
+        "kernels": dict(loaded.kernel_names),
+        "load_seconds": round(loaded.load_seconds, 2),
+    }
+    engine = Engine(
+        lambda: loaded.make_runner(engine_config),
+        loaded.tokenizer,
+        engine_config,
+        model_name=loaded.name,
+        info=info,
+    )
+    return engine  # the caller starts it (server/__main__.py: start, wait_ready, info)

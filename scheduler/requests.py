@@ -1,0 +1,205 @@
+"""Per-request host state, owned by the engine thread (`scheduler/engine.py`).
+
+A `RequestState` follows one `GenerationRequest` from the waiting queue through its prompt
+chunks and decode steps: how far its prompt was dispatched, how many tokens were dispatched
+and accepted, its deadline, and the text pipeline that turns accepted token ids into
+`StreamEvent`s: incremental detokenizer (holds back incomplete UTF-8) -> `StopMatcher` (holds
+back text that may still become a stop string). `RequestTiming` is what the engine hands its
+observers when a request ends (the server turns it into Prometheus histograms).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import numpy as np
+
+from scheduler.types import FINISH_LENGTH, FINISH_STOP, GenerationRequest, StreamEvent, TokenLogprob
+
+
+class Detokenizer(Protocol):
+    """`model.tokenizer.IncrementalDetokenizer`'s shape."""
+
+    def add(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestTiming:
+    """One finished request's timings (seconds, monotonic clock, measured on the engine thread).
+
+    `ttft_s` and `itl_s` are taken when the engine thread hands the tokens to the stream, so
+    they include host processing and the one-step pipeline lag the client actually sees.
+    """
+
+    request_id: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    queue_s: float | None  # submit -> the first prompt chunk dispatched; None: never got a slot
+    ttft_s: float | None  # submit -> the first generated token; None: no token
+    itl_s: tuple[float, ...]  # gaps between successive generated tokens
+    e2e_s: float  # submit -> finish
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text; holds back any tail that may still start one.
+
+    Text is released only once no stop string can match across it, so a stop string is never
+    sent in part. After a match, the match and everything after it are dropped.
+    """
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to send, whether a stop string matched)."""
+        if not self._stops:
+            return text, False
+        buf = self._held + text
+        # A match cannot start in text already released (that text ends with no stop prefix).
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buf[: min(hits)], True
+        keep = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(buf)), keep, -1):
+                if buf.endswith(stop[:k]):
+                    keep = k
+                    break
+        self._held = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep], False
+
+    def release(self) -> str:
+        """The held-back text, once the stream ends without it completing a stop string."""
+        text, self._held = self._held, ""
+        return text
+
+
+class RequestState:
+    """Host bookkeeping for one request. Only the engine thread touches it."""
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        stream: Any,  # scheduler.engine.RequestStream
+        seq: int,
+        *,
+        detokenizer: Detokenizer,
+        stop_ids: frozenset[int],
+        max_context: int,
+        deadline: float,
+        submitted_at: float,
+    ) -> None:
+        self.request = request
+        self.stream = stream
+        self.seq = seq  # engine-wide id; request ids from clients need not be unique
+        self.prompt = np.asarray(request.prompt_tokens, np.int32)  # [P]
+        self.num_prompt = len(request.prompt_tokens)
+        # Tokens this request may generate: max_tokens, and the context (prompt + output).
+        self.limit = min(request.max_tokens, max_context - self.num_prompt)
+        self.deadline = deadline
+        self.slot: int | None = None
+        self.num_prefilled = 0  # prompt tokens dispatched
+        self.num_scheduled = 0  # generated tokens whose sampling was dispatched (some in flight)
+        self.num_generated = 0  # generated tokens accepted
+        self.is_finished = False
+        self._detok = detokenizer
+        self._stop = StopMatcher(request.stop)
+        self._stop_ids = stop_ids
+        self.submitted_at = submitted_at
+        self.admitted_at: float | None = None
+        self._first_at: float | None = None
+        self._last_at: float | None = None
+        self._gaps: list[float] = []
+
+    @property
+    def is_decoding(self) -> bool:
+        """The prompt is fully dispatched, so the slot decodes from the device-held token."""
+        return self.num_prefilled == self.num_prompt
+
+    def accept(
+        self,
+        token: int,
+        logprob: float,
+        top_ids: np.ndarray,  # [L] int32
+        top_logprobs: np.ndarray,  # [L] f32
+        now: float,
+    ) -> StreamEvent:
+        """Takes one generated token; the event's finish_reason is set when it ends the request."""
+        self.num_generated += 1
+        self._record_time(now)
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if self.request.logprobs:
+            n = self.request.sampling.top_logprobs
+            top = tuple((int(i), float(v)) for i, v in zip(top_ids[:n], top_logprobs[:n]))
+            logprobs = (TokenLogprob(int(token), float(logprob), top),)
+        if token in self._stop_ids:
+            # The stop token's own text is not sent; text held back for a stop string is.
+            text, _ = self._finish_text()
+            return self._event(text, (token,), logprobs, FINISH_STOP)
+        text, matched = self._stop.feed(self._detok.add(token))
+        if matched:
+            return self._event(text, (token,), logprobs, FINISH_STOP)
+        if self.num_generated >= self.limit:
+            tail, matched = self._finish_text()
+            return self._event(text + tail, (token,), logprobs, FINISH_STOP if matched else FINISH_LENGTH)
+        return self._event(text, (token,), logprobs, None)
+
+    def final(self, reason: str, error: str | None = None, flush: bool = False) -> StreamEvent:
+        """The last event when the request ends from outside (cancel, timeout, error)."""
+        text = ""
+        if flush:
+            try:
+                text, _ = self._finish_text()
+            except Exception:  # noqa: BLE001 - the request ends anyway; the text is best effort
+                text = ""
+        return self._event(text, (), (), reason, error)
+
+    def timing(self, finish_reason: str, now: float) -> RequestTiming:
+        return RequestTiming(
+            request_id=self.request.request_id,
+            finish_reason=finish_reason,
+            prompt_tokens=self.num_prompt,
+            completion_tokens=self.num_generated,
+            queue_s=None if self.admitted_at is None else self.admitted_at - self.submitted_at,
+            ttft_s=None if self._first_at is None else self._first_at - self.submitted_at,
+            itl_s=tuple(self._gaps),
+            e2e_s=now - self.submitted_at,
+        )
+
+    def _finish_text(self) -> tuple[str, bool]:
+        """Flushes the detokenizer and the stop matcher: (text, whether a stop string matched)."""
+        text, matched = self._stop.feed(self._detok.flush())
+        return (text, True) if matched else (text + self._stop.release(), False)
+
+    def _record_time(self, now: float) -> None:
+        if self._first_at is None:
+            self._first_at = now
+        else:
+            self._gaps.append(now - self._last_at)
+        self._last_at = now
+
+    def _event(
+        self,
+        text: str,
+        token_ids: tuple[int, ...],
+        logprobs: tuple[TokenLogprob, ...],
+        reason: str | None,
+        error: str | None = None,
+    ) -> StreamEvent:
+        if reason is None:
+            return StreamEvent(text=text, token_ids=token_ids, logprobs=logprobs)
+        return StreamEvent(
+            text=text,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=reason,
+            error=error,
+            prompt_tokens=self.num_prompt,
+            completion_tokens=self.num_generated,
+        )

@@ -1,0 +1,187 @@
+"""`python -m server`: flags and environment -> `EngineConfig` + `ServerConfig` -> uvicorn.
+
+The only place that reads the environment (PALLAS_SERVE_API_KEY; the model cache location is
+read by `server.default_model`). HTTP comes up at once; the engine is built on a loader thread
+by `scheduler.loader.build_engine(model_path, engine_config, chat_template_path)`, so /health
+answers "loading" meanwhile.
+
+Shutdown (SIGINT/SIGTERM, handled by uvicorn): no new connections; open requests get
+`ServerConfig.shutdown_grace_s` to finish; then the engine is shut down, which ends every
+remaining stream with an error frame and [DONE] (rather than uvicorn cancelling their tasks),
+and the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import functools
+import logging
+import os
+import pathlib
+import sys
+from typing import TYPE_CHECKING, Sequence
+
+import uvicorn
+
+from model.chat_template import ChatTemplateError, load_template
+from model.config import EngineConfig
+from server.app import EngineHolder, create_app
+from server.config import LOG_LEVELS, ServerConfig
+from server.default_model import FILENAME as DEFAULT_MODEL_FILENAME
+from server.default_model import ModelFetchError, ensure_default_model
+
+if TYPE_CHECKING:
+    from scheduler.engine import Engine
+
+log = logging.getLogger("server")
+
+API_KEY_ENV = "PALLAS_SERVE_API_KEY"
+
+
+def _kernels(value: str) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for item in value.split(","):
+        op, sep, impl = item.strip().partition("=")
+        if not sep or not op or not impl:
+            raise argparse.ArgumentTypeError(f"expected op=impl[,op=impl...], got {item!r}")
+        pairs.append((op, impl))
+    return tuple(pairs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m server",
+        description="Serve a GGUF model over an OpenAI-compatible HTTP API.",
+        allow_abbrev=False,  # a misspelt flag is an error, not a guess
+    )
+    p.add_argument("--model", type=pathlib.Path, help="GGUF file (default: SmolLM2-135M-Instruct, fetched on first use)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--slots", type=int, default=8, help="concurrent sequences (decode batch)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
+    p.add_argument("--prefill-budget", type=int, default=512, help="prompt tokens per engine step")
+    p.add_argument("--max-context", type=int, default=4096, help="tokens per sequence (capped at the model's)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
+    p.add_argument("--api-key", help=f"require Authorization: Bearer KEY (also ${API_KEY_ENV})")
+    p.add_argument("--chat-template", type=pathlib.Path, help="Jinja chat template replacing the GGUF's")
+    p.add_argument("--kernels", type=_kernels, default=(), help="force kernels: op=impl[,op=impl...]")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--fetch-model", action="store_true", help="download the default model into the cache and exit")
+    return p
+
+
+def prefill_chunks_for(budget: int) -> tuple[int, ...]:
+    """Compiled chunk sizes that fit the budget: the defaults below it, and the budget itself
+    when it is smaller than the largest default."""
+    defaults = EngineConfig.prefill_chunks
+    if budget < 1:
+        raise ValueError("prefill budget must be >= 1")
+    return tuple(sorted({c for c in defaults if c <= budget} | {min(budget, defaults[-1])}))
+
+
+def build_configs(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str]) -> tuple[EngineConfig, ServerConfig]:
+    """Raises ValueError for values the configs refuse (ChatTemplateError for a bad template file)."""
+    engine_config = EngineConfig(
+        num_slots=args.slots,
+        max_context=args.max_context,
+        prefill_budget=args.prefill_budget,
+        prefill_chunks=prefill_chunks_for(args.prefill_budget),
+        max_queue=args.max_queue,
+        timeout_s=args.timeout,
+        kernels=args.kernels,
+    )
+    model_name = args.model.name if args.model is not None else DEFAULT_MODEL_FILENAME
+    server_config = ServerConfig(
+        model_name=model_name,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key if args.api_key is not None else (environ.get(API_KEY_ENV) or None),
+        chat_template=load_template(args.chat_template) if args.chat_template is not None else None,
+        log_level=args.log_level,
+    )
+    return engine_config, server_config
+
+
+def _build_engine(model: pathlib.Path | None, engine_config: EngineConfig, chat_template: pathlib.Path | None) -> Engine:
+    """Runs on the loader thread, so /health answers while the model downloads and loads."""
+    # Imported here: it pulls in JAX, which `--help` and argument errors should not pay for.
+    from scheduler.loader import build_engine
+
+    model_path = model if model is not None else ensure_default_model()
+    log.info("loading %s", model_path)
+    return build_engine(model_path, engine_config, chat_template)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn whose graceful shutdown ends requests still open after the grace period through
+    the engine, so their clients get a proper end instead of a cut connection."""
+
+    def __init__(self, config: uvicorn.Config, holder: EngineHolder, server_config: ServerConfig) -> None:
+        super().__init__(config)
+        self._holder = holder
+        self._server_config = server_config
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        ender = asyncio.create_task(self._end_requests_after_grace())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ender.cancel()
+
+    async def _end_requests_after_grace(self) -> None:
+        await asyncio.sleep(self._server_config.shutdown_grace_s)
+        engine = self._holder.engine
+        if engine is not None:
+            log.warning("ending requests still open after %.0f s", self._server_config.shutdown_grace_s)
+            await asyncio.to_thread(engine.shutdown, self._server_config.engine_shutdown_timeout_s)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    if args.fetch_model:
+        try:
+            path = ensure_default_model()
+        except ModelFetchError as e:
+            log.error("%s", e)
+            return 1
+        log.info("default model: %s", path)
+        return 0
+    try:
+        engine_config, server_config = build_configs(args, os.environ)
+    except ChatTemplateError as e:
+        parser.error(f"--chat-template: {e}")
+    except ValueError as e:
+        parser.error(str(e))
+    if args.model is not None and not args.model.is_file():
+        parser.error(f"--model: no such file {args.model}")
+
+    log.info("engine config: %s", dataclasses.asdict(engine_config))
+    holder = EngineHolder()
+    app = create_app(
+        server_config,
+        holder,
+        engine_factory=functools.partial(_build_engine, args.model, engine_config, args.chat_template),
+    )
+    uvicorn_config = uvicorn.Config(
+        app,
+        host=server_config.host,
+        port=server_config.port,
+        log_level=server_config.log_level,
+        lifespan="on",
+        # A backstop: by then the engine has ended every stream (see _Server).
+        timeout_graceful_shutdown=int(server_config.shutdown_grace_s + server_config.engine_shutdown_timeout_s),
+        log_config=None,  # keep the logging set up above
+    )
+    log.info("listening on http://%s:%d; the model loads in the background", server_config.host, server_config.port)
+    _Server(uvicorn_config, holder, server_config).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,386 @@
+"""The Starlette app: routes, middleware, and the engine as the event loop sees it.
+
+HTTP answers before the model has loaded. `create_app(engine_factory=...)` starts a loader
+thread at startup that builds the engine (`engine_factory()`, which loads the GGUF), starts it
+and waits for its warm-up; results reach the event loop through `loop.call_soon_threadsafe`, so
+`EngineHolder` is only ever touched on the loop thread. Until then /health says "loading" and
+generation routes answer 503. Tests attach a fake engine to the holder directly.
+
+Request path: middleware (`server/asgi.py`: HTTP metrics, 500 boundary, CORS, body limit, API
+key) -> route ->
+`server/openai_api.py` (parse) -> `server/prompts.py` (tokenize, check) ->
+`server/generation.py` (submit, stream or collect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from model.chat_template import render_chat
+from scheduler.requests import RequestTiming
+from scheduler.types import EngineStats
+from server.asgi import ApiKeyAuth, BodyLimit, ErrorBoundary, EventStreamResponse, HttpMetricsMiddleware, unless_disconnected
+from server.config import ServerConfig
+from server.errors import ApiError, error_body, invalid, json_response
+from server.generation import Generation, collect, sse_frames, unavailable
+from server.metrics import Metrics
+from server.openai_api import ChatRenderer, CompletionRenderer, Fields, ParsedRequest, parse_chat, parse_completion
+from server.prompts import ModelLimits, prepare
+
+if TYPE_CHECKING:
+    from scheduler.engine import Engine
+
+log = logging.getLogger(__name__)
+
+CLIENT_CLOSED = 499  # nginx's code for "client closed request"; recorded in metrics only
+
+
+# ----------------------------------------------------------------------------- engine holder
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadyState:
+    info: dict[str, Any]
+    limits: ModelLimits
+    chat_template: str | None  # the GGUF's; None: none (chat answers 400 unless --chat-template)
+
+
+class EngineHolder:
+    """The engine, its load error, and what it reported once ready. Event loop thread only."""
+
+    def __init__(self) -> None:
+        self.engine: Engine | None = None
+        self.ready: ReadyState | None = None
+        self.load_error: str | None = None
+        self._observers: list[Callable[[RequestTiming], None]] = []
+
+    def add_timing_observer(self, observer: Callable[[RequestTiming], None]) -> None:
+        """Registers `observer` with the engine, now or when one is attached."""
+        self._observers.append(observer)
+        if self.engine is not None:
+            self.engine.add_observer(observer)
+
+    def attach(self, engine: Engine) -> None:
+        self.engine = engine
+        for observer in self._observers:
+            engine.add_observer(observer)
+
+    def mark_ready(self) -> None:
+        if self.engine is None:
+            raise RuntimeError("mark_ready before attach")
+        info = dict(self.engine.info())
+        tokenizer = self.engine.tokenizer
+        limits = ModelLimits(
+            max_context=int(info["max_context"]),
+            vocab_size=int(tokenizer.vocab_size),
+            max_top_logprobs=int(info.get("max_top_logprobs", 20)),
+            max_logit_bias=info.get("max_logit_bias"),
+        )
+        self.ready = ReadyState(info=info, limits=limits, chat_template=tokenizer.chat_template)
+        log.info("engine ready: %s", json.dumps(info, default=str))
+
+    def fail(self, message: str) -> None:
+        self.load_error = message
+
+    def stats(self) -> EngineStats | None:
+        return self.engine.stats() if self.engine is not None else None
+
+    def require_ready(self) -> tuple[Engine, ReadyState]:
+        if self.load_error is not None:
+            raise unavailable(f"the model failed to load: {self.load_error}")
+        if self.engine is None or self.ready is None:
+            raise ApiError(503, "the model is loading", type="unavailable_error", code="model_loading")
+        return self.engine, self.ready
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        if self.load_error is not None:
+            return 503, {"status": "failed", "error": self.load_error}
+        if self.engine is None:
+            return 503, {"status": "loading"}
+        st = self.engine.stats()
+        if st.state == "ready" and self.ready is not None:
+            info = self.ready.info
+            return 200, {
+                "status": "ok",
+                "model": info.get("model"),
+                "slots": st.num_slots,
+                "slots_busy": st.slots_busy,
+                "requests_running": st.requests_running,
+                "requests_waiting": st.requests_waiting,
+                "max_context": self.ready.limits.max_context,
+                "kernels": info.get("kernels"),
+                "engine": info,
+            }
+        if st.state in ("loading", "ready"):
+            return 503, {"status": "loading"}
+        return 503, {"status": st.state, "error": st.error}
+
+
+def _load_engine(factory: Callable[[], Engine], holder: EngineHolder, loop: asyncio.AbstractEventLoop) -> None:
+    """Loader thread: build, start, warm up; report each stage to the loop thread."""
+
+    def post(fn: Callable[..., None], *args: Any) -> bool:
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+            return True
+        except RuntimeError:  # the loop has closed: the server is gone
+            return False
+
+    try:
+        engine = factory()
+    except Exception as e:
+        log.exception("loading the model failed")
+        post(holder.fail, f"{type(e).__name__}: {e}")
+        return
+    if not post(holder.attach, engine):
+        engine.shutdown()
+        return
+    try:
+        engine.start()
+        is_ready = engine.wait_ready()
+    except Exception as e:
+        log.exception("starting the engine failed")
+        post(holder.fail, f"{type(e).__name__}: {e}")
+        return
+    if is_ready:
+        post(holder.mark_ready)
+    else:
+        log.error("the engine failed during warm-up: %s", engine.stats().error)
+
+
+# ----------------------------------------------------------------------------- routes
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _check_unicode(value: Any) -> None:
+    """Lone surrogates (\\ud800 escapes) would break the tokenizer and our UTF-8 output."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise invalid("the request contains invalid Unicode (a lone surrogate)", None) from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    if not raw.strip():
+        raise invalid("the request body is empty; send a JSON object", None)
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise invalid(f"malformed JSON: {e}", None) from None
+    _check_unicode(body)
+    return body
+
+
+async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]) -> Response:
+    state = request.app.state
+    config: ServerConfig = state.config
+    parsed = parse(await _json_body(request), config.max_choices)
+    engine, ready = state.holder.require_ready()
+    tokenizer = engine.tokenizer
+    template = config.chat_template or ready.chat_template
+    prompts = prepare(parsed, tokenizer, ready.limits, template, render_chat)
+    response_id = ("chatcmpl-" if parsed.is_chat else "cmpl-") + uuid.uuid4().hex
+    renderer_cls = ChatRenderer if parsed.is_chat else CompletionRenderer
+    renderer = renderer_cls(
+        response_id,
+        int(time.time()),
+        parsed.model or config.model_name,
+        tokenizer.token_bytes,
+        include_usage=parsed.include_usage,
+        logprobs=parsed.logprobs is not None,
+    )
+    gen = Generation(engine, parsed, prompts, response_id)
+    gen.submit_all()
+    if parsed.stream:
+        return EventStreamResponse(sse_frames(gen, renderer, parsed.include_usage), on_close=gen.cancel)  # type: ignore[return-value]
+    try:
+        is_done, results = await unless_disconnected(request.receive, collect(gen))
+    finally:
+        gen.cancel()
+    if not is_done or results is None:
+        log.info("client left before %s finished", response_id)
+        return Response(status_code=CLIENT_CLOSED)
+    return json_response(renderer.response(results, gen.prompt_tokens, gen.completion_tokens))
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, parse_completion)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, parse_chat)
+
+
+async def health(request: Request) -> Response:
+    status, body = request.app.state.holder.health()
+    return json_response(body, status=status)
+
+
+async def models(request: Request) -> Response:
+    state = request.app.state
+    ready = state.holder.ready
+    entry = {
+        "id": state.config.model_name,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "pallas-serve",
+        "meta": ready.info if ready is not None else None,
+    }
+    return json_response({"object": "list", "data": [entry]})
+
+
+async def tokenize(request: Request) -> Response:
+    body = await _json_body(request)
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object", None)
+    fields = Fields(body)
+    name = "content" if "content" in body else "prompt"
+    content = fields.string(name)
+    if content is None:
+        raise invalid("'content' (a string) is required", "content")
+    add_special = fields.boolean("add_special", False)
+    parse_special = fields.boolean("parse_special", True)
+    with_pieces = fields.boolean("with_pieces", False)
+    engine, _ = request.app.state.holder.require_ready()
+    tokenizer = engine.tokenizer
+    # add_special: the model's own BOS policy (None); otherwise never a BOS.
+    try:
+        tokens = tokenizer.encode(content, add_bos=None if add_special else False, parse_special=parse_special)
+    except ValueError as e:  # e.g. a byte the vocabulary cannot represent
+        raise invalid(f"cannot tokenize the content: {e}", name) from None
+    if with_pieces:
+        return json_response({"tokens": [{"id": t, "piece": _piece(tokenizer.token_bytes(t))} for t in tokens]})
+    return json_response({"tokens": list(tokens)})
+
+
+def _piece(raw: bytes) -> str | list[int]:
+    """llama-server's with_pieces: the text, or the bytes when they are not whole UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
+
+
+async def detokenize(request: Request) -> Response:
+    body = await _json_body(request)
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object", None)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise invalid("'tokens' must be an array of token ids", "tokens")
+    engine, ready = request.app.state.holder.require_ready()
+    if any(not 0 <= t < ready.limits.vocab_size for t in tokens):
+        raise invalid(f"token ids must be in [0, {ready.limits.vocab_size})", "tokens")
+    return json_response({"content": engine.tokenizer.decode(tokens, skip_special=False)})
+
+
+async def metrics(request: Request) -> Response:
+    payload, content_type = request.app.state.metrics.render()
+    return Response(payload, headers={"Content-Type": content_type})
+
+
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    if exc.status_code == 404:
+        message = f"no route for {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    body = error_body(message, type="invalid_request_error", code=code)
+    return json_response(body, status=exc.status_code, headers=dict(exc.headers or {}))
+
+
+ROUTES = (
+    Route("/health", health, methods=["GET"]),
+    Route("/v1/health", health, methods=["GET"]),
+    Route("/v1/models", models, methods=["GET"]),
+    Route("/models", models, methods=["GET"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/completions", completions, methods=["POST"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/chat/completions", chat_completions, methods=["POST"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/metrics", metrics, methods=["GET"]),
+)
+
+
+def create_app(
+    config: ServerConfig,
+    holder: EngineHolder | None = None,
+    *,
+    engine_factory: Callable[[], Engine] | None = None,
+) -> Starlette:
+    """`engine_factory`: called on a loader thread at startup; None when the caller attaches one."""
+    holder = holder or EngineHolder()
+    app_metrics = Metrics(holder.stats)
+    holder.add_timing_observer(app_metrics.observe)
+    middleware = [
+        Middleware(HttpMetricsMiddleware, metrics=app_metrics, routes=frozenset(r.path for r in ROUTES)),
+        Middleware(ErrorBoundary),
+        # Browser front ends call from another origin; the API key still guards the routes.
+        Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"]),
+        Middleware(BodyLimit, max_bytes=config.max_body_bytes),
+    ]
+    if config.api_key is not None:
+        middleware.append(Middleware(ApiKeyAuth, api_key=config.api_key))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if engine_factory is not None:
+            loop = asyncio.get_running_loop()
+            # Daemon: a load still running at exit must not keep the process alive.
+            threading.Thread(
+                target=_load_engine, args=(engine_factory, holder, loop), name="engine-loader", daemon=True
+            ).start()
+        yield
+        engine = holder.engine
+        if engine is not None:
+            log.info("shutting the engine down")
+            await asyncio.to_thread(engine.shutdown, config.engine_shutdown_timeout_s)
+
+    app = Starlette(
+        routes=list(ROUTES),
+        middleware=middleware,
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error},
+        lifespan=lifespan,
+    )
+    app.state.config = config
+    app.state.holder = holder
+    app.state.metrics = app_metrics
+    app.state.started = int(time.time())
+    return app

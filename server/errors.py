@@ -1,0 +1,63 @@
+"""Errors in OpenAI's JSON shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Handlers raise `ApiError`; `server/app.py` turns it (and Starlette's 404/405) into a response.
+Status codes used:
+  400 invalid input (param names the field), 401 bad or missing API key, 404 unknown route,
+  405 wrong method, 413 body too large, 429 queue full (Retry-After), 500 a bug or an engine
+  failure during generation, 503 engine loading/failed/stopped, 504 generation deadline passed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.responses import Response
+
+INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+RATE_LIMIT = "rate_limit_error"
+UNAVAILABLE = "unavailable_error"
+SERVER_ERROR = "server_error"
+TIMEOUT = "timeout_error"
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+    def response(self) -> Response:
+        return json_response(self.body(), status=self.status, headers=self.headers)
+
+
+def invalid(message: str, param: str | None) -> ApiError:
+    """A 400 naming the offending field."""
+    return ApiError(400, message, param=param, code="invalid_value" if param else "invalid_request")
+
+
+def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    # allow_nan=False: a NaN logprob must never produce invalid JSON for clients.
+    payload = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return Response(payload, status_code=status, headers=headers, media_type="application/json")

@@ -1,0 +1,246 @@
+"""The engine requests behind one HTTP request, and their events as SSE frames or one response.
+
+`Generation.submit_all` submits one `GenerationRequest` per (prompt, choice) on the event loop
+thread; a refusal cancels those already submitted and becomes an `ApiError` (429, 400, 503)
+before any response byte is sent. `Generation.events` merges the `RequestStream`s; `sse_frames`
+renders them as `data: {json}` frames ending in `data: [DONE]`, `collect` gathers them for a
+non-streaming response. `Generation.cancel` (called in a `finally` by `server/app.py`) cancels
+every unfinished request, so a client that goes away frees its slots.
+
+An engine request that ends in "error", "timeout" or a "cancelled" the client did not ask for
+fails the whole HTTP request: streams get a `data: {"error": ...}` frame then `[DONE]`;
+non-streaming requests get 500 (engine error while it still serves), 503 (the engine stopped or
+failed, e.g. shutdown; or cancelled by the server) or 504 (the request's deadline passed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from scheduler.types import (
+    FINISH_CANCELLED,
+    FINISH_ERROR,
+    FINISH_TIMEOUT,
+    EngineUnavailableError,
+    GenerationRequest,
+    QueueFullError,
+    RequestValidationError,
+    StreamEvent,
+)
+from server.errors import RATE_LIMIT, SERVER_ERROR, TIMEOUT, UNAVAILABLE, ApiError, error_body, invalid
+from server.openai_api import ChoiceResult, ParsedRequest, Renderer
+from server.prompts import PreparedPrompt
+
+if TYPE_CHECKING:
+    from scheduler.engine import Engine, RequestStream
+
+log = logging.getLogger(__name__)
+
+MAX_SEED = 2**63
+DONE_FRAME = b"data: [DONE]\n\n"
+
+
+@dataclasses.dataclass
+class _Choice:
+    index: int  # in the response: prompt_index * n + i
+    prompt: PreparedPrompt
+    stream: RequestStream
+    completion_tokens: int = 0
+    is_finished: bool = False
+
+
+def unavailable(message: str) -> ApiError:
+    return ApiError(503, message, type=UNAVAILABLE, code="unavailable")
+
+
+class Generation:
+    def __init__(self, engine: Engine, parsed: ParsedRequest, prompts: list[PreparedPrompt], response_id: str) -> None:
+        self._engine = engine
+        self._parsed = parsed
+        self._prompts = prompts
+        self._response_id = response_id
+        self.choices: list[_Choice] = []
+
+    def _request(self, prompt: PreparedPrompt, index: int, i: int) -> GenerationRequest:
+        sampling = self._parsed.sampling
+        if sampling.seed is not None and i:
+            # n > 1 with a seed: distinct but reproducible seeds; choice 0 keeps the seed given.
+            sampling = dataclasses.replace(sampling, seed=(sampling.seed + i) % MAX_SEED)
+        return GenerationRequest(
+            request_id=f"{self._response_id}-{index}",
+            prompt_tokens=prompt.tokens,
+            max_tokens=prompt.max_tokens,
+            sampling=sampling,
+            stop=self._parsed.stop,
+            stop_token_ids=self._parsed.stop_token_ids,
+            ignore_eos=self._parsed.ignore_eos,
+            logprobs=self._parsed.logprobs is not None,
+        )
+
+    def submit_all(self) -> None:
+        n = self._parsed.n
+        try:
+            for p, prompt in enumerate(self._prompts):
+                for i in range(n):
+                    index = p * n + i
+                    stream = self._engine.submit(self._request(prompt, index, i))
+                    self.choices.append(_Choice(index, prompt, stream))
+        except QueueFullError as e:
+            self.cancel()
+            retry = str(max(1, math.ceil(e.retry_after_s)))
+            raise ApiError(
+                429, str(e), type=RATE_LIMIT, code="rate_limit_exceeded", headers={"Retry-After": retry}
+            ) from None
+        except RequestValidationError as e:
+            self.cancel()
+            raise invalid(str(e), e.field) from None
+        except EngineUnavailableError as e:
+            self.cancel()
+            raise unavailable(str(e) or "the engine is not available") from None
+        except BaseException:
+            self.cancel()
+            raise
+
+    def cancel(self) -> None:
+        """Cancels every unfinished engine request; safe to call more than once."""
+        for choice in self.choices:
+            if not choice.is_finished:
+                choice.is_finished = True
+                choice.stream.cancel()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p.tokens) for p in self._prompts)  # once per prompt, whatever n is
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+    def _record(self, choice: _Choice, event: StreamEvent) -> None:
+        choice.completion_tokens += len(event.token_ids)
+        if event.finish_reason is not None:
+            choice.is_finished = True
+            if event.completion_tokens:  # the engine's count is authoritative
+                choice.completion_tokens = event.completion_tokens
+
+    async def events(self) -> AsyncIterator[tuple[_Choice, StreamEvent]]:
+        """Events of all choices as they arrive, each choice ending with its final event."""
+        if len(self.choices) == 1:
+            choice = self.choices[0]
+            async for event in choice.stream:
+                self._record(choice, event)
+                yield choice, event
+                if event.finish_reason is not None:
+                    return
+            raise RuntimeError(f"request {choice.stream.request_id} ended without a finish_reason")
+        queue: asyncio.Queue[tuple[_Choice, StreamEvent | BaseException | None]] = asyncio.Queue()
+
+        async def pump(choice: _Choice) -> None:
+            try:
+                async for event in choice.stream:
+                    queue.put_nowait((choice, event))
+                    if event.finish_reason is not None:
+                        return
+                queue.put_nowait((choice, None))
+            except Exception as e:  # surfaced in the consumer, with its traceback
+                queue.put_nowait((choice, e))
+
+        tasks = [asyncio.create_task(pump(c)) for c in self.choices]
+        try:
+            remaining = len(self.choices)
+            while remaining:
+                choice, item = await queue.get()
+                if item is None:
+                    raise RuntimeError(f"request {choice.stream.request_id} ended without a finish_reason")
+                if isinstance(item, BaseException):
+                    raise item
+                self._record(choice, item)
+                yield choice, item
+                if item.finish_reason is not None:
+                    remaining -= 1
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def finish_error(self, event: StreamEvent) -> ApiError | None:
+        """The error an abnormal final event becomes; None for "stop" and "length"."""
+        if event.finish_reason == FINISH_ERROR and self._engine.stats().state != "ready":
+            # Ended by a shutdown or a failed engine: the service, not the request, is at fault.
+            return unavailable(f"generation stopped: {event.error or 'the engine is unavailable'}")
+        return finish_error(event)
+
+
+def finish_error(event: StreamEvent) -> ApiError | None:
+    """The error an abnormal final event becomes, whatever the engine's state."""
+    if event.finish_reason == FINISH_ERROR:
+        return ApiError(500, f"generation failed: {event.error or 'engine error'}", type=SERVER_ERROR, code="engine_error")
+    if event.finish_reason == FINISH_TIMEOUT:
+        return ApiError(504, event.error or "generation passed the server's deadline", type=TIMEOUT, code="timeout")
+    if event.finish_reason == FINISH_CANCELLED:
+        return unavailable(event.error or "the request was cancelled by the server")
+    return None
+
+
+def sse_frame(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def sse_frames(gen: Generation, renderer: Renderer, include_usage: bool) -> AsyncIterator[bytes]:
+    """The SSE body of a streamed response. Errors after the headers went out become a frame."""
+    try:
+        for choice in gen.choices:
+            for chunk in renderer.start_chunks(choice.index, choice.prompt.echo_text):
+                yield sse_frame(chunk)
+        async with contextlib.aclosing(gen.events()) as events:
+            async for choice, event in events:
+                if event.text or event.logprobs:
+                    yield sse_frame(renderer.delta_chunk(choice.index, event.text, event.logprobs))
+                if event.finish_reason is None:
+                    continue
+                error = _abnormal_end(gen, choice, event)
+                if error is not None:
+                    yield sse_frame(error.body())
+                    yield DONE_FRAME
+                    return
+                yield sse_frame(renderer.finish_chunk(choice.index, event.finish_reason))
+        if include_usage:
+            yield sse_frame(renderer.usage_chunk(gen.prompt_tokens, gen.completion_tokens))
+        yield DONE_FRAME
+    except Exception:
+        log.exception("streaming response %s failed", renderer.response_id)
+        gen.cancel()
+        yield sse_frame(error_body("internal error while streaming", type=SERVER_ERROR, code="internal_error"))
+        yield DONE_FRAME
+
+
+async def collect(gen: Generation) -> list[ChoiceResult]:
+    """All choices of a non-streaming response, in index order; raises `ApiError` on failure."""
+    results = {c.index: ChoiceResult(index=c.index) for c in gen.choices}
+    texts: dict[int, list[str]] = {c.index: [c.prompt.echo_text] for c in gen.choices}
+    async with contextlib.aclosing(gen.events()) as events:
+        async for choice, event in events:
+            texts[choice.index].append(event.text)
+            results[choice.index].logprobs.extend(event.logprobs)
+            if event.finish_reason is not None:
+                error = _abnormal_end(gen, choice, event)
+                if error is not None:
+                    raise error
+                results[choice.index].finish_reason = event.finish_reason
+    for index, result in results.items():
+        result.text = "".join(texts[index])
+    return [results[i] for i in sorted(results)]
+
+
+def _abnormal_end(gen: Generation, choice: _Choice, event: StreamEvent) -> ApiError | None:
+    """For a final event: the error it ends the HTTP request with (other choices cancelled)."""
+    error = gen.finish_error(event)
+    if error is not None:
+        log.warning("request %s ended with %s: %s", choice.stream.request_id, event.finish_reason, error.message)
+        gen.cancel()
+    return error

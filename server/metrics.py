@@ -1,0 +1,107 @@
+"""Prometheus metrics for one app, in its own `CollectorRegistry` (several apps per process in tests).
+
+Two sources, both from the engine: its `EngineStats` snapshot, read at scrape time (slots,
+running, waiting, rejected, token totals), and one `RequestTiming` per finished request, handed
+to `Metrics.observe` (registered with `Engine.add_observer`; it runs on the engine thread, and
+prometheus_client metrics are thread-safe). The engine measures time to first token and
+inter-token gaps where it hands tokens to the stream, including queue time the server cannot
+see, so the server reads no clock for request metrics. HTTP responses are counted by the app's
+outermost middleware.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from scheduler.requests import RequestTiming
+from scheduler.types import EngineStats
+
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class _EngineCollector:
+    """Reads `EngineStats` when scraped; zeros while no engine is attached."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._stats()
+        ready = st is not None and st.state == "ready"
+        yield GaugeMetricFamily("pallas_engine_ready", "1 when the engine serves requests", value=float(ready))
+        num_slots = st.num_slots if st else 0
+        busy = st.slots_busy if st else 0
+        yield GaugeMetricFamily("pallas_slots", "Decode slots", value=num_slots)
+        yield GaugeMetricFamily("pallas_slots_busy", "Slots holding a request", value=busy)
+        yield GaugeMetricFamily(
+            "pallas_slot_occupancy", "Busy slots / slots", value=busy / num_slots if num_slots else 0.0
+        )
+        yield GaugeMetricFamily("pallas_requests_running", "Requests in a slot", value=st.requests_running if st else 0)
+        yield GaugeMetricFamily(
+            "pallas_requests_waiting", "Requests queued for a slot", value=st.requests_waiting if st else 0
+        )
+        yield CounterMetricFamily(
+            "pallas_requests_rejected", "Requests refused (queue full)", value=st.requests_rejected_total if st else 0
+        )
+        yield CounterMetricFamily(
+            "pallas_prompt_tokens", "Prompt tokens prefilled", value=st.prompt_tokens_total if st else 0
+        )
+        yield CounterMetricFamily(
+            "pallas_generation_tokens", "Tokens generated", value=st.generation_tokens_total if st else 0
+        )
+
+
+class Metrics:
+    def __init__(self, engine_stats: Callable[[], EngineStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.http_requests = Counter(
+            "pallas_http_requests", "HTTP responses", ["route", "method", "status"], registry=self.registry
+        )
+        self.queue_time = Histogram(
+            "pallas_request_queue_seconds",
+            "Submit to the first prompt chunk dispatched",
+            buckets=QUEUE_BUCKETS,
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "pallas_time_to_first_token_seconds",
+            "Submit to the first generated token",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "pallas_inter_token_latency_seconds",
+            "Time between successive generated tokens",
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.request_duration = Histogram(
+            "pallas_request_duration_seconds",
+            "Submit to finish, per engine request",
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self.requests_finished = Counter(
+            "pallas_requests_finished", "Engine requests by finish reason", ["finish_reason"], registry=self.registry
+        )
+        self.registry.register(_EngineCollector(engine_stats))
+
+    def observe(self, timing: RequestTiming) -> None:
+        """Engine thread: one finished request's timings."""
+        if timing.queue_s is not None:
+            self.queue_time.observe(timing.queue_s)
+        if timing.ttft_s is not None:
+            self.time_to_first_token.observe(timing.ttft_s)
+        for gap in timing.itl_s:
+            self.inter_token_latency.observe(gap)
+        self.request_duration.observe(timing.e2e_s)
+        self.requests_finished.labels(finish_reason=timing.finish_reason).inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,533 @@
+"""OpenAI's /v1/completions and /v1/chat/completions: request parsing and response rendering.
+
+Parsing takes the decoded JSON body and checks types and ranges only (no tokenizer, no engine),
+yielding a `ParsedRequest`; `server/prompts.py` tokenizes it and `server/generation.py` submits
+it. Every rejection is an `ApiError` 400 whose `param` names the field. Unknown fields are
+ignored, as llama-server and vLLM do; fields whose meaning we cannot honour are refused.
+
+Rendering turns engine `StreamEvent`s into OpenAI's objects: whole responses and SSE chunks, in
+the shape of each endpoint (`text_completion` with legacy logprobs, `chat.completion(.chunk)`
+with `logprobs.content`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+from model.step_types import MAX_STOP_TOKEN_IDS, SamplingParams
+from scheduler.types import TokenLogprob
+from server.errors import invalid
+
+MAX_N = 16
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
+MAX_SEED = 2**63
+ROLES = ("system", "user", "assistant", "tool", "developer")
+# Reserved names of render_chat; chat_template_kwargs may not override them.
+RESERVED_TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+MIN_LOGPROB = -9999.0  # what OpenAI reports for -inf; JSON has no infinity
+
+Prompt = str | tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedRequest:
+    is_chat: bool
+    model: str | None  # echoed in responses; any value is accepted
+    prompts: tuple[Prompt, ...] = ()  # completions: one entry per prompt
+    messages: tuple[dict[str, Any], ...] = ()  # chat: content flattened to a string
+    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # tools, chat_template_kwargs
+    add_generation_prompt: bool = True
+    n: int = 1
+    max_tokens: int | None = None  # None: up to the context
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # alternatives per token; None: no logprobs
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+
+    @property
+    def prompt_field(self) -> str:
+        return "messages" if self.is_chat else "prompt"
+
+    @property
+    def logprobs_field(self) -> str:
+        return "top_logprobs" if self.is_chat else "logprobs"
+
+
+# ----------------------------------------------------------------------------- field readers
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class Fields:
+    """Typed access to a JSON object; `null` counts as absent, as OpenAI's SDKs send it."""
+
+    def __init__(self, body: dict[str, Any], prefix: str = "") -> None:
+        self.body = body
+        self.prefix = prefix  # names nested fields in errors: "stream_options."
+
+    def raw(self, name: str) -> Any:
+        return self.body.get(name)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise invalid(f"'{name}' must be a boolean", self.prefix + name)
+        return value
+
+    def integer(self, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not _is_int(value):
+            raise invalid(f"'{name}' must be an integer", self.prefix + name)
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise invalid(f"'{name}' must be in [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}], got {value}", self.prefix + name)
+        return value
+
+    def number(self, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        try:
+            number = float(value) if _is_number(value) else math.nan
+        except OverflowError:  # an integer beyond float range
+            number = math.nan
+        if not math.isfinite(number):
+            raise invalid(f"'{name}' must be a finite number", self.prefix + name)
+        if not (lo < number if lo_open else lo <= number) or not number <= hi:
+            bracket = "(" if lo_open else "["
+            raise invalid(f"'{name}' must be in {bracket}{lo:g}, {hi:g}], got {number:g}", self.prefix + name)
+        return number
+
+    def string(self, name: str) -> str | None:
+        value = self.body.get(name)
+        if value is not None and not isinstance(value, str):
+            raise invalid(f"'{name}' must be a string", self.prefix + name)
+        return value
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def parse_completion(body: Any, max_choices: int) -> ParsedRequest:
+    fields = _require_object(body)
+    prompts = _parse_prompts(fields.raw("prompt"))
+    if fields.string("suffix"):
+        raise invalid("'suffix' is not supported", "suffix")
+    logprobs = fields.integer("logprobs", None, 0, MAX_TOP_LOGPROBS)
+    echo = fields.boolean("echo", False)
+    if echo and logprobs is not None:
+        raise invalid("'echo' together with 'logprobs' (prompt logprobs) is not supported", "echo")
+    common = _parse_common(fields, max_tokens_names=("max_tokens",), top_logprobs=logprobs or 0)
+    _check_best_of(fields, common["n"])
+    _check_choices(len(prompts) * common["n"], max_choices)
+    return ParsedRequest(is_chat=False, prompts=prompts, logprobs=logprobs, echo=echo, **common)
+
+
+def parse_chat(body: Any, max_choices: int) -> ParsedRequest:
+    fields = _require_object(body)
+    messages = _parse_messages(fields.raw("messages"))
+    wants_logprobs = fields.boolean("logprobs", False)
+    top_logprobs = fields.integer("top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top_logprobs is not None and not wants_logprobs:
+        raise invalid("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+    logprobs = (top_logprobs or 0) if wants_logprobs else None
+    fmt = fields.raw("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise invalid("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
+    common = _parse_common(
+        fields, max_tokens_names=("max_completion_tokens", "max_tokens"), top_logprobs=logprobs or 0
+    )
+    _check_choices(common["n"], max_choices)
+    return ParsedRequest(
+        is_chat=True,
+        messages=messages,
+        template_kwargs=_parse_template_kwargs(fields),
+        add_generation_prompt=fields.boolean("add_generation_prompt", True),
+        logprobs=logprobs,
+        **common,
+    )
+
+
+def _require_object(body: Any) -> Fields:
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object", None)
+    return Fields(body)
+
+
+def _parse_common(fields: Fields, max_tokens_names: tuple[str, ...], top_logprobs: int) -> dict[str, Any]:
+    model = fields.string("model")
+    n = fields.integer("n", 1, 1, MAX_N)
+    max_tokens = None
+    for name in max_tokens_names:  # first present wins (max_completion_tokens over max_tokens)
+        max_tokens = fields.integer(name, None, 1)
+        if max_tokens is not None:
+            break
+    fields.string("user")  # accepted for compatibility, type-checked, unused
+    seed = fields.integer("seed", None, -1, MAX_SEED - 1)
+    top_k = fields.integer("top_k", 0, -1)
+    sampling = SamplingParams(
+        temperature=fields.number("temperature", 1.0, 0.0, 2.0),
+        top_k=max(top_k, 0),  # -1 (vLLM) and 0 (llama.cpp) both mean off
+        top_p=fields.number("top_p", 1.0, 0.0, 1.0, lo_open=True),
+        min_p=fields.number("min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=fields.number("repetition_penalty", 1.0, 0.0, math.inf, lo_open=True),
+        presence_penalty=fields.number("presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=fields.number("frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=_parse_logit_bias(fields.raw("logit_bias")),
+        seed=None if seed in (None, -1) else seed,  # -1: random, as llama-server
+        top_logprobs=top_logprobs,
+    )
+    stream = fields.boolean("stream", False)
+    options = fields.raw("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise invalid("'stream_options' must be an object", "stream_options")
+    include_usage = Fields(options or {}, "stream_options.").boolean("include_usage", False)
+    return dict(
+        model=model,
+        n=n,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop=_parse_stop(fields.raw("stop")),
+        stop_token_ids=_parse_stop_token_ids(fields.raw("stop_token_ids")),
+        ignore_eos=fields.boolean("ignore_eos", False),
+        stream=stream,
+        include_usage=stream and include_usage,
+    )
+
+
+def _check_best_of(fields: Fields, n: int) -> None:
+    best_of = fields.integer("best_of", None, 1)
+    if best_of is not None and best_of != n:
+        raise invalid("'best_of' different from 'n' is not supported", "best_of")
+
+
+def _check_choices(count: int, max_choices: int) -> None:
+    if count > max_choices:
+        raise invalid(f"prompts x n is {count}; this server takes at most {max_choices} per request", "n")
+
+
+def _parse_prompts(value: Any) -> tuple[Prompt, ...]:
+    if value is None:
+        raise invalid("'prompt' is required", "prompt")
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list) or not value:
+        raise invalid("'prompt' must be a string, a non-empty array of strings or of token ids", "prompt")
+    if all(_is_int(x) for x in value):
+        return (_token_ids(value, "prompt"),)
+    if all(isinstance(x, str) for x in value):
+        return tuple(value)
+    if all(isinstance(x, list) for x in value):
+        out = []
+        for i, ids in enumerate(value):
+            if not ids or not all(_is_int(x) for x in ids):
+                raise invalid("each token id list must be a non-empty array of integers", f"prompt[{i}]")
+            out.append(_token_ids(ids, f"prompt[{i}]"))
+        return tuple(out)
+    raise invalid("'prompt' must be a string, an array of strings, of token ids or of token id arrays", "prompt")
+
+
+def _token_ids(ids: list[int], param: str) -> tuple[int, ...]:
+    if any(x < 0 for x in ids):
+        raise invalid("token ids must be >= 0", param)
+    return tuple(ids)
+
+
+def _parse_messages(value: Any) -> tuple[dict[str, Any], ...]:
+    if not isinstance(value, list) or not value:
+        raise invalid("'messages' must be a non-empty array", "messages")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise invalid("each message must be an object", where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise invalid(f"'role' must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
+        tool_calls = message.get("tool_calls")
+        if tool_calls is not None and (role != "assistant" or not isinstance(tool_calls, list)):
+            raise invalid("'tool_calls' must be an array on an assistant message", f"{where}.tool_calls")
+        parsed: dict[str, Any] = {
+            # Chat templates predate the developer role; OpenAI treats it as system.
+            "role": "system" if role == "developer" else role,
+            "content": _message_content(message.get("content"), where, allow_none=tool_calls is not None),
+        }
+        for key in ("name", "tool_call_id"):
+            if message.get(key) is not None:
+                if not isinstance(message[key], str):
+                    raise invalid(f"'{key}' must be a string", f"{where}.{key}")
+                parsed[key] = message[key]
+        if tool_calls is not None:
+            parsed["tool_calls"] = tool_calls
+        out.append(parsed)
+    return tuple(out)
+
+
+def _message_content(content: Any, where: str, allow_none: bool) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        if allow_none:
+            return ""
+        raise invalid("'content' is required", f"{where}.content")
+    if not isinstance(content, list):
+        raise invalid("'content' must be a string or an array of text parts", f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        param = f"{where}.content[{j}]"
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise invalid("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported", param)
+        if not isinstance(part.get("text"), str):
+            raise invalid("'text' must be a string", f"{param}.text")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _parse_template_kwargs(fields: Fields) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    tools = fields.raw("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise invalid("'tools' must be an array of objects", "tools")
+        out["tools"] = tools  # rendered by the chat template; tool calls come back as text
+    extra = fields.raw("chat_template_kwargs")
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise invalid("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        for key in extra:
+            if key in RESERVED_TEMPLATE_NAMES or not key.isidentifier():
+                raise invalid(f"'{key}' cannot be set through chat_template_kwargs", "chat_template_kwargs")
+        out.update(extra)
+    return out
+
+
+def _parse_stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise invalid("'stop' must be a non-empty string or an array of non-empty strings", "stop")
+    if len(stops) > MAX_STOP:
+        raise invalid(f"at most {MAX_STOP} stop strings are supported", "stop")
+    return tuple(dict.fromkeys(stops))
+
+
+def _parse_stop_token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(_is_int(x) and x >= 0 for x in value):
+        raise invalid("'stop_token_ids' must be an array of token ids", "stop_token_ids")
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise invalid(f"at most {MAX_STOP_TOKEN_IDS} stop token ids are supported", "stop_token_ids")
+    return tuple(dict.fromkeys(value))
+
+
+def _parse_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise invalid("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    out = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise invalid(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+        if token < 0:
+            raise invalid(f"logit_bias key {key!r} is not a token id", "logit_bias")
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            raise invalid(f"logit_bias values must be numbers in [-100, 100], got {bias!r}", "logit_bias")
+        out.append((token, float(bias)))
+    return tuple(sorted(out))
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+@dataclasses.dataclass
+class ChoiceResult:
+    """One choice of a non-streaming response, gathered from its events."""
+
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) and logprob > MIN_LOGPROB else MIN_LOGPROB
+
+
+class Renderer:
+    """Builds one response's objects; `token_bytes` maps a token id to the bytes it stands for
+    (`Tokenizer.token_bytes`; a token may hold part of a UTF-8 character)."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(
+        self,
+        response_id: str,
+        created: int,
+        model: str,
+        token_bytes: Callable[[int], bytes],
+        *,
+        include_usage: bool = False,
+        logprobs: bool = False,
+    ) -> None:
+        self.response_id = response_id
+        self.created = created
+        self.model = model
+        self.token_bytes = token_bytes
+        self.include_usage = include_usage
+        self.is_logprobs = logprobs
+
+    def token_text(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode("utf-8", "replace")
+
+    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.response_id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        out = self._envelope(self.chunk_object_name, [choice])
+        if self.include_usage:
+            out["usage"] = None  # OpenAI sends null on every chunk but the usage one
+        return out
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        out = self._envelope(self.chunk_object_name, [])
+        out["usage"] = usage(prompt_tokens, completion_tokens)
+        return out
+
+    def response(self, choices: list[ChoiceResult], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        out = self._envelope(self.object_name, [self._choice(c) for c in choices])
+        out["usage"] = usage(prompt_tokens, completion_tokens)
+        return out
+
+    # Per endpoint.
+    def start_chunks(self, index: int, echo_text: str) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def delta_chunk(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def finish_chunk(self, index: int, finish_reason: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _choice(self, choice: ChoiceResult) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class CompletionRenderer(Renderer):
+    """`text_completion` objects with legacy logprobs (tokens, token_logprobs, top_logprobs, text_offset)."""
+
+    object_name = chunk_object_name = "text_completion"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+
+    def _logprobs(self, index: int, entries: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+        if not self.is_logprobs:
+            return None
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = self._offsets.get(index, 0)
+        for entry in entries:
+            piece = self.token_text(entry.token_id)
+            out["tokens"].append(piece)
+            out["token_logprobs"].append(_finite(entry.logprob))
+            top = {self.token_text(t): _finite(lp) for t, lp in entry.top}
+            top.setdefault(piece, _finite(entry.logprob))  # the sampled token is always listed
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offset)
+            offset += len(piece)
+        self._offsets[index] = offset
+        return out
+
+    def _item(self, index: int, text: str, logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def start_chunks(self, index: int, echo_text: str) -> list[dict[str, Any]]:
+        self._offsets[index] = len(echo_text)
+        return [self._chunk(self._item(index, echo_text, None, None))] if echo_text else []
+
+    def delta_chunk(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+        return self._chunk(self._item(index, text, self._logprobs(index, logprobs), None))
+
+    def finish_chunk(self, index: int, finish_reason: str) -> dict[str, Any]:
+        return self._chunk(self._item(index, "", None, finish_reason))
+
+    def _choice(self, choice: ChoiceResult) -> dict[str, Any]:
+        return self._item(choice.index, choice.text, self._logprobs(choice.index, choice.logprobs), choice.finish_reason)
+
+
+class ChatRenderer(Renderer):
+    """`chat.completion` / `chat.completion.chunk` objects with `logprobs.content`."""
+
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        raw = self.token_bytes(token_id)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": _finite(logprob), "bytes": list(raw)}
+
+    def _logprobs(self, entries: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+        if not self.is_logprobs:
+            return None
+        content = []
+        for entry in entries:
+            item = self._entry(entry.token_id, entry.logprob)
+            item["top_logprobs"] = [self._entry(t, lp) for t, lp in entry.top]
+            content.append(item)
+        return {"content": content, "refusal": None}
+
+    def _item(self, index: int, delta: dict[str, Any], logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def start_chunks(self, index: int, echo_text: str) -> list[dict[str, Any]]:
+        return [self._chunk(self._item(index, {"role": "assistant", "content": ""}, None, None))]
+
+    def delta_chunk(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+        return self._chunk(self._item(index, {"content": text}, self._logprobs(logprobs), None))
+
+    def finish_chunk(self, index: int, finish_reason: str) -> dict[str, Any]:
+        return self._chunk(self._item(index, {}, None, finish_reason))
+
+    def _choice(self, choice: ChoiceResult) -> dict[str, Any]:
+        return {
+            "index": choice.index,
+            "message": {"role": "assistant", "content": choice.text, "refusal": None},
+            "logprobs": self._logprobs(choice.logprobs),
+            "finish_reason": choice.finish_reason,
+        }

@@ -1,0 +1,200 @@
+"""Sampling: hand-computed penalties and masks, greedy = argmax, seeded draws independent of
+the other rows and of the batch size, logprobs = log_softmax of the penalised logits."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import sampling
+from model.step_types import SamplingParams
+
+NUM_TOP = 4
+
+
+@functools.partial(jax.jit, static_argnames=("num_top",))
+def _sample(logits, arrays, prompt_mask, counts, step_index, num_top=NUM_TOP):
+    return sampling.sample(logits, arrays, prompt_mask, counts, step_index, num_top)
+
+
+def _run(logits, params, *, prompt_mask=None, counts=None, step_index=None, max_bias=4, num_top=NUM_TOP):
+    logits = np.asarray(logits, np.float32)
+    b, v = logits.shape
+    arrays = sampling.pack_sampling(params, max_bias)
+    prompt_mask = np.zeros((b, v), bool) if prompt_mask is None else np.asarray(prompt_mask, bool)
+    counts = np.zeros((b, v), np.int32) if counts is None else np.asarray(counts, np.int32)
+    step_index = np.zeros((b,), np.int32) if step_index is None else np.asarray(step_index, np.int32)
+    out = _sample(logits, arrays, prompt_mask, counts, step_index, num_top=num_top)
+    return tuple(np.asarray(x) for x in out)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def test_greedy_is_argmax_and_logprobs_are_log_softmax():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 50)).astype(np.float32) * 3
+    tokens, logprob, top_ids, top_lps = _run(logits, [SamplingParams(temperature=0)] * 3)
+    np.testing.assert_array_equal(tokens, logits.argmax(-1))
+    ref = _log_softmax(logits)
+    np.testing.assert_allclose(logprob, ref[np.arange(3), tokens], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(top_ids, np.argsort(-logits, axis=-1)[:, :NUM_TOP])
+    np.testing.assert_allclose(top_lps, np.sort(ref, axis=-1)[:, ::-1][:, :NUM_TOP], rtol=1e-5, atol=1e-5)
+    assert top_ids.dtype == np.int32 and tokens.dtype == np.int32
+
+
+def test_penalties_and_logit_bias_hand_computed():
+    logits = np.array([[1.0, -1.0, 2.0, 0.5, 0.0]], np.float32)
+    prompt_mask = np.array([[True, True, False, False, False]])
+    counts = np.array([[0, 0, 0, 2, 0]], np.int32)
+    params = SamplingParams(
+        temperature=0,
+        repetition_penalty=2.0,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        logit_bias=((2, -3.0), (4, 0.25)),
+    )
+    # bias:        [1, -1, -1, 0.5, 0.25]
+    # repetition over {0, 1, 3} (prompt or generated): positive / 2, negative * 2
+    #              [0.5, -2, -1, 0.25, 0.25]
+    # presence 0.5 and frequency 0.25 * 2 on token 3: 0.25 - 0.5 - 0.5 = -0.75
+    expected = np.array([0.5, -2.0, -1.0, -0.75, 0.25])
+    arrays = sampling.pack_sampling([params], 4)
+    got = sampling.apply_penalties(jnp.asarray(logits), arrays, jnp.asarray(prompt_mask), jnp.asarray(counts))
+    np.testing.assert_allclose(np.asarray(got)[0], expected, rtol=1e-6)
+
+    tokens, logprob, top_ids, top_lps = _run(logits, [params], prompt_mask=prompt_mask, counts=counts, num_top=5)
+    assert tokens[0] == 0
+    ref = _log_softmax(expected[None])[0]
+    np.testing.assert_allclose(logprob[0], ref[0], rtol=1e-5)
+    np.testing.assert_array_equal(top_ids[0], np.argsort(-expected, kind="stable"))
+    np.testing.assert_allclose(top_lps[0], np.sort(ref)[::-1], rtol=1e-5)
+
+
+def test_greedy_row_picks_argmax_of_penalised_logits_beside_sampling_rows():
+    logits = np.array([[3.0, 2.9, 0.0, 0.0]] * 2, np.float32)
+    greedy = SamplingParams(temperature=0, top_k=3, logit_bias=((1, 0.5),))
+    sampled = SamplingParams(temperature=1.0, top_k=2, seed=1)
+    tokens, *_ = _run(logits, [greedy, sampled])
+    assert tokens[0] == 1
+
+
+def _draw_sets(probs: list[float], params: SamplingParams, num_draws: int = 512) -> set[int]:
+    """The set of tokens drawn over `num_draws` rows with distinct seeds."""
+    logits = np.log(np.asarray(probs, np.float32))
+    batch = np.tile(logits, (num_draws, 1))
+    rows = [SamplingParams(**{**params.__dict__, "seed": i}) for i in range(num_draws)]
+    tokens, *_ = _run(batch, rows)
+    return set(tokens.tolist())
+
+
+PROBS = [0.5, 0.3, 0.15, 0.05]
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        (SamplingParams(), {0, 1, 2, 3}),
+        (SamplingParams(top_k=2), {0, 1}),
+        (SamplingParams(top_k=1), {0}),
+        (SamplingParams(top_p=0.7), {0, 1}),  # mass before token 1 is 0.5 < 0.7, before token 2 0.8
+        (SamplingParams(top_p=0.5), {0}),  # mass before token 1 is 0.5, not < 0.5
+        (SamplingParams(top_p=0.9), {0, 1, 2}),
+        (SamplingParams(min_p=0.2), {0, 1, 2}),  # floor 0.2 * 0.5 = 0.1
+        (SamplingParams(min_p=0.7), {0}),
+    ],
+)
+def test_truncation_masks(params, expected):
+    assert _draw_sets(PROBS, params) == expected
+
+
+def test_top_k_then_top_p_on_renormalised_mass():
+    # top_k=2 leaves [0.5, 0.3] -> [0.625, 0.375]; top_p=0.6 keeps only token 0.
+    assert _draw_sets(PROBS, SamplingParams(top_k=2, top_p=0.6)) == {0}
+    # Without top_k, top_p=0.6 keeps tokens 0 and 1 (mass before token 1 is 0.5).
+    assert _draw_sets(PROBS, SamplingParams(top_p=0.6)) == {0, 1}
+
+
+def test_temperature_sharpens():
+    cold = _draw_sets([0.4, 0.3, 0.2, 0.1], SamplingParams(temperature=0.02))
+    assert cold == {0}
+
+
+def test_seeded_draws_reproducible_and_independent_of_neighbours_and_batch():
+    rng = np.random.default_rng(1)
+    vocab = 1000
+    logits = rng.normal(size=(5, vocab)).astype(np.float32)
+    target = SamplingParams(temperature=1.0, seed=1234, top_p=0.95)
+    neighbours = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7, top_k=5, seed=7),
+        None,
+        SamplingParams(temperature=1.3, seed=9, repetition_penalty=1.3),
+    ]
+    alone = []
+    for step in range(6):
+        tok, lp, _, _ = _run(logits[2:3], [target], step_index=[step])
+        alone.append((int(tok[0]), float(lp[0])))
+    # Reproducible.
+    again, _, _, _ = _run(logits[2:3], [target], step_index=[0])
+    assert int(again[0]) == alone[0][0]
+    # The draws change with the token index.
+    assert len({t for t, _ in alone}) > 1
+    # Same row inside a batch of 5 with other settings and other step indices.
+    params = neighbours[:2] + [target] + neighbours[2:]
+    for step in range(6):
+        tok, lp, _, _ = _run(logits, params, step_index=[3, 1, step, 0, 5])
+        assert (int(tok[2]), float(lp[2])) == alone[step]
+    # And with neutral (no top_k / top_p) neighbours, so the sort branch does not run.
+    target_plain = SamplingParams(temperature=1.0, seed=99)
+    solo, _, _, _ = _run(logits[1:2], [target_plain], step_index=[4])
+    both, _, _, _ = _run(logits[:2], [SamplingParams(temperature=1.0, seed=5, top_k=3), target_plain], step_index=[0, 4])
+    assert int(solo[0]) == int(both[1])
+
+
+def test_unseeded_requests_draw_different_seeds():
+    arrays = sampling.pack_sampling([SamplingParams(), SamplingParams()], 0)
+    assert not np.array_equal(arrays.seed[0], arrays.seed[1])
+
+
+def test_pack_sampling_layout():
+    big_seed = (5 << 32) | 7
+    arrays = sampling.pack_sampling(
+        [None, SamplingParams(temperature=0.5, top_k=3, seed=big_seed, logit_bias=((9, -1.5),))], 3
+    )
+    assert arrays.temperature.tolist() == [0.0, 0.5]
+    assert arrays.top_k.tolist() == [0, 3]
+    assert arrays.top_p.tolist() == [1.0, 1.0]
+    assert arrays.repetition_penalty.tolist() == [1.0, 1.0]
+    assert arrays.seed.dtype == np.uint32 and arrays.seed[1].tolist() == [5, 7]
+    assert arrays.bias_ids.tolist() == [[-1, -1, -1], [9, -1, -1]]
+    assert arrays.bias_values[1].tolist() == [-1.5, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        sampling.pack_sampling([SamplingParams(logit_bias=((1, 1.0), (2, 1.0)))], 1)
+
+
+def test_one_compilation_serves_any_settings():
+    fn = jax.jit(sampling.sample, static_argnames=("num_top",))
+    logits = np.zeros((2, 8), np.float32)
+    mask, counts, steps = np.zeros((2, 8), bool), np.zeros((2, 8), np.int32), np.zeros((2,), np.int32)
+    for params in (
+        [None, None],
+        [SamplingParams(temperature=0.3, top_k=2, seed=1), SamplingParams(temperature=0, repetition_penalty=1.2)],
+        [SamplingParams(top_p=0.5, min_p=0.1, seed=2, logit_bias=((1, 3.0),)), None],
+    ):
+        fn(logits, sampling.pack_sampling(params, 2), mask, counts, steps, num_top=2)
+    assert fn._cache_size() == 1
+
+
+def test_update_counts():
+    counts = jnp.zeros((3, 4), jnp.int32)
+    counts = sampling.update_counts(counts, jnp.array([1, 2, 3]), jnp.array([True, False, True]))
+    counts = sampling.update_counts(counts, jnp.array([1, 2, 0]), jnp.array([True, True, True]))
+    np.testing.assert_array_equal(np.asarray(counts), [[0, 2, 0, 0], [0, 0, 1, 0], [1, 0, 0, 1]])

@@ -1,0 +1,202 @@
+"""Fakes for the scheduler tests: a StepModel with hand-computable tokens and a byte tokenizer.
+
+`FakeModel`: the token sampled after input t is (t + 1) % V, for prefills (t = the prompt's
+last token) and decodes alike, so a prompt ending in 'a' generates "bcd...". It checks the
+runner contract (setups before chunks, chunks in order, decodes only after the last chunk),
+records every plan, and can delay results (a device still running) or fail on a chosen step.
+
+`ByteTokenizer`: token id = byte (0..255); 256 is EOS, 257 another special token.
+"""
+
+from __future__ import annotations
+
+import codecs
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+
+from model.config import EngineConfig
+from model.step_types import StepOutput, StepPlan
+from scheduler.engine import Engine
+
+EOS = 256
+OTHER_SPECIAL = 257
+VOCAB = 258
+
+
+class ByteTokenizer:
+    vocab_size = VOCAB
+    eog_ids = frozenset({EOS})
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if not 0 <= token_id < VOCAB:
+            raise ValueError(f"token id {token_id} out of range")
+        return bytes([token_id]) if token_id < 256 else b""
+
+    def piece_bytes(self, token_id: int, skip_special: bool = True) -> bytes:
+        return self.token_bytes(token_id)
+
+    def strips_leading_space(self, ids) -> bool:
+        return False
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class ByteDetokenizer:
+    """IncrementalDetokenizer's shape: holds back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: ByteTokenizer, skip_special: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token_id: int) -> str:
+        return self._decoder.decode(self._tokenizer.token_bytes(token_id))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+class _FakePending:
+    def __init__(self, output: StepOutput, ready_at: float, gate: threading.Event | None) -> None:
+        self._output, self._ready_at, self._gate = output, ready_at, gate
+
+    def result(self) -> StepOutput:
+        if self._gate is not None:
+            self._gate.wait()
+        delay = self._ready_at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        return self._output
+
+
+class FakeModel:
+    def __init__(
+        self,
+        num_slots: int = 8,
+        max_context: int = 256,
+        prefill_chunks: tuple[int, ...] = (4, 8),
+        max_top_logprobs: int = 3,
+        *,
+        step_delay: float = 0.0,
+        fail_at_step: int | None = None,
+        gate: threading.Event | None = None,
+    ) -> None:
+        self.num_slots = num_slots
+        self.max_context = max_context
+        self.prefill_chunks = prefill_chunks
+        self.max_top_logprobs = max_top_logprobs
+        self.step_delay = step_delay
+        self.fail_at_step = fail_at_step
+        self.gate = gate  # when set: results wait for it (a device that has not finished)
+        self.plans: list[StepPlan] = []
+        self.is_warm = False
+        self._last: list[int | None] = [None] * num_slots  # device-held next input token
+        self._pos: list[int | None] = [None] * num_slots  # next cache position; None: no request
+
+    def warmup(self) -> None:
+        self.is_warm = True
+
+    def dispatch(self, plan: StepPlan) -> _FakePending:
+        if self.fail_at_step is not None and len(self.plans) == self.fail_at_step:
+            raise RuntimeError("device on fire")
+        assert self.is_warm, "dispatch before warmup"
+        self.plans.append(plan)
+        b, k = self.num_slots, self.max_top_logprobs
+        out = StepOutput(
+            tokens=np.zeros((b,), np.int32),
+            valid=np.zeros((b,), bool),
+            logprobs=np.zeros((b,), np.float32),
+            top_ids=np.zeros((b, k), np.int32),
+            top_logprobs=np.zeros((b, k), np.float32),
+        )
+        for setup in plan.setups:
+            self._pos[setup.slot], self._last[setup.slot] = 0, None
+        prefill_slots = {c.slot for c in plan.prefills}
+        for slot in plan.decode_slots:
+            assert slot not in prefill_slots, f"slot {slot} decodes and prefills in one step"
+            assert self._last[slot] is not None, f"slot {slot} decodes before its prompt is done"
+            assert self._pos[slot] < self.max_context, f"slot {slot} decodes past the context"
+            self._pos[slot] += 1
+            self._sample(out, slot, self._last[slot])
+        for chunk in plan.prefills:
+            n = len(chunk.tokens)
+            assert self._pos[chunk.slot] is not None, f"slot {chunk.slot} prefilled without a setup"
+            assert self._last[chunk.slot] is None, f"slot {chunk.slot} prefilled after its last chunk"
+            assert chunk.start_pos == self._pos[chunk.slot], "chunks out of order"
+            assert 1 <= n <= self.prefill_chunks[-1], f"chunk of {n} tokens"
+            self._pos[chunk.slot] += n
+            if chunk.is_last:
+                self._sample(out, chunk.slot, int(chunk.tokens[-1]))
+        return _FakePending(out, time.monotonic() + self.step_delay, self.gate)
+
+    def _sample(self, out: StepOutput, slot: int, last: int) -> None:
+        token = (last + 1) % VOCAB
+        self._last[slot] = token
+        out.tokens[slot], out.valid[slot] = token, True
+        out.logprobs[slot] = -token / 1000
+        out.top_ids[slot] = [(token + i) % VOCAB for i in range(self.max_top_logprobs)]
+        out.top_logprobs[slot] = [-token / 1000 - i for i in range(self.max_top_logprobs)]
+
+    def decode_count(self, slot: int) -> int:
+        return sum(slot in p.decode_slots for p in self.plans)
+
+
+@pytest.fixture
+def tokenizer() -> ByteTokenizer:
+    return ByteTokenizer()
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., tuple[Engine, FakeModel]]]:
+    """make_engine(model=None, factory=None, start=True, detokenizer_factory=ByteDetokenizer,
+    **EngineConfig fields) -> (engine, model); detokenizer_factory=None: the engine's default."""
+    engines: list[Engine] = []
+
+    def make(
+        model: FakeModel | None = None,
+        *,
+        factory: Callable[[], Any] | None = None,
+        start: bool = True,
+        detokenizer_factory: Callable[[Any], Any] | None = ByteDetokenizer,
+        **config: Any,
+    ) -> tuple[Engine, FakeModel]:
+        model = model or FakeModel()
+        config.setdefault("num_slots", model.num_slots)
+        config.setdefault("max_context", model.max_context)
+        config.setdefault("prefill_chunks", model.prefill_chunks)
+        config.setdefault("prefill_budget", model.prefill_chunks[-1] * 2)
+        config.setdefault("max_top_logprobs", model.max_top_logprobs)
+        engine = Engine(
+            factory or (lambda: model),
+            ByteTokenizer(),
+            EngineConfig(**config),
+            model_name="fake",
+            info={"kernels": {"attention": "fake"}},
+            detokenizer_factory=detokenizer_factory,
+        )
+        engines.append(engine)
+        if start:
+            engine.start()
+            engine.wait_ready(10)
+        return engine, model
+
+    yield make
+    for engine in engines:
+        engine.shutdown(timeout=10)
+
+
+@pytest.fixture
+def fake_model_cls() -> type[FakeModel]:
+    return FakeModel
+
+
+@pytest.fixture
+def detokenizer_cls() -> type[ByteDetokenizer]:
+    return ByteDetokenizer

@@ -1,0 +1,507 @@
+"""The engine thread over a fake StepModel (tests/scheduler/conftest.py): token N+1 follows N.
+
+Covers slot reuse and waiting, cancellation, deadlines, stop conditions, admission limits,
+prefill chunking and budget, failures, idling without spinning, shutdown and timings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+import threading
+import time
+
+import pytest
+
+from model.step_types import SamplingParams
+from scheduler.types import (
+    EngineUnavailableError,
+    GenerationRequest,
+    QueueFullError,
+    RequestValidationError,
+    StreamEvent,
+    TokenLogprob,
+)
+
+EOS = 256
+
+
+@dataclasses.dataclass
+class Result:
+    events: list[StreamEvent]
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for e in self.events for t in e.token_ids]
+
+    @property
+    def final(self) -> StreamEvent:
+        return self.events[-1]
+
+
+def req(prompt: str | list[int], max_tokens: int = 5, **kw) -> GenerationRequest:
+    tokens = tuple(prompt.encode()) if isinstance(prompt, str) else tuple(prompt)
+    return GenerationRequest(request_id=kw.pop("request_id", "r"), prompt_tokens=tokens, max_tokens=max_tokens, **kw)
+
+
+async def collect(stream) -> Result:
+    events = [event async for event in stream]
+    assert events[-1].finish_reason is not None
+    assert all(e.finish_reason is None for e in events[:-1])
+    return Result(events)
+
+
+def run(coro, timeout: float = 10.0):
+    async def bounded():
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+def expected_text(last: str, n: int) -> str:
+    return "".join(chr(ord(last) + i + 1) for i in range(n))
+
+
+def wait_until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.001)
+
+
+def engine_thread_is_blocked_on_inbox(engine) -> bool:
+    frame = sys._current_frames().get(engine._thread.ident)
+    names = []
+    while frame is not None:
+        names.append((frame.f_code.co_filename, frame.f_code.co_name))
+        frame = frame.f_back
+    return any(fn.endswith("queue.py") and name == "get" for fn, name in names)
+
+
+# ---- basics ----
+
+
+def test_generates_and_reports_usage(make_engine):
+    engine, model = make_engine()
+    assert engine.stats().state == "ready"
+    result = run(collect_one(engine, req("hello a", max_tokens=5)))
+    assert result.text == "bcdef"
+    assert result.tokens == [ord(c) for c in "bcdef"]
+    assert result.final.finish_reason == "length"
+    assert (result.final.prompt_tokens, result.final.completion_tokens) == (7, 5)
+    wait_until(lambda: engine_thread_is_blocked_on_inbox(engine))  # the snapshot follows the step
+    stats = engine.stats()
+    assert (stats.prompt_tokens_total, stats.generation_tokens_total) == (7, 5)
+    assert (stats.slots_busy, stats.requests_running, stats.requests_waiting) == (0, 0, 0)
+    info = engine.info()
+    assert info["model"] == "fake" and info["num_slots"] == 8 and info["kernels"] == {"attention": "fake"}
+
+
+async def collect_one(engine, request) -> Result:
+    return await collect(engine.submit(request))
+
+
+def test_default_detokenizer(make_engine):
+    # model.tokenizer.IncrementalDetokenizer over the byte tokenizer.
+    engine, _ = make_engine(detokenizer_factory=None)
+    result = run(collect_one(engine, req("a", max_tokens=3, stop=("d",))))
+    assert result.text == "bc" and result.final.finish_reason == "stop"
+
+
+def test_logprobs(make_engine):
+    engine, _ = make_engine()
+    request = req("a", max_tokens=2, logprobs=True, sampling=SamplingParams(top_logprobs=2))
+    result = run(collect_one(engine, request))
+    lps = [lp for e in result.events for lp in e.logprobs]
+    b, c = ord("b"), ord("c")
+    assert lps[0] == TokenLogprob(b, pytest.approx(-b / 1000), ((b, pytest.approx(-b / 1000)), (b + 1, pytest.approx(-b / 1000 - 1))))
+    assert lps[1].token_id == c and len(lps[1].top) == 2
+    no_lp = run(collect_one(engine, req("a", max_tokens=2)))
+    assert all(e.logprobs == () for e in no_lp.events)
+
+
+def test_nine_requests_share_eight_slots(make_engine, fake_model_cls):
+    engine, model = make_engine(fake_model_cls(step_delay=0.001))
+
+    async def main():
+        streams = [engine.submit(req(chr(ord("A") + i), max_tokens=4 + i, request_id=str(i))) for i in range(9)]
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    results = run(main())
+    for i, result in enumerate(results):
+        assert result.text == expected_text(chr(ord("A") + i), 4 + i)
+        assert result.final.finish_reason == "length"
+    setups = [(n, s.slot) for n, p in enumerate(model.plans) for s in p.setups]
+    assert len(setups) == 9
+    assert len({slot for _, slot in setups}) == 8
+    # The ninth joined only after the first request (4 tokens) had finished, in its slot.
+    ninth_plan, ninth_slot = setups[-1]
+    first_plan, first_slot = setups[0]
+    assert ninth_slot == first_slot and ninth_plan > first_plan + 3
+    assert max(len(p.decode_slots) + len({c.slot for c in p.prefills}) for p in model.plans) <= 8
+
+
+def test_waiting_request_is_counted(make_engine, fake_model_cls):
+    gate = threading.Event()
+    engine, model = make_engine(fake_model_cls(num_slots=1, gate=gate), max_queue=4)
+
+    async def main():
+        first = engine.submit(req("a", max_tokens=3))
+        second = engine.submit(req("x", max_tokens=2))
+        await asyncio.to_thread(wait_until, lambda: engine.stats().requests_waiting == 1)
+        stats = engine.stats()
+        assert (stats.requests_running, stats.slots_busy) == (1, 1)
+        gate.set()
+        return await collect(first), await collect(second)
+
+    first, second = run(main())
+    assert (first.text, second.text) == ("bcd", "yz")
+
+
+# ---- overlap: the extra token of a finished slot ----
+
+
+def test_extra_token_after_stop_is_discarded_and_slot_reused(make_engine, fake_model_cls):
+    engine, model = make_engine(fake_model_cls(num_slots=1), max_queue=2)
+
+    async def main():
+        a = engine.submit(req("a", max_tokens=10, stop_token_ids=(ord("d"),)))
+        b = engine.submit(req("p", max_tokens=3))
+        return await collect(a), await collect(b)
+
+    a, b = run(main())
+    assert a.tokens == [ord(c) for c in "bcd"] and a.text == "bc" and a.final.finish_reason == "stop"
+    assert a.final.completion_tokens == 3
+    assert b.text == "qrs" and b.tokens == [ord(c) for c in "qrs"]
+    # "a": first token from the prefill, "c" and "d" from decodes, and one extra decode ("e")
+    # dispatched before "d" was seen; "b" then decoded twice in the same slot.
+    assert model.decode_count(0) == 3 + 2
+
+
+# ---- stop conditions ----
+
+
+def test_stop_string_spanning_tokens_is_never_sent(make_engine):
+    engine, _ = make_engine()
+    result = run(collect_one(engine, req("a", max_tokens=20, stop=("def",))))
+    assert result.text == "bc" and result.final.finish_reason == "stop"
+    assert all("d" not in e.text for e in result.events)
+    assert result.tokens == [ord(c) for c in "bcdef"]  # tokens include the stop string's
+    assert result.final.completion_tokens == 5
+
+
+def test_held_back_text_released_when_stop_fails(make_engine):
+    engine, _ = make_engine()
+    result = run(collect_one(engine, req("a", max_tokens=6, stop=("cdX",))))
+    assert [e.text for e in result.events] == ["b", "", "", "cde", "f", "g"]
+    assert result.final.finish_reason == "length"
+
+
+def test_held_back_text_flushed_at_length(make_engine):
+    engine, _ = make_engine()
+    result = run(collect_one(engine, req("a", max_tokens=5, stop=("fg", "zz"))))
+    assert result.text == "bcdef" and result.final.finish_reason == "length"
+    assert result.events[-1].text == "f"
+
+
+def test_earliest_stop_string_wins(make_engine):
+    engine, _ = make_engine()
+    result = run(collect_one(engine, req("a", max_tokens=20, stop=("ef", "cdefg", "d"))))
+    assert result.text == "bc" and result.final.finish_reason == "stop"
+
+
+def test_stop_token_ids(make_engine):
+    engine, _ = make_engine()
+    result = run(collect_one(engine, req("a", max_tokens=20, stop_token_ids=(ord("e"),))))
+    assert result.text == "bcd" and result.tokens[-1] == ord("e")
+    assert result.final.finish_reason == "stop" and result.final.completion_tokens == 4
+
+
+def test_eos_and_ignore_eos(make_engine):
+    engine, _ = make_engine()
+    result = run(collect_one(engine, req([97, 253], max_tokens=20)))
+    assert result.tokens == [254, 255, EOS]
+    assert result.final.finish_reason == "stop" and result.final.completion_tokens == 3
+    ignored = run(collect_one(engine, req([97, 253], max_tokens=6, ignore_eos=True)))
+    assert ignored.tokens == [254, 255, EOS, 257, 0, 1]
+    assert ignored.final.finish_reason == "length"
+
+
+def test_incomplete_utf8_is_held_back(make_engine):
+    engine, _ = make_engine()
+    # "é" is C3 A9; the prompt ends in C2 so the model generates C3 then C4 (invalid pair).
+    result = run(collect_one(engine, req([0xC2], max_tokens=1)))
+    assert result.tokens == [0xC3] and result.text == "\ufffd"  # flushed at the end only
+    assert result.events[0].finish_reason == "length"
+
+
+# ---- admission ----
+
+
+def test_queue_full(make_engine, fake_model_cls):
+    gate = threading.Event()
+    engine, _ = make_engine(fake_model_cls(num_slots=1, gate=gate), max_queue=1)
+
+    async def main():
+        a = engine.submit(req("a", max_tokens=2))
+        b = engine.submit(req("b", max_tokens=2))
+        with pytest.raises(QueueFullError):
+            engine.submit(req("c", max_tokens=2))
+        assert engine.stats().requests_rejected_total == 1
+        gate.set()
+        await collect(a)
+        await collect(b)
+        # Places come back when requests end.
+        return await collect(engine.submit(req("c", max_tokens=2)))
+
+    assert run(main()).text == "de"
+
+
+def test_validation(make_engine, fake_model_cls):
+    engine, _ = make_engine(fake_model_cls(max_context=32))
+
+    async def main():
+        cases = [
+            (req([1] * 32, max_tokens=1), "prompt"),
+            (req([1] * 30, max_tokens=3), "max_tokens"),
+            (req([1, 300], max_tokens=1), "prompt"),
+            (req([1], max_tokens=1, sampling=SamplingParams(top_logprobs=4)), "top_logprobs"),
+            (req([1], max_tokens=1, sampling=SamplingParams(logit_bias=((999, 1.0),))), "logit_bias"),
+        ]
+        for request, field in cases:
+            with pytest.raises(RequestValidationError) as info:
+                engine.submit(request)
+            assert info.value.field == field
+        return await collect(engine.submit(req([1] * 30, max_tokens=2)))
+
+    result = run(main())
+    assert result.final.completion_tokens == 2
+
+
+def test_not_ready_raises(make_engine):
+    engine, _ = make_engine(start=False)
+
+    async def main():
+        with pytest.raises(EngineUnavailableError):
+            engine.submit(req("a"))
+
+    run(main())
+    assert engine.stats().state == "loading"
+
+
+# ---- prefill chunks and budget ----
+
+
+def test_chunks_at_fixed_boundaries_within_budget(make_engine, fake_model_cls):
+    # Chunks 4 and 8, budget 12: a chunk of n tokens costs the compiled size it is padded to.
+    engine, model = make_engine(fake_model_cls(step_delay=0.001), prefill_budget=12)
+    prompts = [[65] * 19, [66] * 5, [67] * 3, [68] * 8, [69] * 17]
+
+    async def main():
+        streams = [engine.submit(req(p, max_tokens=3)) for p in prompts]
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    results = run(main())
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == [prompt[-1] + 1, prompt[-1] + 2, prompt[-1] + 3]
+    slot_prompt = {}
+    for plan in model.plans:
+        for setup in plan.setups:
+            slot_prompt[setup.slot] = None
+        cost = sum(4 if len(c.tokens) <= 4 else 8 for c in plan.prefills)
+        assert cost <= 12
+        for chunk in plan.prefills:
+            if chunk.start_pos == 0:
+                slot_prompt[chunk.slot] = next(p for p in prompts if p[0] == chunk.tokens[0])
+            prompt = slot_prompt[chunk.slot]
+            assert chunk.start_pos % 8 == 0
+            assert len(chunk.tokens) == min(8, len(prompt) - chunk.start_pos)
+            assert chunk.is_last == (chunk.start_pos + len(chunk.tokens) == len(prompt))
+
+
+def test_long_prompt_does_not_stall_decodes(make_engine, fake_model_cls):
+    engine, model = make_engine(fake_model_cls(step_delay=0.001), prefill_budget=8)
+
+    async def main():
+        short = engine.submit(req("a", max_tokens=30))
+        first = await short.__anext__()
+        long = engine.submit(req([70] * 60, max_tokens=2))
+        return first, await collect(short), await collect(long)
+
+    first, short, long = run(main())
+    assert first.text + short.text == expected_text("a", 30)
+    assert long.tokens == [71, 72]
+    prefill_plans = [p for p in model.plans if any(c.slot == 1 for c in p.prefills)]
+    assert len(prefill_plans) == 8  # 60 tokens in chunks of 8, one per step
+    assert all(0 in p.decode_slots for p in prefill_plans)
+
+
+# ---- cancellation and deadlines ----
+
+
+def test_cancel_frees_slot_and_stops_tokens(make_engine, fake_model_cls):
+    engine, model = make_engine(fake_model_cls(num_slots=1, step_delay=0.002))
+
+    async def main():
+        stream = engine.submit(req("A", max_tokens=200))
+        events = [await stream.__anext__() for _ in range(3)]
+        stream.cancel()
+        stream.cancel()  # idempotent
+        rest = await collect(stream)
+        return Result(events + rest.events)
+
+    result = run(main())
+    assert result.final.finish_reason == "cancelled"
+    assert result.final.token_ids == ()
+    assert result.text == expected_text("A", len(result.tokens))
+    assert len(result.tokens) < 200
+    wait_until(lambda: engine_thread_is_blocked_on_inbox(engine))
+    num_plans = len(model.plans)
+    assert model.decode_count(0) <= len(result.tokens) + 1  # at most the one step in flight
+    assert engine.stats().slots_busy == 0
+    # The slot serves the next request; nothing more was computed for the cancelled one.
+    assert run(collect_one(engine, req("a", max_tokens=2))).text == "bc"
+    assert model.plans[num_plans].setups[0].slot == 0
+
+
+def test_cancel_while_waiting(make_engine, fake_model_cls):
+    gate = threading.Event()
+    engine, model = make_engine(fake_model_cls(num_slots=1, gate=gate), max_queue=2)
+
+    async def main():
+        running = engine.submit(req("a", max_tokens=3))
+        waiting = engine.submit(req("x", max_tokens=3))
+        waiting.cancel()
+        cancelled = await collect(waiting)
+        gate.set()
+        return await collect(running), cancelled
+
+    running, cancelled = run(main())
+    assert running.text == "bcd"
+    assert cancelled.final.finish_reason == "cancelled" and cancelled.tokens == []
+    assert sum(len(p.setups) for p in model.plans) == 1
+
+
+def test_timeout_running_and_waiting(make_engine, fake_model_cls):
+    engine, _ = make_engine(fake_model_cls(num_slots=1, step_delay=0.002), max_queue=2)
+
+    async def main():
+        running = engine.submit(req("A", max_tokens=200, timeout_s=0.05))
+        waiting = engine.submit(req("a", max_tokens=2, timeout_s=0.02))
+        return await collect(running), await collect(waiting)
+
+    running, waiting = run(main())
+    assert running.final.finish_reason == "timeout"
+    assert len(running.tokens) < 200
+    assert running.text == expected_text("A", len(running.tokens))
+    assert running.final.completion_tokens == len(running.tokens)
+    assert waiting.final.finish_reason == "timeout" and waiting.tokens == []
+
+
+# ---- failures ----
+
+
+def test_engine_failure_ends_every_stream(make_engine, fake_model_cls):
+    engine, _ = make_engine(fake_model_cls(step_delay=0.001, fail_at_step=5))
+
+    async def main():
+        streams = [engine.submit(req(c, max_tokens=20)) for c in "abc"]
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        with pytest.raises(EngineUnavailableError, match="device on fire"):
+            engine.submit(req("a"))
+        return results
+
+    for result in run(main()):
+        assert result.final.finish_reason == "error" and "device on fire" in result.final.error
+    stats = engine.stats()
+    assert stats.state == "failed" and "device on fire" in stats.error
+    assert not engine.wait_ready(0)
+
+
+def test_load_failure(make_engine):
+    def factory():
+        raise OSError("no such model")
+
+    engine, _ = make_engine(factory=factory)
+    assert not engine.wait_ready(1)
+    assert engine.stats().state == "failed" and "no such model" in engine.stats().error
+
+
+def test_one_request_error_is_isolated(make_engine, detokenizer_cls):
+    class Fragile(detokenizer_cls):
+        def add(self, token_id: int) -> str:
+            if token_id == ord("d"):
+                raise UnicodeError("bad bytes")
+            return super().add(token_id)
+
+    engine, _ = make_engine(detokenizer_factory=Fragile)
+
+    async def main():
+        bad = engine.submit(req("a", max_tokens=5))
+        good = engine.submit(req("A", max_tokens=5))
+        return await collect(bad), await collect(good)
+
+    bad, good = run(main())
+    assert bad.final.finish_reason == "error" and "bad bytes" in bad.final.error
+    assert bad.text == "bc"
+    assert good.text == "BCDEF" and good.final.finish_reason == "length"
+    assert engine.stats().state == "ready"
+
+
+def test_shutdown_ends_streams_and_stops(make_engine, fake_model_cls):
+    gate = threading.Event()
+    engine, _ = make_engine(fake_model_cls(gate=gate))
+
+    async def main():
+        stream = engine.submit(req("a", max_tokens=5))
+        await asyncio.to_thread(wait_until, lambda: engine.stats().requests_running == 1)
+        # The engine waits on its first step (gate); the shutdown command lands meanwhile.
+        stopping = asyncio.create_task(asyncio.to_thread(engine.shutdown, 5))
+        await asyncio.to_thread(wait_until, lambda: engine._inbox.qsize() == 1)
+        gate.set()
+        await stopping
+        result = await collect(stream)
+        with pytest.raises(EngineUnavailableError):
+            engine.submit(req("a"))
+        return result
+
+    result = run(main())
+    assert result.final.finish_reason == "error" and "shutting down" in result.final.error
+    assert len(result.tokens) <= 1
+    assert engine.stats().state == "stopped"
+    assert not engine._thread.is_alive()
+    engine.shutdown()  # idempotent
+
+
+# ---- idling and timings ----
+
+
+def test_blocks_on_inbox_when_idle(make_engine):
+    engine, model = make_engine()
+    wait_until(lambda: engine_thread_is_blocked_on_inbox(engine))
+    run(collect_one(engine, req("a", max_tokens=3)))
+    wait_until(lambda: engine_thread_is_blocked_on_inbox(engine))
+    num_plans = len(model.plans)
+    time.sleep(0.05)
+    assert engine_thread_is_blocked_on_inbox(engine) and len(model.plans) == num_plans
+
+
+def test_observer_gets_timings(make_engine, fake_model_cls):
+    engine, _ = make_engine(fake_model_cls(step_delay=0.001))
+    timings = []
+    engine.add_observer(timings.append)
+    engine.add_observer(lambda t: 1 / 0)  # a failing observer is logged and ignored
+    result = run(collect_one(engine, req("a", max_tokens=4, request_id="t1")))
+    assert result.text == "bcde"
+    wait_until(lambda: len(timings) == 1)
+    (timing,) = timings
+    assert timing.request_id == "t1" and timing.finish_reason == "length"
+    assert (timing.prompt_tokens, timing.completion_tokens) == (1, 4)
+    assert timing.queue_s is not None and 0 <= timing.queue_s <= timing.ttft_s <= timing.e2e_s
+    assert len(timing.itl_s) == 3 and all(gap >= 0 for gap in timing.itl_s)

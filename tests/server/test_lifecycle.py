@@ -1,0 +1,242 @@
+"""Loading and health, metrics, tokenize/detokenize, models, and clients that leave early."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any, Awaitable, Callable
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+
+from server.app import EngineHolder, create_app
+from server.config import ServerConfig
+from tests.server.fakes import BOS, MODEL_NAME, FakeEngine, client_for, make_app, tok
+
+pytestmark = pytest.mark.anyio
+
+
+class _ObservedHolder(EngineHolder):
+    """Lets a test await the loader thread's reports, which arrive on the event loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changed = asyncio.Event()
+
+    def attach(self, engine: Any) -> None:
+        super().attach(engine)
+        self.changed.set()
+
+    def mark_ready(self) -> None:
+        super().mark_ready()
+        self.changed.set()
+
+    def fail(self, message: str) -> None:
+        super().fail(message)
+        self.changed.set()
+
+    async def next_change(self) -> None:
+        async with asyncio.timeout(10):
+            await self.changed.wait()
+        self.changed.clear()
+
+
+async def test_health_follows_the_engine(engine: FakeEngine) -> None:
+    app = make_app(None)
+    holder: EngineHolder = app.state.holder
+    async with client_for(app) as c:
+        r = await c.get("/health")
+        assert (r.status_code, r.json()) == (503, {"status": "loading"})
+        holder.attach(engine)  # built, still warming up
+        assert (await c.get("/health")).status_code == 503
+        holder.mark_ready()
+        r = await c.get("/health")
+        assert r.status_code == 200
+        body = r.json()
+        assert body["status"] == "ok" and body["model"] == "fake-model" and body["slots"] == 2
+        assert body["kernels"] == {"attention": "reference"} and body["max_context"] == 64
+        engine.state = "failed"
+        r = await c.get("/health")
+        assert (r.status_code, r.json()) == (503, {"status": "failed", "error": "device lost"})
+        assert (await c.get("/v1/health")).status_code == 503
+
+
+async def test_loader_thread_and_shutdown() -> None:
+    engine = FakeEngine()
+    engine.ready_gate = threading.Event()
+    holder = _ObservedHolder()
+    app = create_app(ServerConfig(model_name=MODEL_NAME), holder, engine_factory=lambda: engine)
+    async with app.router.lifespan_context(app), client_for(app) as c:
+        await holder.next_change()  # attached
+        assert (await c.get("/health")).json() == {"status": "loading"}
+        assert (await c.post("/v1/completions", json={"prompt": "x"})).status_code == 503
+        engine.ready_gate.set()
+        await holder.next_change()  # ready
+        assert engine.is_started
+        assert (await c.get("/health")).status_code == 200
+        assert (await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})).status_code == 200
+        assert not engine.is_shut_down
+    assert engine.is_shut_down
+
+
+async def test_load_failure_shows_on_health() -> None:
+    def factory() -> FakeEngine:
+        raise FileNotFoundError("no such model")
+
+    holder = _ObservedHolder()
+    app = create_app(ServerConfig(model_name=MODEL_NAME), holder, engine_factory=factory)
+    async with app.router.lifespan_context(app), client_for(app) as c:
+        await holder.next_change()
+        r = await c.get("/health")
+        assert (r.status_code, r.json()) == (503, {"status": "failed", "error": "FileNotFoundError: no such model"})
+        r = await c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and "no such model" in r.json()["error"]["message"]
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+async def test_metrics(client: httpx.AsyncClient) -> None:
+    assert (await client.post("/v1/completions", json={"prompt": "x"})).status_code == 200
+    assert (await client.get("/nope")).status_code == 404
+    r = await client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    m = _samples(r.text)
+    http = "pallas_http_requests_total"
+    assert m[(http, (("method", "POST"), ("route", "/v1/completions"), ("status", "200")))] == 1
+    assert m[(http, (("method", "GET"), ("route", "other"), ("status", "404")))] == 1
+    assert m[("pallas_time_to_first_token_seconds_count", ())] == 1
+    assert m[("pallas_time_to_first_token_seconds_sum", ())] == pytest.approx(0.02)
+    assert m[("pallas_inter_token_latency_seconds_count", ())] == 10  # 11 tokens
+    assert m[("pallas_request_duration_seconds_count", ())] == 1
+    assert m[("pallas_request_queue_seconds_count", ())] == 1
+    assert m[("pallas_requests_finished_total", (("finish_reason", "stop"),))] == 1
+    assert m[("pallas_engine_ready", ())] == 1
+    assert m[("pallas_slots", ())] == 2
+    assert m[("pallas_slots_busy", ())] == 0
+    assert m[("pallas_slot_occupancy", ())] == 0
+    assert m[("pallas_requests_running", ())] == 0 and m[("pallas_requests_waiting", ())] == 0
+    assert m[("pallas_requests_rejected_total", ())] == 0
+    assert m[("pallas_prompt_tokens_total", ())] == 2
+    assert m[("pallas_generation_tokens_total", ())] == 7
+
+
+async def test_metrics_without_an_engine_and_per_app_registries() -> None:
+    apps = [make_app(None), make_app(None)]  # a second app must not collide with the first
+    async with client_for(apps[1]) as c:
+        m = _samples((await c.get("/metrics")).text)
+    assert m[("pallas_engine_ready", ())] == 0 and m[("pallas_slots", ())] == 0
+
+
+async def test_models(client: httpx.AsyncClient) -> None:
+    body = (await client.get("/v1/models")).json()
+    assert body["object"] == "list"
+    (entry,) = body["data"]
+    assert entry["id"] == MODEL_NAME and entry["object"] == "model" and entry["owned_by"] == "pallas-serve"
+    assert (await client.get("/models")).json()["data"][0]["id"] == MODEL_NAME
+
+
+async def test_tokenize_and_detokenize(client: httpx.AsyncClient) -> None:
+    async def tokens(body: dict[str, Any]) -> Any:
+        r = await client.post("/tokenize", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    assert await tokens({"content": "Hi"}) == tok("Hi")  # add_special defaults to false
+    assert await tokens({"content": "Hi", "add_special": True}) == [BOS, *tok("Hi")]
+    assert await tokens({"prompt": "<s>"}) == [BOS]  # parse_special defaults to true
+    assert await tokens({"content": "<s>", "parse_special": False}) == tok("<s>")
+    assert await tokens({"content": "Hi", "with_pieces": True}) == [
+        {"id": tok("H")[0], "piece": "H"},
+        {"id": tok("i")[0], "piece": "i"},
+    ]
+    assert await tokens({"content": "é", "with_pieces": True}) == [
+        {"id": tok("é")[0], "piece": [0xC3]},  # not whole UTF-8: bytes, as llama-server
+        {"id": tok("é")[1], "piece": [0xA9]},
+    ]
+    r = await client.post("/detokenize", json={"tokens": [BOS, *tok("Hi")]})
+    assert r.json() == {"content": "<s>Hi"}
+    assert (await client.post("/detokenize", json={"tokens": []})).json() == {"content": ""}
+
+
+# ----------------------------------------------------------------------------- clients leaving
+
+
+LeaveWhen = Callable[[list[dict], asyncio.Event], Awaitable[None]]
+
+
+async def _call(app: Starlette, body: dict[str, Any], leave_when: LeaveWhen) -> list[dict]:
+    """Drives the ASGI app by hand: sends `body`, then reports a disconnect once
+    `leave_when(sent, progress)` returns; `progress` is set on every message the app sends."""
+    sent: list[dict] = []
+    progress = asyncio.Event()
+    is_body_read = False
+
+    async def receive() -> dict:
+        nonlocal is_body_read
+        if not is_body_read:
+            is_body_read = True
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        await leave_when(sent, progress)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        progress.set()
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1234),
+        "server": ("test", 80),
+    }
+    async with asyncio.timeout(10):
+        await app(scope, receive, send)
+    return sent
+
+
+async def test_client_leaving_a_stream_cancels_its_requests(app: Starlette, engine: FakeEngine) -> None:
+    engine.hold = True  # each request sends "H", then keeps running until cancelled
+
+    async def after_first_delta(sent: list[dict], progress: asyncio.Event) -> None:
+        while not any(b'"text":"H"' in m.get("body", b"") for m in sent):
+            progress.clear()
+            await progress.wait()
+
+    sent = await _call(app, {"prompt": "x", "stream": True, "n": 2}, after_first_delta)
+    assert sent[0]["status"] == 200
+    assert [s.is_cancelled for s in engine.streams] == [True, True]
+    assert not any(b"[DONE]" in m.get("body", b"") for m in sent)
+    async with client_for(app) as c:
+        m = _samples((await c.get("/metrics")).text)
+    assert m[("pallas_requests_finished_total", (("finish_reason", "cancelled"),))] == 2
+
+
+async def test_client_leaving_a_non_streaming_request_cancels_it(app: Starlette, engine: FakeEngine) -> None:
+    engine.hold = True
+    engine.submitted = asyncio.Event()
+
+    async def after_submit(sent: list[dict], progress: asyncio.Event) -> None:
+        assert engine.submitted is not None
+        await engine.submitted.wait()
+
+    sent = await _call(app, {"prompt": "x"}, after_submit)
+    assert engine.streams[0].is_cancelled
+    assert sent[0]["status"] == 499  # never reaches the client; recorded in metrics
+

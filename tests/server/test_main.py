@@ -1,0 +1,90 @@
+"""`python -m server`: flags -> configs. Subprocesses for --help and a bad flag; the rest in-process."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from server.__main__ import build_configs, build_parser, prefill_chunks_for
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "server", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_help() -> None:
+    proc = _run("--help")
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--model", "--slots", "--max-queue", "--prefill-budget", "--max-context", "--api-key", "--kernels", "--fetch-model"):
+        assert flag in proc.stdout
+
+
+def test_unknown_flag_is_an_error() -> None:
+    proc = _run("--no-such-flag")
+    assert proc.returncode == 2
+    assert "unrecognized arguments: --no-such-flag" in proc.stderr
+
+
+def test_abbreviated_flag_is_an_error() -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--slot", "4"])
+
+
+def test_defaults() -> None:
+    engine, server = build_configs(build_parser().parse_args([]), {})
+    assert (engine.num_slots, engine.max_queue, engine.prefill_budget, engine.max_context) == (8, 64, 512, 4096)
+    assert engine.timeout_s == 600 and engine.kernels == () and engine.prefill_chunks == (64, 512)
+    assert (server.host, server.port, server.api_key, server.chat_template) == ("127.0.0.1", 8080, None, None)
+    assert server.model_name.endswith(".gguf")
+
+
+def test_flags(tmp_path: pathlib.Path) -> None:
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    args = build_parser().parse_args(
+        [
+            "--model", str(tmp_path / "m.gguf"), "--host", "0.0.0.0", "--port", "0", "--slots", "4",
+            "--max-queue", "0", "--prefill-budget", "256", "--max-context", "1024", "--timeout", "30",
+            "--kernels", "attention=xla, matmul=triton", "--chat-template", str(template), "--log-level", "debug",
+        ]
+    )  # fmt: skip
+    engine, server = build_configs(args, {})
+    assert (engine.num_slots, engine.max_queue, engine.prefill_budget, engine.max_context) == (4, 0, 256, 1024)
+    assert engine.prefill_chunks == (64, 256) and engine.timeout_s == 30
+    assert engine.kernels == (("attention", "xla"), ("matmul", "triton"))
+    assert (server.model_name, server.host, server.port, server.log_level) == ("m.gguf", "0.0.0.0", 0, "debug")
+    assert server.chat_template == "{{ messages[0]['content'] }}"
+
+
+def test_api_key_from_flag_or_environment() -> None:
+    parse = build_parser().parse_args
+    assert build_configs(parse([]), {"PALLAS_SERVE_API_KEY": "env"})[1].api_key == "env"
+    assert build_configs(parse(["--api-key", "flag"]), {"PALLAS_SERVE_API_KEY": "env"})[1].api_key == "flag"
+    assert build_configs(parse([]), {"PALLAS_SERVE_API_KEY": ""})[1].api_key is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--slots", "0"], ["--max-context", "8"], ["--timeout", "0"], ["--port", "70000"], ["--max-queue", "-1"]],
+)
+def test_bad_values_raise_value_error(argv: list[str]) -> None:
+    with pytest.raises(ValueError):
+        build_configs(build_parser().parse_args(argv), {})
+
+
+@pytest.mark.parametrize("argv", [["--kernels", "attention"], ["--kernels", "=xla"], ["--slots", "many"]])
+def test_malformed_flags_exit(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+
+
+def test_prefill_chunks_for_budget() -> None:
+    assert prefill_chunks_for(512) == (64, 512)
+    assert prefill_chunks_for(2048) == (64, 512)
+    assert prefill_chunks_for(100) == (64, 100)
+    assert prefill_chunks_for(32) == (32,)
