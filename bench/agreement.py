@@ -16,12 +16,10 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "model"))
-
-from driver import generate  # noqa: E402
 
 from model.config import EngineConfig  # noqa: E402
 from model.loader import load_model  # noqa: E402
+from model.offline import generate  # noqa: E402
 from server.default_model import default_model_path  # noqa: E402
 
 

@@ -196,6 +196,19 @@ class EngineConfig:
     max_top_logprobs: int = 20
     max_logit_bias: int = 300
     kernels: tuple[tuple[str, str], ...] = ()  # forced op -> impl
+    # Attention reads only the cache prefix [0, bucket) that holds every active position; one
+    # program is compiled per bucket. () = powers of two from 512 up to max_context.
+    context_buckets: tuple[int, ...] = ()
+
+    @property
+    def attention_buckets(self) -> tuple[int, ...]:
+        if self.context_buckets:
+            return self.context_buckets
+        buckets, b = [], 512
+        while b < self.max_context:
+            buckets.append(b)
+            b *= 2
+        return (*buckets, self.max_context)
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -216,5 +229,11 @@ class EngineConfig:
             raise ValueError("timeout must be > 0")
         if self.kv_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unknown KV dtype {self.kv_dtype!r}")
+        if self.context_buckets and (
+            list(self.context_buckets) != sorted(set(self.context_buckets))
+            or self.context_buckets[-1] != self.max_context
+            or self.context_buckets[0] < 1
+        ):
+            raise ValueError("context buckets must be distinct, ascending and end at max context")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"unknown compute dtype {self.compute_dtype!r}")

@@ -217,6 +217,7 @@ def decode(
     cache: KVCache,
     tokens: jax.Array,  # [B] int32
     positions: jax.Array,  # [B] int32; rows with position < 0 are inactive (nothing written)
+    attend: int | None = None,  # static: attention reads cache positions [0, attend); > every position
 ) -> tuple[jax.Array, KVCache]:  # logits [B, V] f32
     b = tokens.shape[0]
     s = cache.max_context
@@ -230,7 +231,8 @@ def decode(
         h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
         q, k, v = _qkv(cfg, kern, lp, h, pos, inv_freq)
         c = c.write_decode(i, rows, write_pos, k, v)
-        attn = kern.attention_decode(q, c.k[i], c.v[i], pos, cfg.scale, window)  # [B, H, D]
+        span = attend or s
+        attn = kern.attention_decode(q, c.k[i, :, :span], c.v[i, :, :span], pos, cfg.scale, window)  # [B, H, D]
         out = kern.matmul(attn.reshape(b, cfg.q_dim), lp["wo"])
         if "post_attn_norm" in lp:
             out = rms_norm(out, lp["post_attn_norm"], cfg.rms_eps)
@@ -251,6 +253,7 @@ def prefill(
     tokens: jax.Array,  # [T] int32, padded
     start_pos: jax.Array,  # [] int32
     num_valid: jax.Array,  # [] int32, 1 <= num_valid <= T
+    attend: int | None = None,  # static: attention reads cache positions [0, attend); >= start + num_valid
 ) -> tuple[jax.Array, KVCache]:  # logits [V] f32 of the last valid token
     t = tokens.shape[0]
     s = cache.max_context
@@ -262,7 +265,8 @@ def prefill(
         h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
         q, k, v = _qkv(cfg, kern, lp, h, pos, inv_freq)
         c = c.write_prefill(i, slot, write_pos, k, v)
-        attn = kern.attention_prefill(q, c.k[i, slot], c.v[i, slot], start_pos, cfg.scale, window)  # [T, H, D]
+        span = attend or s
+        attn = kern.attention_prefill(q, c.k[i, slot, :span], c.v[i, slot, :span], start_pos, cfg.scale, window)  # [T, H, D]
         out = kern.matmul(attn.reshape(t, cfg.q_dim), lp["wo"])
         if "post_attn_norm" in lp:
             out = rms_norm(out, lp["post_attn_norm"], cfg.rms_eps)

@@ -49,9 +49,9 @@ class SlotState:
         )
 
 
-def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, params, cache, st: SlotState, samp, active):
+def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, params, cache, st: SlotState, samp, active):
     positions = jnp.where(active, st.positions, -1)
-    logits, cache = forward.decode(cfg, kern, params, cache, st.tokens, positions)
+    logits, cache = forward.decode(cfg, kern, params, cache, st.tokens, positions, attend)
     tok, lp, top_ids, top_lps = sampling.sample(logits, samp, st.prompt_mask, st.counts, st.step_index, num_top)
     inc = active.astype(jnp.int32)
     st = SlotState(
@@ -64,7 +64,7 @@ def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, params, cache, s
     return cache, st, (tok, active, lp, top_ids, top_lps)
 
 
-def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, params, cache, st: SlotState, samp, slot, tokens, start, num_valid, is_last):
+def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, params, cache, st: SlotState, samp, slot, tokens, start, num_valid, is_last):
     t = tokens.shape[0]
     vocab = st.prompt_mask.shape[1]
     fresh = start == 0  # a new request: clear the slot's penalty state
@@ -74,7 +74,7 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, params, cache, 
     ids = jnp.where(jnp.arange(t) < num_valid, tokens, vocab)  # padding: dropped
     row_mask = row_mask.at[ids].set(True, mode="drop")
 
-    logits, cache = forward.prefill(cfg, kern, params, cache, slot, tokens, start, num_valid)
+    logits, cache = forward.prefill(cfg, kern, params, cache, slot, tokens, start, num_valid, attend)
     row_samp = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), samp)
     tok, lp, top_ids, top_lps = sampling.sample(
         logits[None], row_samp, row_mask[None], row_counts[None], row_step[None], num_top
@@ -136,19 +136,20 @@ class ModelRunner:
         self._slot_params: list[SamplingParams | None] = [None] * self.num_slots
         self._rng = np.random.default_rng()
         self._samp = self._pack()
-        num_top = self.max_top_logprobs
-        self._decode_jit = jax.jit(
-            functools.partial(_decode_step, cfg, kernels, num_top), donate_argnums=(1, 2)
-        )
-        self._prefill_jit = jax.jit(
-            functools.partial(_prefill_step, cfg, kernels, num_top), donate_argnums=(1, 2)
-        )
-        self._compiled: dict[tuple[str, int], Any] = {}
+        self.context_buckets = engine_cfg.attention_buckets
+        # Host mirror of SlotState.positions, to pick the attention bucket without a device sync.
+        self._positions = np.zeros((self.num_slots,), np.int64)
+        self._compiled: dict[tuple, Any] = {}
 
     def _pack(self):
         return jax.tree_util.tree_map(
             jnp.asarray, sampling.pack_sampling(self._slot_params, self.engine_cfg.max_logit_bias)
         )
+
+    def _jitted(self, kind: str, attend: int):
+        step = _decode_step if kind == "decode" else _prefill_step
+        fn = functools.partial(step, self.cfg, self.kernels, self.max_top_logprobs, attend)
+        return jax.jit(fn, donate_argnums=(1, 2))
 
     def _example_args(self, kind: str, size: int) -> tuple:
         if kind == "decode":
@@ -161,18 +162,32 @@ class ModelRunner:
 
     def warmup(self) -> None:
         """Compiles every program the serving path can run (decode, one prefill per chunk size)."""
-        targets = [("decode", self.num_slots)] + [("prefill", t) for t in self.prefill_chunks]
-        for kind, size in targets:
-            t0 = time.perf_counter()
-            fn = self._decode_jit if kind == "decode" else self._prefill_jit
-            self._compiled[(kind, size)] = fn.lower(*self._example_args(kind, size)).compile()
-            log.info("compiled %s[%d] in %.1f s", kind, size, time.perf_counter() - t0)
+        sizes = [("decode", self.num_slots)] + [("prefill", t) for t in self.prefill_chunks]
+        t_all = time.perf_counter()
+        for kind, size in sizes:
+            for attend in self.context_buckets:
+                t0 = time.perf_counter()
+                lowered = self._jitted(kind, attend).lower(*self._example_args(kind, size))
+                self._compiled[(kind, size, attend)] = lowered.compile()
+                log.debug("compiled %s[%d] attending %d in %.1f s", kind, size, attend, time.perf_counter() - t0)
+        log.info(
+            "compiled %d step programs (decode[%d], prefill%s x context buckets %s) in %.1f s",
+            len(self._compiled), self.num_slots, list(self.prefill_chunks), list(self.context_buckets),
+            time.perf_counter() - t_all,
+        )
 
-    def _program(self, kind: str, size: int):
+    def _program(self, kind: str, size: int, attend: int):
         try:
-            return self._compiled[(kind, size)]
+            return self._compiled[(kind, size, attend)]
         except KeyError:
-            raise RuntimeError(f"no compiled program for {kind}[{size}]: call warmup() first") from None
+            raise RuntimeError(f"no compiled program for {kind}[{size}] attending {attend}: call warmup() first") from None
+
+    def _bucket(self, end: int) -> int:
+        """The smallest attention bucket holding positions [0, end)."""
+        for b in self.context_buckets:
+            if end <= b:
+                return b
+        return self.context_buckets[-1]
 
     def _chunk_size(self, n: int) -> int:
         for size in self.prefill_chunks:
@@ -192,9 +207,11 @@ class ModelRunner:
         if plan.decode_slots:
             active = np.zeros((self.num_slots,), bool)
             active[list(plan.decode_slots)] = True
-            self._cache, self._state, decode_out = self._program("decode", self.num_slots)(
+            attend = self._bucket(int(self._positions[active].max()) + 1)
+            self._cache, self._state, decode_out = self._program("decode", self.num_slots, attend)(
                 self.params, self._cache, self._state, self._samp, jnp.asarray(active)
             )
+            self._positions[active] += 1
         prefill_outs = [self._dispatch_prefill(chunk) for chunk in plan.prefills]
         return _Pending(self.num_slots, self.max_top_logprobs, decode_out, prefill_outs)
 
@@ -205,7 +222,9 @@ class ModelRunner:
         size = self._chunk_size(n)
         padded = np.zeros((size,), np.int32)
         padded[:n] = chunk.tokens
-        self._cache, self._state, out = self._program("prefill", size)(
+        attend = self._bucket(chunk.start_pos + n)
+        self._positions[chunk.slot] = chunk.start_pos + n
+        self._cache, self._state, out = self._program("prefill", size, attend)(
             self.params, self._cache, self._state, self._samp,
             np.int32(chunk.slot), padded, np.int32(chunk.start_pos), np.int32(n), np.bool_(chunk.is_last),
         )

@@ -1,0 +1,82 @@
+"""Offline use of the model without the engine thread: batch generation through a
+`ModelRunner` (prompts prefilled in fixed chunks, then decoded together), and teacher-forced
+scoring of a given continuation (the logits that choose each of its tokens), which the
+llama.cpp agreement test and bench/agreement.py use."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model import forward
+
+from model.step_types import PrefillChunk, SamplingParams, SlotSetup, StepPlan
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def generate(runner, prompts: list[list[int]], num_tokens: int, slots: list[int] | None = None,
+             sampling: SamplingParams = GREEDY, stop_ids: frozenset[int] = frozenset()) -> list[list[int]]:
+    """Generates up to `num_tokens` tokens for each prompt, each in its own slot, all at once."""
+    slots = slots if slots is not None else list(range(len(prompts)))
+    chunk = runner.prefill_chunks[-1]
+    out: list[list[int]] = [[] for _ in prompts]
+    setups = tuple(SlotSetup(s, sampling) for s in slots)
+    prefills = []
+    for s, ids in zip(slots, prompts):
+        for start in range(0, len(ids), chunk):
+            piece = np.asarray(ids[start:start + chunk], np.int32)
+            prefills.append(PrefillChunk(s, piece, start, start + chunk >= len(ids)))
+    res = runner.dispatch(StepPlan(setups=setups, prefills=tuple(prefills))).result()
+    live = []
+    for i, s in enumerate(slots):
+        out[i].append(int(res.tokens[s]))
+        if out[i][-1] not in stop_ids and num_tokens > 1:
+            live.append(i)
+    while live:
+        res = runner.dispatch(StepPlan(decode_slots=tuple(slots[i] for i in live))).result()
+        nxt = []
+        for i in live:
+            if not res.valid[slots[i]]:
+                raise RuntimeError(f"slot {slots[i]} produced no token")
+            out[i].append(int(res.tokens[slots[i]]))
+            if out[i][-1] not in stop_ids and len(out[i]) < num_tokens:
+                nxt.append(i)
+        live = nxt
+    return out
+
+
+def teacher_forced_logits(cfg, kernels, params, cases: list[tuple[list[int], list[int]]],
+                          max_context: int, chunk: int = 512) -> list[np.ndarray]:
+    """For each (prompt, continuation), the logits [len(continuation), V] that choose each
+    continuation token, feeding the given tokens (not our own picks) after the prompt."""
+
+    num_slots = len(cases)
+    cache = forward.KVCache.create(cfg, num_slots, max_context, jnp.float32)
+    prefill = jax.jit(functools.partial(forward.prefill, cfg, kernels), donate_argnums=(1,))
+    decode = jax.jit(functools.partial(forward.decode, cfg, kernels), donate_argnums=(1,))
+    out: list[list[np.ndarray]] = [[] for _ in cases]
+    for s, (prompt, _) in enumerate(cases):
+        for start in range(0, len(prompt), chunk):
+            piece = prompt[start:start + chunk]
+            toks = np.zeros((chunk,), np.int32)
+            toks[:len(piece)] = piece
+            logits, cache = prefill(params, cache, jnp.int32(s), jnp.asarray(toks), jnp.int32(start),
+                                    jnp.int32(len(piece)))
+        out[s].append(np.asarray(logits))
+    steps = max(len(cont) for _, cont in cases)
+    for j in range(1, steps):
+        toks = np.zeros((num_slots,), np.int32)
+        pos = np.full((num_slots,), -1, np.int32)
+        for s, (prompt, cont) in enumerate(cases):
+            if j < len(cont):
+                toks[s], pos[s] = cont[j - 1], len(prompt) + j - 1
+        logits, cache = decode(params, cache, jnp.asarray(toks), jnp.asarray(pos))
+        logits = np.asarray(logits)
+        for s, (_, cont) in enumerate(cases):
+            if j < len(cont):
+                out[s].append(logits[s])
+    return [np.stack(rows) for rows in out]
