@@ -1,0 +1,134 @@
+"""End to end: `python -m server` as a subprocess on a free port with the real SmolLM2,
+driven by the official `openai` client and raw HTTP."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+STARTUP_DEADLINE_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path, tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    cmd = [
+        sys.executable, "-m", "server", "--model", str(smollm2_path), "--port", str(port),
+        "--max-context", "1024", "--slots", "4", "--max-queue", "4",
+    ]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_DEADLINE_S
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                r = httpx.get(base + "/health", timeout=2)
+                if r.status_code == 200:
+                    break
+                assert r.status_code == 503, r.text  # loading
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not ready after {STARTUP_DEADLINE_S} s:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_health_reports_model_and_kernels(server):
+    body = httpx.get(server + "/health").json()
+    assert body["status"] == "ok"
+    assert body["slots"] == 4
+    assert set(body["kernels"]) >= {"matmul", "attention_decode"}
+
+
+def test_completion_streamed_equals_unstreamed(client):
+    kwargs = dict(model="m", prompt="The capital of France is", max_tokens=16, temperature=0)
+    whole = client.completions.create(**kwargs)
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage.completion_tokens <= 16 and whole.usage.prompt_tokens > 0
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+    assert whole.choices[0].text and streamed == whole.choices[0].text
+
+
+def test_chat_streamed_equals_unstreamed(client):
+    kwargs = dict(model="m", messages=[{"role": "user", "content": "Name three colors."}], max_tokens=24, temperature=0)
+    whole = client.chat.completions.create(**kwargs)
+    text = whole.choices[0].message.content
+    assert text and whole.choices[0].message.role == "assistant"
+    parts = []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+    assert "".join(parts) == text
+
+
+def test_seeded_choices(client):
+    kwargs = dict(model="m", prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=7, n=2)
+    a = client.completions.create(**kwargs)
+    b = client.completions.create(**kwargs)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "temperature": -1}, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": "x " * 2000, "max_tokens": 4}, "prompt"),
+        ({"prompt": [10**9]}, "prompt"),
+        ({"max_tokens": 4}, "prompt"),
+    ],
+)
+def test_bad_input_is_400(server, body, field):
+    r = httpx.post(server + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+def test_malformed_json_is_400(server):
+    r = httpx.post(server + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+
+
+def test_disconnect_frees_the_slot(server):
+    body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(4)]
+        assert any(line.startswith("data: ") for line in got)
+        assert httpx.get(server + "/health").json()["slots_busy"] == 1
+    deadline = time.monotonic() + 60
+    while httpx.get(server + "/health").json()["slots_busy"] != 0:
+        assert time.monotonic() < deadline, "the cancelled request still holds its slot"
+        time.sleep(0.1)
