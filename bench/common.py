@@ -1,0 +1,266 @@
+"""Helpers shared by the benchmark scripts: memory probes, device facts, percentiles, prompt
+generation, the weight bytes a decode step reads, copy bandwidth, result files, and the
+client-side record of one request's token arrivals.
+
+Nothing here imports JAX at module level: `bench/http.py` runs the server and the engine in
+child processes, and a parent that touched the GPU would hold most of its memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import time
+from typing import Any, Iterable
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "bench" / "results"
+
+# llama.cpp on one H200, synthetic Llama-2-7B Q4_0 (the file bench/make_synthetic_gguf.py writes):
+# llama-bench pp512 / tg128, and batched-bench generation tok/s by parallel sequences.
+LLAMA_CPP_H200 = {
+    "model": "synthetic Llama-2-7B Q4_0",
+    "pp512_tok_s": 11481,
+    "tg128_tok_s": 356,
+    "batched_generation_tok_s": {"1": 347, "4": 1021, "8": 1374, "16": 2317, "32": 3469},
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# memory and device
+
+
+def rss_mib() -> dict[str, float]:
+    """Current and peak resident set size of this process, MiB."""
+    try:
+        import psutil  # optional
+
+        info = psutil.Process().memory_info()
+        peak = getattr(info, "peak_wset", None)  # Windows only
+        out = {"rss_mib": info.rss / 2**20}
+        if peak:
+            out["peak_rss_mib"] = peak / 2**20
+        else:
+            out["peak_rss_mib"] = _proc_status().get("VmHWM", info.rss / 2**20)
+        return out
+    except ImportError:
+        status = _proc_status()
+        return {"rss_mib": status.get("VmRSS", float("nan")), "peak_rss_mib": status.get("VmHWM", float("nan"))}
+
+
+def _proc_status() -> dict[str, float]:
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out[key] = float(value.split()[0]) / 1024  # kB -> MiB
+    except OSError:
+        pass
+    return out
+
+
+def device_memory() -> dict[str, float] | None:
+    """jax's memory_stats of device 0 in MiB (None where the backend has none, e.g. CPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats()
+    if not stats:
+        return None
+    keys = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit", "bytes_reserved")
+    return {k.replace("bytes", "mib"): stats[k] / 2**20 for k in keys if k in stats}
+
+
+def device_info() -> dict[str, Any]:
+    import jax
+
+    dev = jax.devices()[0]
+    return {
+        "gpu": dev.device_kind if dev.platform != "cpu" else None,
+        "platform": dev.platform,
+        "device_kind": dev.device_kind,
+        "num_devices": jax.device_count(),
+        "jax": jax.__version__,
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def enable_compilation_cache(directory: str | os.PathLike[str]) -> None:
+    """JAX's persistent compilation cache, for every compiled program however quick."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def copy_bandwidth_gb_s(num_bytes: int, repeats: int = 10) -> float:
+    """Device copy bandwidth (read + write bytes per second, 1e9) of `y = x + 1` over num_bytes."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.zeros((num_bytes // 4,), jnp.float32)
+    fn = jax.jit(lambda a: a + 1.0)
+    fn(x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(x).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    del x
+    return 2 * (num_bytes // 4 * 4) / statistics.median(times) / 1e9
+
+
+def weight_bytes_per_decode(model_path: str | os.PathLike[str]) -> int:
+    """Device bytes of the weights one decode step reads: every layer, the output matrix and
+    the norms, as the loader repacks them; the token embedding only when it is also the output
+    (otherwise a decode gathers B rows of it). KV-cache reads are not included."""
+    from model.gguf_file import GGUFFile
+    from pallas_kernels import quant
+
+    gf = GGUFFile(model_path)
+    total = 0
+    for name, info in gf.tensors.items():
+        if name == "token_embd.weight" and "output.weight" in gf.tensors:
+            continue
+        if len(info.shape) == 2:
+            fmt = quant.format_for(info.ggml_type)
+            n, k = info.shape
+            dtypes = fmt.plane_dtypes()
+            total += sum(int(np.prod(s)) * dtypes[p].itemsize for p, s in fmt.plane_shapes(n, k).items())
+        else:
+            total += int(np.prod(info.shape)) * 4  # vectors become f32
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics and prompts
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    arr = np.asarray(list(values), np.float64)
+    return float(np.percentile(arr, q)) if arr.size else None
+
+
+def ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 3)
+
+
+def random_prompt(rng: np.random.Generator, length: int, vocab_size: int) -> tuple[int, ...]:
+    """Token ids drawn from the upper part of the vocabulary (past the byte and special tokens
+    most vocabularies put first)."""
+    low = min(1000, vocab_size // 4)
+    return tuple(int(t) for t in rng.integers(low, vocab_size, size=length))
+
+
+@dataclasses.dataclass
+class StreamRecord:
+    """Client-side times (perf_counter seconds) of one request's token arrivals."""
+
+    label: str
+    submitted: float
+    arrivals: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (time, tokens)
+    finish_reason: str | None = None
+    error: str | None = None
+    rejected: bool = False  # 429 / QueueFullError
+    reported_tokens: int | None = None  # the server's usage count, where one was sent
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.arrivals)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.arrivals[0][0] - self.submitted if self.arrivals else None
+
+    @property
+    def gaps(self) -> list[float]:
+        times = [t for t, _ in self.arrivals]
+        return [b - a for a, b in zip(times, times[1:])]
+
+    @property
+    def last(self) -> float | None:
+        return self.arrivals[-1][0] if self.arrivals else None
+
+
+def steady_tok_s(records: list[StreamRecord]) -> float | None:
+    """Tokens per second while every request is generating: between the last request's first
+    token and the first request's last token (prefill and TTFT excluded)."""
+    live = [r for r in records if len(r.arrivals) >= 2]
+    if not live or len(live) != len([r for r in records if not r.rejected]):
+        return None
+    start = max(r.arrivals[0][0] for r in live)
+    end = min(r.arrivals[-1][0] for r in live)
+    if end <= start:
+        return None
+    count = sum(n for r in live for t, n in r.arrivals if start < t <= end)
+    return count / (end - start)
+
+
+def summarize(records: list[StreamRecord]) -> dict[str, Any]:
+    """Throughput over the wall time, steady-state throughput, TTFT and inter-token gaps."""
+    done = [r for r in records if not r.rejected and r.arrivals]
+    out: dict[str, Any] = {
+        "requests": len(records),
+        "rejected": sum(r.rejected for r in records),
+        "errors": sum(r.error is not None for r in records),
+        "tokens": sum(r.num_tokens for r in done),
+    }
+    if done:
+        wall = max(r.last for r in done) - min(r.submitted for r in done)
+        out["tok_s"] = round(out["tokens"] / wall, 2) if wall > 0 else None
+        steady = steady_tok_s(records)
+        out["steady_tok_s"] = round(steady, 2) if steady else None
+        ttfts = [r.ttft for r in done]
+        gaps = [g for r in done for g in r.gaps]
+        out.update(
+            ttft_ms_p50=ms(percentile(ttfts, 50)), ttft_ms_p99=ms(percentile(ttfts, 99)),
+            itl_ms_p50=ms(percentile(gaps, 50)), itl_ms_p99=ms(percentile(gaps, 99)),
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# result files
+
+
+def timestamp() -> str:
+    return datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def result_path(out_dir: str | os.PathLike[str] | None, kind: str, stamp: str, suffix: str = ".json") -> pathlib.Path:
+    directory = pathlib.Path(out_dir) if out_dir else RESULTS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory / f"{kind}-{stamp}{suffix}"
+
+
+def write_json(path: pathlib.Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=1, sort_keys=False) + "\n")
+
+
+def git_rev() -> str | None:
+    """The checkout's commit ("+dirty" with uncommitted changes); None outside a git checkout."""
+    env = dict(os.environ, GIT_OPTIONAL_LOCKS="0")  # read-only: never refresh the index
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10, env=env)
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=ROOT, capture_output=True, timeout=30,
+                               env=env)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() + ("+dirty" if dirty.returncode == 1 else "")
+
+
+def model_facts(path: str | os.PathLike[str]) -> dict[str, Any]:
+    p = pathlib.Path(path)
+    return {"path": str(p), "name": p.name, "file_gib": round(p.stat().st_size / 2**30, 3)}

@@ -1,0 +1,458 @@
+"""Engine-direct benchmark: the scheduler and model runner without HTTP.
+
+    python bench/engine.py --model PATH [--slots 8] [--max-context 4096] [--out DIR]
+
+Measures, on one engine built by `scheduler.loader.build_engine` and driven from an asyncio
+loop (the way `server/` drives it):
+
+- start-up (load + compile) with JAX's persistent compilation cache: a child process first
+  starts the engine on an empty cache ("cold"), then this process starts it again ("warm");
+- prefill tok/s of a 512-token prompt alone (prompt length / time to first token);
+- decode tok/s with 1, 4, 8 (16, 32 when --slots allows) concurrent requests, in the steady
+  state: between the last request's first token and the first request's last token;
+- time to first token of a 128-token prompt joining 3 running streams;
+- inter-token latency p50/p99 from the engine's RequestTiming observer;
+- device memory (jax memory_stats) and process RSS; the device copy bandwidth and from it the
+  weight-read floor: the decode rate at which one step reads every weight at that bandwidth.
+
+Every request has ignore_eos and a fixed max_tokens, so lengths are controlled. Writes
+bench/results/engine-<date>.json and a PNG plot beside it (needs matplotlib).
+`--plot-only RESULT.json [...]` redraws the plot from saved results (several runs, e.g. --slots
+8 and --slots 32, become one figure).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+if __package__ in (None, ""):  # run as a script: bench/ on sys.path would shadow the stdlib's `http`
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Sequence  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from bench import common  # noqa: E402
+from model.config import EngineConfig  # noqa: E402
+from model.step_types import SamplingParams  # noqa: E402
+from scheduler.types import GenerationRequest, QueueFullError  # noqa: E402
+
+log = logging.getLogger("bench.engine")
+
+USER_COUNTS = (1, 4, 8, 16, 32)
+
+
+# ---------------------------------------------------------------------------------------------
+# engine set-up (also used by bench/http.py and bench/endurance.py)
+
+
+def build_config(
+    slots: int, max_context: int, kv_dtype: str = "float32", prefill_budget: int = 512, max_queue: int = 64
+) -> EngineConfig:
+    """The EngineConfig `python -m server` builds from the same flags."""
+    defaults = EngineConfig.prefill_chunks
+    chunks = tuple(sorted({c for c in defaults if c <= prefill_budget} | {min(prefill_budget, defaults[-1])}))
+    return EngineConfig(
+        num_slots=slots, max_context=max_context, prefill_budget=prefill_budget, prefill_chunks=chunks,
+        max_queue=max_queue, kv_dtype=kv_dtype,
+    )
+
+
+def start_engine(model_path: str | os.PathLike[str], config: EngineConfig):
+    """Builds, starts and waits for the engine; returns (engine, start-up seconds)."""
+    from scheduler.loader import build_engine  # imports JAX
+
+    t0 = time.perf_counter()
+    engine = build_engine(model_path, config)
+    t_load = time.perf_counter() - t0
+    engine.start()
+    if not engine.wait_ready():
+        raise RuntimeError(f"the engine did not become ready: {engine.stats().error}")
+    total = time.perf_counter() - t0
+    return engine, {"load_s": round(t_load, 2), "compile_s": round(total - t_load, 2), "total_s": round(total, 2)}
+
+
+class TimingLog:
+    """Engine observer: keeps every RequestTiming (list.append is atomic; called on the engine thread)."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+    def __call__(self, timing: Any) -> None:
+        self.items.append(timing)
+
+    def itl(self, prefix: str) -> list[float]:
+        return [g for t in self.items if t.request_id.startswith(prefix) for g in t.itl_s]
+
+    async def wait_for(self, prefix: str, count: int, timeout: float = 30.0) -> None:
+        """The engine pushes a request's final event before it calls observers: wait for them."""
+        deadline = time.monotonic() + timeout
+        while sum(t.request_id.startswith(prefix) for t in self.items) < count:
+            if time.monotonic() > deadline:
+                log.warning("only some timings of %s* arrived", prefix)
+                return
+            await asyncio.sleep(0.001)
+
+
+def make_request(
+    label: str, prompt: tuple[int, ...], max_tokens: int, seed: int, *, logprobs: bool = False,
+    stop: tuple[str, ...] = (), sampling: SamplingParams | None = None, ignore_eos: bool = True,
+) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=label,
+        prompt_tokens=prompt,
+        max_tokens=max_tokens,
+        sampling=sampling or SamplingParams(temperature=1.0, seed=seed),
+        stop=stop,
+        ignore_eos=ignore_eos,
+        logprobs=logprobs,
+    )
+
+
+def submit(engine, request: GenerationRequest):
+    """Event-loop thread: (stream or None when the queue is full, its record)."""
+    record = common.StreamRecord(request.request_id, time.perf_counter())
+    try:
+        return engine.submit(request), record
+    except QueueFullError:
+        record.rejected = True
+        return None, record
+
+
+async def consume(stream, record: common.StreamRecord, cancel_after: int | None = None,
+                  progress: asyncio.Event | None = None) -> common.StreamRecord:
+    """Reads a stream to its end, stamping token arrivals; cancels after `cancel_after` tokens."""
+    if stream is None:
+        return record
+    async for event in stream:
+        if event.token_ids:
+            record.arrivals.append((time.perf_counter(), len(event.token_ids)))
+            if progress is not None:
+                progress.set()
+            if cancel_after is not None and record.num_tokens >= cancel_after:
+                stream.cancel()
+                cancel_after = None
+        if event.finish_reason is not None:
+            record.finish_reason = event.finish_reason
+            if event.finish_reason == "error":
+                record.error = event.error or "error"
+    return record
+
+
+async def run_batch(engine, requests: Sequence[GenerationRequest]) -> list[common.StreamRecord]:
+    """Submits all requests at once and reads every stream to its end."""
+    pairs = [submit(engine, r) for r in requests]
+    return list(await asyncio.gather(*(consume(s, rec) for s, rec in pairs)))
+
+
+# ---------------------------------------------------------------------------------------------
+# measurements
+
+
+async def measure_decode(engine, timings: TimingLog, users: int, prompt_len: int, decode_tokens: int,
+                         rng: np.random.Generator) -> dict[str, Any]:
+    vocab = engine.tokenizer.vocab_size
+    reqs = [
+        make_request(f"decode-{users}-{i}", common.random_prompt(rng, prompt_len, vocab), decode_tokens, seed=i)
+        for i in range(users)
+    ]
+    records = await run_batch(engine, reqs)
+    summary = common.summarize(records)
+    await timings.wait_for(f"decode-{users}-", users)
+    itl = timings.itl(f"decode-{users}-")
+    summary["engine_itl_ms_p50"] = common.ms(common.percentile(itl, 50))
+    summary["engine_itl_ms_p99"] = common.ms(common.percentile(itl, 99))
+    return summary
+
+
+async def measure_prefill(engine, prompt_len: int, repeats: int, rng: np.random.Generator) -> dict[str, Any]:
+    """A prompt alone, max_tokens 1: prompt_len / TTFT. The first run is a warm-up."""
+    vocab = engine.tokenizer.vocab_size
+    ttfts = []
+    for i in range(repeats + 1):
+        req = make_request(f"prefill-{i}", common.random_prompt(rng, prompt_len, vocab), 1, seed=i)
+        (record,) = await run_batch(engine, [req])
+        if record.ttft is None:
+            raise RuntimeError(f"prefill request ended without a token: {record.finish_reason} {record.error}")
+        if i:
+            ttfts.append(record.ttft)
+    median = statistics.median(ttfts)
+    return {
+        "prompt_tokens": prompt_len,
+        "tok_s": round(prompt_len / median, 1),
+        "ttft_ms_p50": common.ms(median),
+        "ttft_ms_min": common.ms(min(ttfts)),
+        "repeats": repeats,
+    }
+
+
+async def measure_join(engine, background: int, prompt_len: int, repeats: int, rng: np.random.Generator,
+                       max_context: int) -> dict[str, Any]:
+    """TTFT of a prompt submitted while `background` streams decode."""
+    vocab = engine.tokenizer.vocab_size
+    progress = asyncio.Event()  # set by every background token
+    records, tasks = [], []
+    for i in range(background):
+        req = make_request(f"bg-{i}", common.random_prompt(rng, prompt_len, vocab), max_context - prompt_len, seed=i)
+        stream, rec = submit(engine, req)
+        records.append((stream, rec))
+        tasks.append(asyncio.create_task(consume(stream, rec, progress=progress)))
+
+    async def decoding(min_tokens: int) -> None:
+        """Waits until every background stream has `min_tokens` tokens."""
+        while any(rec.num_tokens < min_tokens for _, rec in records):
+            if any(t.done() for t in tasks):
+                raise RuntimeError("a background stream ended early")
+            progress.clear()
+            await asyncio.wait_for(progress.wait(), timeout=600)
+
+    ttfts = []
+    await decoding(4)
+    for j in range(repeats):
+        req = make_request(f"join-{j}", common.random_prompt(rng, prompt_len, vocab), 1, seed=100 + j)
+        (rec,) = await run_batch(engine, [req])
+        if rec.ttft is None:
+            raise RuntimeError(f"join request ended without a token: {rec.finish_reason} {rec.error}")
+        ttfts.append(rec.ttft)
+        await decoding(max(r.num_tokens for _, r in records) + 2)  # a few plain decode steps between joins
+    for stream, _ in records:
+        stream.cancel()
+    await asyncio.gather(*tasks)
+    return {
+        "background_streams": background,
+        "prompt_tokens": prompt_len,
+        "ttft_ms_p50": common.ms(statistics.median(ttfts)),
+        "ttft_ms_max": common.ms(max(ttfts)),
+        "repeats": repeats,
+    }
+
+
+async def run_suite(engine, timings: TimingLog, args: argparse.Namespace, max_context: int) -> dict[str, Any]:
+    rng = np.random.default_rng(args.seed)
+    await run_batch(engine, [make_request("warmup", common.random_prompt(rng, 64, engine.tokenizer.vocab_size), 8, 0)])
+    out: dict[str, Any] = {}
+    if args.prefill_len + 1 <= max_context:
+        out["prefill"] = await measure_prefill(engine, args.prefill_len, args.repeats, rng)
+        log.info("prefill %d: %s", args.prefill_len, out["prefill"])
+    users = [u for u in USER_COUNTS if u <= engine.info()["num_slots"]]
+    out["decode"] = {}
+    for u in users:
+        out["decode"][str(u)] = await measure_decode(engine, timings, u, args.prompt_len, args.decode_tokens, rng)
+        log.info("decode x%d: %s", u, out["decode"][str(u)])
+    out["join"] = await measure_join(engine, 3, args.join_len, args.repeats, rng, max_context)
+    log.info("join: %s", out["join"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# start-up in a child process (cold cache) and the main run
+
+
+def _engine_flags(args: argparse.Namespace) -> list[str]:
+    return [
+        "--model", str(args.model), "--slots", str(args.slots), "--max-context", str(args.max_context),
+        "--kv-dtype", args.kv_dtype, "--prefill-budget", str(args.prefill_budget),
+    ]
+
+
+def cold_start_in_child(args: argparse.Namespace, cache_dir: str) -> dict[str, Any]:
+    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *_engine_flags(args), "--startup-only",
+           "--cache-dir", cache_dir]
+    log.info("cold start in a child process: %s", " ".join(cmd))
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=common.ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the cold-start child failed with status {proc.returncode}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def startup_only(args: argparse.Namespace) -> int:
+    common.enable_compilation_cache(args.cache_dir)
+    entries = len(os.listdir(args.cache_dir))
+    engine, startup = start_engine(args.model, build_config(args.slots, args.max_context, args.kv_dtype, args.prefill_budget))
+    startup["cache_entries_before"] = entries
+    startup["cache_entries_after"] = len(os.listdir(args.cache_dir))
+    engine.shutdown(60)
+    print(json.dumps(startup))
+    return 0
+
+
+def main_run(args: argparse.Namespace) -> int:
+    stamp = common.timestamp()
+    cache_dir = str(args.cache_dir) if args.cache_dir else tempfile.mkdtemp(prefix="pallas-serve-jax-cache-")
+    os.makedirs(cache_dir, exist_ok=True)
+    try:
+        cold = None if args.no_cold_start else cold_start_in_child(args, cache_dir)
+        common.enable_compilation_cache(cache_dir)
+        info = common.device_info()
+        copy_bytes = (args.copy_mib or (4096 if info["platform"] != "cpu" else 256)) * 2**20
+        bandwidth = common.copy_bandwidth_gb_s(copy_bytes)
+        log.info("device %s, copy bandwidth %.1f GB/s", info["device_kind"], bandwidth)
+        entries = len(os.listdir(cache_dir))
+        config = build_config(args.slots, args.max_context, args.kv_dtype, args.prefill_budget)
+        engine, startup = start_engine(args.model, config)
+        startup["cache_entries_before"] = entries
+        timings = TimingLog()
+        engine.add_observer(timings)
+        engine_info = engine.info()
+        memory_ready = {"device": common.device_memory(), **common.rss_mib()}
+        try:
+            suite = asyncio.run(run_suite(engine, timings, args, int(engine_info["max_context"])))
+        finally:
+            memory_end = {"device": common.device_memory(), **common.rss_mib()}
+            engine.shutdown(60)
+    finally:
+        if not args.cache_dir:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+
+    weight_bytes = common.weight_bytes_per_decode(args.model)
+    floor = bandwidth * 1e9 / weight_bytes
+    decode = suite["decode"]
+    decode_tok_s = {u: (d.get("steady_tok_s") or d.get("tok_s")) for u, d in decode.items()}
+    itl_users = str(min(8, max(int(u) for u in decode)))
+    if cold is not None:
+        startup_s = {"cold": cold["total_s"], "warm": startup["total_s"]}
+    else:
+        startup_s = {"warm" if startup["cache_entries_before"] else "cold": startup["total_s"]}
+    result = {
+        "kind": "engine",
+        "date": stamp,
+        "git": common.git_rev(),
+        "gpu": info["gpu"],
+        "jax": info["jax"],
+        "device": info,
+        "model": {**common.model_facts(args.model), "arch": engine_info.get("arch"),
+                  "engine_name": engine_info.get("model")},
+        "engine_config": {"slots": config.num_slots, "max_context": int(engine_info["max_context"]),
+                          "kv_dtype": config.kv_dtype, "prefill_budget": config.prefill_budget,
+                          "prefill_chunks": list(config.prefill_chunks), "kernels": engine_info.get("kernels")},
+        "settings": {"prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
+                     "prefill_len": args.prefill_len, "join_len": args.join_len, "repeats": args.repeats,
+                     "sampling": "temperature 1.0, seeded; ignore_eos"},
+        "decode_tok_s": decode_tok_s,
+        "prefill_tok_s": {str(args.prefill_len): suite["prefill"]["tok_s"]} if "prefill" in suite else {},
+        "ttft_ms_join3": suite["join"]["ttft_ms_p50"],
+        "itl_ms_p50": decode[itl_users]["engine_itl_ms_p50"],
+        "itl_ms_p99": decode[itl_users]["engine_itl_ms_p99"],
+        "itl_users": int(itl_users),
+        "hbm_floor_tok_s": round(floor, 1),
+        "decode_1_fraction_of_floor": round(decode_tok_s["1"] / floor, 3) if decode_tok_s.get("1") else None,
+        "copy_bandwidth_gb_s": round(bandwidth, 1),
+        "weight_bytes_per_step": weight_bytes,
+        "startup_s": startup_s,
+        "startup": {"cold": cold, "this_process": startup},
+        "memory": {"after_ready": memory_ready, "after_suite": memory_end},
+        "details": suite,
+        "llama_cpp_h200": common.LLAMA_CPP_H200,
+    }
+    path = common.result_path(args.out, "engine", stamp)
+    common.write_json(path, result)
+    print_summary(result)
+    print(f"wrote {path}")
+    plot([result, *[json.loads(pathlib.Path(p).read_text()) for p in args.plot_with]], path.with_suffix(".png"))
+    return 0
+
+
+def print_summary(r: dict[str, Any]) -> None:
+    print(f"\n{r['model']['name']} on {r['device']['device_kind']} (jax {r['jax']}), "
+          f"{r['engine_config']['slots']} slots, context {r['engine_config']['max_context']}")
+    print(f"  start-up s: {r['startup_s']}")
+    print(f"  prefill tok/s: {r['prefill_tok_s']}")
+    print("  decode tok/s: " + ", ".join(f"{u} users {v}" for u, v in r["decode_tok_s"].items()))
+    print(f"  TTFT of a {r['settings']['join_len']}-token prompt joining 3 streams: {r['ttft_ms_join3']} ms")
+    print(f"  inter-token latency ({r['itl_users']} users): p50 {r['itl_ms_p50']} ms, p99 {r['itl_ms_p99']} ms")
+    print(f"  copy bandwidth {r['copy_bandwidth_gb_s']} GB/s, weights {r['weight_bytes_per_step'] / 2**20:,.1f} MiB "
+          f"per step -> weight-read floor {r['hbm_floor_tok_s']} steps/s")
+    mem = r["memory"]["after_suite"]
+    print(f"  memory: device {mem['device']}, RSS {mem['rss_mib']:.0f} MiB (peak {mem['peak_rss_mib']:.0f} MiB)")
+
+
+def plot(results: list[dict[str, Any]], path: pathlib.Path) -> None:
+    """tok/s against concurrent users, beside llama.cpp's batched-bench on an H200."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("warning: matplotlib is missing; no plot (redraw later with --plot-only RESULT.json)", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ref = common.LLAMA_CPP_H200
+    users = sorted(int(u) for u in ref["batched_generation_tok_s"])
+    ax.plot(users, [ref["batched_generation_tok_s"][str(u)] for u in users], "s--", color="gray",
+            label=f"llama.cpp batched-bench, H200 ({ref['model']})")
+    for r in results:
+        xs = sorted(int(u) for u in r["decode_tok_s"] if r["decode_tok_s"][u])
+        label = f"pallas-serve {r['engine_config']['slots']} slots ({r['model']['name']}, {r['device']['device_kind']})"
+        ax.plot(xs, [r["decode_tok_s"][str(u)] for u in xs], "o-", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(users, [str(u) for u in users])
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("generated tok/s (steady state)")
+    lines = [f"llama.cpp pp512 {ref['pp512_tok_s']:,} tok/s, tg128 {ref['tg128_tok_s']} tok/s"]
+    for r in results:
+        if r.get("prefill_tok_s"):
+            lines.append(f"pallas-serve pp512 {next(iter(r['prefill_tok_s'].values())):,.0f} tok/s "
+                         f"({r['engine_config']['slots']} slots)")
+    ax.text(0.98, 0.02, "\n".join(lines), transform=ax.transAxes, va="bottom", ha="right", fontsize=8)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--model", type=pathlib.Path, help="GGUF file")
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--max-context", type=int, default=4096)
+    ap.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--prefill-budget", type=int, default=512)
+    ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of the decode runs")
+    ap.add_argument("--decode-tokens", type=int, default=256, help="max_tokens of the decode runs")
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--join-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5, help="prefill and join measurements")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--copy-mib", type=int, default=0, help="copy-bandwidth buffer (0: 4096 on GPU, 256 on CPU)")
+    ap.add_argument("--cache-dir", type=pathlib.Path, help="persistent compilation cache (default: a fresh temp dir)")
+    ap.add_argument("--no-cold-start", action="store_true", help="skip the cold start-up in a child process")
+    ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
+    ap.add_argument("--plot-with", nargs="*", default=[], help="earlier engine-*.json results to draw beside this run")
+    ap.add_argument("--plot-only", nargs="+", type=pathlib.Path, help="draw these engine-*.json results and exit")
+    ap.add_argument("--startup-only", action="store_true", help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.plot_only:
+        results = [json.loads(p.read_text()) for p in args.plot_only]
+        plot(results, args.plot_only[0].with_suffix(".png"))
+        return 0
+    if args.model is None:
+        ap.error("--model is required")
+    if args.startup_only:
+        if args.cache_dir is None:
+            ap.error("--startup-only needs --cache-dir")
+        return startup_only(args)
+    return main_run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,354 @@
+"""HTTP benchmark: streaming clients against `python -m server`, then the same workload on the
+engine directly, and the difference: what the serving layer costs.
+
+    python bench/http.py --model PATH [--url http://HOST:PORT] [--users 1,4,8,32] [--out DIR]
+
+Starts the server as a child process on a free port (or uses `--url`), waits for /health, and
+runs each concurrency level: N async httpx clients, each one streaming POST /v1/completions
+with a fixed token-id prompt, fixed max_tokens and ignore_eos. `logprobs: 0` makes every token
+its own SSE frame (a frame is otherwise skipped while text is held back), so frame arrival
+times are token times. The server starts with a small --max-queue (8) so that the 32-client
+level exercises 429s. Then the server is stopped and a child process runs the identical
+requests through `Engine.submit` (bench/engine.py's helpers, same engine config), so the two
+never share the device. Reports throughput (generated tok/s over the wall time and in the
+steady state), TTFT and inter-token latency p50/p99, 429 counts, and the serving layer's cost
+in %. Writes bench/results/http-<date>.json and prints a table.
+
+This process never imports JAX: the server and the engine run in children, one at a time.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+if __package__ in (None, ""):  # run as a script: this file would shadow the stdlib's `http`
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from bench import common  # noqa: E402
+
+log = logging.getLogger("bench.http")
+
+
+def prompts_for(seed: int, users: int, length: int, vocab_size: int) -> list[tuple[int, ...]]:
+    """The prompts of one level: the same on both sides."""
+    rng = np.random.default_rng([seed, users])
+    return [common.random_prompt(rng, length, vocab_size) for _ in range(users)]
+
+
+def vocab_size_of(model: pathlib.Path) -> int:
+    from model.gguf_file import GGUFFile  # numpy and gguf only
+
+    meta = GGUFFile(model).metadata
+    arch = meta.get("general.architecture")
+    return int(meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# the server side
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m server` in a child process; its log goes to a temporary file."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_file = tempfile.NamedTemporaryFile(prefix="pallas-serve-bench-", suffix=".log", delete=False)
+        cmd = [
+            sys.executable, "-m", "server", "--model", str(args.model), "--host", "127.0.0.1", "--port", str(self.port),
+            "--slots", str(args.slots), "--max-queue", str(args.max_queue), "--max-context", str(args.max_context),
+            "--prefill-budget", str(args.prefill_budget), "--log-level", "warning",
+        ]
+        log.info("starting %s (log %s)", " ".join(cmd), self.log_file.name)
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, cwd=common.ROOT, stdout=self.log_file, stderr=subprocess.STDOUT)
+
+    def log_tail(self, lines: int = 40) -> str:
+        with open(self.log_file.name, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+
+    def wait_healthy(self, timeout: float) -> dict[str, Any]:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with status {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                r = httpx.get(self.url + "/health", timeout=5)
+                if r.status_code == 200:
+                    return r.json()
+                if r.json().get("status") == "failed":
+                    raise RuntimeError(f"the server failed to load: {r.json()}")
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server was not healthy within {timeout} s:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """SIGINT (uvicorn's graceful shutdown), then SIGTERM; SIGKILL only if both are ignored."""
+        for sig, wait_s in ((signal.SIGINT, 60), (signal.SIGTERM, 30)):
+            if self.proc.poll() is not None:
+                break
+            self.proc.send_signal(sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(wait_s)
+        if self.proc.poll() is None:
+            log.warning("the server ignored SIGINT and SIGTERM; killing it")
+            self.proc.kill()
+            self.proc.wait()
+        self.log_file.close()
+
+
+async def http_request(client, url: str, label: str, prompt: tuple[int, ...], max_tokens: int,
+                       seed: int) -> common.StreamRecord:
+    body = {
+        "model": "bench", "prompt": list(prompt), "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+        "logprobs": 0, "temperature": 1.0, "seed": seed, "stream_options": {"include_usage": True},
+    }
+    record = common.StreamRecord(label, time.perf_counter())
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        if resp.status_code == 429:
+            record.rejected = True
+            await resp.aread()
+            return record
+        if resp.status_code != 200:
+            record.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+            return record
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            now = time.perf_counter()
+            obj = json.loads(data)
+            if "error" in obj:
+                record.error = str(obj["error"])[:200]
+            for choice in obj.get("choices") or ():
+                lp = choice.get("logprobs") or {}
+                n = len(lp.get("tokens") or ()) or (1 if choice.get("text") else 0)
+                if n:
+                    record.arrivals.append((now, n))
+                if choice.get("finish_reason"):
+                    record.finish_reason = choice["finish_reason"]
+            if obj.get("usage"):
+                record.reported_tokens = obj["usage"]["completion_tokens"]
+    return record
+
+
+async def run_http(url: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    import httpx
+
+    out = {}
+    limits = httpx.Limits(max_connections=max(args.users) + 8, max_keepalive_connections=max(args.users) + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
+        warm = prompts_for(args.seed + 1, 1, 64, vocab)[0]
+        await http_request(client, url, "warmup", warm, 8, 0)
+        for users in args.users:
+            prompts = prompts_for(args.seed, users, args.prompt_len, vocab)
+            records = await asyncio.gather(*(
+                http_request(client, url, f"http-{users}-{i}", p, args.max_tokens, i) for i, p in enumerate(prompts)
+            ))
+            out[str(users)] = level_summary(records)
+            log.info("http x%d: %s", users, out[str(users)])
+    return out
+
+
+def level_summary(records: list[common.StreamRecord]) -> dict[str, Any]:
+    summary = common.summarize(records)
+    reported = [r.reported_tokens for r in records if r.reported_tokens is not None]
+    if reported:
+        summary["usage_tokens"] = sum(reported)
+    summary["finish_reasons"] = sorted({r.finish_reason for r in records if r.finish_reason})
+    if summary["errors"]:
+        summary["first_error"] = next(r.error for r in records if r.error)
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine side (a child process)
+
+
+def engine_direct(args: argparse.Namespace) -> int:
+    from bench import engine as bench_engine
+
+    config = bench_engine.build_config(args.slots, args.max_context, "float32", args.prefill_budget, args.max_queue)
+    engine, startup = bench_engine.start_engine(args.model, config)
+    vocab = engine.tokenizer.vocab_size
+
+    async def workload() -> dict[str, Any]:
+        out = {}
+        warm = prompts_for(args.seed + 1, 1, 64, vocab)[0]
+        await bench_engine.run_batch(engine, [bench_engine.make_request("warmup", warm, 8, 0, logprobs=True)])
+        for users in args.users:
+            prompts = prompts_for(args.seed, users, args.prompt_len, vocab)
+            reqs = [bench_engine.make_request(f"engine-{users}-{i}", p, args.max_tokens, i, logprobs=True)
+                    for i, p in enumerate(prompts)]
+            out[str(users)] = level_summary(await bench_engine.run_batch(engine, reqs))
+            log.info("engine x%d: %s", users, out[str(users)])
+        return out
+
+    try:
+        levels = asyncio.run(workload())
+    finally:
+        engine.shutdown(60)
+    common.write_json(args.json_out, {"startup": startup, "levels": levels, "device": common.device_info()})
+    return 0
+
+
+def run_engine_child(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "engine.json"
+        cmd = [
+            sys.executable, str(pathlib.Path(__file__).resolve()), "--engine-direct", "--json-out", str(out),
+            "--model", str(args.model), "--slots", str(args.slots), "--max-queue", str(args.max_queue),
+            "--max-context", str(args.max_context), "--prefill-budget", str(args.prefill_budget),
+            "--users", ",".join(map(str, args.users)), "--prompt-len", str(args.prompt_len),
+            "--max-tokens", str(args.max_tokens), "--seed", str(args.seed),
+        ]
+        log.info("engine-direct run in a child process")
+        subprocess.run(cmd, check=True, cwd=common.ROOT)
+        return json.loads(out.read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def compare(http: dict[str, Any], engine: dict[str, Any] | None) -> dict[str, Any]:
+    """Serving-layer cost per level: throughput lost (%), TTFT and ITL added (ms)."""
+    out = {}
+    for users, h in http.items():
+        e = (engine or {}).get(users)
+        if not e:
+            continue
+        row: dict[str, Any] = {}
+        for key in ("tok_s", "steady_tok_s"):
+            if h.get(key) and e.get(key):
+                row[f"{key}_cost_pct"] = round(100 * (e[key] - h[key]) / e[key], 1)
+        for key in ("ttft_ms_p50", "itl_ms_p50", "itl_ms_p99"):
+            if h.get(key) is not None and e.get(key) is not None:
+                row[f"{key}_added"] = round(h[key] - e[key], 3)
+        out[users] = row
+    return out
+
+
+def print_table(http: dict[str, Any], engine: dict[str, Any] | None, cost: dict[str, Any]) -> None:
+    def f(v: Any, spec: str = ".1f") -> str:
+        return "-" if v is None else format(v, spec)
+
+    head = (f"{'users':>5} {'http tok/s':>10} {'eng tok/s':>10} {'cost %':>7} {'http TTFT':>10} {'eng TTFT':>9} "
+            f"{'http ITL p50/p99':>17} {'eng ITL p50/p99':>16} {'429s':>5}")
+    print("\n" + head)
+    print("-" * len(head))
+    for users, h in http.items():
+        e = (engine or {}).get(users, {})
+        c = cost.get(users, {})
+        print(
+            f"{users:>5} {f(h.get('tok_s')):>10} {f(e.get('tok_s')):>10} {f(c.get('tok_s_cost_pct')):>7} "
+            f"{f(h.get('ttft_ms_p50')):>10} {f(e.get('ttft_ms_p50')):>9} "
+            f"{f(h.get('itl_ms_p50'), '.2f') + '/' + f(h.get('itl_ms_p99'), '.2f'):>17} "
+            f"{f(e.get('itl_ms_p50'), '.2f') + '/' + f(e.get('itl_ms_p99'), '.2f'):>16} "
+            f"{h.get('rejected', 0):>3}/{e.get('rejected', '-')}"
+        )
+    print("tok/s over the wall time (first submit to last token); TTFT and ITL in ms, p50 unless noted; "
+          "429s: http/engine")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--model", type=pathlib.Path, required=True, help="GGUF file (also gives the vocabulary size)")
+    ap.add_argument("--url", help="a running server instead of starting one (its engine flags must match)")
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--max-queue", type=int, default=8, help="server --max-queue: slots + queue clients get a place")
+    ap.add_argument("--max-context", type=int, default=4096)
+    ap.add_argument("--prefill-budget", type=int, default=512)
+    ap.add_argument("--users", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 32])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for /health")
+    ap.add_argument("--no-engine", action="store_true", help="skip the engine-direct comparison")
+    ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
+    ap.add_argument("--engine-direct", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--json-out", type=pathlib.Path, help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    if args.engine_direct:
+        return engine_direct(args)
+    stamp = common.timestamp()
+    vocab = vocab_size_of(args.model)
+    server = None
+    startup_s = None
+    health: dict[str, Any] = {}
+    try:
+        if args.url:
+            url = args.url.rstrip("/")
+            import httpx
+
+            health = httpx.get(url + "/health", timeout=10).json()
+        else:
+            server = ServerProcess(args)
+            url = server.url
+            health = server.wait_healthy(args.startup_timeout)
+            startup_s = round(time.perf_counter() - server.started, 2)
+            log.info("server healthy after %.1f s", startup_s)
+        http_levels = asyncio.run(run_http(url, args, vocab))
+    finally:
+        if server is not None:
+            server.stop()
+    engine_run = None if args.no_engine else run_engine_child(args)
+    engine_levels = engine_run["levels"] if engine_run else None
+    cost = compare(http_levels, engine_levels)
+    result = {
+        "kind": "http",
+        "date": stamp,
+        "git": common.git_rev(),
+        "gpu": engine_run["device"]["gpu"] if engine_run else None,
+        "jax": engine_run["device"]["jax"] if engine_run else None,
+        "model": common.model_facts(args.model),
+        "server": {"url": args.url or "child process", "startup_s": startup_s, "health": health},
+        "settings": {"slots": args.slots, "max_queue": args.max_queue, "max_context": args.max_context,
+                     "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "users": args.users,
+                     "request": "POST /v1/completions, token-id prompt, stream, ignore_eos, logprobs 0, temperature 1"},
+        "http": http_levels,
+        "engine": engine_levels,
+        "engine_startup": engine_run["startup"] if engine_run else None,
+        "serving_cost": cost,
+    }
+    path = common.result_path(args.out, "http", stamp)
+    common.write_json(path, result)
+    print_table(http_levels, engine_levels, cost)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

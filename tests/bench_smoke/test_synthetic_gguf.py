@@ -1,0 +1,79 @@
+"""bench/make_synthetic_gguf.py writes files the model loader takes: run as a script (nothing
+imports bench/), then read back with GGUFFile, ModelConfig and the tokenizer."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import gguf
+
+from model.config import ModelConfig
+from model.gguf_file import GGUFFile
+from model.tokenizer import Tokenizer
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "make_synthetic_gguf.py"
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory):
+    """write(shape, quant) -> GGUFFile, each file written once per module."""
+    directory = tmp_path_factory.mktemp("synthetic")
+    files: dict[tuple[str, str], GGUFFile] = {}
+
+    def write(shape: str, quant_name: str) -> GGUFFile:
+        if (shape, quant_name) not in files:
+            files[shape, quant_name] = _write(directory, shape, quant_name)
+        return files[shape, quant_name]
+
+    return write
+
+
+def _write(directory: pathlib.Path, shape: str, quant_name: str) -> GGUFFile:
+    out = directory / f"{shape}-{quant_name}.gguf"
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "--shape", shape, "--quant", quant_name, "--out", str(out)],
+        check=True, capture_output=True, text=True, timeout=60,
+    )
+    return GGUFFile(out)
+
+
+@pytest.mark.parametrize(
+    ("shape", "quant_name", "arch", "kind"),
+    [("tiny", "q4_k_m", "llama", "llama"), ("tiny-qwen2", "q4_0", "qwen2", "gpt2")],
+)
+def test_tiny_file_loads(written, shape: str, quant_name: str, arch: str, kind: str) -> None:
+    gf = written(shape, quant_name)
+    cfg = ModelConfig.from_gguf_metadata(gf.metadata, frozenset(gf.tensors))
+    assert (cfg.arch, cfg.num_layers, cfg.embed_dim, cfg.ffn_dim) == (arch, 2, 256, 768)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (4, 2, 2048)
+    assert cfg.has_qkv_bias == (arch == "qwen2")
+    assert not cfg.tied_output
+    assert gf.tensor("output.weight").ggml_type.name == "Q6_K"
+
+    tok = Tokenizer.from_gguf_metadata(gf.metadata)
+    assert gf.metadata["tokenizer.ggml.model"] == kind
+    assert tok.vocab_size == 2048
+    text = "Hello world, 42 tokens.\nBye"
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_q4_k_m_mix_and_weight_scale(written) -> None:
+    gf = written("tiny", "q4_k_m")
+    # llama.cpp's use_more_bits over 2 layers picks layer 1 for Q6_K attn_v and ffn_down
+    assert gf.tensor("blk.0.attn_v.weight").ggml_type.name == "Q4_K"
+    assert gf.tensor("blk.1.attn_v.weight").ggml_type.name == "Q6_K"
+    assert gf.tensor("blk.1.ffn_down.weight").ggml_type.name == "Q6_K"
+    assert gf.tensor("blk.1.ffn_up.weight").ggml_type.name == "Q4_K"
+    for name in ("blk.0.attn_q.weight", "blk.1.ffn_down.weight", "token_embd.weight"):
+        info = gf.tensor(name)
+        w = gguf.quants.dequantize(np.asarray(info.data), info.ggml_type)  # llama.cpp's math, in numpy
+        k = info.shape[1]
+        assert np.isfinite(w).all()
+        # about unit gain: std near 1/sqrt(K), mean near zero
+        assert 0.5 / np.sqrt(k) < w.std() < 2.0 / np.sqrt(k), (name, w.std() * np.sqrt(k))
+        assert abs(w.mean()) < 0.2 / np.sqrt(k), (name, w.mean() * np.sqrt(k))
