@@ -1,0 +1,555 @@
+"""Attention ops as Pallas kernels lowered through Triton: implementation "triton" of ops
+"attention_decode" and "attention_prefill" (GPU only; `interpret=True` runs them on CPU).
+
+Inputs come from the model's forward pass (`model/forward.py`), exactly as the plain-jnp
+references in `pallas_kernels/attention.py` take them: the cache slice is the static power-of-two
+context bucket [0, S) of the layer's cache, laid out [B, S, K, D] (decode) or [S, K, D] (one
+slot, prefill); positions / start_pos and the sliding window are traced int32 values.
+Outputs are f32, as the references' are.
+
+Decode is flash decoding (split-K): one program per (slot row, kv head, split of S) loads
+[block_s, D] tiles of K and V of its kv head once for all G = H / K query heads of that head
+(the G queries padded to >= 16 rows, the smallest Triton dot), keeps an online softmax in f32
+and writes a partial (max, sum, unnormalised output); a small jnp step merges the splits (with
+one split the kernel writes the final output itself). The number of splits is static, chosen
+from B, K and S so that about `target_programs` programs run. Each program loops only over the
+tiles that hold visible keys of its row, bounded by the row's position (and window) read from
+the positions array, so short and inactive rows read nothing past their last key.
+
+Prefill is flash attention: one program per (block of queries, query head) loops over key
+tiles up to the causal limit of its last query (and from the window start of its first),
+with the masks applied only on the tiles that straddle a boundary.
+
+Scores use base-2 exponentials: the kernels multiply q by scale * log2(e) in f32 (then round
+it to the KV dtype for the dot) and compute exp2(s - m); partial maxima are base-2 as well.
+bf16/f16 caches use tensor-core dots with f32 accumulation; f32 caches use IEEE f32 dots
+(`Precision.HIGHEST`; Triton's default would be tf32). A cache length that is not a multiple
+of the tile is read with masked loads on the last tile.
+Dimension letters: B slots, T queries, S cache positions, H query heads, K kv heads, G = H / K,
+D head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels import registry
+
+# jax renamed TritonCompilerParams to CompilerParams; pick whichever this jax has.
+_TritonParams = plt.CompilerParams if hasattr(plt, "CompilerParams") else plt.TritonCompilerParams
+# Masked loads/stores moved from `pl` to the Triton module.
+_load = plt.load if hasattr(plt, "load") else pl.load
+_store = plt.store if hasattr(plt, "store") else pl.store
+
+_NEG = -1e30  # finite: a fully masked row never computes inf - inf
+_LOG2E = math.log2(math.e)
+_MIN_DOT = 16  # Triton's tl.dot needs every dimension >= 16
+_KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _check_pow2(name: str, value: int | None, minimum: int) -> None:
+    if value is not None and (not _is_pow2(value) or value < minimum):
+        raise ValueError(f"{name} must be a power of two >= {minimum}, got {value}")
+
+
+def _check_launch(num_warps: int | None, num_stages: int | None) -> None:
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps}")
+    if num_stages is not None and not 1 <= num_stages <= 8:
+        raise ValueError(f"num_stages must be in [1, 8], got {num_stages}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeAttentionConfig:
+    # Keys per tile. None: a 16 KiB K tile (64 keys at D = 128 in bf16, 32 in f32), >= 16.
+    block_s: int | None = None
+    # Splits of S per (row, kv head). None: enough for about `target_programs` programs, each
+    # split at least `min_split_keys` keys, so one row at long context still fills the GPU
+    # while large batches do not pay for partials they do not need.
+    num_splits: int | None = None
+    target_programs: int = 1024
+    min_split_keys: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        _check_pow2("block_s", self.block_s, _MIN_DOT)
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+        if self.target_programs < 1:
+            raise ValueError(f"target_programs must be >= 1, got {self.target_programs}")
+        if self.min_split_keys < 1:
+            raise ValueError(f"min_split_keys must be >= 1, got {self.min_split_keys}")
+        _check_launch(self.num_warps, self.num_stages)
+
+    def tile(self, head_dim: int, itemsize: int) -> int:
+        return self.block_s or max(_MIN_DOT, 16384 // (head_dim * itemsize))
+
+    def splits(self, num_rows: int, num_kv_heads: int, num_tiles: int, block_s: int) -> int:
+        """Splits actually used: never more than tiles, and none left empty by rounding."""
+        if self.num_splits is not None:
+            wanted = self.num_splits
+        else:
+            wanted = -(-self.target_programs // (num_rows * num_kv_heads))
+            wanted = min(wanted, max(1, (num_tiles * block_s) // self.min_split_keys))
+        wanted = max(1, min(wanted, num_tiles))
+        per_split = -(-num_tiles // wanted)
+        return -(-num_tiles // per_split)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillAttentionConfig:
+    # None: by head dim and KV itemsize (see `resolve`): 128 queries x 64 keys, 8 warps,
+    # 3 stages up to D = 128; 64 x 64, 2 stages at D = 256; half the keys for f32 (shared memory).
+    block_t: int | None = None
+    block_k: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_pow2("block_t", self.block_t, _MIN_DOT)
+        _check_pow2("block_k", self.block_k, _MIN_DOT)
+        _check_launch(self.num_warps, self.num_stages)
+
+    def resolve(self, head_dim: int, itemsize: int) -> tuple[int, int, int, int]:
+        """(block_t, block_k, num_warps, num_stages) for this head dim and KV itemsize."""
+        if head_dim <= 64:
+            auto = (128, 64, 4, 3)
+        elif head_dim <= 128:
+            auto = (128, 64 if itemsize <= 2 else 32, 8, 3)
+        else:
+            auto = (64, 64 if itemsize <= 2 else 32, 8, 2)
+        given = (self.block_t, self.block_k, self.num_warps, self.num_stages)
+        return tuple(g if g is not None else a for g, a in zip(given, auto))  # type: ignore[return-value]
+
+
+DEFAULT_DECODE_CONFIG = DecodeAttentionConfig()
+DEFAULT_PREFILL_CONFIG = PrefillAttentionConfig()
+
+
+# ---------------------------------------------------------------------------------------------
+# input checks shared by both ops
+
+
+def _static_window(window: jax.Array | int) -> int | None:
+    """The window as a Python int when it is static, None when it is traced."""
+    return None if isinstance(window, jax.core.Tracer) else int(window)
+
+
+def _check_inputs(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, seq_axis: int) -> tuple[int, int, int]:
+    """(S, K, G) after checking what the kernels can take."""
+    if k_cache.shape != v_cache.shape:
+        raise NotImplementedError(f"K and V caches differ in shape: {k_cache.shape} vs {v_cache.shape}")
+    if k_cache.dtype != v_cache.dtype:
+        raise NotImplementedError(f"K and V caches differ in dtype: {k_cache.dtype} vs {v_cache.dtype}")
+    if jnp.dtype(k_cache.dtype) not in _KV_DTYPES:
+        raise NotImplementedError(f"KV dtype {k_cache.dtype} is not one of {[str(d) for d in _KV_DTYPES]}")
+    d = q.shape[-1]
+    if d not in _HEAD_DIMS or k_cache.shape[-1] != d:
+        raise NotImplementedError(f"head dim {d} (cache {k_cache.shape[-1]}) is not one of {_HEAD_DIMS}")
+    s, kh = k_cache.shape[seq_axis], k_cache.shape[seq_axis + 1]
+    h = q.shape[-2]
+    if h % kh:
+        raise ValueError(f"{h} query heads are not a multiple of {kh} kv heads")
+    if s < 1:
+        raise ValueError("empty cache")
+    return s, kh, h // kh
+
+
+def _scalar_inputs(scale, window, static_scale: float | None, static_window: int | None):
+    """[1] f32 scale * log2(e) and [1] int32 window for the kernels: constants when static
+    (no device op), else built from the traced values."""
+    if static_scale is not None:
+        scale_arr = np.asarray([static_scale * _LOG2E], np.float32)
+    else:
+        scale_arr = jnp.reshape(jnp.asarray(scale, jnp.float32) * _LOG2E, (1,))
+    if static_window is not None:
+        win_arr = np.asarray([static_window], np.int32)
+    else:
+        win_arr = jnp.reshape(jnp.asarray(window, jnp.int32), (1,))
+    return scale_arr, win_arr
+
+
+def _static_scale(scale: float | jax.Array) -> float | None:
+    return None if isinstance(scale, jax.core.Tracer) else float(scale)
+
+
+def _scale_q(q: jax.Array, scale_ref, dtype) -> jax.Array:
+    # Scale (and log2(e), for exp2) in f32, then round to the KV dtype for the dot.
+    return (q.astype(jnp.float32) * scale_ref[0]).astype(dtype)
+
+
+def _dot_precision(dtype: jnp.dtype):
+    # f32 operands: IEEE f32 (Triton would otherwise use tf32); bf16/f16: tensor cores.
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+def _dot_nt(a: jax.Array, b: jax.Array, precision) -> jax.Array:
+    """a [M, D] . b [N, D]^T -> [M, N] f32."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+
+def _dot_nn(a: jax.Array, b: jax.Array, precision) -> jax.Array:
+    """a [M, N] . b [N, D] -> [M, D] f32."""
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+
+def _load_tile(ref, start, block: int, num_keys: int, is_ragged: bool):
+    """[block, D] rows [start, start + block) of ref [S, D]; rows past S read as 0 (only the
+    last tile of a cache whose length is not a multiple of the tile can have them)."""
+    rows = pl.ds(start, block)
+    if not is_ragged:
+        return ref[rows, :]
+    keys = start + jnp.arange(block, dtype=jnp.int32)
+    mask = jnp.broadcast_to((keys < num_keys)[:, None], (block, ref.shape[1]))
+    return _load(ref.at[rows, :], mask=mask, other=jnp.zeros((), ref.dtype))
+
+
+def _online_softmax_step(carry, s, visible, v, precision):
+    """One key tile of the online softmax. s [M, N] base-2 scores, visible [M, N] or None
+    (all visible), v [N, D]; carry (acc [M, D], m [M], l [M]) in f32."""
+    acc, m, l = carry
+    if visible is not None:
+        s = jnp.where(visible, s, _NEG)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    p = jnp.exp2(s - m_new[:, None])
+    if visible is not None:
+        # A row with no visible key yet (prefill, window) has m_new = _NEG and exp2(0) = 1 on its
+        # masked scores; a later correction exp2(_NEG - m) = 0 would clear that, but not if a
+        # masked key's cache row holds inf/NaN (0 * NaN). Zero them here instead.
+        p = jnp.where(visible, p, 0.0)
+    corr = jnp.exp2(m - m_new)
+    l = l * corr + jnp.sum(p, axis=1)
+    acc = acc * corr[:, None] + _dot_nn(p.astype(v.dtype), v, precision)
+    return acc, m_new, l
+
+
+# ---------------------------------------------------------------------------------------------
+# decode
+
+
+def _decode_kernel(
+    pos_ref,  # [B] int32, whole array
+    win_ref,  # [1] int32
+    scale_ref,  # [1] f32: scale * log2(e)
+    q_ref,  # [H, D] this row's queries (all heads)
+    k_ref,  # [S, D] this row's keys of this kv head
+    v_ref,  # [S, D]
+    *out_refs,  # one split: o_ref [H, D] f32; else acc_ref [G_pad, D], m_ref [G_pad], l_ref [G_pad] f32
+    block_s: int,
+    tiles_per_split: int,
+    num_keys: int,
+    num_groups: int,
+    g_pad: int,
+    has_window: bool,
+):
+    row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    pos = pos_ref[row]
+    last_key = lax.min(pos, num_keys - 1)
+    first_key = jnp.int32(0)
+    if has_window:
+        win = win_ref[0]
+        first_key = jnp.where(win > 0, lax.max(pos - win + 1, 0), 0)
+    split_lo = split * tiles_per_split
+    # Only tiles holding visible keys of this row: nothing past its position is read.
+    lo = lax.max(lax.div(first_key, block_s), split_lo)
+    hi = lax.min(lax.div(last_key, block_s) + 1, split_lo + tiles_per_split)
+
+    # The G queries of this kv head, padded to g_pad rows (zeros) for the dot.
+    d = q_ref.shape[1]
+    q_rows = pl.ds(head * num_groups, g_pad)
+    row_mask = None
+    if num_groups < g_pad:
+        row_mask = jnp.broadcast_to((jnp.arange(g_pad, dtype=jnp.int32) < num_groups)[:, None], (g_pad, d))
+        q = _load(q_ref.at[q_rows, :], mask=row_mask, other=jnp.zeros((), q_ref.dtype))
+    else:
+        q = q_ref[q_rows, :]
+    q = _scale_q(q, scale_ref, k_ref.dtype)  # [G_pad, D]
+    precision = _dot_precision(k_ref.dtype)
+    is_ragged = num_keys % block_s != 0
+
+    def body(t, carry):
+        start = pl.multiple_of(t * block_s, block_s)
+        keys = start + jnp.arange(block_s, dtype=jnp.int32)
+        k = _load_tile(k_ref, start, block_s, num_keys, is_ragged)  # [block_s, D]
+        s = _dot_nt(q, k, precision)  # [G_pad, block_s]
+        visible = keys <= last_key
+        if has_window:
+            visible = visible & ((win <= 0) | (keys > pos - win))
+        visible = jnp.broadcast_to(visible[None, :], s.shape)
+        v = _load_tile(v_ref, start, block_s, num_keys, is_ragged)
+        return _online_softmax_step(carry, s, visible, v, precision)
+
+    init = (
+        jnp.zeros((g_pad, d), jnp.float32),
+        jnp.full((g_pad,), _NEG, jnp.float32),
+        jnp.zeros((g_pad,), jnp.float32),
+    )
+    acc, m, l = lax.fori_loop(lo, hi, body, init)
+    if len(out_refs) == 1:  # one split: the final output, straight into [B, H, D]
+        (o_ref,) = out_refs
+        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        if row_mask is None:
+            o_ref[q_rows, :] = out
+        else:
+            _store(o_ref.at[q_rows, :], out, mask=row_mask)
+        return
+    acc_ref, m_ref, l_ref = out_refs
+    if row_mask is None:
+        acc_ref[...] = acc
+    else:  # padding rows are never read back: do not write them
+        _store(acc_ref, acc, mask=row_mask)
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "static_scale", "static_window"))
+def _decode(q, k_cache, v_cache, positions, scale, window, *, config, interpret, static_scale, static_window):
+    b, h, d = q.shape
+    s, kh, g = k_cache.shape[1], k_cache.shape[2], h // k_cache.shape[2]
+    g_pad = max(_MIN_DOT, 1 << (g - 1).bit_length())
+    block_s = config.tile(d, k_cache.dtype.itemsize)
+    num_tiles = -(-s // block_s)
+    num_splits = config.splits(b, kh, num_tiles, block_s)
+    tiles_per_split = -(-num_tiles // num_splits)
+    scale_arr, win_arr = _scalar_inputs(scale, window, static_scale, static_window)
+
+    kernel = functools.partial(
+        _decode_kernel,
+        block_s=block_s,
+        tiles_per_split=tiles_per_split,
+        num_keys=s,
+        num_groups=g,
+        g_pad=g_pad,
+        has_window=static_window != 0,
+    )
+    kv_spec = pl.BlockSpec((None, s, None, d), lambda i, j, p: (i, 0, j, 0))
+    if num_splits == 1:
+        out_specs = [pl.BlockSpec((None, h, d), lambda i, j, p: (i, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, h, d), jnp.float32)]
+    else:
+        out_specs = [
+            pl.BlockSpec((None, None, None, g_pad, d), lambda i, j, p: (p, i, j, 0, 0)),
+            pl.BlockSpec((None, None, None, g_pad), lambda i, j, p: (p, i, j, 0)),
+            pl.BlockSpec((None, None, None, g_pad), lambda i, j, p: (p, i, j, 0)),
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((num_splits, b, kh, g_pad, d), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, b, kh, g_pad), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, b, kh, g_pad), jnp.float32),
+        ]
+    outs = pl.pallas_call(
+        kernel,
+        grid=(b, kh, num_splits),
+        in_specs=[
+            pl.BlockSpec((b,), lambda i, j, p: (0,)),
+            pl.BlockSpec((1,), lambda i, j, p: (0,)),
+            pl.BlockSpec((1,), lambda i, j, p: (0,)),
+            pl.BlockSpec((None, h, d), lambda i, j, p: (i, 0, 0)),
+            kv_spec,
+            kv_spec,
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_TritonParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="attention_decode",
+    )(positions.astype(jnp.int32), win_arr, scale_arr, q, k_cache, v_cache)
+    if num_splits == 1:
+        return outs[0]
+    # Merge the splits; a split with no visible key has m = _NEG, l = 0: weight 0.
+    acc, m, l = (x[:, :, :, :g] for x in outs)  # [splits, B, K, G(, D)]
+    m_all = jnp.max(m, axis=0)
+    w = jnp.exp2(m - m_all[None])
+    out = jnp.sum(acc * w[..., None], axis=0) / jnp.sum(l * w, axis=0)[..., None]
+    return out.reshape(b, h, d)
+
+
+def attention_decode_triton(
+    q: jax.Array,  # [B, H, D]
+    k_cache: jax.Array,  # [B, S, K, D]
+    v_cache: jax.Array,  # [B, S, K, D]
+    positions: jax.Array,  # [B] int32 >= 0: the query's position (its key is already in the cache)
+    scale: float,
+    window: jax.Array | int = 0,  # 0 = unlimited; may be traced (gemma3 alternates per layer)
+    *,
+    config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
+    interpret: bool = False,
+) -> jax.Array:  # [B, H, D] f32
+    """Same contract as `attention_decode_reference`. Positions must lie in [0, S); a position
+    past S attends to the whole cache, as the reference does."""
+    if q.ndim != 3 or k_cache.ndim != 4 or positions.shape != (q.shape[0],) or k_cache.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"want q [B, H, D], caches [B, S, K, D], positions [B]; got {q.shape}, {k_cache.shape}, {positions.shape}"
+        )
+    _check_inputs(q, k_cache, v_cache, seq_axis=1)
+    return _decode(
+        q, k_cache, v_cache, positions, scale, window,
+        config=config, interpret=interpret, static_scale=_static_scale(scale), static_window=_static_window(window),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill
+
+
+def _prefill_kernel(
+    start_ref,  # [1] int32: position of query 0
+    win_ref,  # [1] int32
+    scale_ref,  # [1] f32: scale * log2(e)
+    q_ref,  # [T, D] this head's queries
+    k_ref,  # [S, D] its kv head's keys
+    v_ref,  # [S, D]
+    o_ref,  # [T, D] f32
+    *,
+    block_t: int,
+    block_k: int,
+    num_queries: int,
+    num_keys: int,
+    num_q_blocks: int,
+    has_window: bool,
+):
+    # Heaviest (latest) query blocks first: causal work grows with the block index.
+    qb = num_q_blocks - 1 - pl.program_id(0)
+    start = start_ref[0]
+    row0 = qb * block_t
+    q = _load_tile(q_ref, row0, block_t, num_queries, num_queries % block_t != 0)
+    q = _scale_q(q, scale_ref, k_ref.dtype)  # [block_t, D]
+    precision = _dot_precision(k_ref.dtype)
+    q_pos = start + row0 + jnp.arange(block_t, dtype=jnp.int32)  # [block_t]
+    q_first = start + row0
+    q_last = start + lax.min(row0 + block_t, num_queries) - 1  # last real query of the block
+    last_key = lax.min(q_last, num_keys - 1)
+    first_key = jnp.int32(0)
+    if has_window:
+        win = win_ref[0]
+        first_key = jnp.where(win > 0, lax.max(q_first - win + 1, 0), 0)
+    lo = lax.div(first_key, block_k)
+    hi = lax.div(last_key, block_k) + 1
+    # Tiles every query of the block sees whole: keys <= q_first (causal), keys > q_last - win
+    # (window), keys < S. They skip the masks. [full_lo, full_hi) may be empty.
+    full_hi = lax.min(lax.div(q_first + 1, block_k), num_keys // block_k)
+    full_lo = jnp.int32(0)
+    if has_window:
+        full_lo = jnp.where(win > 0, lax.div(lax.max(q_last - win + 1, 0) + block_k - 1, block_k), 0)
+    mid_lo = lax.min(lax.max(full_lo, lo), hi)
+    mid_hi = lax.min(lax.max(full_hi, mid_lo), hi)
+    is_ragged = num_keys % block_k != 0
+
+    def body(t, carry, masked: bool):
+        kstart = pl.multiple_of(t * block_k, block_k)
+        k = _load_tile(k_ref, kstart, block_k, num_keys, is_ragged and masked)  # [block_k, D]
+        s = _dot_nt(q, k, precision)  # [block_t, block_k]
+        visible = None
+        if masked:
+            keys = kstart + jnp.arange(block_k, dtype=jnp.int32)
+            visible = (keys[None, :] <= q_pos[:, None]) & (keys[None, :] < num_keys)
+            if has_window:
+                visible = visible & ((win <= 0) | (keys[None, :] > q_pos[:, None] - win))
+        v = _load_tile(v_ref, kstart, block_k, num_keys, is_ragged and masked)
+        return _online_softmax_step(carry, s, visible, v, precision)
+
+    d = q.shape[1]
+    carry = (
+        jnp.zeros((block_t, d), jnp.float32),
+        jnp.full((block_t,), _NEG, jnp.float32),
+        jnp.zeros((block_t,), jnp.float32),
+    )
+    carry = lax.fori_loop(lo, mid_lo, functools.partial(body, masked=True), carry)  # window edge
+    carry = lax.fori_loop(mid_lo, mid_hi, functools.partial(body, masked=False), carry)
+    carry = lax.fori_loop(mid_hi, hi, functools.partial(body, masked=True), carry)  # diagonal
+    acc, _, l = carry
+    # l = 0 only for a padding query past the cache with a window; keep it finite.
+    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    rows = pl.ds(row0, block_t)
+    if num_queries % block_t:
+        mask = (row0 + jnp.arange(block_t, dtype=jnp.int32) < num_queries)[:, None]
+        _store(o_ref.at[rows, :], out, mask=jnp.broadcast_to(mask, out.shape))
+    else:
+        o_ref[rows, :] = out
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "static_scale", "static_window"))
+def _prefill(q, k_cache, v_cache, start_pos, scale, window, *, config, interpret, static_scale, static_window):
+    t, h, d = q.shape
+    s, kh = k_cache.shape[0], k_cache.shape[1]
+    g = h // kh
+    block_t, block_k, num_warps, num_stages = config.resolve(d, k_cache.dtype.itemsize)
+    # A chunk shorter than a block: shrink the block (still >= 16, Triton's smallest dot).
+    block_t = min(block_t, max(_MIN_DOT, 1 << (t - 1).bit_length()))
+    num_q_blocks = -(-t // block_t)
+    kernel = functools.partial(
+        _prefill_kernel,
+        block_t=block_t,
+        block_k=block_k,
+        num_queries=t,
+        num_keys=s,
+        num_q_blocks=num_q_blocks,
+        has_window=static_window != 0,
+    )
+    scale_arr, win_arr = _scalar_inputs(scale, window, static_scale, static_window)
+    kv_spec = pl.BlockSpec((s, None, d), lambda i, j: (0, lax.div(j, g), 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(num_q_blocks, h),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j: (0,)),
+            pl.BlockSpec((1,), lambda i, j: (0,)),
+            pl.BlockSpec((1,), lambda i, j: (0,)),
+            pl.BlockSpec((t, None, d), lambda i, j: (0, j, 0)),
+            kv_spec,
+            kv_spec,
+        ],
+        out_specs=pl.BlockSpec((t, None, d), lambda i, j: (0, j, 0)),
+        out_shape=jax.ShapeDtypeStruct((t, h, d), jnp.float32),
+        compiler_params=_TritonParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="attention_prefill",
+    )(jnp.reshape(jnp.asarray(start_pos, jnp.int32), (1,)), win_arr, scale_arr, q, k_cache, v_cache)
+
+
+def attention_prefill_triton(
+    q: jax.Array,  # [T, H, D]
+    k_cache: jax.Array,  # [S, K, D] (one slot; the chunk's keys already written)
+    v_cache: jax.Array,  # [S, K, D]
+    start_pos: jax.Array,  # [] int32 >= 0: position of q[0]
+    scale: float,
+    window: jax.Array | int = 0,  # 0 = unlimited; may be traced
+    *,
+    config: PrefillAttentionConfig = DEFAULT_PREFILL_CONFIG,
+    interpret: bool = False,
+) -> jax.Array:  # [T, H, D] f32
+    """Same contract as `attention_prefill_reference` for queries at positions < S (padding
+    queries past the cache get finite junk, never read by the forward pass)."""
+    if q.ndim != 3 or k_cache.ndim != 3 or jnp.ndim(start_pos) != 0:
+        raise ValueError(
+            f"want q [T, H, D], caches [S, K, D], start_pos []; got {q.shape}, {k_cache.shape}, {jnp.shape(start_pos)}"
+        )
+    _check_inputs(q, k_cache, v_cache, seq_axis=0)
+    return _prefill(
+        q, k_cache, v_cache, start_pos, scale, window,
+        config=config, interpret=interpret, static_scale=_static_scale(scale), static_window=_static_window(window),
+    )
+
+
+def is_available() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+# Above the reference (priority 0): chosen wherever a GPU is present.
+registry.register("attention_decode", "triton", attention_decode_triton, is_available=is_available, priority=10)
+registry.register("attention_prefill", "triton", attention_prefill_triton, is_available=is_available, priority=10)

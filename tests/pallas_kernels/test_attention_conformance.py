@@ -1,0 +1,382 @@
+"""Conformance of the attention kernels against the plain-jnp references.
+
+One shared base per op (`DecodeConformance`, `PrefillConformance`) holds the checks; each
+subclass names an implementation setting and its cases: `...Interpret` runs the Triton kernels
+in Pallas interpret mode on the CPU (small shapes), `...Gpu` compiles them for the GPU (marked
+`gpu`, skipped unless jax's default backend is a GPU: run with JAX_PLATFORMS=cuda, since
+tests/conftest.py defaults JAX to the CPU).
+
+Every case draws fresh random inputs (the seed is in the failure message) with per-row random
+positions that include 0 and S - 1, and compares with the reference by relative norm error:
+1e-5 for f32 caches, 1e-2 for bf16 (q and the softmax weights are rounded to bf16 for the
+tensor-core dots). NaN or inf never passes. Windows listed in a case are passed traced (one
+compiled program serves them all, as in gemma3's scanned layers) unless the case says static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import attention, attention_triton, registry
+from pallas_kernels.attention_triton import DecodeAttentionConfig, PrefillAttentionConfig
+
+TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2}
+
+
+def assert_rel_close(actual, expected, tol, context=""):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, context
+    assert np.isfinite(expected).all(), f"reference not finite: {context}"
+    assert np.isfinite(actual).all(), f"NaN/inf never passes: {context}"
+    err = np.linalg.norm(actual - expected) / np.linalg.norm(expected)
+    assert err < tol, f"relative error {err:.3g} >= {tol}: {context}"
+
+
+def fresh_rng() -> tuple[np.random.Generator, int]:
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    return np.random.default_rng(seed), seed
+
+
+def normal(rng, shape, dtype) -> jax.Array:
+    return jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    b: int
+    s: int
+    h: int
+    k: int
+    d: int
+    dtype: type
+    windows: tuple[int, ...] = (0,)
+    is_window_static: bool = False
+    config: DecodeAttentionConfig = attention_triton.DEFAULT_DECODE_CONFIG
+
+    def __str__(self) -> str:
+        kind = "static" if self.is_window_static else "traced"
+        return (f"b{self.b}-s{self.s}-h{self.h}-k{self.k}-d{self.d}-{jnp.dtype(self.dtype).name}"
+                f"-win{'_'.join(map(str, self.windows))}{kind}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillCase:
+    t: int
+    s: int
+    h: int
+    k: int
+    d: int
+    dtype: type
+    starts: tuple[int, ...] = (0,)
+    windows: tuple[int, ...] = (0,)
+    is_window_static: bool = False
+    config: PrefillAttentionConfig = attention_triton.DEFAULT_PREFILL_CONFIG
+
+    def __str__(self) -> str:
+        kind = "static" if self.is_window_static else "traced"
+        return (f"t{self.t}-s{self.s}-h{self.h}-k{self.k}-d{self.d}-{jnp.dtype(self.dtype).name}"
+                f"-start{'_'.join(map(str, self.starts))}-win{'_'.join(map(str, self.windows))}{kind}")
+
+
+# Windows passed as jit arguments: traced inside the kernels' wrappers.
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _decode_traced_window(q, k, v, positions, window, *, config, interpret):
+    return attention_triton.attention_decode_triton(
+        q, k, v, positions, q.shape[-1] ** -0.5, window, config=config, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _prefill_traced_window(q, k, v, start, window, *, config, interpret):
+    return attention_triton.attention_prefill_triton(
+        q, k, v, start, q.shape[-1] ** -0.5, window, config=config, interpret=interpret)
+
+
+# The references, jitted once per shape (run eagerly, each of their ops compiles on its own).
+_decode_reference_jit = jax.jit(attention.attention_decode_reference, static_argnames="scale")
+_prefill_reference_jit = jax.jit(attention.attention_prefill_reference, static_argnames="scale")
+
+
+def decode_reference(q, k, v, positions, window):
+    return _decode_reference_jit(q, k, v, positions, q.shape[-1] ** -0.5, jnp.int32(window))
+
+
+def prefill_reference(q, k, v, start, window):
+    return _prefill_reference_jit(q, k, v, jnp.int32(start), q.shape[-1] ** -0.5, jnp.int32(window))
+
+
+def _parametrize(metafunc, argname: str, cases) -> None:
+    if argname in metafunc.fixturenames:
+        metafunc.parametrize(argname, cases, ids=[str(c) for c in cases])
+
+
+# ---------------------------------------------------------------------------------------------
+# decode
+
+
+class DecodeConformance:
+    interpret: bool
+    decode_cases: tuple[DecodeCase, ...]
+
+    def pytest_generate_tests(self, metafunc):
+        _parametrize(metafunc, "case", self.decode_cases)
+
+    def run(self, case: DecodeCase, q, k, v, positions, window):
+        if case.is_window_static:
+            return attention_triton.attention_decode_triton(
+                q, k, v, positions, case.d ** -0.5, window, config=case.config, interpret=self.interpret)
+        return _decode_traced_window(q, k, v, positions, jnp.int32(window), config=case.config,
+                                     interpret=self.interpret)
+
+    def inputs(self, case: DecodeCase, rng):
+        q = normal(rng, (case.b, case.h, case.d), case.dtype)
+        k = normal(rng, (case.b, case.s, case.k, case.d), case.dtype)
+        v = normal(rng, (case.b, case.s, case.k, case.d), case.dtype)
+        positions = rng.integers(0, case.s, case.b)
+        positions[0], positions[-1] = 0, case.s - 1
+        return q, k, v, jnp.asarray(positions, jnp.int32)
+
+    def test_matches_reference(self, case: DecodeCase):
+        rng, seed = fresh_rng()
+        q, k, v, positions = self.inputs(case, rng)
+        for window in case.windows:
+            out = self.run(case, q, k, v, positions, window)
+            assert out.shape == q.shape and out.dtype == jnp.float32
+            ref = decode_reference(q, k, v, positions, window)
+            assert_rel_close(out, ref, TOL[jnp.dtype(case.dtype)],
+                             f"seed {seed}, window {window}, positions {np.asarray(positions).tolist()}")
+
+    def test_reads_no_tile_outside_visible_keys(self, case: DecodeCase):
+        """NaN in every tile wholly past a row's position or before its window: a kernel that
+        read one would return NaN (0 * NaN in the probability-weighted sum of V)."""
+        rng, seed = fresh_rng()
+        q, k, v, positions = self.inputs(case, rng)
+        tile = case.config.tile(case.d, jnp.dtype(case.dtype).itemsize)
+        s_idx = np.arange(case.s)
+        for window in case.windows:
+            poison = np.zeros((case.b, case.s), bool)
+            for row, pos in enumerate(np.asarray(positions)):
+                first = max(pos - window + 1, 0) if window > 0 else 0
+                poison[row] = (s_idx >= (pos // tile + 1) * tile) | (s_idx < first // tile * tile)
+            mask = jnp.asarray(poison)[:, :, None, None]
+            out = self.run(case, q, jnp.where(mask, jnp.nan, k).astype(k.dtype),
+                           jnp.where(mask, jnp.nan, v).astype(v.dtype), positions, window)
+            ref = decode_reference(q, k, v, positions, window)
+            assert_rel_close(out, ref, TOL[jnp.dtype(case.dtype)], f"seed {seed}, window {window}")
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill
+
+
+class PrefillConformance:
+    interpret: bool
+    prefill_cases: tuple[PrefillCase, ...]
+
+    def pytest_generate_tests(self, metafunc):
+        _parametrize(metafunc, "case", self.prefill_cases)
+
+    def run(self, case: PrefillCase, q, k, v, start, window):
+        if case.is_window_static:
+            return attention_triton.attention_prefill_triton(
+                q, k, v, start, case.d ** -0.5, window, config=case.config, interpret=self.interpret)
+        return _prefill_traced_window(q, k, v, start, jnp.int32(window), config=case.config,
+                                      interpret=self.interpret)
+
+    def inputs(self, case: PrefillCase, rng):
+        q = normal(rng, (case.t, case.h, case.d), case.dtype)
+        k = normal(rng, (case.s, case.k, case.d), case.dtype)
+        v = normal(rng, (case.s, case.k, case.d), case.dtype)
+        return q, k, v
+
+    def test_matches_reference(self, case: PrefillCase):
+        rng, seed = fresh_rng()
+        q, k, v = self.inputs(case, rng)
+        for start in case.starts:
+            assert start + case.t <= case.s, "the chunk's keys are in the cache"
+            for window in case.windows:
+                out = self.run(case, q, k, v, jnp.int32(start), window)
+                assert out.shape == q.shape and out.dtype == jnp.float32
+                ref = prefill_reference(q, k, v, start, window)
+                assert_rel_close(out, ref, TOL[jnp.dtype(case.dtype)], f"seed {seed}, start {start}, window {window}")
+
+    def test_reads_no_tile_outside_visible_keys(self, case: PrefillCase):
+        """NaN in every key tile wholly past the chunk's last query or before the window of its
+        first query."""
+        rng, seed = fresh_rng()
+        q, k, v = self.inputs(case, rng)
+        block_k = case.config.resolve(case.d, jnp.dtype(case.dtype).itemsize)[1]
+        s_idx = np.arange(case.s)
+        for start in case.starts:
+            for window in case.windows:
+                last = start + case.t - 1
+                first = max(start - window + 1, 0) if window > 0 else 0
+                poison = (s_idx >= (last // block_k + 1) * block_k) | (s_idx < first // block_k * block_k)
+                mask = jnp.asarray(poison)[:, None, None]
+                out = self.run(case, q, jnp.where(mask, jnp.nan, k).astype(k.dtype),
+                               jnp.where(mask, jnp.nan, v).astype(v.dtype), jnp.int32(start), window)
+                ref = prefill_reference(q, k, v, start, window)
+                assert_rel_close(out, ref, TOL[jnp.dtype(case.dtype)], f"seed {seed}, start {start}, window {window}")
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: Pallas interpret mode, small shapes. Each case is one compiled program (a few seconds of
+# XLA compile on two cores); windows and starts vary at run time within it.
+# GQA ratios 1, 3, 4, 8; head dims 32..256; ragged cache lengths and chunks; one and many splits.
+
+
+class TestDecodeInterpret(DecodeConformance):
+    interpret = True
+    decode_cases = (
+        DecodeCase(4, 64, 4, 4, 64, jnp.float32, windows=(0, 1, 5), config=DecodeAttentionConfig(block_s=16)),
+        DecodeCase(3, 100, 6, 2, 32, jnp.float32, windows=(0, 7, 40),
+                   config=DecodeAttentionConfig(block_s=16, num_splits=3)),
+        DecodeCase(4, 128, 8, 2, 128, jnp.bfloat16, windows=(0,), is_window_static=True,
+                   config=DecodeAttentionConfig(block_s=32, num_splits=2)),
+        DecodeCase(3, 64, 8, 1, 256, jnp.bfloat16, windows=(9,), is_window_static=True,
+                   config=DecodeAttentionConfig(block_s=16)),
+    )
+
+
+class TestPrefillInterpret(PrefillConformance):
+    interpret = True
+    prefill_cases = (
+        PrefillCase(32, 64, 4, 4, 64, jnp.float32, starts=(0, 32), windows=(0, 1, 5),
+                    config=PrefillAttentionConfig(block_t=16, block_k=16)),
+        PrefillCase(24, 100, 6, 2, 32, jnp.float32, starts=(0, 37, 76), windows=(0, 9, 30),
+                    config=PrefillAttentionConfig(block_t=16, block_k=16)),
+        PrefillCase(32, 128, 8, 2, 128, jnp.bfloat16, starts=(0, 96), is_window_static=True),
+        PrefillCase(16, 64, 8, 1, 256, jnp.bfloat16, starts=(0, 48), windows=(9,), is_window_static=True,
+                    config=PrefillAttentionConfig(block_k=16)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: compiled through Triton, model-sized shapes.
+
+_gpu = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs jax's default backend to be a GPU"),
+]
+
+
+@_gpu[0]
+@_gpu[1]
+class TestDecodeGpu(DecodeConformance):
+    interpret = False
+    decode_cases = (
+        DecodeCase(8, 4096, 32, 8, 128, jnp.bfloat16, is_window_static=True),  # Llama-3-8B
+        DecodeCase(4, 2048, 32, 32, 128, jnp.bfloat16, is_window_static=True),  # Llama-2-7B
+        DecodeCase(5, 1000, 24, 8, 64, jnp.bfloat16, windows=(0, 7, 300)),  # G = 3, ragged S
+        DecodeCase(3, 1024, 16, 2, 256, jnp.bfloat16, windows=(0, 512)),  # gemma3-like, G = 8
+        DecodeCase(4, 512, 8, 2, 128, jnp.float32, windows=(0, 33)),
+        DecodeCase(2, 512, 8, 1, 256, jnp.float32, is_window_static=True),
+        DecodeCase(4, 4096, 8, 8, 128, jnp.bfloat16, is_window_static=True,
+                   config=DecodeAttentionConfig(num_splits=7)),
+        DecodeCase(32, 1024, 32, 8, 128, jnp.bfloat16, is_window_static=True),  # one split
+    )
+
+
+@_gpu[0]
+@_gpu[1]
+class TestPrefillGpu(PrefillConformance):
+    interpret = False
+    prefill_cases = (
+        PrefillCase(512, 4096, 32, 8, 128, jnp.bfloat16, starts=(0, 1024, 3584), is_window_static=True),
+        PrefillCase(512, 4096, 32, 32, 128, jnp.bfloat16, starts=(0, 3584), is_window_static=True),
+        PrefillCase(64, 512, 8, 8, 64, jnp.float32, starts=(0, 448), windows=(0, 100)),
+        PrefillCase(100, 1000, 24, 8, 64, jnp.bfloat16, starts=(0, 900), windows=(0, 17)),  # ragged
+        PrefillCase(128, 1024, 16, 2, 256, jnp.bfloat16, starts=(0, 896), windows=(0, 512)),
+        PrefillCase(1, 512, 32, 8, 128, jnp.bfloat16, starts=(0, 300, 511), is_window_static=True),
+    )
+
+    def test_chosen_by_the_registry(self):
+        spec = (jax.ShapeDtypeStruct((64, 32, 128), jnp.bfloat16), jax.ShapeDtypeStruct((512, 8, 128), jnp.bfloat16),
+                jax.ShapeDtypeStruct((512, 8, 128), jnp.bfloat16), jax.ShapeDtypeStruct((), jnp.int32), 0.1, 0)
+        assert registry.choose("attention_prefill", probe_args=spec) is attention_triton.attention_prefill_triton
+
+
+# ---------------------------------------------------------------------------------------------
+# backend-independent checks
+
+
+def test_registered_above_the_reference():
+    for op in ("attention_decode", "attention_prefill"):
+        impls = registry.implementations(op)
+        names = [impl.name for impl in impls]
+        assert names.index("triton") < names.index("reference")
+        triton = impls[names.index("triton")]
+        assert triton.is_available() == (jax.default_backend() == "gpu")
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="CPU: the triton implementation is unavailable")
+def test_reference_is_chosen_on_cpu():
+    assert registry.choose("attention_decode") is attention.attention_decode_reference
+
+
+@pytest.mark.parametrize(
+    "k_shape, dtype, reason",
+    [((2, 64, 2, 80), jnp.bfloat16, "head dim"), ((2, 64, 2, 64), jnp.int8, "KV dtype")],
+)
+def test_rejects_input_it_cannot_take(k_shape, dtype, reason):
+    d = k_shape[-1]
+    q = jax.ShapeDtypeStruct((2, 4, d), jnp.float32)
+    kv = jax.ShapeDtypeStruct(k_shape, dtype)
+    pos = jax.ShapeDtypeStruct((2,), jnp.int32)
+    with pytest.raises(NotImplementedError, match=reason):
+        jax.eval_shape(attention_triton.attention_decode_triton, q, kv, kv, pos, 0.1, 0)
+    with pytest.raises(NotImplementedError, match=reason):
+        jax.eval_shape(attention_triton.attention_prefill_triton, jax.ShapeDtypeStruct((8, 4, d), jnp.float32),
+                       jax.ShapeDtypeStruct(k_shape[1:], dtype), jax.ShapeDtypeStruct(k_shape[1:], dtype),
+                       jax.ShapeDtypeStruct((), jnp.int32), 0.1, 0)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: DecodeAttentionConfig(block_s=48),
+        lambda: DecodeAttentionConfig(block_s=8),
+        lambda: DecodeAttentionConfig(num_splits=0),
+        lambda: DecodeAttentionConfig(num_warps=3),
+        lambda: DecodeAttentionConfig(num_stages=0),
+        lambda: PrefillAttentionConfig(block_t=100),
+        lambda: PrefillAttentionConfig(block_k=8),
+    ],
+)
+def test_config_validation(make):
+    with pytest.raises(ValueError):
+        make()
+
+
+def test_decode_splits_cover_every_tile():
+    cfg = DecodeAttentionConfig()
+    for b, k, tiles in [(1, 8, 64), (32, 32, 64), (3, 2, 7), (1, 1, 1)]:
+        splits = cfg.splits(b, k, tiles, 64)
+        per = -(-tiles // splits)
+        assert 1 <= splits <= tiles and (splits - 1) * per < tiles <= splits * per
+
+
+@pytest.mark.parametrize("kv_dtype, d, s, g", [(jnp.bfloat16, 128, 4096, 4), (jnp.float32, 64, 1000, 3),
+                                                (jnp.bfloat16, 256, 512, 8)])
+def test_lowers_to_triton_for_cuda(kv_dtype, d, s, g):
+    """The Triton lowering (no GPU needed) accepts every kernel variant: it rejects what Triton
+    cannot take (non-power-of-two tensors, unsupported primitives) at this stage."""
+    k_heads = 2
+    kv = jax.ShapeDtypeStruct((3, s, k_heads, d), kv_dtype)
+    i32 = jax.ShapeDtypeStruct((), jnp.int32)
+    for config in (DecodeAttentionConfig(), DecodeAttentionConfig(num_splits=1)):
+        fn = lambda q, k, v, p, w, c=config: attention_triton.attention_decode_triton(q, k, v, p, 0.1, w, config=c)
+        lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((3, g * k_heads, d), jnp.bfloat16), kv, kv,
+                                    jax.ShapeDtypeStruct((3,), jnp.int32), i32).lower(lowering_platforms=("cuda",))
+        assert "triton" in lowered.as_text()
+    kv1 = jax.ShapeDtypeStruct((s, k_heads, d), kv_dtype)
+    for t in (100, 512):
+        fn = lambda q, k, v, p, w: attention_triton.attention_prefill_triton(q, k, v, p, 0.1, w)
+        lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((t, g * k_heads, d), jnp.bfloat16), kv1, kv1, i32,
+                                    i32).lower(lowering_platforms=("cuda",))
+        assert "triton" in lowered.as_text()
