@@ -20,6 +20,18 @@ import jax
 logger = logging.getLogger(__name__)
 
 
+def _probe(fn: Callable[..., Any], args: Sequence[Any]) -> None:
+    """Traces fn on args without compiling; Python scalars (scales, windows) stay static."""
+    is_static = [isinstance(a, (int, float, bool, str)) for a in args]
+    dynamic = [a for a, st in zip(args, is_static) if not st]
+
+    def call(*dyn: Any) -> Any:
+        it = iter(dyn)
+        return fn(*[a if st else next(it) for a, st in zip(args, is_static)])
+
+    jax.eval_shape(call, *dynamic)
+
+
 def always_available() -> bool:
     return True
 
@@ -74,7 +86,7 @@ class Registry:
                 )
             if probe_args is not None:
                 try:
-                    jax.eval_shape(impl.fn, *probe_args)
+                    _probe(impl.fn, probe_args)
                 except NotImplementedError as e:
                     raise NotImplementedError(
                         f"forced implementation {forced!r} of op {op!r} cannot take this input: {e}"
@@ -87,7 +99,7 @@ class Registry:
                 continue
             if probe_args is not None:
                 try:
-                    jax.eval_shape(impl.fn, *probe_args)
+                    _probe(impl.fn, probe_args)
                 except NotImplementedError as e:
                     reasons.append(f"{impl.name}: {e}")
                     continue

@@ -1,0 +1,388 @@
+"""Kernel benchmark: quantized matmul implementations against the device's own ceilings.
+
+One command on the GPU machine measures (a) the copy bandwidth (a multi-GB device copy, bytes
+read + written) and the bf16 matmul rate (8192^3), then (b) for every implementation x format x
+shape x rows of x, the time of one matmul, with many distinct weight matrices per timed call
+(well past the 60 MB L2, and enough bytes that the call's fixed cost is small), weights made at
+random on the device. Each implementation is checked against `qmatmul_reference` before it is
+timed; a wrong result is reported, never hidden. Results go to `<out>/kernels-<date>.json` and a
+markdown table beside it; the table is printed last.
+
+    python3 bench/kernels.py --out "$OUT"                       # GPU, all defaults
+    python3 bench/kernels.py --formats q4_0,q4_k --ms 1,8 --sweep # fewer cases, tuning variants
+    python3 bench/kernels.py --interpret --out /tmp/kb            # CPU smoke test, tiny shapes
+
+JSON schema: {"gpu", "jax", "copy_gbps", "bf16_tflops", "call_overhead_us", "args", "rows": [{"op",
+"format", "impl", "m", "n", "k", "us", "gbps", "pct_hbm", "tflops", "rel_err", "ok", "mats",
+"tuning", "error"}]}. gbps counts the bytes of the weight planes + x + the f32 output once per
+matmul; pct_hbm is gbps over the measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import pathlib
+import statistics
+import sys
+import time
+import traceback
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Run as a file, Python puts bench/ first on sys.path, where bench/http.py would shadow the
+# standard library's http (which jax imports): put the repository root there instead.
+if sys.path and pathlib.Path(sys.path[0] or ".").resolve() == ROOT / "bench":
+    sys.path[0] = str(ROOT)
+elif str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels import matmul_triton, quant  # noqa: E402
+from pallas_kernels.matmul import qmatmul_reference  # noqa: E402
+
+SHAPE_SETS = {  # (N, K) = (out_features, in_features)
+    "llama2-7b": [(4096, 4096), (11008, 4096), (4096, 11008), (32000, 4096)],
+    "llama3-8b": [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)],
+}
+TINY_SHAPES = [(64, 256), (32, 512)]  # --interpret
+L2_BYTES = 60 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs, made on the device
+
+
+def random_weight(key: jax.Array, fmt: str, n: int, k: int) -> quant.QuantizedTensor:
+    """Random planes with sane fields: f16 scales in [1e-3, 0.05] (mins of q4_1/q5_1 negative),
+    K-quant 6-bit scales and mins in [0, 64), Q6_K scales in [-32, 32), codes uniform."""
+    fmt_obj = quant.FORMATS[fmt]
+    shapes, dtypes = fmt_obj.plane_shapes(n, k), fmt_obj.plane_dtypes()
+    planes = {}
+    for i, name in enumerate(fmt_obj.planes):
+        sub = jax.random.fold_in(key, i)
+        shape, dtype = shapes[name], dtypes[name]
+        if dtype == np.float16:
+            lo, hi = (-0.05, 0.0) if (name == "m" and fmt in ("q4_1", "q5_1")) else (1e-3, 0.05)
+            planes[name] = jax.random.uniform(sub, shape, jnp.float32, lo, hi).astype(jnp.float16)
+        elif dtype == np.uint8:
+            hi = 64 if (name in ("sc", "m") and fmt in ("q4_k", "q5_k")) else 256
+            planes[name] = jax.random.randint(sub, shape, 0, hi, jnp.int32).astype(jnp.uint8)
+        elif dtype == np.int8:
+            lo, hi = (-32, 32) if name == "sc" else (-128, 128)
+            planes[name] = jax.random.randint(sub, shape, lo, hi, jnp.int32).astype(jnp.int8)
+        else:
+            planes[name] = jax.random.normal(sub, shape, jnp.float32).astype(dtype)
+    return quant.QuantizedTensor(planes, fmt, (n, k))
+
+
+_random_weight = jax.jit(random_weight, static_argnums=(1, 2, 3))
+
+
+def plane_bytes(w) -> int:
+    if isinstance(w, quant.QuantizedTensor):
+        return quant.num_bytes(w)
+    return int(w.size) * w.dtype.itemsize
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+
+
+def median_time(fn, *args, runs: int) -> float:
+    """Median wall time of fn(*args) in seconds, each run synchronized; one warm-up run first
+    (compilation)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def call_overhead(runs: int) -> float:
+    """Dispatch + synchronization cost of one jitted call doing almost nothing (subtracted from
+    the timed calls)."""
+    f = jax.jit(lambda a: a + 1)
+    a = jnp.zeros((16,), jnp.float32)
+    return median_time(f, a, runs=max(runs, 20))
+
+
+def copy_bandwidth(num_bytes: int, runs: int) -> float:
+    """GB/s of y = x + 1 over an f32 array of num_bytes (bytes read + written)."""
+    n = num_bytes // 4
+    x = jax.random.normal(jax.random.key(1), (n,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    t = median_time(f, x, runs=runs)
+    return 2 * n * 4 / t / 1e9
+
+
+def bf16_matmul_rate(size: int, runs: int) -> float:
+    ka, kb = jax.random.split(jax.random.key(2))
+    a = jax.random.normal(ka, (size, size), jnp.float32).astype(jnp.bfloat16)
+    b = jax.random.normal(kb, (size, size), jnp.float32).astype(jnp.bfloat16)
+    f = jax.jit(lambda a, b: a @ b)
+    t = median_time(f, a, b, runs=runs)
+    return 2 * size**3 / t / 1e12
+
+
+# ---------------------------------------------------------------------------------------------
+# implementations
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    name: str  # "triton", "triton:<variant>", "reference", "dense_bf16"
+    fn: object  # (x, w) -> [M, N] f32
+    tuning: str = ""
+
+
+def triton_impls(fmt: str, m: int, n: int, k: int, x_dtype, interpret: bool, sweep: bool) -> list[Impl]:
+    base = matmul_triton.default_tuning(fmt, m, n, k, x_dtype)
+    tunings = [("triton", base)]
+    if sweep:
+        tunings += [(f"triton:{tag}", t) for tag, t in sweep_variants(base, fmt, m, n, k)]
+    out = []
+    for name, t in tunings:
+        fn = (lambda t: lambda x, w: matmul_triton.qmatmul_triton(x, w, t, interpret=interpret))(t)
+        out.append(Impl(name, fn, tuning_tag(t)))
+    return out
+
+
+def tuning_tag(t: matmul_triton.TritonMatmulTuning) -> str:
+    tag = f"{t.kernel} bn{t.block_n} bk{t.block_k} sk{t.split_k} w{t.num_warps} s{t.num_stages}"
+    if t.kernel == "mma":
+        tag += f" bm{t.block_m}"
+    return tag + ("" if t.use_asm else " noasm")
+
+
+def sweep_variants(base, fmt, m, n, k):
+    """Neighbours of the default tuning that still tile the shape (a small local search)."""
+    unit = matmul_triton.SPECS[fmt].unit
+    units = k // unit
+    cands = []
+
+    def add(tag, **kw):
+        try:
+            t = dataclasses.replace(base, **kw)
+        except ValueError:
+            return
+        s = t.block_k // unit
+        if t.block_k % unit or n % t.block_n or units % (s * t.split_k):
+            return
+        if t != base and all(t != c for _, c in cands):
+            cands.append((tag, t))
+
+    add("bn/2", block_n=base.block_n // 2)
+    add("bn*2", block_n=base.block_n * 2)
+    add("bk/2", block_k=base.block_k // 2)
+    add("bk*2", block_k=base.block_k * 2)
+    add("sk/2", split_k=max(1, base.split_k // 2))
+    add("sk*2", split_k=base.split_k * 2)
+    add("sk1", split_k=1)
+    add("w/2", num_warps=max(1, base.num_warps // 2))
+    add("w*2", num_warps=base.num_warps * 2)
+    add("st*", num_stages=3 if base.num_stages == 1 else 1)
+    add("noasm", use_asm=False)
+    if m <= 64:
+        other = "mma" if base.kernel == "fma" else "fma"
+        add(other, kernel=other, block_m=max(16, base.block_m), num_stages=3 if other == "mma" else 1)
+    else:
+        add("bm/2", block_m=base.block_m // 2)
+        add("bm*2", block_m=base.block_m * 2)
+    return cands
+
+
+# ---------------------------------------------------------------------------------------------
+# one case
+
+
+def rel_error(y: jax.Array, ref: jax.Array) -> float:
+    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    if not np.isfinite(y).all():
+        return float("nan")
+    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def time_impl(impl: Impl, x, weights, runs: int, overhead: float) -> float:
+    """Seconds per matmul: all weights in one jitted call (distinct matrices, in order)."""
+    f = jax.jit(lambda x, ws: [impl.fn(x, w) for w in ws])
+    t = median_time(f, x, weights, runs=runs)
+    return max(t - overhead, 1e-9) / len(weights)
+
+
+def num_matrices(w_bytes: int, args) -> int:
+    """Enough distinct matrices that one call reads >= args.call_bytes (and 3x the L2)."""
+    want = max(args.call_bytes, 3 * L2_BYTES)
+    return int(min(args.max_mats, max(args.mats, math.ceil(want / max(w_bytes, 1)))))
+
+
+def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
+    key = jax.random.key(hash((fmt, n, k)) & 0x7FFFFFFF)
+    probe = _random_weight(key, fmt, n, k)
+    w_bytes = plane_bytes(probe)
+    mats = num_matrices(w_bytes, args)
+    weights = [probe] + [_random_weight(jax.random.fold_in(key, i), fmt, n, k) for i in range(1, mats)]
+    dense = None
+    x_dtype = jnp.float32 if args.x_dtype == "f32" else jnp.bfloat16
+    tol = 1e-4 if args.x_dtype == "f32" else 2e-2
+    for m in ms:
+        x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(x_dtype)
+        ref = jax.jit(qmatmul_reference)(x, probe)
+        impls = []
+        for name in impl_names:
+            if name == "triton":
+                impls += triton_impls(fmt, m, n, k, x_dtype, args.interpret, args.sweep)
+            elif name == "reference":
+                impls.append(Impl("reference", qmatmul_reference, "xla dequant + dot (HIGHEST)"))
+            elif name == "dense_bf16":
+                impls.append(Impl("dense_bf16", lambda x, w: jnp.dot(x.astype(jnp.bfloat16), w.T,
+                                                                     preferred_element_type=jnp.float32),
+                                  "bf16 weights, xla dot"))
+        for impl in impls:
+            if time.monotonic() > deadline:
+                rows.append(dict(op="matmul", format=fmt, impl=impl.name, m=m, n=n, k=k, error="skipped: --budget-s"))
+                continue
+            row = dict(op="matmul", format=fmt if impl.name != "dense_bf16" else "bf16", impl=impl.name, m=m, n=n,
+                       k=k, tuning=impl.tuning, mats=mats)
+            try:
+                if impl.name == "dense_bf16":
+                    if dense is None:
+                        dk = jax.random.fold_in(key, 999)
+                        dense = [jax.random.normal(jax.random.fold_in(dk, i), (n, k), jnp.float32).astype(jnp.bfloat16)
+                                 for i in range(num_matrices(n * k * 2, args))]
+                    ws, row["rel_err"], row["ok"] = dense, None, None
+                    row["mats"] = len(dense)
+                else:
+                    y = jax.jit(impl.fn)(x, probe)
+                    err = rel_error(y, ref)
+                    row["rel_err"], row["ok"] = err, bool(err <= tol)
+                    ws = weights
+                t = time_impl(impl, x, ws, args.runs, ceilings["call_overhead_s"])
+                moved = plane_bytes(ws[0]) + x.size * x.dtype.itemsize + m * n * 4
+                row["us"] = t * 1e6
+                row["gbps"] = moved / t / 1e9
+                row["pct_hbm"] = 100 * row["gbps"] / ceilings["copy_gbps"]
+                row["tflops"] = 2 * m * n * k / t / 1e12
+            except Exception as e:  # noqa: BLE001 - one failing kernel must not end the run
+                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+                traceback.print_exc(limit=3)
+            rows.append(row)
+            print(fmt_row(row), flush=True)
+            write_results(args, ceilings, rows)
+    del weights, dense
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+
+
+COLUMNS = ["format", "impl", "m", "n", "k", "us", "gbps", "pct_hbm", "tflops", "rel_err", "note"]
+
+
+def fmt_row(r: dict) -> str:
+    def num(v, f):
+        return "" if v is None else (f % v if isinstance(v, (int, float)) else str(v))
+
+    note = r.get("error") or ("" if r.get("ok", True) in (True, None) else "WRONG")
+    if r.get("impl", "").startswith("triton") and r.get("tuning"):
+        note = (note + " " if note else "") + r["tuning"]
+    cells = [r.get("format", ""), r.get("impl", ""), str(r.get("m", "")), str(r.get("n", "")), str(r.get("k", "")),
+             num(r.get("us"), "%.1f"), num(r.get("gbps"), "%.0f"), num(r.get("pct_hbm"), "%.1f"),
+             num(r.get("tflops"), "%.2f"), num(r.get("rel_err"), "%.1e"), note]
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown(ceilings: dict, rows: list[dict]) -> str:
+    head = (f"GPU {ceilings['gpu']}, jax {ceilings['jax']}: copy {ceilings['copy_gbps']:.0f} GB/s, "
+            f"bf16 matmul {ceilings['bf16_tflops']:.0f} TFLOP/s, call overhead "
+            f"{ceilings['call_overhead_s'] * 1e6:.0f} us (subtracted)\n\n")
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    return head + "\n".join(lines + [fmt_row(r) for r in rows]) + "\n"
+
+
+def write_results(args, ceilings, rows):
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"gpu": ceilings["gpu"], "jax": ceilings["jax"], "copy_gbps": ceilings["copy_gbps"],
+           "bf16_tflops": ceilings["bf16_tflops"], "call_overhead_us": ceilings["call_overhead_s"] * 1e6,
+           "args": vars(args), "rows": rows}
+    (out / f"kernels-{args.stamp}.json").write_text(json.dumps(doc, indent=1))
+    (out / f"kernels-{args.stamp}.md").write_text(markdown(ceilings, rows))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_shapes(spec: str) -> list[tuple[int, int]]:
+    shapes: list[tuple[int, int]] = []
+    for item in spec.split(","):
+        if item in SHAPE_SETS:
+            shapes += SHAPE_SETS[item]
+        else:
+            n, k = item.lower().split("x")
+            shapes.append((int(n), int(k)))
+    return list(dict.fromkeys(shapes))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--formats", default="q4_0,q8_0,q4_k,q6_k")
+    ap.add_argument("--shapes", default=None, help="comma list of NxK or set names: " + ", ".join(SHAPE_SETS))
+    ap.add_argument("--ms", default=None, help="rows of x, comma list (default 1,8,512; --interpret 1,8,20)")
+    ap.add_argument("--impls", default="triton,reference", help="triton, reference, dense_bf16")
+    ap.add_argument("--x-dtype", default="bf16", choices=["bf16", "f32"])
+    ap.add_argument("--sweep", action="store_true", help="also time neighbours of the default triton tuning")
+    ap.add_argument("--mats", type=int, default=16, help="at least this many distinct weights per call")
+    ap.add_argument("--max-mats", type=int, default=256)
+    ap.add_argument("--call-bytes", type=float, default=1.5e9, help="weight bytes read per timed call")
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--budget-s", type=float, default=540.0, help="skip the cases left after this long")
+    ap.add_argument("--copy-gb", type=float, default=4.0, help="size of the copy test array")
+    ap.add_argument("--interpret", action="store_true", help="CPU smoke test: Pallas interpret mode, tiny shapes")
+    args = ap.parse_args(argv)
+    args.stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")
+    t_start = time.monotonic()
+    if args.interpret:
+        shapes = parse_shapes(args.shapes) if args.shapes else TINY_SHAPES
+        ms = [int(v) for v in (args.ms or "1,8,20").split(",")]
+        args.mats, args.max_mats, args.call_bytes, args.runs = 2, 2, 0, min(args.runs, 2)
+        copy_bytes, mm_size = 1 << 20, 256
+    else:
+        shapes = parse_shapes(args.shapes or "llama2-7b,llama3-8b")
+        ms = [int(v) for v in (args.ms or "1,8,512").split(",")]
+        copy_bytes, mm_size = int(args.copy_gb * 1e9) // 2, 8192  # half read, half written
+    formats = args.formats.split(",")
+    impl_names = args.impls.split(",")
+    for f in formats:
+        if f not in matmul_triton.SUPPORTED_FORMATS:
+            ap.error(f"unknown format {f}; triton takes {', '.join(matmul_triton.SUPPORTED_FORMATS)}")
+    device = jax.devices()[0]
+    print(f"device {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}", flush=True)
+    ceilings = {"gpu": device.device_kind, "jax": jax.__version__}
+    ceilings["call_overhead_s"] = call_overhead(args.runs)
+    ceilings["copy_gbps"] = copy_bandwidth(copy_bytes, runs=max(args.runs, 20) if not args.interpret else 2)
+    ceilings["bf16_tflops"] = bf16_matmul_rate(mm_size, runs=max(args.runs, 10) if not args.interpret else 2)
+    print(f"copy {ceilings['copy_gbps']:.0f} GB/s, bf16 matmul {ceilings['bf16_tflops']:.1f} TFLOP/s, "
+          f"call overhead {ceilings['call_overhead_s'] * 1e6:.0f} us", flush=True)
+    rows: list[dict] = []
+    deadline = t_start + args.budget_s
+    print("| " + " | ".join(COLUMNS) + " |", flush=True)
+    for fmt in formats:
+        for n, k in shapes:
+            run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline)
+    write_results(args, ceilings, rows)
+    out = pathlib.Path(args.out)
+    print(f"\nwrote {out / f'kernels-{args.stamp}.json'} ({time.monotonic() - t_start:.0f} s)\n")
+    print(markdown(ceilings, rows))
+
+
+if __name__ == "__main__":
+    main()
