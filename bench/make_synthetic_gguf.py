@@ -10,7 +10,8 @@ block's scale fields overwritten so that every matrix has a standard deviation n
     python bench/make_synthetic_gguf.py --shape llama2-7b --quant q4_0 --out /tmp/llama2-7b-q4_0.gguf
 
 Shapes: llama2-7b, llama3-8b, qwen2.5-7b (real sizes), tiny and tiny-qwen2 (2 layers, E=256,
-for CPU smoke tests). Quants: q4_0, q4_k_m, q8_0, f16.
+for CPU smoke tests), tiny-tp (tiny-qwen2 with 8 heads and 4 kv heads, for tensor-parallel
+tests). Quants: q4_0, q4_k_m, q8_0, f16.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ SHAPES: dict[str, Shape] = {
         Shape("qwen2.5-7b", "qwen2", 28, 3584, 18944, 28, 4, 152064, 32768, 1000000.0, 1e-6, "qwen2", True),
         Shape("tiny", "llama", 2, 256, 768, 4, 2, 2048, 4096, 10000.0, 1e-5, "spm"),
         Shape("tiny-qwen2", "qwen2", 2, 256, 768, 4, 2, 2048, 4096, 1000000.0, 1e-6, "qwen2", True),
+        # heads (8) and kv heads (4) divide by 2 and 4: the tensor-parallel tests shard it that way.
+        Shape("tiny-tp", "qwen2", 2, 256, 768, 8, 4, 2048, 4096, 1000000.0, 1e-6, "qwen2", True),
     )
 }
 

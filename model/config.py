@@ -191,7 +191,7 @@ class EngineConfig:
     prefill_chunks: tuple[int, ...] = (64, 512)  # compiled prefill chunk sizes, ascending
     max_queue: int = 64
     timeout_s: float = 600.0
-    kv_dtype: str = "float32"  # "float32" | "bfloat16"
+    kv_dtype: str = "float32"  # "float32" | "bfloat16" | "float16" | "auto" (resolved at load: f32 on CPU, bf16 on GPU)
     compute_dtype: str = "float32"  # activations; bf16 on GPU
     max_top_logprobs: int = 20
     max_logit_bias: int = 300
@@ -199,6 +199,8 @@ class EngineConfig:
     # Attention reads only the cache prefix [0, bucket) that holds every active position; one
     # program is compiled per bucket. () = powers of two from 512 up to max_context.
     context_buckets: tuple[int, ...] = ()
+    # Devices the model is split over (Megatron-style, model/sharding.py); 1 = one device.
+    tensor_parallel: int = 1
 
     @property
     def attention_buckets(self) -> tuple[int, ...]:
@@ -227,7 +229,7 @@ class EngineConfig:
             raise ValueError("max queue must be >= 0")
         if self.timeout_s <= 0:
             raise ValueError("timeout must be > 0")
-        if self.kv_dtype not in ("float32", "bfloat16", "float16"):
+        if self.kv_dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise ValueError(f"unknown KV dtype {self.kv_dtype!r}")
         if self.context_buckets and (
             list(self.context_buckets) != sorted(set(self.context_buckets))
@@ -237,3 +239,5 @@ class EngineConfig:
             raise ValueError("context buckets must be distinct, ascending and end at max context")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"unknown compute dtype {self.compute_dtype!r}")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor parallel must be >= 1, got {self.tensor_parallel}")

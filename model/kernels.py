@@ -1,23 +1,111 @@
-"""Chooses the kernel for each op once at start-up (registry order, or forced by
-`--kernels op=impl,...`) and binds them into the `Kernels` the forward pass is compiled with."""
+"""Chooses the kernel for each op once at start-up and binds them into the `Kernels` the forward
+pass is compiled with.
+
+The choice follows the registry's order (GPU kernels first where the backend has them) or a
+forced `--kernels op=impl,...`. Matmul is chosen per weight format: each implementation is
+probed (traced, nothing compiled) on this model's own shapes, and one that refuses a format
+with `NotImplementedError` is passed over for that format only. Every choice is logged and
+shown on /health (e.g. `matmul[q4_0]: triton`, `matmul[q6_k]: reference`); a chosen kernel
+that fails at run time raises, it never falls back.
+"""
 
 from __future__ import annotations
 
-from typing import Mapping
+import logging
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
 
 # Importing the kernel modules registers their implementations.
 import pallas_kernels.attention  # noqa: F401
+import pallas_kernels.attention_triton  # noqa: F401
 import pallas_kernels.matmul  # noqa: F401
-import pallas_kernels.matmul_ggml  # noqa: F401
+import pallas_kernels.matmul_triton  # noqa: F401
+from model.config import EngineConfig, ModelConfig
 from model.forward import Kernels
+from model.weights import Params
 from pallas_kernels import registry
+from pallas_kernels.quant import QuantizedTensor
+
+log = logging.getLogger(__name__)
 
 OPS = ("matmul", "embed", "attention_decode", "attention_prefill")
 
 
-def choose_kernels(forced: Mapping[str, str]) -> tuple[Kernels, dict[str, str]]:
+def _spec(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _matrices(params: Params) -> dict[tuple[str, int, int], QuantizedTensor]:
+    """One example per distinct (format, N, K) among the model's matrices, unstacked."""
+    found: dict[tuple[str, int, int], QuantizedTensor] = {}
+
+    def visit(node: Any) -> None:
+        if isinstance(node, QuantizedTensor):
+            key = (node.fmt, *node.shape)
+            if key not in found:
+                stack = len(node.stack_shape)
+                planes = {k: jax.ShapeDtypeStruct(v.shape[stack:], v.dtype) for k, v in node.planes.items()}
+                found[key] = QuantizedTensor(planes, node.fmt, node.shape)
+        elif isinstance(node, dict):
+            for v in node.values():
+                visit(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                visit(v)
+
+    visit(params.layers)
+    visit(params.embed)
+    if params.output is not None:
+        visit(params.output)
+    return found
+
+
+def _choose(op: str, forced: str | None, probes: list[tuple]) -> tuple[Any, str]:
+    fn = None
+    for args in probes:
+        fn = registry.choose(op, forced, probe_args=args)
+        forced = registry.describe()[op]  # every probe must accept the same implementation
+    return fn, registry.describe()[op]
+
+
+def choose_kernels(
+    forced: Mapping[str, str], cfg: ModelConfig, params: Params, engine_cfg: EngineConfig
+) -> tuple[Kernels, dict[str, str]]:
     unknown = sorted(set(forced) - set(OPS))
     if unknown:
         raise ValueError(f"--kernels names unknown ops {unknown}; ops are {list(OPS)}")
-    fns = {op: registry.choose(op, forced.get(op)) for op in OPS}
-    return Kernels(**fns), {op: registry.describe()[op] for op in OPS}
+    names: dict[str, str] = {}
+    f32 = jnp.float32
+
+    by_format: dict[str, Any] = {}
+    for (fmt, n, k), w in sorted(_matrices(params).items()):
+        probes = [(jax.ShapeDtypeStruct((m, k), f32), w) for m in (engine_cfg.num_slots, engine_cfg.prefill_chunks[-1])]
+        # A format's first shape picks its implementation; its other shapes must take the same one.
+        key = f"matmul[{fmt}]"
+        fn, names[key] = _choose("matmul", names.get(key, forced.get("matmul")), probes)
+        by_format[fmt] = fn
+
+    embed_w = _matrices(Params(params.embed, None, params.output_norm, None, [], False))
+    embed_fn, names["embed"] = _choose(
+        "embed", forced.get("embed"), [(w, jax.ShapeDtypeStruct((8,), jnp.int32)) for w in embed_w.values()]
+    )
+
+    kv = jnp.dtype(engine_cfg.kv_dtype)
+    b, h, kh, d, s = engine_cfg.num_slots, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, engine_cfg.attention_buckets[0]
+    window = cfg.sliding_window
+    dec_fn, names["attention_decode"] = _choose("attention_decode", forced.get("attention_decode"), [(
+        jax.ShapeDtypeStruct((b, h, d), f32), jax.ShapeDtypeStruct((b, s, kh, d), kv),
+        jax.ShapeDtypeStruct((b, s, kh, d), kv), jax.ShapeDtypeStruct((b,), jnp.int32), cfg.scale, window,
+    )])
+    t = engine_cfg.prefill_chunks[-1]
+    pre_fn, names["attention_prefill"] = _choose("attention_prefill", forced.get("attention_prefill"), [(
+        jax.ShapeDtypeStruct((t, h, d), f32), jax.ShapeDtypeStruct((max(s, t), kh, d), kv),
+        jax.ShapeDtypeStruct((max(s, t), kh, d), kv), jax.ShapeDtypeStruct((), jnp.int32), cfg.scale, window,
+    )])
+
+    def matmul(x: jax.Array, w: QuantizedTensor) -> jax.Array:
+        return by_format[w.fmt](x, w)
+
+    return Kernels(matmul=matmul, embed=embed_fn, attention_decode=dec_fn, attention_prefill=pre_fn), names

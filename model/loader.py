@@ -9,13 +9,17 @@ import os
 import resource
 import time
 
+import jax
+from jax.sharding import Mesh
+
+from model import sharding
 from model.config import EngineConfig, ModelConfig
 from model.forward import Kernels
 from model.gguf_file import GGUFFile, GGUFLoadError
 from model.runner import ModelRunner
 from model.tokenizer import Tokenizer
 from model.weights import Params, load_params, params_nbytes
-from model.kernels import choose_kernels
+from model.kernels import OPS, choose_kernels
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +34,10 @@ class LoadedModel:
     kernels: Kernels
     kernel_names: dict[str, str]
     load_seconds: float
+    mesh: Mesh | None = None  # tensor parallel > 1: the mesh the params are split over
 
     def make_runner(self, engine_cfg: EngineConfig) -> ModelRunner:
-        return ModelRunner(self.config, self.params, self.kernels, engine_cfg)
+        return ModelRunner(self.config, self.params, self.kernels, engine_cfg, mesh=self.mesh)
 
 
 def _rss_mib() -> float:
@@ -47,8 +52,19 @@ def load_model(path: str | os.PathLike[str], engine_cfg: EngineConfig) -> Loaded
         tokenizer = Tokenizer.from_gguf_metadata(gf.metadata)
     except ValueError as e:
         raise GGUFLoadError(f"{gf.path}: cannot build the tokenizer: {e}") from e
-    kernels, kernel_names = choose_kernels(dict(engine_cfg.kernels))
-    params = load_params(gf, cfg)
+    forced, mesh = dict(engine_cfg.kernels), None
+    if engine_cfg.tensor_parallel == 1:
+        params = load_params(gf, cfg)
+    else:
+        sharding.check_divisible(cfg, engine_cfg.tensor_parallel)
+        mesh = sharding.make_mesh(engine_cfg.tensor_parallel)
+        # Read into host memory, then each device receives only its shards: a model split for
+        # being too large for one device must never land whole on the first one.
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            params = load_params(gf, cfg)
+        params = sharding.shard_params(params, mesh, cfg)
+        forced = sharding.forced_kernels(forced, OPS)
+    kernels, kernel_names = choose_kernels(forced, cfg, params, engine_cfg)
     seconds = time.perf_counter() - t0
     log.info(
         "loaded %s (%s, %d layers, E=%d, vocab %d) in %.2f s: %.1f MiB of weights on device, peak RSS %.0f MiB",
@@ -58,5 +74,5 @@ def load_model(path: str | os.PathLike[str], engine_cfg: EngineConfig) -> Loaded
     log.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in kernel_names.items()))
     return LoadedModel(
         name=gf.name, path=str(gf.path), config=cfg, params=params, tokenizer=tokenizer,
-        kernels=kernels, kernel_names=kernel_names, load_seconds=seconds,
+        kernels=kernels, kernel_names=kernel_names, load_seconds=seconds, mesh=mesh,
     )

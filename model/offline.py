@@ -57,7 +57,7 @@ def teacher_forced_logits(cfg, kernels, params, cases: list[tuple[list[int], lis
     num_slots = len(cases)
     cache = forward.KVCache.create(cfg, num_slots, max_context, jnp.float32)
     prefill = jax.jit(functools.partial(forward.prefill, cfg, kernels), donate_argnums=(1,))
-    decode = jax.jit(functools.partial(forward.decode, cfg, kernels), donate_argnums=(1,))
+    decode = jax.jit(functools.partial(forward.decode, cfg, kernels), donate_argnums=(1,), static_argnums=(4,))
     out: list[list[np.ndarray]] = [[] for _ in cases]
     for s, (prompt, _) in enumerate(cases):
         for start in range(0, len(prompt), chunk):
@@ -68,13 +68,18 @@ def teacher_forced_logits(cfg, kernels, params, cases: list[tuple[list[int], lis
                                     jnp.int32(len(piece)))
         out[s].append(np.asarray(logits))
     steps = max(len(cont) for _, cont in cases)
+    # Attention reads only a power-of-two prefix of the cache that holds every position.
+    attend = 512
+    while attend < max(len(p) + len(c) for p, c in cases):
+        attend *= 2
+    attend = min(attend, max_context)
     for j in range(1, steps):
         toks = np.zeros((num_slots,), np.int32)
         pos = np.full((num_slots,), -1, np.int32)
         for s, (prompt, cont) in enumerate(cases):
             if j < len(cont):
                 toks[s], pos[s] = cont[j - 1], len(prompt) + j - 1
-        logits, cache = decode(params, cache, jnp.asarray(toks), jnp.asarray(pos))
+        logits, cache = decode(params, cache, jnp.asarray(toks), jnp.asarray(pos), attend)
         logits = np.asarray(logits)
         for s, (_, cont) in enumerate(cases):
             if j < len(cont):

@@ -19,8 +19,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
-from model import forward, sampling
+from model import forward, sampling, sharding
 from model.config import EngineConfig, ModelConfig
 from model.forward import Kernels, KVCache
 from model.step_types import PrefillChunk, SamplingParams, StepOutput, StepPlan
@@ -123,7 +124,9 @@ class _Pending:
 class ModelRunner:
     """Implements `model.step_types.StepModel` over a loaded model."""
 
-    def __init__(self, cfg: ModelConfig, params: Params, kernels: Kernels, engine_cfg: EngineConfig) -> None:
+    def __init__(
+        self, cfg: ModelConfig, params: Params, kernels: Kernels, engine_cfg: EngineConfig, mesh: Mesh | None = None
+    ) -> None:  # mesh: tensor parallel > 1, params already placed on it (model/sharding.py)
         if engine_cfg.max_context > cfg.context_length:
             raise ValueError(f"max context {engine_cfg.max_context} exceeds the model's {cfg.context_length}")
         self.cfg, self.params, self.kernels, self.engine_cfg = cfg, params, kernels, engine_cfg
@@ -131,8 +134,13 @@ class ModelRunner:
         self.max_context = engine_cfg.max_context
         self.prefill_chunks = engine_cfg.prefill_chunks
         self.max_top_logprobs = engine_cfg.max_top_logprobs
-        self._cache = KVCache.create(cfg, self.num_slots, self.max_context, jnp.dtype(engine_cfg.kv_dtype))
-        self._state = SlotState.create(self.num_slots, cfg.vocab_size)
+        self._mesh = mesh
+        if mesh is None:
+            self._cache = KVCache.create(cfg, self.num_slots, self.max_context, jnp.dtype(engine_cfg.kv_dtype))
+            self._state = SlotState.create(self.num_slots, cfg.vocab_size)
+        else:  # the cache splits over kv heads; the slot state is replicated
+            self._cache = sharding.create_cache(cfg, self.num_slots, self.max_context, jnp.dtype(engine_cfg.kv_dtype), mesh)
+            self._state = jax.device_put(SlotState.create(self.num_slots, cfg.vocab_size), sharding.replicated(mesh))
         self._slot_params: list[SamplingParams | None] = [None] * self.num_slots
         self._rng = np.random.default_rng()
         self._samp = self._pack()
@@ -149,7 +157,10 @@ class ModelRunner:
     def _jitted(self, kind: str, attend: int):
         step = _decode_step if kind == "decode" else _prefill_step
         fn = functools.partial(step, self.cfg, self.kernels, self.max_top_logprobs, attend)
-        return jax.jit(fn, donate_argnums=(1, 2))
+        if self._mesh is None:
+            return jax.jit(fn, donate_argnums=(1, 2))
+        # SPMD over the mesh: XLA partitions the step from the inputs' shardings.
+        return jax.jit(fn, donate_argnums=(1, 2), out_shardings=sharding.step_out_shardings(self._mesh))
 
     def _example_args(self, kind: str, size: int) -> tuple:
         if kind == "decode":

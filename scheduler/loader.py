@@ -9,6 +9,8 @@ import logging
 import os
 import pathlib
 
+import jax
+
 from model.config import EngineConfig
 from model.loader import load_model
 from scheduler.engine import Engine
@@ -24,12 +26,20 @@ def fit_engine_config(engine_config: EngineConfig, model_context: int) -> Engine
     return dataclasses.replace(engine_config, max_context=model_context)
 
 
+def resolve_kv_dtype(engine_config: EngineConfig) -> EngineConfig:
+    if engine_config.kv_dtype != "auto":
+        return engine_config
+    kv = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return dataclasses.replace(engine_config, kv_dtype=kv)
+
+
 def build_engine(
     model_path: str | os.PathLike[str],
     engine_config: EngineConfig,
     chat_template_path: pathlib.Path | None = None,  # rendered by the server; accepted for the seam
 ) -> Engine:
     del chat_template_path
+    engine_config = resolve_kv_dtype(engine_config)
     loaded = load_model(model_path, engine_config)
     engine_config = fit_engine_config(engine_config, loaded.config.context_length)
     info = {
@@ -37,6 +47,8 @@ def build_engine(
         "arch": loaded.config.arch,
         "kernels": dict(loaded.kernel_names),
         "load_seconds": round(loaded.load_seconds, 2),
+        "kv_dtype": engine_config.kv_dtype,
+        "backend": jax.default_backend(),
     }
     engine = Engine(
         lambda: loaded.make_runner(engine_config),

@@ -30,7 +30,7 @@ from model.config import EngineConfig
 from server.app import EngineHolder, create_app
 from server.config import LOG_LEVELS, ServerConfig
 from server.default_model import FILENAME as DEFAULT_MODEL_FILENAME
-from server.default_model import ModelFetchError, ensure_default_model
+from server.default_model import ModelFetchError, cache_dir, ensure_default_model
 
 if TYPE_CHECKING:
     from scheduler.engine import Engine
@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help=f"require Authorization: Bearer KEY (also ${API_KEY_ENV})")
     p.add_argument("--chat-template", type=pathlib.Path, help="Jinja chat template replacing the GGUF's")
     p.add_argument("--kernels", type=_kernels, default=(), help="force kernels: op=impl[,op=impl...]")
+    p.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="KV cache dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--compile-cache", type=pathlib.Path, default=None,
+                   help="JAX persistent compilation cache directory (default: in the model cache; 'none' disables)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N devices of this host (or of every host after jax.distributed)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.add_argument("--fetch-model", action="store_true", help="download the default model into the cache and exit")
     return p
@@ -91,6 +97,8 @@ def build_configs(args: argparse.Namespace, environ: dict[str, str] | os._Enviro
         max_queue=args.max_queue,
         timeout_s=args.timeout,
         kernels=args.kernels,
+        kv_dtype=args.kv_dtype,
+        tensor_parallel=args.tensor_parallel,
     )
     model_name = args.model.name if args.model is not None else DEFAULT_MODEL_FILENAME
     server_config = ServerConfig(
@@ -104,14 +112,30 @@ def build_configs(args: argparse.Namespace, environ: dict[str, str] | os._Enviro
     return engine_config, server_config
 
 
-def _build_engine(model: pathlib.Path | None, engine_config: EngineConfig, chat_template: pathlib.Path | None) -> Engine:
+def _build_engine(
+    model: pathlib.Path | None, engine_config: EngineConfig, chat_template: pathlib.Path | None,
+    compile_cache: pathlib.Path | None,
+) -> Engine:
     """Runs on the loader thread, so /health answers while the model downloads and loads."""
     # Imported here: it pulls in JAX, which `--help` and argument errors should not pay for.
+    import jax
+
     from scheduler.loader import build_engine
+
+    if compile_cache is not None:
+        # Compiled step programs persist across restarts: a warm start skips XLA compilation.
+        jax.config.update("jax_compilation_cache_dir", str(compile_cache))
+        log.info("persistent compilation cache: %s", compile_cache)
 
     model_path = model if model is not None else ensure_default_model()
     log.info("loading %s", model_path)
     return build_engine(model_path, engine_config, chat_template)
+
+
+def _compile_cache_dir(flag: pathlib.Path | None) -> pathlib.Path | None:
+    if flag is not None and str(flag).lower() == "none":
+        return None
+    return flag if flag is not None else cache_dir() / "jax-compile-cache"
 
 
 class _Server(uvicorn.Server):
@@ -166,7 +190,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     app = create_app(
         server_config,
         holder,
-        engine_factory=functools.partial(_build_engine, args.model, engine_config, args.chat_template),
+        engine_factory=functools.partial(
+            _build_engine, args.model, engine_config, args.chat_template, _compile_cache_dir(args.compile_cache)
+        ),
     )
     uvicorn_config = uvicorn.Config(
         app,

@@ -1,0 +1,275 @@
+"""Tensor parallelism (model/sharding.py): the sharding rules and their errors, in process; and
+generation through a ModelRunner with tp=1, 2 and 4 on four forced CPU devices, in a subprocess
+(XLA's device-count flag must be set before JAX starts and must not reach the other tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from model import sharding
+from model.config import EngineConfig, ModelConfig
+from model.kernels import OPS
+from model.loader import load_model
+from model.weights import Params
+from pallas_kernels.quant import FORMATS, QuantizedTensor
+from server.__main__ import build_configs, build_parser
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+MAKE_GGUF = ROOT / "bench" / "make_synthetic_gguf.py"
+TP = "tp"
+
+# Runs in the subprocess. Writes one JSON object on stdout: per tp, the greedy and seeded tokens,
+# the per-token logprobs of the greedy run, where the cache and a few weights live, and the
+# collectives XLA put into the decode program.
+WORKER = r'''
+import json, re, sys
+import jax
+import numpy as np
+from model.config import EngineConfig
+from model.loader import load_model
+from model.offline import generate
+from model.step_types import SamplingParams
+
+PROMPTS = [[1, 5, 9, 200, 300], [1, 77, 78, 79, 80, 81], [1] + list(range(400, 430))]  # the last: two chunks
+
+
+class Recorder:
+    """A runner that keeps every StepOutput generate() reads."""
+
+    def __init__(self, runner):
+        self.runner, self.prefill_chunks, self.outputs = runner, runner.prefill_chunks, []
+
+    def dispatch(self, plan):
+        pending, outputs = self.runner.dispatch(plan), self.outputs
+
+        class Result:
+            def result(self):
+                out = pending.result()
+                outputs.append(out)
+                return out
+
+        return Result()
+
+
+def run(path, tp):
+    cfg = EngineConfig(num_slots=4, max_context=64, prefill_budget=16, prefill_chunks=(16,), context_buckets=(64,),
+                       max_top_logprobs=4, tensor_parallel=tp)
+    loaded = load_model(path, cfg)
+    runner = loaded.make_runner(cfg)
+    runner.warmup()
+    rec = Recorder(runner)
+    greedy = generate(rec, PROMPTS, 8)
+    logprobs, top_ids, top_logprobs = [], [], []
+    for out in rec.outputs:
+        logprobs += out.logprobs[out.valid].tolist()
+        top_ids += out.top_ids[out.valid].tolist()
+        top_logprobs += out.top_logprobs[out.valid].tolist()
+    compiles = []
+    listener = lambda event, duration, **_: compiles.append(event) if "compile" in event else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    seeded = generate(runner, PROMPTS, 8, sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=7))
+    jax.monitoring.unregister_event_duration_listener(listener)
+    hlo = runner._compiled[("decode", 4, 64)].as_text()  # the compiled decode program
+    collectives = sorted({m.groups() for m in re.finditer(r"= \(?(\w+)\[([\d,]*)\][^=]*? (all-gather|all-reduce)(?:-start)?\(", hlo)})
+    spec = lambda x: str(getattr(x.sharding, "spec", None))
+    layers = loaded.params.layers
+    return dict(
+        greedy=greedy, seeded=seeded, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs,
+        kernels=loaded.kernel_names, collectives=collectives, compiles=compiles,
+        specs=dict(cache=spec(runner._cache.k), wq=spec(layers["wq"].planes["qs"]),
+                   wo=spec(layers["wo"].planes["d"]), embed=spec(loaded.params.embed.planes["qs"])),
+    )
+
+
+sys.stdout.write(json.dumps({tp: run(sys.argv[1], tp) for tp in (1, 2, 4)}))
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny_tp_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """tiny-tp (8 heads, 4 kv heads, E=256, F=768, V=2048) in q8_0: its greedy tokens vary."""
+    out = tmp_path_factory.mktemp("tp") / "tiny-tp-q8_0.gguf"
+    subprocess.run([sys.executable, str(MAKE_GGUF), "--shape", "tiny-tp", "--quant", "q8_0", "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=60)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_tp_path: pathlib.Path) -> dict[int, dict]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())
+    proc = subprocess.run([sys.executable, "-c", WORKER, str(tiny_tp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode:
+        pytest.fail(f"tensor-parallel worker failed:\n{proc.stderr[-4000:]}")
+    return {int(tp): r for tp, r in json.loads(proc.stdout).items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end, on four CPU devices
+
+
+def test_greedy_tokens_identical_across_tp(runs) -> None:
+    assert len({tok for seq in runs[1]["greedy"] for tok in seq}) > 3  # the tokens vary: a real check
+    for tp in (2, 4):
+        assert runs[tp]["greedy"] == runs[1]["greedy"], f"tp={tp}"
+
+
+def test_logprobs_close_across_tp(runs) -> None:
+    ref = runs[1]
+    for tp in (2, 4):
+        assert runs[tp]["top_ids"] == ref["top_ids"], f"tp={tp}"
+        np.testing.assert_allclose(runs[tp]["logprobs"], ref["logprobs"], rtol=1e-4, atol=1e-6, err_msg=f"tp={tp}")
+        np.testing.assert_allclose(runs[tp]["top_logprobs"], ref["top_logprobs"], rtol=1e-4, atol=1e-6,
+                                   err_msg=f"tp={tp}")
+
+
+def test_seeded_sampling_identical_across_tp(runs) -> None:
+    # jax.random's bits do not depend on how the sampled arrays are sharded
+    for tp in (2, 4):
+        assert runs[tp]["seeded"] == runs[1]["seeded"], f"tp={tp}"
+
+
+def test_nothing_compiles_after_warmup(runs) -> None:
+    for tp in (1, 2, 4):
+        assert runs[tp]["compiles"] == [], f"tp={tp}"
+
+
+def test_arrays_live_where_the_rules_say(runs) -> None:
+    for tp in (2, 4):
+        assert runs[tp]["specs"] == {
+            "cache": str(P(None, None, None, TP, None)),
+            "wq": str(P(None, TP, None)),
+            "wo": str(P(None, None, TP)),
+            "embed": str(P(TP, None)),
+        }
+        assert set(runs[tp]["kernels"].values()) == {"reference"}
+
+
+def test_xla_reduces_activations_and_never_gathers_weights(runs) -> None:
+    collectives = {tuple(c) for c in runs[4]["collectives"]}
+    assert ("f32", "4,256", "all-reduce") in collectives  # row-parallel matmul partial sums [B, E]
+    weight_gathers = [c for c in collectives if c[2] == "all-gather" and c[0] in ("s8", "u8", "f16", "bf16")]
+    assert weight_gathers == []  # weight planes are int8/uint8/f16: none is gathered
+    assert runs[1]["collectives"] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# sharding rules and errors, in process (shapes only)
+
+E, H, KV, D, F, V, L = 256, 8, 4, 32, 768, 2048, 2
+
+
+def _qt(fmt: str, n: int, k: int, stack: tuple[int, ...] = ()) -> QuantizedTensor:
+    f = FORMATS[fmt]
+    dtypes = f.plane_dtypes()
+    return QuantizedTensor({p: np.zeros((*stack, *s), dtypes[p]) for p, s in f.plane_shapes(n, k).items()}, fmt, (n, k))
+
+
+def _layer(stack: tuple[int, ...], down_fmt: str = "q8_0", down_k: int = F) -> dict:
+    vec = lambda n: np.zeros((*stack, n), np.float32)  # noqa: E731
+    return {
+        "attn_norm": vec(E), "wq": _qt("q4_0", H * D, E, stack), "wk": _qt("q8_0", KV * D, E, stack),
+        "wv": _qt("q6_k", KV * D, E, stack), "bq": vec(H * D), "bk": vec(KV * D), "bv": vec(KV * D),
+        "q_norm": vec(D), "k_norm": vec(D), "wo": _qt("q4_0", E, H * D, stack), "ffn_norm": vec(E),
+        "w_gate": _qt("q4_0", down_k, E, stack), "w_up": _qt("q4_0", down_k, E, stack),
+        "w_down": _qt(down_fmt, E, down_k, stack),
+    }
+
+
+def _params(is_stacked: bool = True, **layer_kw) -> Params:
+    layers = _layer((L,), **layer_kw) if is_stacked else [_layer((), **layer_kw) for _ in range(L)]
+    return Params(embed=_qt("q8_0", V, E), output=_qt("q6_k", V, E), output_norm=np.ones(E, np.float32),
+                  rope_freqs=None, layers=layers, is_stacked=is_stacked)
+
+
+def _plane_specs(qt: QuantizedTensor) -> set:
+    return set(qt.planes.values())
+
+
+@pytest.mark.parametrize("is_stacked", [True, False])
+def test_megatron_rules(is_stacked: bool) -> None:
+    specs = sharding.param_specs(_params(is_stacked), 4)
+    s = (None,) if is_stacked else ()
+    for layer in (specs.layers,) if is_stacked else specs.layers:
+        for key in ("wq", "wk", "wv", "w_gate", "w_up"):  # column-parallel: rows N
+            assert _plane_specs(layer[key]) == {P(*s, TP, None)}, key
+        for key in ("wo", "w_down"):  # row-parallel: the packed K of every plane
+            assert _plane_specs(layer[key]) == {P(*s, None, TP)}, key
+        for key in ("bq", "bk", "bv"):
+            assert layer[key] == P(*s, TP), key
+        for key in ("attn_norm", "ffn_norm", "q_norm", "k_norm"):
+            assert layer[key] == P(), key
+    assert _plane_specs(specs.embed) == _plane_specs(specs.output) == {P(TP, None)}  # vocab-parallel
+    assert specs.output_norm == P() and specs.rope_freqs is None
+
+
+def test_tp_one_shards_nothing_but_accepts_every_shape() -> None:
+    specs = sharding.param_specs(_params(down_fmt="q4_k", down_k=512), 1)  # every rule holds for tp=1
+    assert _plane_specs(specs.layers["w_down"]) == {P(None, None, TP)}
+
+
+def test_row_parallel_needs_whole_blocks_per_device() -> None:
+    params = _params(down_fmt="q4_k", down_k=512)  # 512 / 2 = one 256-block each; 512 / 4 = 128: half a block
+    sharding.param_specs(params, 2)
+    with pytest.raises(ValueError, match=r"w_down \(q4_k\).*128 per device.*256-element block"):
+        sharding.param_specs(params, 4)
+
+
+def test_unknown_layer_tensor_is_an_error() -> None:
+    params = _params()
+    params.layers["mystery"] = np.zeros((L, E), np.float32)
+    with pytest.raises(ValueError, match="mystery: no tensor-parallel rule"):
+        sharding.param_specs(params, 2)
+
+
+def _cfg(**kw) -> ModelConfig:
+    base = dict(arch="llama", num_layers=2, embed_dim=E, ffn_dim=F, num_heads=H, num_kv_heads=KV, head_dim=D,
+                vocab_size=V, context_length=64, rms_eps=1e-5, rope_theta=1e4, rope_dim=D, rope_neox=False)
+    return ModelConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize(("kw", "tp", "what"), [
+    (dict(num_heads=12, num_kv_heads=4), 8, "attention heads"),
+    (dict(num_kv_heads=2), 4, "kv heads"),
+    (dict(ffn_dim=770), 4, "ffn size"),
+    (dict(vocab_size=2050), 4, "vocabulary size"),
+])
+def test_divisibility_errors(kw: dict, tp: int, what: str) -> None:
+    sharding.check_divisible(_cfg(), 4)
+    with pytest.raises(ValueError, match=f"tensor parallel {tp} does not divide the model's {what}"):
+        sharding.check_divisible(_cfg(**kw), tp)
+
+
+def test_load_refuses_a_model_that_does_not_split(tiny_tp_path: pathlib.Path) -> None:
+    with pytest.raises(ValueError, match="tensor parallel 3 does not divide the model's attention heads"):
+        load_model(tiny_tp_path, EngineConfig(tensor_parallel=3))
+
+
+def test_mesh_needs_enough_devices() -> None:
+    n = len(jax.devices())
+    assert sharding.make_mesh(n).shape == {TP: n}
+    with pytest.raises(ValueError, match=f"tensor parallel {n + 1} needs {n + 1} devices"):
+        sharding.make_mesh(n + 1)
+
+
+def test_tensor_parallel_runs_reference_kernels_only() -> None:
+    assert sharding.forced_kernels({}, OPS) == {op: "reference" for op in OPS}
+    with pytest.raises(ValueError, match="reference ops only"):
+        sharding.forced_kernels({"matmul": "triton"}, OPS)
+
+
+def test_config_and_flag() -> None:
+    with pytest.raises(ValueError, match="tensor parallel must be >= 1"):
+        EngineConfig(tensor_parallel=0)
+    assert build_configs(build_parser().parse_args([]), {})[0].tensor_parallel == 1
+    assert build_configs(build_parser().parse_args(["--tensor-parallel", "4"]), {})[0].tensor_parallel == 4
