@@ -1,0 +1,79 @@
+"""Per-op numerics of the forward pass against float64 numpy written from llama.cpp's
+definitions (ggml_rms_norm, ggml_rope NORM / NEOX, softmax attention with GQA)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from model.config import ModelConfig
+from model.forward import apply_rope, rms_norm, _inv_freq
+from pallas_kernels.attention import attention_decode_reference, attention_prefill_reference
+
+CFG = ModelConfig(
+    arch="llama", num_layers=1, embed_dim=64, ffn_dim=128, num_heads=4, num_kv_heads=2, head_dim=16,
+    vocab_size=32, context_length=256, rms_eps=1e-5, rope_theta=10000.0, rope_dim=16, rope_neox=False,
+)
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.isfinite(a).all()
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def test_rms_norm():
+    rng = np.random.default_rng(1)
+    x, w = rng.standard_normal((5, 64)), rng.standard_normal(64)
+    want = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-5) * w
+    assert rel(rms_norm(x.astype(np.float32), w.astype(np.float32), 1e-5), want) < 1e-6
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope(neox):
+    cfg = dataclasses.replace(CFG, rope_neox=neox)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((7, 3, 16))  # [T, heads, D]
+    pos = np.array([0, 1, 2, 5, 17, 100, 255])
+    theta = pos[:, None] * 10000.0 ** (-np.arange(8) * 2 / 16)  # [T, D/2]
+    want = x.copy()
+    for i in range(8):
+        a, b = (i, i + 8) if neox else (2 * i, 2 * i + 1)  # ggml NEOX pairs halves, NORM neighbours
+        c, s = np.cos(theta[:, i])[:, None], np.sin(theta[:, i])[:, None]
+        want[..., a] = x[..., a] * c - x[..., b] * s
+        want[..., b] = x[..., a] * s + x[..., b] * c
+    got = apply_rope(x.astype(np.float32), pos, _inv_freq(cfg, cfg.rope_theta, None), cfg)
+    assert rel(got, want) < 1e-5
+
+
+def _attention(q, k, v, q_pos, window, scale):  # q [T, H, D], k/v [S, K, D]
+    t, h, d = q.shape
+    g = h // k.shape[1]
+    out = np.zeros((t, h, d))
+    for i in range(t):
+        for j in range(h):
+            s = np.arange(k.shape[0])
+            ok = (s <= q_pos[i]) & ((s > q_pos[i] - window) if window else True)
+            sc = (k[:, j // g] @ q[i, j]) * scale
+            p = np.exp(sc[ok] - sc[ok].max())
+            out[i, j] = (p / p.sum()) @ v[ok, j // g]
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_prefill_and_decode(window):
+    rng = np.random.default_rng(3)
+    s, kh, h, d = 24, 2, 4, 16
+    k, v = rng.standard_normal((2, s, kh, d)), rng.standard_normal((2, s, kh, d))
+    q = rng.standard_normal((6, h, d))
+    start = 9
+    want = _attention(q, k[0], v[0], start + np.arange(6), window, 0.25)
+    got = attention_prefill_reference(q.astype(np.float32), k[0].astype(np.float32), v[0].astype(np.float32), start, 0.25, window)
+    assert rel(got, want) < 1e-5
+    pos = np.array([3, 23])
+    qd = rng.standard_normal((2, h, d))
+    got = attention_decode_reference(qd.astype(np.float32), k.astype(np.float32), v.astype(np.float32), pos, 0.25, window)
+    for b in range(2):
+        assert rel(got[b], _attention(qd[b : b + 1], k[b], v[b], pos[b : b + 1], window, 0.25)[0]) < 1e-5
