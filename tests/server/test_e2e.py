@@ -67,7 +67,8 @@ def test_health_reports_model_and_kernels(server):
     body = httpx.get(server + "/health").json()
     assert body["status"] == "ok"
     assert body["slots"] == 4
-    assert set(body["kernels"]) >= {"matmul", "attention_decode"}
+    assert {"embed", "attention_decode", "attention_prefill"} <= set(body["kernels"])
+    assert {k for k in body["kernels"] if k.startswith("matmul[")} == {"matmul[q4_1]", "matmul[q8_0]"}
 
 
 def test_completion_streamed_equals_unstreamed(client):
