@@ -28,6 +28,12 @@ import numpy as np
 
 import gguf
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from model.tokenizer import _BYTE_TO_CHAR  # noqa: E402
+
 Q = gguf.GGMLQuantizationType
 QK_K = 256
 
@@ -230,18 +236,6 @@ def _grow(base: list[str], count: int, rng: np.random.Generator, max_len: int = 
     return pairs
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-ins for the 256 byte values."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
 _LLAMA2_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
     "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
@@ -295,7 +289,7 @@ def build_vocab(shape: Shape, rng: np.random.Generator) -> Vocab:
                      add_bos=True, chat_template=_LLAMA2_TEMPLATE)
 
     # Byte-level BPE as GPT-2: the 256 byte symbols, then one token per merge, then specials.
-    byte_chars = _bytes_to_unicode()
+    byte_chars = dict(_BYTE_TO_CHAR)  # GPT-2's printable stand-ins for the 256 byte values
     symbols = [byte_chars[b] for b in range(256)]
     # Merges use printable ASCII and the space/newline stand-ins, so that text reads as text.
     base = [byte_chars[b] for b in range(0x21, 0x7F)] + [byte_chars[0x20], byte_chars[0x0A]]
