@@ -194,6 +194,8 @@ class EngineConfig:
     kv_dtype: str = "float32"  # "float32" | "bfloat16" | "float16" | "auto" (resolved at load: f32 on CPU, bf16 on GPU)
     compute_dtype: str = "float32"  # activations; bf16 on GPU
     max_top_logprobs: int = 20
+    # Decode steps per dispatch when no prompt is waiting (one lax.scan program; 1 = off).
+    decode_steps_per_dispatch: int = 1
     max_logit_bias: int = 300
     kernels: tuple[tuple[str, str], ...] = ()  # forced op -> impl
     # Attention reads only the cache prefix [0, bucket) that holds every active position; one
@@ -225,6 +227,8 @@ class EngineConfig:
             raise ValueError(
                 f"prefill budget {self.prefill_budget} is below the largest chunk {self.prefill_chunks[-1]}"
             )
+        if self.decode_steps_per_dispatch < 1:
+            raise ValueError("decode steps per dispatch must be >= 1")
         if self.max_queue < 0:
             raise ValueError("max queue must be >= 0")
         if self.timeout_s <= 0:

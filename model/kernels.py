@@ -105,7 +105,11 @@ def choose_kernels(
         jax.ShapeDtypeStruct((max(s, t), kh, d), kv), jax.ShapeDtypeStruct((), jnp.int32), cfg.scale, window,
     )])
 
+    # On a GPU the kernels take bf16 activations (tensor cores; f32 x costs a 3-pass split);
+    # on the CPU the reference keeps f32.
+    act_dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
     def matmul(x: jax.Array, w: QuantizedTensor) -> jax.Array:
-        return by_format[w.fmt](x, w)
+        return by_format[w.fmt](x.astype(act_dtype), w)
 
     return Kernels(matmul=matmul, embed=embed_fn, attention_decode=dec_fn, attention_prefill=pre_fn), names

@@ -65,6 +65,18 @@ def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, par
     return cache, st, (tok, active, lp, top_ids, top_lps)
 
 
+def _multi_decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, num_steps: int, params, cache, st: SlotState, samp, active):
+    """num_steps decode steps in one program; outputs stacked on a leading [num_steps] axis."""
+
+    def one(carry, _):
+        cache, st = carry
+        cache, st, out = _decode_step(cfg, kern, num_top, attend, params, cache, st, samp, active)
+        return (cache, st), out
+
+    (cache, st), outs = jax.lax.scan(one, (cache, st), None, length=num_steps)
+    return cache, st, outs
+
+
 def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, params, cache, st: SlotState, samp, slot, tokens, start, num_valid, is_last):
     t = tokens.shape[0]
     vocab = st.prompt_mask.shape[1]
@@ -93,32 +105,55 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, pa
 
 
 class _Pending:
-    def __init__(self, num_slots: int, num_top: int, decode_out: Any, prefill_outs: list[Any]) -> None:
+    def __init__(self, num_slots: int, num_top: int, decode_out: Any, prefill_outs: list[Any], num_steps: int = 1) -> None:
         self._num_slots, self._num_top = num_slots, num_top
         self._decode_out, self._prefill_outs = decode_out, prefill_outs
+        self._num_steps = num_steps  # > 1: decode_out is stacked [num_steps, ...]
+        self._results: list[StepOutput] | None = None
 
-    def result(self) -> StepOutput:
+    def _empty(self) -> StepOutput:
         b, k = self._num_slots, self._num_top
-        out = StepOutput(
+        return StepOutput(
             tokens=np.zeros((b,), np.int32),
             valid=np.zeros((b,), bool),
             logprobs=np.zeros((b,), np.float32),
             top_ids=np.zeros((b, k), np.int32),
             top_logprobs=np.zeros((b, k), np.float32),
         )
-        decode_out, prefill_outs = jax.device_get((self._decode_out, self._prefill_outs))
+
+    @staticmethod
+    def _fill_decode(out: StepOutput, decode_out: Any) -> None:
+        tok, active, lp, top_ids, top_lps = decode_out
+        out.tokens[active] = tok[active]
+        out.valid[active] = True
+        out.logprobs[active] = lp[active]
+        out.top_ids[active] = top_ids[active]
+        out.top_logprobs[active] = top_lps[active]
+
+    def results(self) -> list[StepOutput]:
+        if self._results is not None:
+            return self._results
+        decode_out, prefill_outs = jax.device_get((self._decode_out, self._prefill_outs))  # one sync
+        if self._num_steps > 1:
+            outs = []
+            for i in range(self._num_steps):
+                out = self._empty()
+                self._fill_decode(out, tuple(a[i] for a in decode_out))
+                outs.append(out)
+            self._results = outs
+            return outs
+        out = self._empty()
         if decode_out is not None:
-            tok, active, lp, top_ids, top_lps = decode_out
-            out.tokens[active] = tok[active]
-            out.valid[active] = True
-            out.logprobs[active] = lp[active]
-            out.top_ids[active] = top_ids[active]
-            out.top_logprobs[active] = top_lps[active]
+            self._fill_decode(out, decode_out)
         for slot, tok, is_last, lp, top_ids, top_lps in prefill_outs:
             if is_last:
                 out.tokens[slot], out.valid[slot], out.logprobs[slot] = tok, True, lp
                 out.top_ids[slot], out.top_logprobs[slot] = top_ids, top_lps
-        return out
+        self._results = [out]
+        return self._results
+
+    def result(self) -> StepOutput:
+        return self.results()[0]
 
 
 class ModelRunner:
@@ -134,6 +169,7 @@ class ModelRunner:
         self.max_context = engine_cfg.max_context
         self.prefill_chunks = engine_cfg.prefill_chunks
         self.max_top_logprobs = engine_cfg.max_top_logprobs
+        self.decode_steps = tuple(sorted({1, engine_cfg.decode_steps_per_dispatch}))
         self._mesh = mesh
         if mesh is None:
             self._cache = KVCache.create(cfg, self.num_slots, self.max_context, jnp.dtype(engine_cfg.kv_dtype))
@@ -154,7 +190,10 @@ class ModelRunner:
             jnp.asarray, sampling.pack_sampling(self._slot_params, self.engine_cfg.max_logit_bias)
         )
 
-    def _jitted(self, kind: str, attend: int):
+    def _jitted(self, kind: str, attend: int, num_steps: int = 1):
+        if kind == "decode" and num_steps > 1:
+            fn = functools.partial(_multi_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend, num_steps)
+            return jax.jit(fn, donate_argnums=(1, 2))
         step = _decode_step if kind == "decode" else _prefill_step
         fn = functools.partial(step, self.cfg, self.kernels, self.max_top_logprobs, attend)
         if self._mesh is None:
@@ -172,26 +211,30 @@ class ModelRunner:
         )
 
     def warmup(self) -> None:
-        """Compiles every program the serving path can run (decode, one prefill per chunk size)."""
-        sizes = [("decode", self.num_slots)] + [("prefill", t) for t in self.prefill_chunks]
+        """Compiles every program the serving path can run: decode (once per decode-steps count)
+        and one prefill per chunk size, each for every context bucket."""
+        targets = [("decode", self.num_slots, k) for k in self.decode_steps]
+        targets += [("prefill", t, 1) for t in self.prefill_chunks]
         t_all = time.perf_counter()
-        for kind, size in sizes:
+        for kind, size, steps in targets:
             for attend in self.context_buckets:
                 t0 = time.perf_counter()
-                lowered = self._jitted(kind, attend).lower(*self._example_args(kind, size))
-                self._compiled[(kind, size, attend)] = lowered.compile()
-                log.debug("compiled %s[%d] attending %d in %.1f s", kind, size, attend, time.perf_counter() - t0)
+                lowered = self._jitted(kind, attend, steps).lower(*self._example_args(kind, size))
+                self._compiled[(kind, size, attend, steps)] = lowered.compile()
+                log.debug("compiled %s[%d]x%d attending %d in %.1f s", kind, size, steps, attend, time.perf_counter() - t0)
         log.info(
-            "compiled %d step programs (decode[%d], prefill%s x context buckets %s) in %.1f s",
-            len(self._compiled), self.num_slots, list(self.prefill_chunks), list(self.context_buckets),
-            time.perf_counter() - t_all,
+            "compiled %d step programs (decode[%d] x steps %s, prefill%s; context buckets %s) in %.1f s",
+            len(self._compiled), self.num_slots, list(self.decode_steps), list(self.prefill_chunks),
+            list(self.context_buckets), time.perf_counter() - t_all,
         )
 
-    def _program(self, kind: str, size: int, attend: int):
+    def _program(self, kind: str, size: int, attend: int, steps: int = 1):
         try:
-            return self._compiled[(kind, size, attend)]
+            return self._compiled[(kind, size, attend, steps)]
         except KeyError:
-            raise RuntimeError(f"no compiled program for {kind}[{size}] attending {attend}: call warmup() first") from None
+            raise RuntimeError(
+                f"no compiled program for {kind}[{size}] x{steps} attending {attend}: call warmup() first"
+            ) from None
 
     def _bucket(self, end: int) -> int:
         """The smallest attention bucket holding positions [0, end)."""
@@ -215,16 +258,17 @@ class ModelRunner:
                 self._slot_params[setup.slot] = sp
             self._samp = self._pack()
         decode_out = None
+        steps = plan.num_decode_steps
         if plan.decode_slots:
             active = np.zeros((self.num_slots,), bool)
             active[list(plan.decode_slots)] = True
-            attend = self._bucket(int(self._positions[active].max()) + 1)
-            self._cache, self._state, decode_out = self._program("decode", self.num_slots, attend)(
+            attend = self._bucket(int(self._positions[active].max()) + steps)
+            self._cache, self._state, decode_out = self._program("decode", self.num_slots, attend, steps)(
                 self.params, self._cache, self._state, self._samp, jnp.asarray(active)
             )
-            self._positions[active] += 1
+            self._positions[active] += steps
         prefill_outs = [self._dispatch_prefill(chunk) for chunk in plan.prefills]
-        return _Pending(self.num_slots, self.max_top_logprobs, decode_out, prefill_outs)
+        return _Pending(self.num_slots, self.max_top_logprobs, decode_out, prefill_outs, steps if decode_out is not None else 1)
 
     def _dispatch_prefill(self, chunk: PrefillChunk):
         n = int(chunk.tokens.shape[0])

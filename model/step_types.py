@@ -89,6 +89,15 @@ class StepPlan:
     setups: tuple[SlotSetup, ...] = ()  # applied first
     decode_slots: tuple[int, ...] = ()  # slots that compute their next token this step
     prefills: tuple[PrefillChunk, ...] = ()  # applied after the decode, in order
+    # Decode steps run back to back in one device program (lax.scan), each feeding the next its
+    # sampled tokens; only with no prefills. One StepOutput per decode step comes back.
+    num_decode_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_decode_steps < 1:
+            raise ValueError("num_decode_steps must be >= 1")
+        if self.num_decode_steps > 1 and self.prefills:
+            raise ValueError("several decode steps per dispatch run only without prefill chunks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +112,9 @@ class StepOutput:
 
 
 class PendingStep(Protocol):
-    def result(self) -> StepOutput: ...
+    def result(self) -> StepOutput: ...  # the (first) step's output
+
+    def results(self) -> list[StepOutput]: ...  # one per decode step of the plan, in order
 
 
 class StepModel(Protocol):
@@ -113,6 +124,7 @@ class StepModel(Protocol):
     max_context: int
     prefill_chunks: tuple[int, ...]
     max_top_logprobs: int
+    decode_steps: tuple[int, ...]  # compiled decode steps per dispatch, e.g. (1,) or (1, 8)
 
     def warmup(self) -> None: ...
 

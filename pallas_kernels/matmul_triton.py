@@ -28,8 +28,9 @@ general concatenate).
 Codes become floats without int->float conversions (16/clock/SM on Hopper, a quarter of the
 integer rate): a b-bit code q (b = 4..6) is shifted within its byte and moved by one byte permute
 (PRMT) into bits 16..22 under the exponent of 2.0, which gives the float f = 2 + q/2^(b-1)
-exactly; with x pre-scaled by 2^(b-1) (exact), sum f*x' = sum q*x + 2^b*sum x, and the constant
-is removed per scale group with the group sums of x. 8-bit codes use the 2^23 magic number and
+exactly. A weight w = scale * (q - zero point) + bias is then a f + b with per-group constants
+a, b: one FMA per weight for the tensor cores, and for the fma kernel sum w*x = a sum f*x +
+b sum x, the group sums of x computed once outside. 8-bit codes use the 2^23 magic number and
 one subtraction. On the GPU the shifts, masks and permutes are inline PTX
 (`plt.elementwise_inline_asm`, four codes per 32-bit register); with `interpret=True` (or
 `use_asm=False`) the same floats come from plain jnp bit operations, so the
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Callable, Iterator, NamedTuple, Sequence
 
 import jax
@@ -142,8 +142,8 @@ SUPPORTED_FORMATS = tuple(SPECS)
 class _Group(NamedTuple):
     """One scale group of S units x BN rows: w = scale * (q - zero point) + bias for its parts'
     codes q. The parts carry the codes as floats f = 2 + q/c (c = code_scale, see _Codes), and
-    `offset` = 2c + zero point, so that w = (c * scale) f + (bias - offset * scale): one FMA per
-    weight, and sum w*x = scale * sum f*(c x) + (bias - offset * scale) * sum x."""
+    `offset` = 2c + zero point, so that w = a f + b with a = c * scale, b = bias - offset * scale:
+    one FMA per weight, and sum w*x = a sum f*x + b sum x."""
 
     scale: jax.Array  # [BN, S] f32
     bias: jax.Array | None  # [BN, S] f32
@@ -273,9 +273,9 @@ def _decode(fmt: str, planes: dict, g0, s: int, codes: _Codes) -> Iterator[_Grou
                 f = codes.code(qs, 4 * h) if qh is None else codes.code(qs, 4 * h, qh, p, 1)
                 yield _Group(scale, bias, 16.0 if qh is None else 32.0, [(p, f)])
     elif fmt == "q6_k":
-        # Element 128 c + 32 (2 n + i) + 16 hh + l' (c, n, i, hh in {0, 1}, l' < 16) is nibble n
-        # of ql row 8 S' + 2 (2 c + i) + hh, byte l', with bits 2 (2 n + i) of qh row 4 S' + 2 c + hh
-        # as its top 2 bits; it is part p = 2 (4 c + 2 n + i) + hh, sub-block p, scale sc[p].
+        # Element 128 c + 32 (2 n + i) + 16 hh + l' (c, n, i, hh in {0, 1}, l' < 16) of super-block
+        # j is nibble n of byte l' of ql row 8 j + 2 (2 c + i) + hh, with bits 2 (2 n + i) of qh row
+        # 4 j + 2 c + hh as its top 2 bits: part p = 2 (4 c + 2 n + i) + hh, sub-block p, scale sc[p].
         d = _f32(planes["d"][:, ds(g0, s)])
         for c in range(2):
             for hh in range(2):
@@ -370,7 +370,7 @@ def _mma_kernel(x_ref, *refs, fmt: str, names: Sequence[str], s: int, steps: int
 # wrapper
 
 
-def _check_supported(w: QuantizedTensor) -> _Spec:
+def _check_supported(w: QuantizedTensor) -> None:
     if w.fmt not in SPECS:
         raise NotImplementedError(f"triton matmul takes {', '.join(SUPPORTED_FORMATS)}; not {w.fmt}")
     if w.stack_shape:
@@ -381,7 +381,6 @@ def _check_supported(w: QuantizedTensor) -> _Spec:
         raise NotImplementedError(f"triton matmul {w.fmt}: K={k} is not a multiple of {spec.unit}")
     if n % 16:
         raise NotImplementedError(f"triton matmul: N={n} is not a multiple of 16")
-    return spec
 
 
 def _largest_pow2_divisor(value: int, cap: int) -> int:
@@ -392,37 +391,37 @@ def _largest_pow2_divisor(value: int, cap: int) -> int:
 
 
 def default_tuning(fmt: str, m: int, n: int, k: int, x_dtype) -> TritonMatmulTuning:
-    """A per-shape choice (first guesses, to be replaced by bench/kernels.py's sweep on the GPU).
+    """A per-shape choice: first guesses from the compiled code (instructions per weight,
+    registers, no spills; sm_90 through Triton 3.6 offline), to be replaced by what
+    bench/kernels.py --sweep measures on the GPU.
 
-    Decode is bound by the weight bytes: the fma kernel for one or two rows of x (four with f32
-    x, where it is the exact path), else tensor cores. Programs: enough to fill 132 SMs a few
-    times over, by split-K when N is small."""
+    Decode is bound by the weight bytes: the fma kernel for one row of bf16 x (up to two rows
+    of f32 x, where it is the exact path and the 3-pass MMA is dear), else tensor cores, with
+    enough programs to fill 132 SMs a few times over (split-K when N is small). With f32 x the
+    MMA operands are split in three (registers), so its K steps are halved."""
     spec = SPECS[fmt]
     units = k // spec.unit
     is_f32 = jnp.dtype(x_dtype) == jnp.float32
-    if m > 64:  # prefill: compute-bound, big tensor-core tiles
-        s = _largest_pow2_divisor(units, 2 if spec.unit == 256 else 8)
-        bn = _largest_pow2_divisor(n, 128)
-        return TritonMatmulTuning("mma", block_n=bn, block_k=s * spec.unit, block_m=64 if is_f32 else 128,
-                                  num_warps=8, num_stages=3)
-    fma_rows = 4 if is_f32 else 2
-    if m <= fma_rows:
-        # ~128-192 bytes of each row per step; the kernel has no dot, so Triton does not pipeline
-        # its loads: memory parallelism comes from many small resident programs
-        s = _largest_pow2_divisor(units, 1 if spec.unit == 256 else 8)
-        bn = _largest_pow2_divisor(n, 32)
-        kernel, bm, warps, stages = "fma", 16, 4, 1
+
+    def step(elements: int) -> int:  # block_k: about `elements`, a whole number of units dividing K
+        return _largest_pow2_divisor(units, max(1, elements // spec.unit)) * spec.unit
+
+    if m > 64:  # prefill: compute-bound, big tensor-core tiles (larger K steps spilled)
+        block_k = step((128 if is_f32 else 256) if spec.unit == 32 else (256 if is_f32 else 512))
+        # Three stages of 128x256 bf16 tiles asked for 233,472 bytes of shared memory on the H200
+        # (limit 232,448); two fit.
+        return TritonMatmulTuning("mma", block_n=_largest_pow2_divisor(n, 128), block_k=block_k,
+                                  block_m=64 if is_f32 else 128, num_warps=8, num_stages=2)
+    if m <= (2 if is_f32 else 1):
+        kernel, block_k, block_m, stages = "fma", step(256), 16, 1
     else:
-        s = _largest_pow2_divisor(units, 1 if spec.unit == 256 else 8)
-        bn = _largest_pow2_divisor(n, 64)
-        bm = max(16, 1 << (m - 1).bit_length())
-        kernel, warps, stages = "mma", 4, 3
-    programs = n // bn
-    split = 1
-    while programs * split < 4 * 132 and (units // s) % (split * 2) == 0 and split < 8:
+        kernel, block_k, block_m, stages = "mma", step(128 if is_f32 else 256), max(16, 1 << (m - 1).bit_length()), 3
+    block_n = _largest_pow2_divisor(n, 64)
+    steps, split = units // (block_k // spec.unit), 1
+    while (n // block_n) * split < 4 * 132 and steps % (split * 2) == 0 and split < 8:
         split *= 2
-    return TritonMatmulTuning(kernel, block_n=bn, block_k=s * spec.unit, split_k=split, block_m=bm,
-                              num_warps=warps, num_stages=stages)
+    return TritonMatmulTuning(kernel, block_n=block_n, block_k=block_k, split_k=split, block_m=block_m,
+                              num_warps=4, num_stages=stages)
 
 
 def check_tiling(fmt: str, n: int, k: int, tuning: TritonMatmulTuning) -> None:
@@ -457,7 +456,7 @@ def qmatmul_triton(
 ) -> jax.Array:  # [..., N] f32
     """x @ dequant(w).T through the Pallas Triton kernels. Raises NotImplementedError for formats
     and shapes it does not take (float weights, q2_k/q3_k, N not a multiple of 16)."""
-    spec = _check_supported(w)
+    _check_supported(w)
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"x {list(x.shape)} does not match weight [{n}, {k}]")

@@ -46,7 +46,7 @@ from typing import Any, Callable
 import numpy as np
 
 from model.config import EngineConfig
-from model.step_types import MAX_STOP_TOKEN_IDS, PendingStep, PrefillChunk, SlotSetup, StepModel, StepPlan
+from model.step_types import MAX_STOP_TOKEN_IDS, PendingStep, PrefillChunk, SlotSetup, StepModel, StepOutput, StepPlan
 from model.tokenizer import IncrementalDetokenizer
 from scheduler.requests import Detokenizer, RequestState, RequestTiming
 from scheduler.types import (
@@ -174,6 +174,7 @@ class Engine:
         self._chunk_sizes: tuple[int, ...] = config.prefill_chunks
         self._max_context = config.max_context
         self._max_top_logprobs = config.max_top_logprobs
+        self._decode_steps: tuple[int, ...] = (1,)
         self._is_stopping = False
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -341,6 +342,7 @@ class Engine:
         self._chunk_sizes = chunks
         self._max_context = int(model.max_context)
         self._max_top_logprobs = int(model.max_top_logprobs)
+        self._decode_steps = tuple(getattr(model, "decode_steps", (1,)))
         self._info = self._build_info(model)
 
     def _build_info(self, model: StepModel | None) -> dict:
@@ -420,12 +422,24 @@ class Engine:
 
     def _plan_step(self) -> tuple[StepPlan | None, dict[int, RequestState]]:
         rows: dict[int, RequestState] = {}
+        decoding = [
+            (slot, state) for slot, state in enumerate(self._slots)
+            if state is not None and state.is_decoding and state.num_scheduled < state.limit
+        ]
+        # Several decode steps in one dispatch only when no prompt is waiting or being prefilled,
+        # and every decoding request has room for all of them (max_tokens is never overrun).
+        steps = self._decode_steps[-1]
+        if steps > 1 and (
+            self._waiting
+            or any(s is not None and not s.is_decoding for s in self._slots)
+            or any(state.limit - state.num_scheduled < steps for _, state in decoding)
+        ):
+            steps = 1
         decode_slots = []
-        for slot, state in enumerate(self._slots):
-            if state is not None and state.is_decoding and state.num_scheduled < state.limit:
-                decode_slots.append(slot)
-                state.num_scheduled += 1
-                rows[slot] = state
+        for slot, state in decoding:
+            decode_slots.append(slot)
+            state.num_scheduled += steps
+            rows[slot] = state
         budget = self.config.prefill_budget
         prefills: list[PrefillChunk] = []
         # Prompts already in a slot continue first, oldest first; each takes what fits.
@@ -448,7 +462,10 @@ class Engine:
             budget = self._plan_chunks(state, budget, prefills, rows)
         if not decode_slots and not prefills:
             return None, rows
-        plan = StepPlan(setups=tuple(setups), decode_slots=tuple(decode_slots), prefills=tuple(prefills))
+        plan = StepPlan(
+            setups=tuple(setups), decode_slots=tuple(decode_slots), prefills=tuple(prefills),
+            num_decode_steps=steps if decode_slots and not prefills else 1,
+        )
         return plan, rows
 
     def _plan_chunks(
@@ -476,7 +493,12 @@ class Engine:
         return budget
 
     def _process(self, pending: PendingStep, rows: dict[int, RequestState]) -> None:
-        out = pending.result()
+        # One output per decode step of the plan; a request that ends at one step ignores the rest.
+        outs = pending.results() if hasattr(pending, "results") else [pending.result()]
+        for out in outs:
+            self._process_output(out, rows)
+
+    def _process_output(self, out: StepOutput, rows: dict[int, RequestState]) -> None:
         now = time.monotonic()
         for slot, state in rows.items():
             if state.is_finished:

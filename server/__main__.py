@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help=f"require Authorization: Bearer KEY (also ${API_KEY_ENV})")
     p.add_argument("--chat-template", type=pathlib.Path, help="Jinja chat template replacing the GGUF's")
     p.add_argument("--kernels", type=_kernels, default=(), help="force kernels: op=impl[,op=impl...]")
+    p.add_argument("--decode-steps", type=int, default=1, metavar="N",
+                   help="decode steps per device dispatch while no prompt is waiting (one lax.scan program)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="KV cache dtype (auto: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--compile-cache", type=pathlib.Path, default=None,
@@ -99,6 +101,7 @@ def build_configs(args: argparse.Namespace, environ: dict[str, str] | os._Enviro
         kernels=args.kernels,
         kv_dtype=args.kv_dtype,
         tensor_parallel=args.tensor_parallel,
+        decode_steps_per_dispatch=args.decode_steps,
     )
     model_name = args.model.name if args.model is not None else DEFAULT_MODEL_FILENAME
     server_config = ServerConfig(

@@ -4,6 +4,7 @@ nothing compiled after warm-up."""
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
 
 from model.offline import generate
@@ -58,3 +59,25 @@ def test_nothing_compiles_after_warmup(smol_runner, prompt_ids):
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
+
+
+def test_several_decode_steps_per_dispatch_match_single_steps(smollm2, prompt_ids):
+    import dataclasses
+
+    from model.step_types import PrefillChunk, SlotSetup, StepPlan
+    from tests.model.conftest import SMOL_ENGINE
+
+    cfg = dataclasses.replace(SMOL_ENGINE, num_slots=2, context_buckets=(1024, 4096), decode_steps_per_dispatch=4)
+    runner = smollm2.make_runner(cfg)
+    runner.warmup()
+    assert runner.decode_steps == (1, 4)
+    single = generate(runner, prompt_ids[:2], 9)
+    setups = tuple(SlotSetup(s, SamplingParams(temperature=0.0)) for s in range(2))
+    prefills = tuple(PrefillChunk(s, np.asarray(ids, np.int32), 0, True) for s, ids in enumerate(prompt_ids[:2]))
+    first = runner.dispatch(StepPlan(setups=setups, prefills=prefills)).results()
+    assert len(first) == 1
+    outs = runner.dispatch(StepPlan(decode_slots=(0, 1), num_decode_steps=4)).results()
+    outs += runner.dispatch(StepPlan(decode_slots=(0, 1), num_decode_steps=4)).results()
+    assert len(outs) == 8
+    multi = [[int(first[0].tokens[s])] + [int(o.tokens[s]) for o in outs] for s in range(2)]
+    assert multi == single

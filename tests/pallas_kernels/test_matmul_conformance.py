@@ -143,11 +143,12 @@ _GPU_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 def _gpu_cases() -> tuple[Case, ...]:
     cases = []
     for fmt in _GPU_FORMATS:
-        for m, dtype in ((1, "float32"), (1, "bfloat16"), (2, "float32"), (8, "bfloat16"), (8, "float32"),
-                         (40, "bfloat16"), (512, "bfloat16")):
+        # default tunings: fma (f32 and bf16), 3-pass bf16 MMA (f32 x), bf16 MMA, prefill
+        for m, dtype in ((1, "float32"), (1, "bfloat16"), (3, "float32"), (8, "bfloat16"), (512, "bfloat16")):
             cases.append(Case(fmt, m, 256, 1024, dtype))
-        cases.append(Case(fmt, 8, 64, 512, "bfloat16", _t("fma", 32, 256)))
-        cases.append(Case(fmt, 3, 96, 768, "float32", _t("mma", 32, 256, split_k=3 if fmt[-1] == "k" else 1)))
+        cases.append(Case(fmt, 2, 64, 512, "bfloat16", _t("fma", 32, 256)))
+        cases.append(Case(fmt, 40, 96, 768, "bfloat16", _t("mma", 32, 256, split_k=3 if fmt[-1] == "k" else 1,
+                                                          block_m=32)))
     cases += [Case("q4_0", 1, 4096, 4096, "bfloat16"), Case("q4_k", 8, 1024, 4096, "bfloat16"),
               Case("q6_k", 512, 4096, 1024, "bfloat16"), Case("q8_0", 1, 4096, 11008, "float32")]
     return tuple(cases)

@@ -64,16 +64,19 @@ class ByteDetokenizer:
 
 
 class _FakePending:
-    def __init__(self, output: StepOutput, ready_at: float, gate: threading.Event | None) -> None:
-        self._output, self._ready_at, self._gate = output, ready_at, gate
+    def __init__(self, outputs: list[StepOutput], ready_at: float, gate: threading.Event | None) -> None:
+        self._outputs, self._ready_at, self._gate = outputs, ready_at, gate
 
-    def result(self) -> StepOutput:
+    def results(self) -> list[StepOutput]:
         if self._gate is not None:
             self._gate.wait()
         delay = self._ready_at - time.monotonic()
         if delay > 0:
             time.sleep(delay)
-        return self._output
+        return self._outputs
+
+    def result(self) -> StepOutput:
+        return self.results()[0]
 
 
 class FakeModel:
@@ -87,8 +90,10 @@ class FakeModel:
         step_delay: float = 0.0,
         fail_at_step: int | None = None,
         gate: threading.Event | None = None,
+        decode_steps: tuple[int, ...] = (1,),
     ) -> None:
         self.num_slots = num_slots
+        self.decode_steps = decode_steps
         self.max_context = max_context
         self.prefill_chunks = prefill_chunks
         self.max_top_logprobs = max_top_logprobs
@@ -108,23 +113,30 @@ class FakeModel:
             raise RuntimeError("device on fire")
         assert self.is_warm, "dispatch before warmup"
         self.plans.append(plan)
+        assert plan.num_decode_steps in self.decode_steps, f"{plan.num_decode_steps} decode steps not compiled"
         b, k = self.num_slots, self.max_top_logprobs
-        out = StepOutput(
-            tokens=np.zeros((b,), np.int32),
-            valid=np.zeros((b,), bool),
-            logprobs=np.zeros((b,), np.float32),
-            top_ids=np.zeros((b, k), np.int32),
-            top_logprobs=np.zeros((b, k), np.float32),
-        )
+
+        def empty() -> StepOutput:
+            return StepOutput(
+                tokens=np.zeros((b,), np.int32),
+                valid=np.zeros((b,), bool),
+                logprobs=np.zeros((b,), np.float32),
+                top_ids=np.zeros((b, k), np.int32),
+                top_logprobs=np.zeros((b, k), np.float32),
+            )
+
+        outs = [empty() for _ in range(plan.num_decode_steps)]
+        out = outs[0]
         for setup in plan.setups:
             self._pos[setup.slot], self._last[setup.slot] = 0, None
         prefill_slots = {c.slot for c in plan.prefills}
-        for slot in plan.decode_slots:
-            assert slot not in prefill_slots, f"slot {slot} decodes and prefills in one step"
-            assert self._last[slot] is not None, f"slot {slot} decodes before its prompt is done"
-            assert self._pos[slot] < self.max_context, f"slot {slot} decodes past the context"
-            self._pos[slot] += 1
-            self._sample(out, slot, self._last[slot])
+        for step_out in outs:
+            for slot in plan.decode_slots:
+                assert slot not in prefill_slots, f"slot {slot} decodes and prefills in one step"
+                assert self._last[slot] is not None, f"slot {slot} decodes before its prompt is done"
+                assert self._pos[slot] < self.max_context, f"slot {slot} decodes past the context"
+                self._pos[slot] += 1
+                self._sample(step_out, slot, self._last[slot])
         for chunk in plan.prefills:
             n = len(chunk.tokens)
             assert self._pos[chunk.slot] is not None, f"slot {chunk.slot} prefilled without a setup"
@@ -134,7 +146,7 @@ class FakeModel:
             self._pos[chunk.slot] += n
             if chunk.is_last:
                 self._sample(out, chunk.slot, int(chunk.tokens[-1]))
-        return _FakePending(out, time.monotonic() + self.step_delay, self.gate)
+        return _FakePending(outs, time.monotonic() + self.step_delay, self.gate)
 
     def _sample(self, out: StepOutput, slot: int, last: int) -> None:
         token = (last + 1) % VOCAB

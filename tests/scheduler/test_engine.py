@@ -505,3 +505,35 @@ def test_observer_gets_timings(make_engine, fake_model_cls):
     assert (timing.prompt_tokens, timing.completion_tokens) == (1, 4)
     assert timing.queue_s is not None and 0 <= timing.queue_s <= timing.ttft_s <= timing.e2e_s
     assert len(timing.itl_s) == 3 and all(gap >= 0 for gap in timing.itl_s)
+
+
+# ---- several decode steps per dispatch ----
+
+
+def test_several_decode_steps_per_dispatch(make_engine, fake_model_cls):
+    engine, model = make_engine(fake_model_cls(decode_steps=(1, 4)))
+    result = run(collect_one(engine, req("a", max_tokens=11, stop=("h",))))
+    assert result.text == "bcdefg"  # stopped by a stop string in the middle of a 4-step dispatch
+    assert result.final.finish_reason == "stop"
+    assert any(p.num_decode_steps == 4 for p in model.plans)
+    # max_tokens is never overrun: the tail runs one step at a time.
+    engine2, model2 = make_engine(fake_model_cls(decode_steps=(1, 4)))
+    result = run(collect_one(engine2, req("a", max_tokens=10)))
+    assert result.text == "bcdefghijk" and result.final.finish_reason == "length"
+    steps = [p.num_decode_steps for p in model2.plans if p.decode_slots]
+    assert 4 in steps and sum(steps) == 9  # 1 token from the prefill, 9 decoded
+    assert all(not p.prefills for p in model2.plans if p.num_decode_steps > 1)
+
+
+def test_multi_step_waits_while_a_prompt_is_prefilled(make_engine, fake_model_cls):
+    engine, model = make_engine(fake_model_cls(decode_steps=(1, 4), step_delay=0.01))
+
+    async def two():
+        first = engine.submit(req("a", max_tokens=30, request_id="1"))
+        events = [await first.__anext__() for _ in range(3)]
+        second = engine.submit(req("x" * 20, max_tokens=3, request_id="2"))
+        return events, await collect(second), await collect(first)
+
+    _, second, first = run(two())
+    assert second.final.finish_reason == "length" and first.final.finish_reason == "length"
+    assert all(not (p.prefills and p.num_decode_steps > 1) for p in model.plans)
