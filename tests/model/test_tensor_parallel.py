@@ -78,7 +78,7 @@ def run(path, tp):
     jax.monitoring.register_event_duration_secs_listener(listener)
     seeded = generate(runner, PROMPTS, 8, sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=7))
     jax.monitoring.unregister_event_duration_listener(listener)
-    hlo = runner._compiled[("decode", 4, 64)].as_text()  # the compiled decode program
+    hlo = runner._program("decode", 4, 64).as_text()  # the compiled decode program
     collectives = sorted({m.groups() for m in re.finditer(r"= \(?(\w+)\[([\d,]*)\][^=]*? (all-gather|all-reduce)(?:-start)?\(", hlo)})
     spec = lambda x: str(getattr(x.sharding, "spec", None))
     layers = loaded.params.layers
