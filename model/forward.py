@@ -37,8 +37,8 @@ class Kernels:
 class KVCache:
     """Keys and values per layer and slot, each slot a contiguous run of positions.
 
-    The layout is reached only through `write_*` and `layer_view`, so a paged layout (a block
-    table per slot, shared prefix blocks) replaces this class without touching the forward pass.
+    Writes go through `write_*`; attention reads the layer's slot rows. A paged layout (a block
+    table per slot, shared prefix blocks) replaces this class and those reads.
     """
 
     k: jax.Array  # [L, B, S, K, D]
@@ -149,6 +149,15 @@ def _qkv(cfg: ModelConfig, kern: Kernels, lp: dict, h: jax.Array, pos: jax.Array
     return q, k, v
 
 
+def _attn_out_and_ffn(cfg: ModelConfig, kern: Kernels, lp: dict, x: jax.Array, attn: jax.Array) -> jax.Array:
+    """The rest of a layer after attention: output projection, residual, FFN block.
+    x [M, E], attn [M, H, D] -> [M, E]."""
+    out = kern.matmul(attn.reshape(attn.shape[0], cfg.q_dim), lp["wo"])
+    if "post_attn_norm" in lp:
+        out = rms_norm(out, lp["post_attn_norm"], cfg.rms_eps)
+    return _ffn(cfg, kern, lp, x + out)
+
+
 def _ffn(cfg: ModelConfig, kern: Kernels, lp: dict, x: jax.Array) -> jax.Array:
     h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
     gate = kern.matmul(h, lp["w_gate"])
@@ -233,11 +242,7 @@ def decode(
         c = c.write_decode(i, rows, write_pos, k, v)
         span = attend or s
         attn = kern.attention_decode(q, c.k[i, :, :span], c.v[i, :, :span], pos, cfg.scale, window)  # [B, H, D]
-        out = kern.matmul(attn.reshape(b, cfg.q_dim), lp["wo"])
-        if "post_attn_norm" in lp:
-            out = rms_norm(out, lp["post_attn_norm"], cfg.rms_eps)
-        x = _ffn(cfg, kern, lp, x + out)
-        return x, c
+        return _attn_out_and_ffn(cfg, kern, lp, x, attn), c
 
     x = _embed(cfg, kern, params, tokens)
     x, cache = _run_layers(params, cache, body)(x)
@@ -267,11 +272,7 @@ def prefill(
         c = c.write_prefill(i, slot, write_pos, k, v)
         span = attend or s
         attn = kern.attention_prefill(q, c.k[i, slot, :span], c.v[i, slot, :span], start_pos, cfg.scale, window)  # [T, H, D]
-        out = kern.matmul(attn.reshape(t, cfg.q_dim), lp["wo"])
-        if "post_attn_norm" in lp:
-            out = rms_norm(out, lp["post_attn_norm"], cfg.rms_eps)
-        x = _ffn(cfg, kern, lp, x + out)
-        return x, c
+        return _attn_out_and_ffn(cfg, kern, lp, x, attn), c
 
     x = _embed(cfg, kern, params, tokens)
     x, cache = _run_layers(params, cache, body)(x)
