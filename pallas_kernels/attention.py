@@ -24,14 +24,31 @@ def _visible(q_pos: jax.Array, k_pos: jax.Array, window: jax.Array | int) -> jax
     return causal & windowed
 
 
+def _cache_rows(k_cache, v_cache, lead: tuple, span: int | None, seq_axis: int):
+    """The cache at leading (possibly traced) indices `lead`, cut to positions [0, span)."""
+    for i in lead:
+        k_cache = jax.lax.dynamic_index_in_dim(k_cache, i, axis=0, keepdims=False)
+        v_cache = jax.lax.dynamic_index_in_dim(v_cache, i, axis=0, keepdims=False)
+    if span is not None:
+        if not 1 <= span <= k_cache.shape[seq_axis]:
+            raise ValueError(f"span {span} outside the cache's [1, {k_cache.shape[seq_axis]}]")
+        k_cache = jax.lax.slice_in_dim(k_cache, 0, span, axis=seq_axis)
+        v_cache = jax.lax.slice_in_dim(v_cache, 0, span, axis=seq_axis)
+    return k_cache, v_cache
+
+
 def attention_decode_reference(
     q: jax.Array,  # [B, H, D]
-    k_cache: jax.Array,  # [B, S, K, D]
-    v_cache: jax.Array,  # [B, S, K, D]
+    k_cache: jax.Array,  # [B, S, K, D], or [L, B, S, K, D] with `layer`
+    v_cache: jax.Array,  # same shape as k_cache
     positions: jax.Array,  # [B] int32, the query's position (its key is already in the cache)
     scale: float,
     window: jax.Array | int = 0,
+    *,
+    layer: jax.Array | int | None = None,  # the layer of a stacked cache (may be traced)
+    span: int | None = None,  # static: only cache positions [0, span) are attended (default S)
 ) -> jax.Array:  # [B, H, D] f32
+    k_cache, v_cache = _cache_rows(k_cache, v_cache, () if layer is None else (layer,), span, 1)
     b, h, d = q.shape
     s, kh = k_cache.shape[1], k_cache.shape[2]
     g = h // kh
@@ -46,12 +63,19 @@ def attention_decode_reference(
 
 def attention_prefill_reference(
     q: jax.Array,  # [T, H, D]
-    k_cache: jax.Array,  # [S, K, D] (one slot)
-    v_cache: jax.Array,  # [S, K, D]
+    k_cache: jax.Array,  # [S, K, D] (one slot), or [L, B, S, K, D] with `layer` and `slot`
+    v_cache: jax.Array,  # same shape as k_cache
     start_pos: jax.Array,  # [] int32: position of q[0]
     scale: float,
     window: jax.Array | int = 0,
+    *,
+    layer: jax.Array | int | None = None,  # with `slot`: the row of a stacked cache (may be traced)
+    slot: jax.Array | int | None = None,
+    span: int | None = None,  # static: only cache positions [0, span) are attended (default S)
 ) -> jax.Array:  # [T, H, D] f32
+    if (layer is None) != (slot is None):
+        raise ValueError("layer and slot go together (a stacked [L, B, S, K, D] cache) or not at all")
+    k_cache, v_cache = _cache_rows(k_cache, v_cache, () if layer is None else (layer, slot), span, 0)
     t, h, d = q.shape
     s, kh = k_cache.shape[0], k_cache.shape[1]
     g = h // kh

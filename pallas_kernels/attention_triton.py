@@ -208,15 +208,16 @@ def _dot_nn(a: jax.Array, b: jax.Array, precision) -> jax.Array:
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
 
 
-def _load_tile(ref, start, block: int, num_keys: int, is_ragged: bool):
-    """[block, D] rows [start, start + block) of ref [S, D]; rows past S read as 0 (only the
-    last tile of a cache whose length is not a multiple of the tile can have them)."""
+def _load_tile(ref, start, block: int, num_keys: int, is_ragged: bool, lead: tuple = ()):
+    """[block, D] rows [start, start + block) of ref [*lead, S, D] at the leading indices
+    `lead` (one indexer: the Triton lowering takes no chained ones); rows past `num_keys` read
+    as 0 (only the last tile of a cache whose length is not a multiple of the tile has them)."""
     rows = pl.ds(start, block)
     if not is_ragged:
-        return ref[rows, :]
+        return ref[(*lead, rows, slice(None))]
     keys = start + jnp.arange(block, dtype=jnp.int32)
-    mask = jnp.broadcast_to((keys < num_keys)[:, None], (block, ref.shape[1]))
-    return _load(ref.at[rows, :], mask=mask, other=jnp.zeros((), ref.dtype))
+    mask = jnp.broadcast_to((keys < num_keys)[:, None], (block, ref.shape[-1]))
+    return _load(ref.at[(*lead, rows, slice(None))], mask=mask, other=jnp.zeros((), ref.dtype))
 
 
 def _online_softmax_step(carry, s, visible, v, precision):
@@ -246,9 +247,10 @@ def _decode_kernel(
     pos_ref,  # [B] int32, whole array
     win_ref,  # [1] int32
     scale_ref,  # [1] f32: scale * log2(e)
+    layer_ref,  # [1] int32: the layer of the cache stack to read
     q_ref,  # [H, D] this row's queries (all heads)
-    k_ref,  # [S, D] this row's keys of this kv head
-    v_ref,  # [S, D]
+    k_ref,  # [L, S, D] this row's keys of this kv head, every layer (read in place)
+    v_ref,  # [L, S, D]
     *out_refs,  # one split: o_ref [H, D] f32; else acc_ref [G_pad, D], m_ref [G_pad], l_ref [G_pad] f32
     block_s: int,
     tiles_per_split: int,
@@ -256,8 +258,10 @@ def _decode_kernel(
     num_groups: int,
     g_pad: int,
     has_window: bool,
+    is_ragged: bool,
 ):
     row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
     pos = pos_ref[row]
     last_key = lax.min(pos, num_keys - 1)
     first_key = jnp.int32(0)
@@ -280,18 +284,18 @@ def _decode_kernel(
         q = q_ref[q_rows, :]
     q = _scale_q(q, scale_ref, k_ref.dtype)  # [G_pad, D]
     precision = _dot_precision(k_ref.dtype)
-    is_ragged = num_keys % block_s != 0
+    s_max = k_ref.shape[1]  # the cache's extent; attention reads [0, num_keys) of it
 
     def body(t, carry):
         start = pl.multiple_of(t * block_s, block_s)
         keys = start + jnp.arange(block_s, dtype=jnp.int32)
-        k = _load_tile(k_ref, start, block_s, num_keys, is_ragged)  # [block_s, D]
+        k = _load_tile(k_ref, start, block_s, s_max, is_ragged, (layer,))  # [block_s, D]
         s = _dot_nt(q, k, precision)  # [G_pad, block_s]
         visible = keys <= last_key
         if has_window:
             visible = visible & ((win <= 0) | (keys > pos - win))
         visible = jnp.broadcast_to(visible[None, :], s.shape)
-        v = _load_tile(v_ref, start, block_s, num_keys, is_ragged)
+        v = _load_tile(v_ref, start, block_s, s_max, is_ragged, (layer,))
         return _online_softmax_step(carry, s, visible, v, precision)
 
     init = (
@@ -317,10 +321,13 @@ def _decode_kernel(
     l_ref[...] = l
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "static_scale", "static_window"))
-def _decode(q, k_cache, v_cache, positions, scale, window, *, config, interpret, static_scale, static_window):
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "static_scale", "static_window", "span"))
+def _decode(q, k_cache, v_cache, positions, scale, window, layer, *, config, interpret, static_scale, static_window,
+            span):
+    """k_cache, v_cache [L, B, S_max, K, D]; keys [0, span) of layer `layer` are attended."""
     b, h, d = q.shape
-    s, kh, g = k_cache.shape[1], k_cache.shape[2], h // k_cache.shape[2]
+    s_max, kh, g = k_cache.shape[2], k_cache.shape[3], h // k_cache.shape[3]
+    s = span
     g_pad = max(_MIN_DOT, 1 << (g - 1).bit_length())
     block_s = config.tile(d, k_cache.dtype.itemsize)
     num_tiles = -(-s // block_s)
@@ -336,8 +343,10 @@ def _decode(q, k_cache, v_cache, positions, scale, window, *, config, interpret,
         num_groups=g,
         g_pad=g_pad,
         has_window=static_window != 0,
+        is_ragged=num_tiles * block_s > s_max,  # the last tile would cross the cache's end
     )
-    kv_spec = pl.BlockSpec((None, s, None, d), lambda i, j, p: (i, 0, j, 0))
+    num_layers = k_cache.shape[0]
+    kv_spec = pl.BlockSpec((num_layers, None, s_max, None, d), lambda i, j, p: (0, i, 0, j, 0))
     if num_splits == 1:
         out_specs = [pl.BlockSpec((None, h, d), lambda i, j, p: (i, 0, 0))]
         out_shape = [jax.ShapeDtypeStruct((b, h, d), jnp.float32)]
@@ -359,6 +368,7 @@ def _decode(q, k_cache, v_cache, positions, scale, window, *, config, interpret,
             pl.BlockSpec((b,), lambda i, j, p: (0,)),
             pl.BlockSpec((1,), lambda i, j, p: (0,)),
             pl.BlockSpec((1,), lambda i, j, p: (0,)),
+            pl.BlockSpec((1,), lambda i, j, p: (0,)),
             pl.BlockSpec((None, h, d), lambda i, j, p: (i, 0, 0)),
             kv_spec,
             kv_spec,
@@ -368,7 +378,7 @@ def _decode(q, k_cache, v_cache, positions, scale, window, *, config, interpret,
         compiler_params=_TritonParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="attention_decode",
-    )(positions.astype(jnp.int32), win_arr, scale_arr, q, k_cache, v_cache)
+    )(positions.astype(jnp.int32), win_arr, scale_arr, layer, q, k_cache, v_cache)
     if num_splits == 1:
         return outs[0]
     # Merge the splits; a split with no visible key has m = _NEG, l = 0: weight 0.
@@ -379,27 +389,46 @@ def _decode(q, k_cache, v_cache, positions, scale, window, *, config, interpret,
     return out.reshape(b, h, d)
 
 
+def _layer_arr(layer) -> jax.Array:
+    return jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+
+
+def _span(span: int | None, s: int) -> int:
+    if span is None:
+        return s
+    if not 1 <= span <= s:
+        raise ValueError(f"span {span} outside the cache's [1, {s}]")
+    return int(span)
+
+
 def attention_decode_triton(
     q: jax.Array,  # [B, H, D]
-    k_cache: jax.Array,  # [B, S, K, D]
-    v_cache: jax.Array,  # [B, S, K, D]
+    k_cache: jax.Array,  # [B, S, K, D], or [L, B, S, K, D] with `layer`
+    v_cache: jax.Array,  # same shape as k_cache
     positions: jax.Array,  # [B] int32 >= 0: the query's position (its key is already in the cache)
     scale: float,
     window: jax.Array | int = 0,  # 0 = unlimited; may be traced (gemma3 alternates per layer)
     *,
+    layer: jax.Array | int | None = None,  # the layer of a stacked cache (may be traced): read in place
+    span: int | None = None,  # static: only cache positions [0, span) are attended (default S)
     config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
     interpret: bool = False,
 ) -> jax.Array:  # [B, H, D] f32
-    """Same contract as `attention_decode_reference`. Positions must lie in [0, S); a position
-    past S attends to the whole cache, as the reference does."""
-    if q.ndim != 3 or k_cache.ndim != 4 or positions.shape != (q.shape[0],) or k_cache.shape[0] != q.shape[0]:
+    """Same contract as `attention_decode_reference`. Positions must lie in [0, span); a
+    position past it attends to the whole span, as the reference does."""
+    want = 4 if layer is None else 5
+    if q.ndim != 3 or k_cache.ndim != want or positions.shape != (q.shape[0],) or k_cache.shape[-4] != q.shape[0]:
         raise ValueError(
-            f"want q [B, H, D], caches [B, S, K, D], positions [B]; got {q.shape}, {k_cache.shape}, {positions.shape}"
+            f"want q [B, H, D], caches {'[B, S, K, D]' if layer is None else '[L, B, S, K, D]'}, positions [B]; "
+            f"got {q.shape}, {k_cache.shape}, {positions.shape}"
         )
-    _check_inputs(q, k_cache, v_cache, seq_axis=1)
+    s, _, _ = _check_inputs(q, k_cache, v_cache, seq_axis=k_cache.ndim - 3)
+    if layer is None:
+        k_cache, v_cache = k_cache[None], v_cache[None]
     return _decode(
-        q, k_cache, v_cache, positions, scale, window,
+        q, k_cache, v_cache, positions, scale, window, _layer_arr(layer),
         config=config, interpret=interpret, static_scale=_static_scale(scale), static_window=_static_window(window),
+        span=_span(span, s),
     )
 
 
@@ -411,9 +440,10 @@ def _prefill_kernel(
     start_ref,  # [1] int32: position of query 0
     win_ref,  # [1] int32
     scale_ref,  # [1] f32: scale * log2(e)
+    where_ref,  # [2] int32: (layer, slot) of the cache stack to read
     q_ref,  # [T, D] this head's queries
-    k_ref,  # [S, D] its kv head's keys
-    v_ref,  # [S, D]
+    k_ref,  # [L, B, S, D] its kv head's keys, every layer and slot (read in place)
+    v_ref,  # [L, B, S, D]
     o_ref,  # [T, D] f32
     *,
     block_t: int,
@@ -423,6 +453,8 @@ def _prefill_kernel(
     num_q_blocks: int,
     has_window: bool,
 ):
+    lead = (where_ref[0], where_ref[1])
+    s_max = k_ref.shape[2]
     # Heaviest (latest) query blocks first: causal work grows with the block index.
     qb = num_q_blocks - 1 - pl.program_id(0)
     start = start_ref[0]
@@ -448,11 +480,12 @@ def _prefill_kernel(
         full_lo = jnp.where(win > 0, lax.div(lax.max(q_last - win + 1, 0) + block_k - 1, block_k), 0)
     mid_lo = lax.min(lax.max(full_lo, lo), hi)
     mid_hi = lax.min(lax.max(full_hi, mid_lo), hi)
-    is_ragged = num_keys % block_k != 0
+    # A tile crossing the cache's end needs a masked load (the mask below hides keys >= num_keys).
+    is_ragged = -(-num_keys // block_k) * block_k > s_max
 
     def body(t, carry, masked: bool):
         kstart = pl.multiple_of(t * block_k, block_k)
-        k = _load_tile(k_ref, kstart, block_k, num_keys, is_ragged and masked)  # [block_k, D]
+        k = _load_tile(k_ref, kstart, block_k, s_max, is_ragged and masked, lead)  # [block_k, D]
         s = _dot_nt(q, k, precision)  # [block_t, block_k]
         visible = None
         if masked:
@@ -460,7 +493,7 @@ def _prefill_kernel(
             visible = (keys[None, :] <= q_pos[:, None]) & (keys[None, :] < num_keys)
             if has_window:
                 visible = visible & ((win <= 0) | (keys[None, :] > q_pos[:, None] - win))
-        v = _load_tile(v_ref, kstart, block_k, num_keys, is_ragged and masked)
+        v = _load_tile(v_ref, kstart, block_k, s_max, is_ragged and masked, lead)
         return _online_softmax_step(carry, s, visible, v, precision)
 
     d = q.shape[1]
@@ -483,10 +516,12 @@ def _prefill_kernel(
         o_ref[rows, :] = out
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "static_scale", "static_window"))
-def _prefill(q, k_cache, v_cache, start_pos, scale, window, *, config, interpret, static_scale, static_window):
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "static_scale", "static_window", "span"))
+def _prefill(q, k_cache, v_cache, start_pos, scale, window, where, *, config, interpret, static_scale, static_window,
+             span):
+    """k_cache, v_cache [L, B, S_max, K, D]; keys [0, span) of (layer, slot) = `where` are attended."""
     t, h, d = q.shape
-    s, kh = k_cache.shape[0], k_cache.shape[1]
+    s, kh = span, k_cache.shape[3]
     g = h // kh
     block_t, block_k, num_warps, num_stages = config.resolve(d, k_cache.dtype.itemsize)
     # A chunk shorter than a block: shrink the block (still >= 16, Triton's smallest dot).
@@ -502,7 +537,8 @@ def _prefill(q, k_cache, v_cache, start_pos, scale, window, *, config, interpret
         has_window=static_window != 0,
     )
     scale_arr, win_arr = _scalar_inputs(scale, window, static_scale, static_window)
-    kv_spec = pl.BlockSpec((s, None, d), lambda i, j: (0, lax.div(j, g), 0))
+    num_layers, num_slots, s_max = k_cache.shape[:3]
+    kv_spec = pl.BlockSpec((num_layers, num_slots, s_max, None, d), lambda i, j: (0, 0, 0, lax.div(j, g), 0))
     return pl.pallas_call(
         kernel,
         grid=(num_q_blocks, h),
@@ -510,6 +546,7 @@ def _prefill(q, k_cache, v_cache, start_pos, scale, window, *, config, interpret
             pl.BlockSpec((1,), lambda i, j: (0,)),
             pl.BlockSpec((1,), lambda i, j: (0,)),
             pl.BlockSpec((1,), lambda i, j: (0,)),
+            pl.BlockSpec((2,), lambda i, j: (0,)),
             pl.BlockSpec((t, None, d), lambda i, j: (0, j, 0)),
             kv_spec,
             kv_spec,
@@ -519,30 +556,42 @@ def _prefill(q, k_cache, v_cache, start_pos, scale, window, *, config, interpret
         compiler_params=_TritonParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="attention_prefill",
-    )(jnp.reshape(jnp.asarray(start_pos, jnp.int32), (1,)), win_arr, scale_arr, q, k_cache, v_cache)
+    )(jnp.reshape(jnp.asarray(start_pos, jnp.int32), (1,)), win_arr, scale_arr, where, q, k_cache, v_cache)
 
 
 def attention_prefill_triton(
     q: jax.Array,  # [T, H, D]
-    k_cache: jax.Array,  # [S, K, D] (one slot; the chunk's keys already written)
-    v_cache: jax.Array,  # [S, K, D]
+    k_cache: jax.Array,  # [S, K, D] (one slot; the chunk's keys already written), or [L, B, S, K, D]
+    v_cache: jax.Array,  # same shape as k_cache
     start_pos: jax.Array,  # [] int32 >= 0: position of q[0]
     scale: float,
     window: jax.Array | int = 0,  # 0 = unlimited; may be traced
     *,
+    layer: jax.Array | int | None = None,  # with `slot`: the row of a stacked cache, read in place
+    slot: jax.Array | int | None = None,
+    span: int | None = None,  # static: only cache positions [0, span) are attended (default S)
     config: PrefillAttentionConfig = DEFAULT_PREFILL_CONFIG,
     interpret: bool = False,
 ) -> jax.Array:  # [T, H, D] f32
-    """Same contract as `attention_prefill_reference` for queries at positions < S (padding
-    queries past the cache get finite junk, never read by the forward pass)."""
-    if q.ndim != 3 or k_cache.ndim != 3 or jnp.ndim(start_pos) != 0:
+    """Same contract as `attention_prefill_reference` for queries at positions < span (padding
+    queries past it get finite junk, never read by the forward pass)."""
+    stacked = layer is not None
+    if stacked != (slot is not None):
+        raise ValueError("layer and slot go together (a stacked [L, B, S, K, D] cache) or not at all")
+    if q.ndim != 3 or k_cache.ndim != (5 if stacked else 3) or jnp.ndim(start_pos) != 0:
         raise ValueError(
-            f"want q [T, H, D], caches [S, K, D], start_pos []; got {q.shape}, {k_cache.shape}, {jnp.shape(start_pos)}"
+            f"want q [T, H, D], caches {'[L, B, S, K, D]' if stacked else '[S, K, D]'}, start_pos []; "
+            f"got {q.shape}, {k_cache.shape}, {jnp.shape(start_pos)}"
         )
-    _check_inputs(q, k_cache, v_cache, seq_axis=0)
+    s, _, _ = _check_inputs(q, k_cache, v_cache, seq_axis=k_cache.ndim - 3)
+    if not stacked:
+        k_cache, v_cache = k_cache[None, None], v_cache[None, None]
+    where = jnp.stack([jnp.asarray(0 if layer is None else layer, jnp.int32),
+                       jnp.asarray(0 if slot is None else slot, jnp.int32)])
     return _prefill(
-        q, k_cache, v_cache, start_pos, scale, window,
+        q, k_cache, v_cache, start_pos, scale, window, where,
         config=config, interpret=interpret, static_scale=_static_scale(scale), static_window=_static_window(window),
+        span=_span(span, s),
     )
 
 

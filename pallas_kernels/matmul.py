@@ -14,7 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import registry
-from pallas_kernels.quant import QuantizedTensor, dequantize_phase, dequantize_reference, layout, take_rows_reference
+from pallas_kernels.quant import (
+    QuantizedTensor, dequantize_phase, dequantize_reference, layer_of, layout, take_rows_reference,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,13 +62,14 @@ def _row_slice(w: QuantizedTensor, start: int, stop: int) -> QuantizedTensor:
 
 def qmatmul_reference(
     x: jax.Array,  # [..., K] any float dtype
-    w: QuantizedTensor,  # [N, K]
+    w: QuantizedTensor,  # [N, K], or a stack [L, N, K] with `layer`
     config: ReferenceMatmulConfig = DEFAULT_CONFIG,
+    *,
+    layer: jax.Array | int | None = None,  # which matrix of a stacked w (may be traced)
 ) -> jax.Array:  # [..., N] f32
     """x @ dequant(w).T in f32 (HIGHEST precision)."""
+    w = layer_of(w, layer)
     n, k = w.shape
-    if w.stack_shape:
-        raise ValueError(f"qmatmul needs a single weight matrix, got stack {w.stack_shape}: slice it first")
     if x.shape[-1] != k:
         raise ValueError(f"x {list(x.shape)} does not match weight [{n}, {k}]")
     x = x.astype(jnp.float32)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import gguf
 import jax
@@ -169,6 +169,32 @@ class QuantizedTensor:
         planes = ", ".join(f"{k}={getattr(v, 'dtype', '?')}{list(getattr(v, 'shape', ()))}"
                            for k, v in self.planes.items())
         return f"QuantizedTensor({self.fmt}, shape={self.shape}, {planes})"
+
+
+def layer_of(qt: QuantizedTensor, layer: jax.Array | int | None) -> QuantizedTensor:
+    """Matrix `layer` of a one-dim stack [L, N, K] (a traced index is fine), or `qt` itself
+    when `layer` is None (then it must be a single matrix)."""
+    stack = qt.stack_shape
+    if layer is None:
+        if stack:
+            raise ValueError(f"a stack {stack} of matrices needs a layer index")
+        return qt
+    if len(stack) != 1:
+        raise ValueError(f"a layer index needs a one-dim stack of matrices, got stack {stack}")
+    planes = {k: jax.lax.dynamic_index_in_dim(p, layer, axis=0, keepdims=False) for k, p in qt.planes.items()}
+    return QuantizedTensor(planes, qt.fmt, qt.shape)
+
+
+def concat_rows(tensors: Sequence[QuantizedTensor]) -> QuantizedTensor:
+    """One matrix [N1 + N2 + ..., K] from matrices of one format and K (each plane is per row,
+    so the planes concatenate along N). Works on numpy or jax planes, stacked or not."""
+    first = tensors[0]
+    if any(t.fmt != first.fmt or t.shape[1] != first.shape[1] or t.stack_shape != first.stack_shape for t in tensors):
+        raise ValueError("concat_rows needs matrices of one format, K and stack")
+    axis = len(first.stack_shape)
+    xp = np if all(isinstance(p, np.ndarray) for t in tensors for p in t.planes.values()) else jnp
+    planes = {k: xp.concatenate([t.planes[k] for t in tensors], axis=axis) for k in first.planes}
+    return QuantizedTensor(planes, first.fmt, (sum(t.shape[0] for t in tensors), first.shape[1]))
 
 
 def num_bytes(qt: QuantizedTensor) -> int:

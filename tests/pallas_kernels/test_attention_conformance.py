@@ -97,6 +97,18 @@ def _prefill_traced_window(q, k, v, start, window, *, config, interpret):
         q, k, v, start, q.shape[-1] ** -0.5, window, config=config, interpret=interpret)
 
 
+def stack_layers(cache, layer: int, extra: int, rng, seq_axis: int):
+    """A 3-layer stack holding `cache` at `layer`, NaN in the other layers, and `extra`
+    positions past its length filled with large finite junk (what stale cache rows hold)."""
+    if extra:
+        junk_shape = list(cache.shape)
+        junk_shape[seq_axis] = extra
+        junk = jnp.asarray(rng.standard_normal(junk_shape, np.float32) * 1e3, cache.dtype)
+        cache = jnp.concatenate([cache, junk], axis=seq_axis)
+    nan = jnp.full_like(cache, jnp.nan)
+    return jnp.stack([cache if i == layer else nan for i in range(3)])
+
+
 # The references, jitted once per shape (run eagerly, each of their ops compiles on its own).
 _decode_reference_jit = jax.jit(attention.attention_decode_reference, static_argnames="scale")
 _prefill_reference_jit = jax.jit(attention.attention_prefill_reference, static_argnames="scale")
@@ -169,6 +181,19 @@ class DecodeConformance:
             ref = decode_reference(q, k, v, positions, window)
             assert_rel_close(out, ref, TOL[jnp.dtype(case.dtype)], f"seed {seed}, window {window}")
 
+    def test_stacked_cache_read_in_place(self, case: DecodeCase):
+        """The [L, B, S, K, D] cache with a traced layer and a span shorter than the cache's
+        extent (the forward pass's call) equals the plain call on that layer's first span keys."""
+        rng, seed = fresh_rng()
+        q, k, v, positions = self.inputs(case, rng)
+        ks, vs = (stack_layers(a, 1, 24, rng, 1) for a in (k, v))
+        run = jax.jit(lambda q, k, v, p, layer: attention_triton.attention_decode_triton(
+            q, k, v, p, case.d ** -0.5, case.windows[0], layer=layer, span=case.s, config=case.config,
+            interpret=self.interpret))
+        out = run(q, ks, vs, positions, jnp.int32(1))
+        ref = decode_reference(q, k, v, positions, case.windows[0])
+        assert_rel_close(out, ref, TOL[jnp.dtype(case.dtype)], f"seed {seed}")
+
 
 # ---------------------------------------------------------------------------------------------
 # prefill
@@ -222,6 +247,21 @@ class PrefillConformance:
                                jnp.where(mask, jnp.nan, v).astype(v.dtype), jnp.int32(start), window)
                 ref = prefill_reference(q, k, v, start, window)
                 assert_rel_close(out, ref, TOL[jnp.dtype(case.dtype)], f"seed {seed}, start {start}, window {window}")
+
+    def test_stacked_cache_read_in_place(self, case: PrefillCase):
+        """The [L, B, S, K, D] cache with traced layer and slot and a span shorter than the
+        cache's extent equals the plain call on that slot's first span keys."""
+        rng, seed = fresh_rng()
+        q, k, v = self.inputs(case, rng)
+        # slot 2 of 3, layer 1 of 3, 24 junk positions past the span
+        ks, vs = (stack_layers(stack_layers(a, 2, 24, rng, 0), 1, 0, rng, 0) for a in (k, v))
+        run = jax.jit(lambda q, k, v, start, layer, slot: attention_triton.attention_prefill_triton(
+            q, k, v, start, case.d ** -0.5, case.windows[0], layer=layer, slot=slot, span=case.s,
+            config=case.config, interpret=self.interpret))
+        start = case.starts[-1]
+        out = run(q, ks, vs, jnp.int32(start), jnp.int32(1), jnp.int32(2))
+        ref = prefill_reference(q, k, v, start, case.windows[0])
+        assert_rel_close(out, ref, TOL[jnp.dtype(case.dtype)], f"seed {seed}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,3 +420,15 @@ def test_lowers_to_triton_for_cuda(kv_dtype, d, s, g):
         lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((t, g * k_heads, d), jnp.bfloat16), kv1, kv1, i32,
                                     i32).lower(lowering_platforms=("cuda",))
         assert "triton" in lowered.as_text()
+    # the forward pass's calls: a stacked [L, B, S, K, D] cache read in place at traced indices
+    kv5 = jax.ShapeDtypeStruct((5, 3, s + 24, k_heads, d), kv_dtype)
+    fn = lambda q, k, v, p, layer: attention_triton.attention_decode_triton(  # noqa: E731
+        q, k, v, p, 0.1, 0, layer=layer, span=s)
+    lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((3, g * k_heads, d), jnp.bfloat16), kv5, kv5,
+                                jax.ShapeDtypeStruct((3,), jnp.int32), i32).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text()
+    fn = lambda q, k, v, p, layer, slot: attention_triton.attention_prefill_triton(  # noqa: E731
+        q, k, v, p, 0.1, 0, layer=layer, slot=slot, span=s)
+    lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((64, g * k_heads, d), jnp.bfloat16), kv5, kv5, i32, i32,
+                                i32).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text()
