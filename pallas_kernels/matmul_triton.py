@@ -230,6 +230,29 @@ def code_asm(shift: int, hshift: int = 0, hbits: int = 0) -> str:
 SIGNED_BYTE_ASM = _prmt_asm("xor.b32 t, $4, 0x80808080;", 23, post="sub.f32 $i, $i, 0f4B000080;")
 
 
+class _LayerPlanes:
+    """The planes of one matrix of a stacked weight, read in place: `planes[name][idx]` loads
+    `ref[(layer, *idx)]` from the kernel ref of the whole [L, BN, ...] stack, one indexer (the
+    Triton lowering takes no chained indexers). A single matrix is a stack of one (layer 0)."""
+
+    def __init__(self, refs: dict, layer):
+        self._refs, self._layer = refs, layer
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._refs
+
+    def __getitem__(self, name: str) -> "_InLayer":
+        return _InLayer(self._refs[name], self._layer)
+
+
+class _InLayer:
+    def __init__(self, ref, layer):
+        self._ref, self._layer = ref, layer
+
+    def __getitem__(self, idx):
+        return self._ref[(self._layer, *(idx if isinstance(idx, tuple) else (idx,)))]
+
+
 def _f32(ref_slice: jax.Array) -> jax.Array:
     return ref_slice.astype(jnp.float32)
 
@@ -294,11 +317,13 @@ def _decode(fmt: str, planes: dict, g0, s: int, codes: _Codes) -> Iterator[_Grou
 # kernels
 
 
-def _fma_kernel(x_ref, xs_ref, *refs, fmt: str, names: Sequence[str], s: int, steps: int, m: int, use_asm: bool):
+def _fma_kernel(x_ref, xs_ref, layer_ref, *refs, fmt: str, names: Sequence[str], s: int, steps: int, m: int,
+                use_asm: bool):
     """x_ref [P, M, G, L] f32 (parts split out), xs_ref [NG, M, G] f32 (sums of x over each scale
-    group), planes (block of BN rows), out_ref [M, BN] (this split's partial sums)."""
+    group), layer_ref [1] int32, planes (all layers' block of BN rows), out_ref [M, BN] (this
+    split's partial sums)."""
     *plane_refs, out_ref = refs
-    planes = dict(zip(names, plane_refs))
+    planes = _LayerPlanes(dict(zip(names, plane_refs)), layer_ref[0])
     spec = SPECS[fmt]
     codes = _Codes(use_asm)
     block_n = out_ref.shape[-1]
@@ -328,12 +353,13 @@ def _fma_kernel(x_ref, xs_ref, *refs, fmt: str, names: Sequence[str], s: int, st
         out_ref[r, :] = jnp.sum(accs[r], axis=1)
 
 
-def _mma_kernel(x_ref, *refs, fmt: str, names: Sequence[str], s: int, steps: int, m: int, use_asm: bool,
-                f32_x: bool, mask_rows: bool):
-    """x_ref [P, BM, K/P] (parts split out; bf16, or f32 for the 3-pass algorithm), planes (block of
-    BN rows), out_ref [BM, BN]: rows of x past `m` are padding and, if `mask_rows`, not written."""
+def _mma_kernel(x_ref, layer_ref, *refs, fmt: str, names: Sequence[str], s: int, steps: int, m: int,
+                use_asm: bool, f32_x: bool, mask_rows: bool):
+    """x_ref [P, BM, K/P] (parts split out; bf16, or f32 for the 3-pass algorithm), layer_ref [1]
+    int32, planes (all layers' block of BN rows), out_ref [BM, BN]: rows of x past `m` are
+    padding and, if `mask_rows`, not written."""
     *plane_refs, out_ref = refs
-    planes = dict(zip(names, plane_refs))
+    planes = _LayerPlanes(dict(zip(names, plane_refs)), layer_ref[0])
     spec = SPECS[fmt]
     codes = _Codes(use_asm)
     block_m, block_n = out_ref.shape
@@ -370,11 +396,13 @@ def _mma_kernel(x_ref, *refs, fmt: str, names: Sequence[str], s: int, steps: int
 # wrapper
 
 
-def _check_supported(w: QuantizedTensor) -> None:
+def _check_supported(w: QuantizedTensor, layer) -> None:
     if w.fmt not in SPECS:
         raise NotImplementedError(f"triton matmul takes {', '.join(SUPPORTED_FORMATS)}; not {w.fmt}")
-    if w.stack_shape:
-        raise ValueError(f"qmatmul needs a single weight matrix, got stack {w.stack_shape}: slice it first")
+    if layer is None and w.stack_shape:
+        raise ValueError(f"a stack {w.stack_shape} of matrices needs a layer index")
+    if layer is not None and len(w.stack_shape) != 1:
+        raise ValueError(f"a layer index needs a one-dim stack of matrices, got stack {w.stack_shape}")
     n, k = w.shape
     spec = SPECS[w.fmt]
     if k % spec.unit:
@@ -391,14 +419,16 @@ def _largest_pow2_divisor(value: int, cap: int) -> int:
 
 
 def default_tuning(fmt: str, m: int, n: int, k: int, x_dtype) -> TritonMatmulTuning:
-    """A per-shape choice: first guesses from the compiled code (instructions per weight,
-    registers, no spills; sm_90 through Triton 3.6 offline), to be replaced by what
-    bench/kernels.py --sweep measures on the GPU.
+    """A per-shape choice, from what bench/kernels.py --grid measured on the H200.
 
     Decode is bound by the weight bytes: the fma kernel for one row of bf16 x (up to two rows
-    of f32 x, where it is the exact path and the 3-pass MMA is dear), else tensor cores, with
-    enough programs to fill 132 SMs a few times over (split-K when N is small). With f32 x the
-    MMA operands are split in three (registers), so its K steps are halved."""
+    of f32 x, where it is the exact path and the 3-pass MMA is dear), else tensor cores. For
+    the MMA decode kernel (M = the engine's 8 slots), short K steps (128 elements of a 32-block
+    format) in 4 stages, 64 rows, and split-K to about 2 programs per SM beat every other
+    point of a 96-point grid on the Llama-2-7B shapes (Q4_0, 2026-11-29: 12-30% faster than
+    256-element steps in 3 stages). The split is any divisor of the K steps (K = 11008 has 43
+    steps of 256: powers of 2 left its 64 programs on half the SMs). With f32 x the MMA
+    operands are split in three (registers), so its K steps are halved."""
     spec = SPECS[fmt]
     units = k // spec.unit
     is_f32 = jnp.dtype(x_dtype) == jnp.float32
@@ -408,18 +438,25 @@ def default_tuning(fmt: str, m: int, n: int, k: int, x_dtype) -> TritonMatmulTun
 
     if m > 64:  # prefill: compute-bound, big tensor-core tiles (larger K steps spilled)
         block_k = step((128 if is_f32 else 256) if spec.unit == 32 else (256 if is_f32 else 512))
+        if spec.unit == 256:
+            # 512-element steps of a stacked K-quant weight (the layer read in place) asked for
+            # 311,808 bytes of shared memory on the H200 for Q6_K (limit 232,448); Q4_K and Q5_K
+            # failed the same way. One super-block per step fits.
+            block_k = spec.unit
         # Three stages of 128x256 bf16 tiles asked for 233,472 bytes of shared memory on the H200
         # (limit 232,448); two fit.
         return TritonMatmulTuning("mma", block_n=_largest_pow2_divisor(n, 128), block_k=block_k,
                                   block_m=64 if is_f32 else 128, num_warps=8, num_stages=2)
     if m <= (2 if is_f32 else 1):
-        kernel, block_k, block_m, stages = "fma", step(256), 16, 1
+        kernel, block_k, block_m, stages, target = "fma", step(256), 16, 1, 4 * 132
     else:
-        kernel, block_k, block_m, stages = "mma", step(128 if is_f32 else 256), max(16, 1 << (m - 1).bit_length()), 3
+        kernel, block_k, block_m, stages, target = "mma", step(128), max(16, 1 << (m - 1).bit_length()), 4, 2 * 132
     block_n = _largest_pow2_divisor(n, 64)
-    steps, split = units // (block_k // spec.unit), 1
-    while (n // block_n) * split < 4 * 132 and steps % (split * 2) == 0 and split < 8:
-        split *= 2
+    steps = units // (block_k // spec.unit)
+    # the smallest split reaching `target` programs; at least 2 where that leaves each program
+    # 8 steps or more (measured: 22016x4096 split in 2 beat 1 at 344 programs)
+    least = 2 if kernel == "mma" and steps % 2 == 0 and steps >= 16 else 1
+    split = next((d for d in range(least, steps + 1) if steps % d == 0 and (n // block_n) * d >= target), steps)
     return TritonMatmulTuning(kernel, block_n=block_n, block_k=block_k, split_k=split, block_m=block_m,
                               num_warps=4, num_stages=stages)
 
@@ -436,27 +473,36 @@ def check_tiling(fmt: str, n: int, k: int, tuning: TritonMatmulTuning) -> None:
 
 
 def _plane_views(w: QuantizedTensor, spec: _Spec) -> dict[str, jax.Array]:
+    """The kernel views of the planes with a leading stack dim [L, ...] (L = 1 for a single
+    matrix): free reshapes."""
     n, k = w.shape
-    return spec.views(w.planes, n, k)
+    stack = w.stack_shape or (1,)
+    flat = {name: jnp.reshape(p, (-1, *p.shape[-1:])) for name, p in w.planes.items()}  # [L*N, X]
+    views = spec.views(flat, stack[0] * n, k)
+    return {name: jnp.reshape(v, (stack[0], n, *v.shape[1:])) for name, v in views.items()}
 
 
 def _row_spec(a: jax.Array, block_n: int, grid_rank: int) -> pl.BlockSpec:
-    trailing = (0,) * (a.ndim - 1)
+    """Every layer of a block of BN rows (the kernel picks its layer by index)."""
+    trailing = (0,) * (a.ndim - 2)
+    block = (a.shape[0], block_n, *a.shape[2:])
     if grid_rank == 2:
-        return pl.BlockSpec((block_n, *a.shape[1:]), lambda i, s: (i, *trailing))
-    return pl.BlockSpec((block_n, *a.shape[1:]), lambda i, j, s: (i, *trailing))
+        return pl.BlockSpec(block, lambda i, s: (0, i, *trailing))
+    return pl.BlockSpec(block, lambda i, j, s: (0, i, *trailing))
 
 
 def qmatmul_triton(
     x: jax.Array,  # [..., K] f32 or bf16
-    w: QuantizedTensor,  # [N, K]
+    w: QuantizedTensor,  # [N, K], or a stack [L, N, K] with `layer`
     tuning: TritonMatmulTuning | None = None,
     *,
+    layer: jax.Array | int | None = None,  # which matrix of a stacked w (may be traced)
     interpret: bool = False,
 ) -> jax.Array:  # [..., N] f32
     """x @ dequant(w).T through the Pallas Triton kernels. Raises NotImplementedError for formats
-    and shapes it does not take (float weights, q2_k/q3_k, N not a multiple of 16)."""
-    _check_supported(w)
+    and shapes it does not take (float weights, q2_k/q3_k, N not a multiple of 16). A stacked w
+    is read in place at `layer` (no copy of the matrix is made)."""
+    _check_supported(w, layer)
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"x {list(x.shape)} does not match weight [{n}, {k}]")
@@ -469,14 +515,16 @@ def qmatmul_triton(
         return jnp.zeros((*lead, n), jnp.float32)
     tuning = tuning or default_tuning(w.fmt, m, n, k, x.dtype)
     check_tiling(w.fmt, n, k, tuning)
-    y = _qmatmul_jit(x2, w, tuning=tuning, interpret=interpret)
+    layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    y = _qmatmul_jit(x2, w, layer_arr, tuning=tuning, interpret=interpret)
     return jnp.reshape(y, (*lead, n))
 
 
 @functools.partial(jax.jit, static_argnames=("tuning", "interpret"))
 def _qmatmul_jit(
     x2: jax.Array,  # [M, K]
-    w: QuantizedTensor,  # [N, K]
+    w: QuantizedTensor,  # [N, K] or [L, N, K]
+    layer_arr: jax.Array,  # [1] int32
     tuning: TritonMatmulTuning,
     interpret: bool,
 ) -> jax.Array:  # [M, N] f32
@@ -510,6 +558,7 @@ def _qmatmul_jit(
             in_specs=[
                 pl.BlockSpec(x_parts.shape, lambda i, j: (0, 0, 0, 0)),
                 pl.BlockSpec(xs.shape, lambda i, j: (0, 0, 0)),
+                pl.BlockSpec((1,), lambda i, j: (0,)),
                 *[_row_spec(v, tuning.block_n, 2) for v in views.values()],
             ],
             out_specs=pl.BlockSpec((None, m, tuning.block_n), lambda i, j: (j, 0, i)),
@@ -517,7 +566,7 @@ def _qmatmul_jit(
             compiler_params=params,
             interpret=interpret,
             name=f"qmatmul_fma_{w.fmt}",
-        )(x_parts, xs, *views.values())  # [split, M, N]
+        )(x_parts, xs, layer_arr, *views.values())  # [split, M, N]
     else:
         f32_x = x2.dtype == jnp.float32
         bm = tuning.block_m
@@ -533,6 +582,7 @@ def _qmatmul_jit(
             grid=grid,
             in_specs=[
                 pl.BlockSpec((spec.num_parts, bm, k // spec.num_parts), lambda i, j, s_: (0, j, 0)),
+                pl.BlockSpec((1,), lambda i, j, s_: (0,)),
                 *[_row_spec(v, tuning.block_n, 3) for v in views.values()],
             ],
             out_specs=pl.BlockSpec((None, bm, tuning.block_n), lambda i, j, s_: (s_, j, i)),
@@ -540,7 +590,7 @@ def _qmatmul_jit(
             compiler_params=params,
             interpret=interpret,
             name=f"qmatmul_mma_{w.fmt}",
-        )(xp, *views.values())[:, :m]  # [split, M, N]
+        )(xp, layer_arr, *views.values())[:, :m]  # [split, M, N]
     return partial[0] if tuning.split_k == 1 else jnp.sum(partial, axis=0)
 
 

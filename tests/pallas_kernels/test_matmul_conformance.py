@@ -63,6 +63,7 @@ class Case:
     k: int
     x_dtype: str  # "float32" | "bfloat16"
     tuning: TritonMatmulTuning | None = None  # None: the implementation's own choice
+    stack: bool = False  # also run the stacked-weight test on this case
 
     @property
     def id(self) -> str:
@@ -87,7 +88,7 @@ class MatmulConformance:
 
     CASES: tuple[Case, ...] = ()
 
-    def matmul(self, x: jax.Array, w: quant.QuantizedTensor, case: Case) -> jax.Array:
+    def matmul(self, x: jax.Array, w: quant.QuantizedTensor, case: Case, layer=None) -> jax.Array:
         raise NotImplementedError
 
     def poison(self) -> None:
@@ -109,6 +110,21 @@ class MatmulConformance:
         err = relative_error(y, expected)
         assert err < TOLERANCE[case.x_dtype], f"seed {seed}: relative error {err:.3g}"
 
+    def test_stacked_weight_reads_the_indexed_layer(self, case: Case):
+        """A [L, N, K] stack with a traced layer index (the forward pass's layer loop) gives the
+        indexed matrix's product, not a neighbour's."""
+        if not case.stack:
+            pytest.skip("single-matrix case")
+        rng = np.random.default_rng(int(np.random.SeedSequence().entropy % (1 << 63)))
+        ws = [random_weight(case.fmt, case.n, case.k, rng) for _ in range(3)]
+        stacked = jax.tree_util.tree_map(lambda *p: jnp.stack(p), *ws)
+        x = jnp.asarray(rng.standard_normal((case.m, case.k)), jnp.float32).astype(case.x_dtype)
+        run = jax.jit(lambda x, w, i: self.matmul(x, w, case, layer=i))
+        for i in (2, 0):
+            y = np.asarray(run(x, stacked, jnp.int32(i)))
+            err = relative_error(y, np.asarray(qmatmul_reference(x, ws[i])))
+            assert err < TOLERANCE[case.x_dtype], f"layer {i}: relative error {err:.3g}"
+
 
 def _t(kernel, block_n, block_k, split_k=1, block_m=16) -> TritonMatmulTuning:
     return TritonMatmulTuning(kernel, block_n=block_n, block_k=block_k, split_k=split_k, block_m=block_m)
@@ -120,8 +136,8 @@ class TestTritonInterpret(MatmulConformance):
 
     CASES = (
         Case("q8_0", 1, 32, 64, "float32", _t("fma", 16, 32)),
-        Case("q4_0", 3, 32, 256, "float32", _t("fma", 16, 64, split_k=2)),
-        Case("q4_0", 5, 32, 128, "bfloat16", _t("mma", 16, 64)),  # 11 padded rows, masked
+        Case("q4_0", 3, 32, 256, "float32", _t("fma", 16, 64, split_k=2), stack=True),
+        Case("q4_0", 5, 32, 128, "bfloat16", _t("mma", 16, 64), stack=True),  # 11 padded rows, masked
         Case("q4_0", 1, 64, 256, "bfloat16"),  # default tuning
         Case("q4_1", 2, 16, 128, "bfloat16", _t("fma", 16, 128)),
         Case("q5_0", 1, 16, 128, "float32", _t("fma", 16, 32, split_k=2)),
@@ -130,11 +146,11 @@ class TestTritonInterpret(MatmulConformance):
         Case("q4_k", 17, 16, 256, "bfloat16", _t("mma", 16, 256)),  # two row blocks of x
         Case("q5_k", 1, 16, 256, "bfloat16", _t("fma", 16, 256)),
         Case("q6_k", 1, 16, 256, "float32", _t("fma", 16, 256)),
-        Case("q6_k", 4, 16, 256, "bfloat16", _t("mma", 16, 256)),
+        Case("q6_k", 4, 16, 256, "bfloat16", _t("mma", 16, 256), stack=True),
     )
 
-    def matmul(self, x, w, case):
-        return matmul_triton.qmatmul_triton(x, w, case.tuning, interpret=True)
+    def matmul(self, x, w, case, layer=None):
+        return matmul_triton.qmatmul_triton(x, w, case.tuning, layer=layer, interpret=True)
 
 
 _GPU_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
@@ -149,8 +165,11 @@ def _gpu_cases() -> tuple[Case, ...]:
         cases.append(Case(fmt, 2, 64, 512, "bfloat16", _t("fma", 32, 256)))
         cases.append(Case(fmt, 40, 96, 768, "bfloat16", _t("mma", 32, 256, split_k=3 if fmt[-1] == "k" else 1,
                                                           block_m=32)))
-    cases += [Case("q4_0", 1, 4096, 4096, "bfloat16"), Case("q4_k", 8, 1024, 4096, "bfloat16"),
-              Case("q6_k", 512, 4096, 1024, "bfloat16"), Case("q8_0", 1, 4096, 11008, "float32")]
+    cases += [Case("q4_0", 1, 4096, 4096, "bfloat16"), Case("q4_k", 8, 1024, 4096, "bfloat16", stack=True),
+              Case("q6_k", 512, 4096, 1024, "bfloat16", stack=True), Case("q8_0", 1, 4096, 11008, "float32"),
+              Case("q4_0", 8, 4096, 4096, "bfloat16", stack=True), Case("q4_k", 512, 1024, 2048, "bfloat16", stack=True),
+              Case("q5_k", 512, 1024, 2048, "bfloat16", stack=True), Case("q4_0", 512, 1024, 4096, "bfloat16", stack=True),
+              Case("q8_0", 512, 1024, 4096, "bfloat16", stack=True), Case("q6_k", 8, 1024, 4096, "bfloat16", stack=True)]
     return tuple(cases)
 
 
@@ -161,8 +180,8 @@ class TestTritonGpu(MatmulConformance):
 
     CASES = _gpu_cases()
 
-    def matmul(self, x, w, case):
-        return matmul_triton.qmatmul_triton(x, w, case.tuning)
+    def matmul(self, x, w, case, layer=None):
+        return matmul_triton.qmatmul_triton(x, w, case.tuning, layer=layer)
 
     def poison(self):
         jax.block_until_ready(jnp.full((64 << 20,), jnp.nan, jnp.float32))  # freed at once, reused
@@ -233,6 +252,26 @@ def test_default_tuning_tiles_every_model_shape(fmt):
         out = jax.eval_shape(matmul_triton.qmatmul_triton, jax.ShapeDtypeStruct((m, 4096), jnp.bfloat16),
                              _spec(fmt, 4096, 4096))
         assert out.shape == (m, 4096) and out.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("m", [1, 8, 512])
+def test_stacked_lowers_to_triton_for_cuda(m):
+    """The Triton lowering (no GPU needed) takes the in-place layer index for both kernels."""
+    w = _spec("q4_k", 256, 1024)
+    stacked = jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct((30, *p.shape), p.dtype), w)
+    fn = lambda x, w, i: matmul_triton.qmatmul_triton(x, w, layer=i)  # noqa: E731
+    lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((m, 1024), jnp.bfloat16), stacked,
+                                jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text()
+
+
+def test_stack_without_layer_is_an_error():
+    w = _spec("q4_0", 32, 64)
+    stacked = jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct((2, *p.shape), p.dtype), w)
+    with pytest.raises(ValueError, match="needs a layer index"):
+        jax.eval_shape(matmul_triton.qmatmul_triton, jax.ShapeDtypeStruct((1, 64), jnp.float32), stacked)
+    with pytest.raises(ValueError, match="needs a layer index"):
+        jax.eval_shape(qmatmul_reference, jax.ShapeDtypeStruct((1, 64), jnp.float32), stacked)
 
 
 def test_leading_dims_and_empty_x():
