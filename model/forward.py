@@ -20,14 +20,17 @@ import jax.numpy as jnp
 
 from model.config import ModelConfig
 from model.weights import Params
+from pallas_kernels.quant import QuantizedTensor
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """The op implementations one compiled program uses (hashable: a static jit argument)."""
 
-    matmul: Callable  # (x [M, K], w) -> [M, N] f32
+    matmul: Callable  # (x [M, K], w, layer) -> [M, N] f32; a stacked w is read at `layer` in place
     embed: Callable  # (w, ids [T]) -> [T, E] f32
+    # Both read the whole [L, B, S, K, D] cache in place at (traced) `layer` (and `slot`), keys
+    # [0, span): a slice of it passed to a kernel would be a copy every layer.
     attention_decode: Callable
     attention_prefill: Callable
 
@@ -130,12 +133,29 @@ def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return jax.nn.silu(x)
 
 
-def _qkv(cfg: ModelConfig, kern: Kernels, lp: dict, h: jax.Array, pos: jax.Array, inv_freq: jax.Array):
+def _mm(kern: Kernels, x: jax.Array, w: QuantizedTensor, layer) -> jax.Array:
+    """x @ w.T; a stacked w (the scanned layers) is read at `layer` by the kernel itself."""
+    return kern.matmul(x, w, layer if w.stack_shape else None)
+
+
+def _split_cols(y: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(y[:, at : at + n])
+        at += n
+    return out
+
+
+def _qkv(cfg: ModelConfig, kern: Kernels, lp: dict, layer, h: jax.Array, pos: jax.Array, inv_freq: jax.Array):
     """h [M, E] normed hidden, pos [M] -> q [M, H, D], k/v [M, K, D] (roped)."""
     m = h.shape[0]
-    q = kern.matmul(h, lp["wq"])
-    k = kern.matmul(h, lp["wk"])
-    v = kern.matmul(h, lp["wv"])
+    if "wqkv" in lp:  # fused at load (model/weights.py): one read of x, one kernel
+        kv_dim = cfg.num_kv_heads * cfg.head_dim
+        q, k, v = _split_cols(_mm(kern, h, lp["wqkv"], layer), (cfg.q_dim, kv_dim, kv_dim))
+    else:
+        q = _mm(kern, h, lp["wq"], layer)
+        k = _mm(kern, h, lp["wk"], layer)
+        v = _mm(kern, h, lp["wv"], layer)
     if "bq" in lp:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(m, cfg.num_heads, cfg.head_dim)
@@ -149,20 +169,23 @@ def _qkv(cfg: ModelConfig, kern: Kernels, lp: dict, h: jax.Array, pos: jax.Array
     return q, k, v
 
 
-def _attn_out_and_ffn(cfg: ModelConfig, kern: Kernels, lp: dict, x: jax.Array, attn: jax.Array) -> jax.Array:
+def _attn_out_and_ffn(cfg: ModelConfig, kern: Kernels, lp: dict, layer, x: jax.Array, attn: jax.Array) -> jax.Array:
     """The rest of a layer after attention: output projection, residual, FFN block.
     x [M, E], attn [M, H, D] -> [M, E]."""
-    out = kern.matmul(attn.reshape(attn.shape[0], cfg.q_dim), lp["wo"])
+    out = _mm(kern, attn.reshape(attn.shape[0], cfg.q_dim), lp["wo"], layer)
     if "post_attn_norm" in lp:
         out = rms_norm(out, lp["post_attn_norm"], cfg.rms_eps)
-    return _ffn(cfg, kern, lp, x + out)
+    return _ffn(cfg, kern, lp, layer, x + out)
 
 
-def _ffn(cfg: ModelConfig, kern: Kernels, lp: dict, x: jax.Array) -> jax.Array:
+def _ffn(cfg: ModelConfig, kern: Kernels, lp: dict, layer, x: jax.Array) -> jax.Array:
     h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
-    gate = kern.matmul(h, lp["w_gate"])
-    up = kern.matmul(h, lp["w_up"])
-    out = kern.matmul(_act(cfg, gate) * up, lp["w_down"])
+    if "w_gate_up" in lp:  # fused at load
+        gate, up = _split_cols(_mm(kern, h, lp["w_gate_up"], layer), (cfg.ffn_dim, cfg.ffn_dim))
+    else:
+        gate = _mm(kern, h, lp["w_gate"], layer)
+        up = _mm(kern, h, lp["w_up"], layer)
+    out = _mm(kern, _act(cfg, gate) * up, lp["w_down"], layer)
     if "post_ffn_norm" in lp:
         out = rms_norm(out, lp["post_ffn_norm"], cfg.rms_eps)
     return x + out
@@ -183,18 +206,25 @@ def _run_layers(params: Params, cache: KVCache, body: Callable):
 
     The body writes into the whole [L, ...] cache in place (scatter at [layer, ...]): slicing a
     layer out and setting it back copies the cache every layer, which dominated decode time.
+    Stacked layers are scanned over the layer index alone: the matrices stay whole [L, N, K]
+    stacks that the kernels read at the index (scanning over them as `xs` made XLA copy every
+    layer's weights out of the stack each step, 25% of a decode step on the H200), and only the
+    small vectors (norms, biases) are sliced.
     """
 
-    def step(carry, xs):
+    def layer_params(i):
+        return {k: v if isinstance(v, QuantizedTensor) else jax.lax.dynamic_index_in_dim(v, i, 0, keepdims=False)
+                for k, v in params.layers.items()}
+
+    def step(carry, i):
         x, c = carry
-        lp, i = xs
-        x, c = body(lp, c, i, x)
+        x, c = body(layer_params(i), c, i, x)
         return (x, c), None
 
     def run(x):
         if params.is_stacked:
             n = cache.k.shape[0]
-            (x, c), _ = jax.lax.scan(step, (x, cache), (params.layers, jnp.arange(n)))
+            (x, c), _ = jax.lax.scan(step, (x, cache), jnp.arange(n))
             return x, c
         c = cache
         for i, lp in enumerate(params.layers):
@@ -212,7 +242,7 @@ def _embed(cfg: ModelConfig, kern: Kernels, params: Params, tokens: jax.Array) -
 def _logits(cfg: ModelConfig, kern: Kernels, params: Params, x: jax.Array) -> jax.Array:
     h = rms_norm(x, params.output_norm, cfg.rms_eps)
     w = params.output if params.output is not None else params.embed
-    logits = kern.matmul(h, w)
+    logits = _mm(kern, h, w, None)
     if cfg.final_logit_softcap:
         c = cfg.final_logit_softcap
         logits = jnp.tanh(logits / c) * c
@@ -238,11 +268,10 @@ def decode(
     def body(lp, c: KVCache, i, x):  # x [B, E]
         inv_freq, window = _layer_consts(cfg, params, i)
         h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-        q, k, v = _qkv(cfg, kern, lp, h, pos, inv_freq)
+        q, k, v = _qkv(cfg, kern, lp, i, h, pos, inv_freq)
         c = c.write_decode(i, rows, write_pos, k, v)
-        span = attend or s
-        attn = kern.attention_decode(q, c.k[i, :, :span], c.v[i, :, :span], pos, cfg.scale, window)  # [B, H, D]
-        return _attn_out_and_ffn(cfg, kern, lp, x, attn), c
+        attn = kern.attention_decode(q, c.k, c.v, pos, cfg.scale, window, layer=i, span=attend or s)  # [B, H, D]
+        return _attn_out_and_ffn(cfg, kern, lp, i, x, attn), c
 
     x = _embed(cfg, kern, params, tokens)
     x, cache = _run_layers(params, cache, body)(x)
@@ -268,11 +297,11 @@ def prefill(
     def body(lp, c: KVCache, i, x):  # x [T, E]
         inv_freq, window = _layer_consts(cfg, params, i)
         h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-        q, k, v = _qkv(cfg, kern, lp, h, pos, inv_freq)
+        q, k, v = _qkv(cfg, kern, lp, i, h, pos, inv_freq)
         c = c.write_prefill(i, slot, write_pos, k, v)
-        span = attend or s
-        attn = kern.attention_prefill(q, c.k[i, slot, :span], c.v[i, slot, :span], start_pos, cfg.scale, window)  # [T, H, D]
-        return _attn_out_and_ffn(cfg, kern, lp, x, attn), c
+        attn = kern.attention_prefill(q, c.k, c.v, start_pos, cfg.scale, window, layer=i, slot=slot,
+                                      span=attend or s)  # [T, H, D]
+        return _attn_out_and_ffn(cfg, kern, lp, i, x, attn), c
 
     x = _embed(cfg, kern, params, tokens)
     x, cache = _run_layers(params, cache, body)(x)

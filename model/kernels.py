@@ -109,7 +109,7 @@ def choose_kernels(
     # on the CPU the reference keeps f32.
     act_dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
-    def matmul(x: jax.Array, w: QuantizedTensor) -> jax.Array:
-        return by_format[w.fmt](x.astype(act_dtype), w)
+    def matmul(x: jax.Array, w: QuantizedTensor, layer=None) -> jax.Array:
+        return by_format[w.fmt](x.astype(act_dtype), w, layer=layer)
 
     return Kernels(matmul=matmul, embed=embed_fn, attention_decode=dec_fn, attention_prefill=pre_fn), names

@@ -61,7 +61,7 @@ def load_model(path: str | os.PathLike[str], engine_cfg: EngineConfig) -> Loaded
         # Read into host memory, then each device receives only its shards: a model split for
         # being too large for one device must never land whole on the first one.
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            params = load_params(gf, cfg)
+            params = load_params(gf, cfg, fuse=False)
         params = sharding.shard_params(params, mesh, cfg)
         forced = sharding.forced_kernels(forced, OPS)
     kernels, kernel_names = choose_kernels(forced, cfg, params, engine_cfg)

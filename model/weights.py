@@ -91,8 +91,24 @@ def _signature(qt: quant.QuantizedTensor | np.ndarray) -> tuple:
     return (treedef, tuple((x.shape, x.dtype) for x in leaves))
 
 
-def load_params(gf: GGUFFile, cfg: ModelConfig) -> Params:
-    """Repacks and uploads every tensor of `gf`; stacks layers when they are uniform."""
+# Matrices that read the same input, fused into one along N when their formats match: one
+# kernel launch and one pass over x instead of two or three (the forward pass splits the output).
+FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+
+
+def _fuse(layer: dict[str, Any]) -> None:
+    for fused, parts in FUSED.items():
+        ws = [layer.get(p) for p in parts]
+        if all(isinstance(w, quant.QuantizedTensor) for w in ws) and len({(w.fmt, w.shape[1]) for w in ws}) == 1:
+            layer[fused] = quant.concat_rows(ws)
+            for p in parts:
+                del layer[p]
+
+
+def load_params(gf: GGUFFile, cfg: ModelConfig, fuse: bool = True) -> Params:
+    """Repacks and uploads every tensor of `gf`; stacks layers when they are uniform. With
+    `fuse`, q/k/v and gate/up matrices of one format become one matrix each (`FUSED`);
+    tensor parallelism shards them one by one and loads with fuse=False."""
     host_layers: list[dict[str, Any]] = []
     for i in range(cfg.num_layers):
         layer: dict[str, Any] = {}
@@ -104,6 +120,8 @@ def load_params(gf: GGUFFile, cfg: ModelConfig) -> Params:
                 continue
             info = gf.tensors[name]
             layer[key] = _matrix(info) if is_matrix else _float_vector(info)
+        if fuse:
+            _fuse(layer)
         host_layers.append(layer)
 
     signatures = [{k: _signature(v) for k, v in layer.items()} for layer in host_layers]

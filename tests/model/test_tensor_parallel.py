@@ -85,7 +85,7 @@ def run(path, tp):
     return dict(
         greedy=greedy, seeded=seeded, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs,
         kernels=loaded.kernel_names, collectives=collectives, compiles=compiles,
-        specs=dict(cache=spec(runner._cache.k), wq=spec(layers["wq"].planes["qs"]),
+        specs=dict(cache=spec(runner._cache.k), wq=spec(layers["wq" if "wq" in layers else "wqkv"].planes["qs"]),
                    wo=spec(layers["wo"].planes["d"]), embed=spec(loaded.params.embed.planes["qs"])),
     )
 
