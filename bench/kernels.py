@@ -143,11 +143,14 @@ class Impl:
     tuning: str = ""
 
 
-def triton_impls(fmt: str, m: int, n: int, k: int, x_dtype, interpret: bool, sweep: bool) -> list[Impl]:
+def triton_impls(fmt: str, m: int, n: int, k: int, x_dtype, interpret: bool, sweep: bool,
+                 grid: bool = False) -> list[Impl]:
     base = matmul_triton.default_tuning(fmt, m, n, k, x_dtype)
     tunings = [("triton", base)]
     if sweep:
         tunings += [(f"triton:{tag}", t) for tag, t in sweep_variants(base, fmt, m, n, k)]
+    if grid:
+        tunings += [(f"triton:{tag}", t) for tag, t in grid_variants(base, fmt, m, n, k) if t != base]
     out = []
     for name, t in tunings:
         fn = (lambda t: lambda x, w: matmul_triton.qmatmul_triton(x, w, t, interpret=interpret))(t)
@@ -199,6 +202,34 @@ def sweep_variants(base, fmt, m, n, k):
     return cands
 
 
+def _divisors(v: int) -> list[int]:
+    return [d for d in range(1, v + 1) if v % d == 0]
+
+
+def grid_variants(base, fmt, m, n, k, sms: int = 132):
+    """A wider search than `sweep_variants` for one kernel: block_n x block_k x num_stages, each
+    with the split-K (any divisor of the K steps) nearest to 1, 2 and 4 programs per SM."""
+    unit = matmul_triton.SPECS[fmt].unit
+    units = k // unit
+    out, seen = [], set()
+    for bn in (32, 64, 128):
+        for bk in (128, 256, 512, 1024):
+            if n % bn or bk % unit or units % (bk // unit):
+                continue
+            steps = units // (bk // unit)
+            for stages in (2, 4):
+                for per_sm in (1, 2, 4):
+                    split = min(_divisors(steps), key=lambda d: abs((n // bn) * d - per_sm * sms))
+                    try:
+                        t = dataclasses.replace(base, block_n=bn, block_k=bk, split_k=split, num_stages=stages)
+                    except ValueError:
+                        continue
+                    if t not in seen:
+                        seen.add(t)
+                        out.append((f"bn{bn}-bk{bk}-sk{split}-s{stages}", t))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # one case
 
@@ -238,7 +269,7 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
         impls = []
         for name in impl_names:
             if name == "triton":
-                impls += triton_impls(fmt, m, n, k, x_dtype, args.interpret, args.sweep)
+                impls += triton_impls(fmt, m, n, k, x_dtype, args.interpret, args.sweep, args.grid)
             elif name == "reference":
                 impls.append(Impl("reference", qmatmul_reference, "xla dequant + dot (HIGHEST)"))
             elif name == "dense_bf16":
@@ -343,6 +374,7 @@ def main(argv=None) -> None:
     ap.add_argument("--impls", default="triton,reference", help="triton, reference, dense_bf16")
     ap.add_argument("--x-dtype", default="bf16", choices=["bf16", "f32"])
     ap.add_argument("--sweep", action="store_true", help="also time neighbours of the default triton tuning")
+    ap.add_argument("--grid", action="store_true", help="also time a grid of block sizes, stages and split-K")
     ap.add_argument("--mats", type=int, default=16, help="at least this many distinct weights per call")
     ap.add_argument("--max-mats", type=int, default=256)
     ap.add_argument("--ref-mats", type=int, default=16, help="matrices per call for the reference impl")

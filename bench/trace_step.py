@@ -1,0 +1,147 @@
+"""Where a served decode step's device time goes, kernel by kernel.
+
+Builds the engine's own decode program (model/runner.py, sampling included) on a GGUF, times it
+at 1 and `--slots` active slots, then records a few steps with `jax.profiler` and sums the GPU
+kernels' durations by name (the trace's device tracks). It also counts, in the optimized HLO,
+the copies XLA makes of weight or cache slices (dynamic-slice fusions feeding the kernels),
+which are bytes a step moves beyond the weights and KV it must read.
+
+    python3 bench/trace_step.py --model M.gguf [--slots 8] [--max-context 1024] [--position 200]
+        [--out DIR]   # DIR gets trace_summary.json and decode_hlo.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import pathlib
+import re
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if sys.path and pathlib.Path(sys.path[0] or ".").resolve() == ROOT / "bench":
+    sys.path[0] = str(ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from model.config import EngineConfig  # noqa: E402
+from model.loader import load_model  # noqa: E402
+from model.weights import params_nbytes  # noqa: E402
+
+
+def _device_events(trace: dict) -> list[dict]:
+    """Complete events on the device's tracks (process names with /device:GPU)."""
+    names = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            names[e["pid"]] = e.get("args", {}).get("name", "")
+    gpu = {pid for pid, n in names.items() if "/device:GPU" in n}
+    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("pid") in gpu]
+
+
+def summarize(log_dir: str, steps: int, top: int = 40) -> dict:
+    files = sorted(pathlib.Path(log_dir).rglob("*.trace.json.gz"))
+    if not files:
+        return {"error": f"no trace.json.gz under {log_dir}"}
+    with gzip.open(files[-1]) as f:
+        trace = json.load(f)
+    events = _device_events(trace)
+    if not events:
+        return {"error": "the trace has no device events (no CUPTI?)"}
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for e in events:
+        by_name[e["name"]].append(float(e.get("dur", 0.0)))
+    total = sum(sum(v) for v in by_name.values())
+    t0 = min(e["ts"] for e in events)
+    t1 = max(e["ts"] + e.get("dur", 0.0) for e in events)
+    rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    return {
+        "steps": steps,
+        "device_busy_us_per_step": total / steps,
+        "device_span_us_per_step": (t1 - t0) / steps,
+        "kernels_per_step": len(events) / steps,
+        "top": [
+            {"name": n[:160], "us_per_step": sum(d) / steps, "calls_per_step": len(d) / steps,
+             "share": sum(d) / total}
+            for n, d in rows[:top]
+        ],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--max-context", type=int, default=1024)
+    ap.add_argument("--position", type=int, default=200, help="cache length of the active slots")
+    ap.add_argument("--kv-dtype", default="bfloat16")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    out = pathlib.Path(args.out) if args.out else None
+
+    ecfg = EngineConfig(num_slots=args.slots, max_context=args.max_context, kv_dtype=args.kv_dtype)
+    m = load_model(args.model, ecfg)
+    runner = m.make_runner(ecfg)
+    attend = runner._bucket(args.position + 1)
+    t0 = time.perf_counter()
+    prog = runner._jitted("decode", attend).lower(*runner._example_args("decode", args.slots)).compile()
+    print(f"compiled decode[{args.slots}] attending {attend} in {time.perf_counter() - t0:.1f} s", flush=True)
+    hlo = prog.as_text()
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "decode_hlo.txt").write_text(hlo)
+    ds = [ln for ln in hlo.splitlines() if "dynamic-slice" in ln and "fusion" in ln and "=" in ln]
+    print(f"HLO: {len(ds)} lines with dynamic-slice fusions, {hlo.count('custom-call(')} custom calls", flush=True)
+    for ln in ds[:30]:
+        print("   ", ln.strip()[:220])
+
+    weights = params_nbytes(m.params)
+    report = {"model": m.name, "weights_bytes": weights, "attend": attend, "slots": args.slots}
+    for n_active in sorted({1, args.slots}):
+        active = np.zeros((args.slots,), bool)
+        active[:n_active] = True
+        runner._state.positions = jnp.full((args.slots,), args.position, jnp.int32)
+        st = (runner._cache, runner._state)
+        act = jnp.asarray(active)
+        cache, state = st
+        for _ in range(3):
+            cache, state, o = prog(runner.params, cache, state, runner._samp, act)
+        jax.block_until_ready(o)
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            cache, state, o = prog(runner.params, cache, state, runner._samp, act)
+        jax.block_until_ready(o)
+        ms = (time.perf_counter() - t) / args.steps * 1e3
+        report[f"step_ms_{n_active}_active"] = ms
+        print(f"{n_active} active: {ms:.2f} ms per step = {n_active / ms * 1e3:.0f} tok/s; weights alone at "
+              f"3.5 TB/s: {weights / 3.5e9:.2f} ms", flush=True)
+        with tempfile.TemporaryDirectory() as d:
+            trace_steps = 5
+            jax.profiler.start_trace(d)
+            for _ in range(trace_steps):
+                cache, state, o = prog(runner.params, cache, state, runner._samp, act)
+            jax.block_until_ready(o)
+            jax.profiler.stop_trace()
+            summ = summarize(d, trace_steps)
+        report[f"trace_{n_active}_active"] = summ
+        if "error" in summ:
+            print("trace:", summ["error"], flush=True)
+        else:
+            print(f"  device busy {summ['device_busy_us_per_step']:.0f} us/step over a span of "
+                  f"{summ['device_span_us_per_step']:.0f}; {summ['kernels_per_step']:.0f} kernels/step", flush=True)
+            for r in summ["top"][:25]:
+                print(f"  {r['us_per_step']:9.1f} us {r['calls_per_step']:6.1f}x {100 * r['share']:5.1f}%  {r['name'][:110]}")
+        runner._cache, runner._state = cache, state
+    if out:
+        (out / "trace_summary.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
