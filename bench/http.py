@@ -195,7 +195,9 @@ def level_summary(records: list[common.StreamRecord]) -> dict[str, Any]:
 def engine_direct(args: argparse.Namespace) -> int:
     from bench import engine as bench_engine
 
-    config = bench_engine.build_config(args.slots, args.max_context, "float32", args.prefill_budget, args.max_queue)
+    # "auto", as the server's --kv-dtype default: f32 on the CPU, bf16 on a GPU (an f32 cache here
+    # made the H200 engine run slower than the server it is compared with)
+    config = bench_engine.build_config(args.slots, args.max_context, "auto", args.prefill_budget, args.max_queue)
     engine, startup = bench_engine.start_engine(args.model, config)
     vocab = engine.tokenizer.vocab_size
 
