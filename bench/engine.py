@@ -58,14 +58,15 @@ USER_COUNTS = (1, 4, 8, 16, 32)
 
 
 def build_config(
-    slots: int, max_context: int, kv_dtype: str = "float32", prefill_budget: int = 512, max_queue: int = 64
+    slots: int, max_context: int, kv_dtype: str = "float32", prefill_budget: int = 512, max_queue: int = 64,
+    decode_steps: int = 1,
 ) -> EngineConfig:
     """The EngineConfig `python -m server` builds from the same flags."""
     defaults = EngineConfig.prefill_chunks
     chunks = tuple(sorted({c for c in defaults if c <= prefill_budget} | {min(prefill_budget, defaults[-1])}))
     return EngineConfig(
         num_slots=slots, max_context=max_context, prefill_budget=prefill_budget, prefill_chunks=chunks,
-        max_queue=max_queue, kv_dtype=kv_dtype,
+        max_queue=max_queue, kv_dtype=kv_dtype, decode_steps_per_dispatch=decode_steps,
     )
 
 
@@ -263,6 +264,7 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
     return [
         "--model", str(args.model), "--slots", str(args.slots), "--max-context", str(args.max_context),
         "--kv-dtype", args.kv_dtype, "--prefill-budget", str(args.prefill_budget),
+        "--decode-steps", str(args.decode_steps),
     ]
 
 
@@ -279,7 +281,8 @@ def cold_start_in_child(args: argparse.Namespace, cache_dir: str) -> dict[str, A
 def startup_only(args: argparse.Namespace) -> int:
     common.enable_compilation_cache(args.cache_dir)
     entries = len(os.listdir(args.cache_dir))
-    engine, startup = start_engine(args.model, build_config(args.slots, args.max_context, args.kv_dtype, args.prefill_budget))
+    engine, startup = start_engine(args.model, build_config(args.slots, args.max_context, args.kv_dtype, args.prefill_budget,
+                         decode_steps=args.decode_steps))
     startup["cache_entries_before"] = entries
     startup["cache_entries_after"] = len(os.listdir(args.cache_dir))
     engine.shutdown(60)
@@ -299,7 +302,8 @@ def main_run(args: argparse.Namespace) -> int:
         bandwidth = common.copy_bandwidth_gb_s(copy_bytes)
         log.info("device %s, copy bandwidth %.1f GB/s", info["device_kind"], bandwidth)
         entries = len(os.listdir(cache_dir))
-        config = build_config(args.slots, args.max_context, args.kv_dtype, args.prefill_budget)
+        config = build_config(args.slots, args.max_context, args.kv_dtype, args.prefill_budget,
+                         decode_steps=args.decode_steps)
         engine, startup = start_engine(args.model, config)
         startup["cache_entries_before"] = entries
         timings = TimingLog()
@@ -335,7 +339,8 @@ def main_run(args: argparse.Namespace) -> int:
                   "engine_name": engine_info.get("model")},
         "engine_config": {"slots": config.num_slots, "max_context": int(engine_info["max_context"]),
                           "kv_dtype": config.kv_dtype, "prefill_budget": config.prefill_budget,
-                          "prefill_chunks": list(config.prefill_chunks), "kernels": engine_info.get("kernels")},
+                          "prefill_chunks": list(config.prefill_chunks), "kernels": engine_info.get("kernels"),
+                          "decode_steps": config.decode_steps_per_dispatch},
         "settings": {"prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
                      "prefill_len": args.prefill_len, "join_len": args.join_len, "repeats": args.repeats,
                      "sampling": "temperature 1.0, seeded; ignore_eos"},
@@ -421,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--prefill-budget", type=int, default=512)
+    ap.add_argument("--decode-steps", type=int, default=1, help="decode steps per dispatch (server --decode-steps)")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of the decode runs")
     ap.add_argument("--decode-tokens", type=int, default=256, help="max_tokens of the decode runs")
     ap.add_argument("--prefill-len", type=int, default=512)

@@ -83,7 +83,21 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="bfloat16")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--matmul-warps", type=int, default=None,
+                    help="a variant: this many warps in the Triton decode matmuls (M <= 64) instead of the default")
     args = ap.parse_args()
+    if args.matmul_warps:
+        import dataclasses
+
+        from pallas_kernels import matmul_triton
+
+        default = matmul_triton.default_tuning
+
+        def patched(fmt, m, n, k, x_dtype):
+            t = default(fmt, m, n, k, x_dtype)
+            return dataclasses.replace(t, num_warps=args.matmul_warps) if m <= 64 else t
+
+        matmul_triton.default_tuning = patched
     out = pathlib.Path(args.out) if args.out else None
 
     ecfg = EngineConfig(num_slots=args.slots, max_context=args.max_context, kv_dtype=args.kv_dtype)

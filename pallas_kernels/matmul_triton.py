@@ -457,8 +457,11 @@ def default_tuning(fmt: str, m: int, n: int, k: int, x_dtype) -> TritonMatmulTun
     # 8 steps or more (measured: 22016x4096 split in 2 beat 1 at 344 programs)
     least = 2 if kernel == "mma" and steps % 2 == 0 and steps >= 16 else 1
     split = next((d for d in range(least, steps + 1) if steps % d == 0 and (n // block_n) * d >= target), steps)
+    # 2 warps for the wide 32-block matrices (fused gate/up and q/k/v of a 7B): 5-9% faster per
+    # call in the served step (bench/trace_step.py --matmul-warps 2); no gain on the others.
+    warps = 2 if kernel == "mma" and spec.unit == 32 and n >= 8192 else 4
     return TritonMatmulTuning(kernel, block_n=block_n, block_k=block_k, split_k=split, block_m=block_m,
-                              num_warps=4, num_stages=stages)
+                              num_warps=warps, num_stages=stages)
 
 
 def check_tiling(fmt: str, n: int, k: int, tuning: TritonMatmulTuning) -> None:
