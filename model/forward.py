@@ -27,7 +27,10 @@ from pallas_kernels.quant import QuantizedTensor
 class Kernels:
     """The op implementations one compiled program uses (hashable: a static jit argument)."""
 
-    matmul: Callable  # (x [M, K], w, layer) -> [M, N] f32; a stacked w is read at `layer` in place
+    # (x [M, K], w, layer, split) -> [M, N] f32; a stacked w is read at `layer` in place. `split`
+    # ("column" | "row") is how the matrix divides under tensor parallelism (model/sharding.py);
+    # single-device kernels ignore it.
+    matmul: Callable
     embed: Callable  # (w, ids [T]) -> [T, E] f32
     # Both read the whole [L, B, S, K, D] cache in place at (traced) `layer` (and `slot`), keys
     # [0, span): a slice of it passed to a kernel would be a copy every layer.
@@ -133,9 +136,10 @@ def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return jax.nn.silu(x)
 
 
-def _mm(kern: Kernels, x: jax.Array, w: QuantizedTensor, layer) -> jax.Array:
-    """x @ w.T; a stacked w (the scanned layers) is read at `layer` by the kernel itself."""
-    return kern.matmul(x, w, layer if w.stack_shape else None)
+def _mm(kern: Kernels, x: jax.Array, w: QuantizedTensor, layer, split: str) -> jax.Array:
+    """x @ w.T; a stacked w (the scanned layers) is read at `layer` by the kernel itself.
+    split: "column" (output features split under tensor parallelism) or "row" (input features)."""
+    return kern.matmul(x, w, layer if w.stack_shape else None, split)
 
 
 def _split_cols(y: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
@@ -151,11 +155,11 @@ def _qkv(cfg: ModelConfig, kern: Kernels, lp: dict, layer, h: jax.Array, pos: ja
     m = h.shape[0]
     if "wqkv" in lp:  # fused at load (model/weights.py): one read of x, one kernel
         kv_dim = cfg.num_kv_heads * cfg.head_dim
-        q, k, v = _split_cols(_mm(kern, h, lp["wqkv"], layer), (cfg.q_dim, kv_dim, kv_dim))
+        q, k, v = _split_cols(_mm(kern, h, lp["wqkv"], layer, "column"), (cfg.q_dim, kv_dim, kv_dim))
     else:
-        q = _mm(kern, h, lp["wq"], layer)
-        k = _mm(kern, h, lp["wk"], layer)
-        v = _mm(kern, h, lp["wv"], layer)
+        q = _mm(kern, h, lp["wq"], layer, "column")
+        k = _mm(kern, h, lp["wk"], layer, "column")
+        v = _mm(kern, h, lp["wv"], layer, "column")
     if "bq" in lp:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(m, cfg.num_heads, cfg.head_dim)
@@ -172,7 +176,7 @@ def _qkv(cfg: ModelConfig, kern: Kernels, lp: dict, layer, h: jax.Array, pos: ja
 def _attn_out_and_ffn(cfg: ModelConfig, kern: Kernels, lp: dict, layer, x: jax.Array, attn: jax.Array) -> jax.Array:
     """The rest of a layer after attention: output projection, residual, FFN block.
     x [M, E], attn [M, H, D] -> [M, E]."""
-    out = _mm(kern, attn.reshape(attn.shape[0], cfg.q_dim), lp["wo"], layer)
+    out = _mm(kern, attn.reshape(attn.shape[0], cfg.q_dim), lp["wo"], layer, "row")
     if "post_attn_norm" in lp:
         out = rms_norm(out, lp["post_attn_norm"], cfg.rms_eps)
     return _ffn(cfg, kern, lp, layer, x + out)
@@ -181,11 +185,11 @@ def _attn_out_and_ffn(cfg: ModelConfig, kern: Kernels, lp: dict, layer, x: jax.A
 def _ffn(cfg: ModelConfig, kern: Kernels, lp: dict, layer, x: jax.Array) -> jax.Array:
     h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
     if "w_gate_up" in lp:  # fused at load
-        gate, up = _split_cols(_mm(kern, h, lp["w_gate_up"], layer), (cfg.ffn_dim, cfg.ffn_dim))
+        gate, up = _split_cols(_mm(kern, h, lp["w_gate_up"], layer, "column"), (cfg.ffn_dim, cfg.ffn_dim))
     else:
-        gate = _mm(kern, h, lp["w_gate"], layer)
-        up = _mm(kern, h, lp["w_up"], layer)
-    out = _mm(kern, _act(cfg, gate) * up, lp["w_down"], layer)
+        gate = _mm(kern, h, lp["w_gate"], layer, "column")
+        up = _mm(kern, h, lp["w_up"], layer, "column")
+    out = _mm(kern, _act(cfg, gate) * up, lp["w_down"], layer, "row")
     if "post_ffn_norm" in lp:
         out = rms_norm(out, lp["post_ffn_norm"], cfg.rms_eps)
     return x + out
@@ -242,7 +246,7 @@ def _embed(cfg: ModelConfig, kern: Kernels, params: Params, tokens: jax.Array) -
 def _logits(cfg: ModelConfig, kern: Kernels, params: Params, x: jax.Array) -> jax.Array:
     h = rms_norm(x, params.output_norm, cfg.rms_eps)
     w = params.output if params.output is not None else params.embed
-    logits = _mm(kern, h, w, None)
+    logits = _mm(kern, h, w, None, "column")  # vocab-parallel head
     if cfg.final_logit_softcap:
         c = cfg.final_logit_softcap
         logits = jnp.tanh(logits / c) * c

@@ -70,9 +70,28 @@ def _choose(op: str, forced: str | None, probes: list[tuple]) -> tuple[Any, str]
     return fn, registry.describe()[op]
 
 
+def _shard_shapes(w: QuantizedTensor, tp: int) -> list[QuantizedTensor]:
+    """The per-device matrices a [N, K] weight becomes under tensor parallelism `tp`: its column
+    split [N/tp, K] and its row split [N, K/tp] (the planes' packed X axis divides with K)."""
+    if tp == 1:
+        return [w]
+    n, k = w.shape
+    out = []
+    if n % tp == 0:
+        planes = {name: jax.ShapeDtypeStruct((p.shape[0] // tp, *p.shape[1:]), p.dtype) for name, p in w.planes.items()}
+        out.append(QuantizedTensor(planes, w.fmt, (n // tp, k)))
+    if k % tp == 0 and all(p.shape[-1] % tp == 0 for p in w.planes.values()):
+        planes = {name: jax.ShapeDtypeStruct((*p.shape[:-1], p.shape[-1] // tp), p.dtype) for name, p in w.planes.items()}
+        out.append(QuantizedTensor(planes, w.fmt, (n, k // tp)))
+    return out
+
+
 def choose_kernels(
     forced: Mapping[str, str], cfg: ModelConfig, params: Params, engine_cfg: EngineConfig
 ) -> tuple[Kernels, dict[str, str]]:
+    """Under tensor parallelism (engine_cfg.tensor_parallel > 1) every implementation is probed on
+    the per-device shapes it will see inside `model.sharding.shard_kernels`."""
+    tp = engine_cfg.tensor_parallel
     unknown = sorted(set(forced) - set(OPS))
     if unknown:
         raise ValueError(f"--kernels names unknown ops {unknown}; ops are {list(OPS)}")
@@ -81,7 +100,8 @@ def choose_kernels(
 
     by_format: dict[str, Any] = {}
     for (fmt, n, k), w in sorted(_matrices(params).items()):
-        probes = [(jax.ShapeDtypeStruct((m, k), f32), w) for m in (engine_cfg.num_slots, engine_cfg.prefill_chunks[-1])]
+        probes = [(jax.ShapeDtypeStruct((m, local.shape[1]), f32), local) for local in _shard_shapes(w, tp)
+                  for m in (engine_cfg.num_slots, engine_cfg.prefill_chunks[-1])]
         # A format's first shape picks its implementation; its other shapes must take the same one.
         key = f"matmul[{fmt}]"
         fn, names[key] = _choose("matmul", names.get(key, forced.get("matmul")), probes)
@@ -94,6 +114,8 @@ def choose_kernels(
 
     kv = jnp.dtype(engine_cfg.kv_dtype)
     b, h, kh, d, s = engine_cfg.num_slots, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, engine_cfg.attention_buckets[0]
+    if cfg.num_heads % tp == 0 and cfg.num_kv_heads % tp == 0:  # else sharding.check_divisible refuses the model
+        h, kh = h // tp, kh // tp
     window = cfg.sliding_window
     dec_fn, names["attention_decode"] = _choose("attention_decode", forced.get("attention_decode"), [(
         jax.ShapeDtypeStruct((b, h, d), f32), jax.ShapeDtypeStruct((b, s, kh, d), kv),
@@ -109,7 +131,8 @@ def choose_kernels(
     # on the CPU the reference keeps f32.
     act_dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
-    def matmul(x: jax.Array, w: QuantizedTensor, layer=None) -> jax.Array:
+    def matmul(x: jax.Array, w: QuantizedTensor, layer=None, split: str | None = None) -> jax.Array:
+        del split  # one device: nothing is split (model/sharding.py wraps this for tensor parallelism)
         return by_format[w.fmt](x.astype(act_dtype), w, layer=layer)
 
     return Kernels(matmul=matmul, embed=embed_fn, attention_decode=dec_fn, attention_prefill=pre_fn), names

@@ -19,7 +19,7 @@ from model.gguf_file import GGUFFile, GGUFLoadError
 from model.runner import ModelRunner
 from model.tokenizer import Tokenizer
 from model.weights import Params, load_params, params_nbytes
-from model.kernels import OPS, choose_kernels
+from model.kernels import choose_kernels
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,9 @@ def load_model(path: str | os.PathLike[str], engine_cfg: EngineConfig) -> Loaded
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
             params = load_params(gf, cfg, fuse=False)
         params = sharding.shard_params(params, mesh, cfg)
-        forced = sharding.forced_kernels(forced, OPS)
     kernels, kernel_names = choose_kernels(forced, cfg, params, engine_cfg)
+    if mesh is not None:  # each op runs per device on its shard
+        kernels = sharding.shard_kernels(kernels, mesh)
     seconds = time.perf_counter() - t0
     log.info(
         "loaded %s (%s, %d layers, E=%d, vocab %d) in %.2f s: %.1f MiB of weights on device, peak RSS %.0f MiB",

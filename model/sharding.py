@@ -17,11 +17,14 @@ logits for sampling).
 
 Query head h reads kv head h // (H / K), so contiguous shards of H and of K line up.
 
-The ops that run sharded are the plain-jnp references, which XLA partitions itself. A Pallas
-(Triton / Mosaic GPU) kernel is an opaque custom call to the partitioner: it would gather its
-operands onto every device. GPU kernels under tensor parallelism need each op wrapped in
-`jax.shard_map` over the "tp" axis (per-shard shapes: H/tp heads, N/tp or K/tp of each matrix,
-an explicit `psum` after row-parallel matmuls); until then `forced_kernels` pins the references.
+A Pallas (Triton / Mosaic GPU) kernel is an opaque custom call to XLA's partitioner, which
+would gather its operands onto every device. So `shard_kernels` wraps the matmul and attention
+ops in `jax.shard_map` over the "tp" axis: each device runs the chosen kernel on its own shard
+(N/tp rows of a column-parallel matrix, K/tp of a row-parallel one followed by an explicit
+`psum`, H/tp query heads against its K/tp kv heads of the cache), whatever the implementation
+(the references too, so the CPU tests run the same wrapping). The forward pass says how each
+matrix splits (`split`); everything between the ops (norms, rope, residuals, sampling) stays
+ordinary SPMD code that XLA partitions. The embedding lookup is the XLA reference.
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ import logging
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model.config import ModelConfig
-from model.forward import KVCache
+from model.forward import Kernels, KVCache
 from model.weights import Params
 from pallas_kernels.quant import QuantizedTensor
 
@@ -167,17 +171,76 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def forced_kernels(forced: Mapping[str, str], ops: Sequence[str]) -> dict[str, str]:
-    """The kernel choice under tensor parallelism: the XLA-partitioned references for every op.
+def _local(w: QuantizedTensor, split: str, tp: int) -> QuantizedTensor:
+    """The matrix a device holds inside shard_map: planes are already the local shards, the
+    static (N, K) is fixed up to match them."""
+    n, k = w.shape
+    shape = (n // tp, k) if split == "column" else (n, k // tp)
+    return QuantizedTensor(w.planes, w.fmt, shape)
 
-    A GPU kernel would need a shard_map wrapper (see the module docstring), so forcing one with
-    tp > 1 is an error rather than a kernel that silently gathers whole weights.
-    """
-    others = {op: impl for op, impl in forced.items() if impl != "reference"}
-    if others:
-        raise ValueError(
-            f"tensor parallel runs the reference ops only (kernels are not yet sharded with shard_map); "
-            f"forced: {others}"
-        )
-    log.info("tensor parallel: every op runs its reference implementation, partitioned by XLA")
-    return {**{op: "reference" for op in ops}, **forced}  # unknown forced ops still reach choose_kernels' check
+
+def _plane_spec(w: QuantizedTensor, split: str) -> QuantizedTensor:
+    axis = (TP_AXIS, None) if split == "column" else (None, TP_AXIS)
+    return jax.tree_util.tree_map(lambda p: P(*(None,) * (p.ndim - 2), *axis), w)
+
+
+def shard_kernels(kern: Kernels, mesh: Mesh) -> Kernels:
+    """`kern` with matmul and attention run per device under `jax.shard_map` (module docstring)."""
+    tp = mesh.shape[TP_AXIS]
+
+    def smap(fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+    def matmul(x, w: QuantizedTensor, layer=None, split: str | None = None):
+        if split not in ("column", "row"):
+            raise ValueError(f"a tensor-parallel matmul needs split='column' or 'row', got {split!r}")
+        args, specs = [x, w], [P() if split == "column" else P(None, TP_AXIS), _plane_spec(w, split)]
+        if layer is not None:
+            args.append(jnp.asarray(layer, jnp.int32))
+            specs.append(P())
+
+        def local(x, w, *layer):
+            y = kern.matmul(x, _local(w, split, tp), *(layer or (None,)), split)
+            return y if split == "column" else jax.lax.psum(y, TP_AXIS)  # row: partial sums over K
+
+        out = P(None, TP_AXIS) if split == "column" else P()
+        return smap(local, tuple(specs), out)(*args)
+
+    heads = P(None, TP_AXIS, None)  # q [B or T, H, D] and outputs: query heads split
+
+    def scalars(*values):
+        """Traced scalars travel as replicated shard_map operands; static ones (a window of 0,
+        which lets the kernels drop their window masks) are closed over. Returns (args, specs,
+        rebuild: operands -> values)."""
+        traced = [i for i, v in enumerate(values) if v is not None and not isinstance(v, (int, float))]
+
+        def rebuild(ops):
+            out = list(values)
+            for i, op in zip(traced, ops):
+                out[i] = op
+            return out
+
+        return [jnp.asarray(values[i], jnp.int32) for i in traced], [P()] * len(traced), rebuild
+
+    def attention_decode(q, k_cache, v_cache, positions, scale, window=0, *, layer=None, span=None):
+        cache = CACHE_SPEC if k_cache.ndim == 5 else P(None, None, TP_AXIS, None)
+        args, specs, rebuild = scalars(window, layer)
+
+        def local(q, k, v, pos, *ops):
+            window_, layer_ = rebuild(ops)
+            return kern.attention_decode(q, k, v, pos, scale, window_, layer=layer_, span=span)
+
+        return smap(local, (heads, cache, cache, P(), *specs), heads)(q, k_cache, v_cache, positions, *args)
+
+    def attention_prefill(q, k_cache, v_cache, start_pos, scale, window=0, *, layer=None, slot=None, span=None):
+        cache = CACHE_SPEC if k_cache.ndim == 5 else P(None, TP_AXIS, None)
+        args, specs, rebuild = scalars(start_pos, window, layer, slot)
+
+        def local(q, k, v, *ops):
+            start_, window_, layer_, slot_ = rebuild(ops)
+            return kern.attention_prefill(q, k, v, start_, scale, window_, layer=layer_, slot=slot_, span=span)
+
+        return smap(local, (heads, cache, cache, *specs), heads)(q, k_cache, v_cache, *args)
+
+    return Kernels(matmul=matmul, embed=kern.embed, attention_decode=attention_decode,
+                   attention_prefill=attention_prefill)

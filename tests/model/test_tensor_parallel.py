@@ -17,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 
 from model import sharding
 from model.config import EngineConfig, ModelConfig
-from model.kernels import OPS
 from model.loader import load_model
 from model.weights import Params
 from pallas_kernels.quant import FORMATS, QuantizedTensor
@@ -262,10 +261,76 @@ def test_mesh_needs_enough_devices() -> None:
         sharding.make_mesh(n + 1)
 
 
-def test_tensor_parallel_runs_reference_kernels_only() -> None:
-    assert sharding.forced_kernels({}, OPS) == {op: "reference" for op in OPS}
-    with pytest.raises(ValueError, match="reference ops only"):
-        sharding.forced_kernels({"matmul": "triton"}, OPS)
+# Runs in a subprocess on four CPU devices: the Triton kernels (Pallas interpret mode) under
+# model.sharding.shard_kernels at tp=4 against the same kernels on one device, on tiny-tp. Prints
+# the logits of a prefill and of a decode step for each, and the matmul shapes the kernel saw.
+PALLAS_WORKER = r'''
+import functools, json, sys
+import jax, jax.numpy as jnp, numpy as np
+from model import forward, sharding
+from model.config import ModelConfig
+from model.forward import Kernels, KVCache
+from model.gguf_file import GGUFFile
+from model.weights import load_params
+from pallas_kernels import attention_triton, matmul_triton
+from pallas_kernels.matmul import embed_reference
+
+gf = GGUFFile(sys.argv[1])
+cfg = ModelConfig.from_gguf_metadata(gf.metadata, frozenset(gf.tensors))
+seen = []
+
+def mm(x, w, layer=None, split=None):
+    seen.append([split, list(w.shape)])
+    return matmul_triton.qmatmul_triton(x.astype(jnp.float32), w, layer=layer, interpret=True)
+
+kern = Kernels(mm, embed_reference, functools.partial(attention_triton.attention_decode_triton, interpret=True),
+               functools.partial(attention_triton.attention_prefill_triton, interpret=True))
+prompt = jnp.asarray(np.arange(5, 21), jnp.int32)  # 16 tokens into slot 1
+
+def run(tp):
+    params = load_params(gf, cfg, fuse=False)
+    kv = jnp.float32
+    if tp == 1:
+        k, cache = kern, KVCache.create(cfg, 2, 64, kv)
+    else:
+        mesh = sharding.make_mesh(tp)
+        params = sharding.shard_params(params, mesh, cfg)
+        k, cache = sharding.shard_kernels(kern, mesh), sharding.create_cache(cfg, 2, 64, kv, mesh)
+    seen.clear()
+    pre = jax.jit(functools.partial(forward.prefill, cfg, k), static_argnums=(6,))
+    logits_p, cache = pre(params, cache, jnp.int32(1), prompt, jnp.int32(0), jnp.int32(16), 32)
+    shapes = list(seen)
+    dec = jax.jit(functools.partial(forward.decode, cfg, k), static_argnums=(4,))
+    logits_d, _ = dec(params, cache, jnp.asarray([0, 7], jnp.int32), jnp.asarray([-1, 16], jnp.int32), 32)
+    return dict(prefill=np.asarray(logits_p).tolist(), decode=np.asarray(logits_d[1]).tolist(), shapes=shapes)
+
+print(json.dumps({tp: run(tp) for tp in (1, 4)}))
+'''
+
+
+def test_pallas_kernels_run_per_shard(tiny_tp_path: pathlib.Path) -> None:
+    """shard_kernels runs each Pallas kernel on its device's shard (the kernel sees N/4 rows of a
+    column-parallel matrix and K/4 of a row-parallel one) and the sharded forward pass gives the
+    logits of the same kernels on one device."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())
+    proc = subprocess.run([sys.executable, "-c", PALLAS_WORKER, str(tiny_tp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        pytest.fail(f"worker failed:\n{proc.stderr[-4000:]}")
+    runs = {int(k): v for k, v in json.loads(proc.stdout).items()}
+    for what in ("prefill", "decode"):
+        ref, got = np.asarray(runs[1][what]), np.asarray(runs[4][what])
+        assert np.abs(ref).max() > 0.1 and np.isfinite(got).all()
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert err < 1e-4, f"{what}: relative error {err:.3g}"
+        assert int(np.argmax(got)) == int(np.argmax(ref))
+    # tiny-tp: E 256, 8 heads of 32, 4 kv heads, F 768, V 2048 (tied output)
+    one = {(split, tuple(shape)) for split, shape in runs[1]["shapes"]}
+    four = {(split, tuple(shape)) for split, shape in runs[4]["shapes"]}
+    assert ("column", (256, 256)) in one and ("row", (256, 768)) in one
+    assert four == {("column", (64, 256)), ("column", (32, 256)), ("row", (256, 64)), ("column", (192, 256)),
+                    ("row", (256, 192)), ("column", (512, 256))}
 
 
 def test_config_and_flag() -> None:
