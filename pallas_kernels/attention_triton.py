@@ -2,10 +2,12 @@
 "attention_decode" and "attention_prefill" (GPU only; `interpret=True` runs them on CPU).
 
 Inputs come from the model's forward pass (`model/forward.py`), exactly as the plain-jnp
-references in `pallas_kernels/attention.py` take them: the cache slice is the static power-of-two
-context bucket [0, S) of the layer's cache, laid out [B, S, K, D] (decode) or [S, K, D] (one
-slot, prefill); positions / start_pos and the sliding window are traced int32 values.
-Outputs are f32, as the references' are.
+references in `pallas_kernels/attention.py` take them: the whole cache [L, B, S_max, K, D] with
+a traced `layer` (and, for prefill, `slot`), read in place (a slice handed to a kernel would be
+a copy every layer), and a static `span`, the power-of-two context bucket [0, S) attended. A
+plain [B, S, K, D] (decode) or [S, K, D] (one slot, prefill) cache is a stack of one. Positions /
+start_pos and the sliding window are traced int32 values. Outputs are f32, as the references'
+are.
 
 Decode is flash decoding (split-K): one program per (slot row, kv head, split of S) loads
 [block_s, D] tiles of K and V of its kv head once for all G = H / K query heads of that head

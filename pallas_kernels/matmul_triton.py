@@ -1,7 +1,9 @@
 """Quantized matmul as Pallas kernels lowered through Triton: implementation "triton" of op "matmul".
 
 Inputs come from the model's forward pass: activations x [..., K] (f32 or bf16) and a
-`QuantizedTensor` weight [N, K] whose planes `pallas_kernels.quant.repack` built at load time
+`QuantizedTensor` weight [N, K], or a stack [L, N, K] of the scanned layers with a traced
+`layer` that the kernel applies itself (no copy of the matrix), whose planes
+`pallas_kernels.quant.repack` built at load time
 (read its module docstring: one plane per block field, byte-aligned). Output [..., N] f32, the
 same function as `pallas_kernels.matmul.qmatmul_reference`, the specification these kernels are
 tested against (tests/pallas_kernels/test_matmul_conformance.py).

@@ -102,15 +102,21 @@ def tiny_tp_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_tp_path: pathlib.Path) -> dict[int, dict]:
+def run_on_four_cpu_devices(worker: str, path: pathlib.Path, timeout: float) -> dict[int, dict]:
+    """Runs a worker script in a subprocess whose JAX sees four CPU devices; its stdout is one
+    JSON object keyed by tp."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())
-    proc = subprocess.run([sys.executable, "-c", WORKER, str(tiny_tp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", worker, str(path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
         pytest.fail(f"tensor-parallel worker failed:\n{proc.stderr[-4000:]}")
     return {int(tp): r for tp, r in json.loads(proc.stdout).items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_tp_path: pathlib.Path) -> dict[int, dict]:
+    return run_on_four_cpu_devices(WORKER, tiny_tp_path, 300)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,13 +318,7 @@ def test_pallas_kernels_run_per_shard(tiny_tp_path: pathlib.Path) -> None:
     """shard_kernels runs each Pallas kernel on its device's shard (the kernel sees N/4 rows of a
     column-parallel matrix and K/4 of a row-parallel one) and the sharded forward pass gives the
     logits of the same kernels on one device."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())
-    proc = subprocess.run([sys.executable, "-c", PALLAS_WORKER, str(tiny_tp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    if proc.returncode:
-        pytest.fail(f"worker failed:\n{proc.stderr[-4000:]}")
-    runs = {int(k): v for k, v in json.loads(proc.stdout).items()}
+    runs = run_on_four_cpu_devices(PALLAS_WORKER, tiny_tp_path, 600)
     for what in ("prefill", "decode"):
         ref, got = np.asarray(runs[1][what]), np.asarray(runs[4][what])
         assert np.abs(ref).max() > 0.1 and np.isfinite(got).all()
