@@ -9,7 +9,6 @@ import os
 import resource
 import time
 
-import jax
 from jax.sharding import Mesh
 
 from model import sharding
@@ -58,11 +57,9 @@ def load_model(path: str | os.PathLike[str], engine_cfg: EngineConfig) -> Loaded
     else:
         sharding.check_divisible(cfg, engine_cfg.tensor_parallel)
         mesh = sharding.make_mesh(engine_cfg.tensor_parallel)
-        # Read into host memory, then each device receives only its shards: a model split for
-        # being too large for one device must never land whole on the first one.
-        with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            params = load_params(gf, cfg, fuse=False)
-        params = sharding.shard_params(params, mesh, cfg)
+        # Each tensor goes straight to its shards as it is read: a model split for being too
+        # large for one device never lands whole on one device, nor in host memory.
+        params = load_params(gf, cfg, fuse=False, place=sharding.placer(mesh))
     kernels, kernel_names = choose_kernels(forced, cfg, params, engine_cfg)
     if mesh is not None:  # each op runs per device on its shard
         kernels = sharding.shard_kernels(kernels, mesh)

@@ -30,7 +30,7 @@ ordinary SPMD code that XLA partitions. The embedding lookup is the XLA referenc
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -138,6 +138,24 @@ def param_shardings(params: Params, mesh: Mesh) -> Params:
     """`param_specs` bound to the mesh: a Params-shaped pytree of NamedSharding."""
     specs = param_specs(params, mesh.shape[TP_AXIS])
     return jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), specs)
+
+
+def placer(mesh: Mesh) -> Callable[[str, str, Any], Any]:
+    """A `model.weights.Place` that puts each tensor on the mesh by the rules above as it is
+    loaded: `jax.device_put` of the host array with its NamedSharding sends every device only
+    its shards, so no device (and no host buffer beyond one tensor's) ever holds the model."""
+    tp = mesh.shape[TP_AXIS]
+
+    def place(where: str, key: str, value: Any) -> Any:
+        if key in ("embed", "output"):
+            spec: Any = _planes(value, _column_spec(where, value, tp))
+        elif key in ("output_norm", "rope_freqs"):
+            spec = P()
+        else:
+            spec = _layer_specs({key: value}, tp, where)[key]
+        return jax.device_put(value, jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), spec))
+
+    return place
 
 
 def shard_params(params: Params, mesh: Mesh, cfg: ModelConfig) -> Params:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,67 +84,113 @@ def _matrix(info: TensorInfo) -> quant.QuantizedTensor:
         raise GGUFLoadError(f"tensor {info.name!r}: unsupported tensor type {info.ggml_type.name} ({e})") from e
 
 
-def _signature(qt: quant.QuantizedTensor | np.ndarray) -> tuple:
-    if isinstance(qt, np.ndarray):
-        return ("vec", qt.shape)
-    leaves, treedef = jax.tree_util.tree_flatten(qt)
-    return (treedef, tuple((x.shape, x.dtype) for x in leaves))
-
-
 # Matrices that read the same input, fused into one along N when their formats match: one
 # kernel launch and one pass over x instead of two or three (the forward pass splits the output).
 FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
-
-def _fuse(layer: dict[str, Any]) -> None:
-    for fused, parts in FUSED.items():
-        ws = [layer.get(p) for p in parts]
-        if all(isinstance(w, quant.QuantizedTensor) for w in ws) and len({(w.fmt, w.shape[1]) for w in ws}) == 1:
-            layer[fused] = quant.concat_rows(ws)
-            for p in parts:
-                del layer[p]
+# (where, key, host value) -> device value: where a loaded tensor goes. `where` names it for
+# errors ("blk.*" for a stack of layers, "blk.3", "token_embd", ...); key is its Params key
+# (a layer dict key, or "embed", "output", "output_norm", "rope_freqs").
+Place = Callable[[str, str, Any], Any]
 
 
-def load_params(gf: GGUFFile, cfg: ModelConfig, fuse: bool = True) -> Params:
+def _to_device(where: str, key: str, value: Any) -> Any:
+    del where, key
+    return jax.tree_util.tree_map(jnp.asarray, value)
+
+
+class _Entry(NamedTuple):
+    """One layer tensor to load: a vector, a matrix, or matrices fused along N."""
+
+    is_matrix: bool
+    infos: tuple[TensorInfo, ...]
+
+    def signature(self) -> tuple:
+        """What the loaded value's shapes and dtypes depend on (read from the header alone)."""
+        if not self.is_matrix:
+            return ("vec", int(np.prod(self.infos[0].shape)))
+        fmt = _format(self.infos[0])
+        return ("mat", fmt, sum(int(i.shape[0]) for i in self.infos), int(self.infos[0].shape[1]))
+
+    def load(self) -> Any:
+        if not self.is_matrix:
+            return _float_vector(self.infos[0])
+        ws = [_matrix(info) for info in self.infos]
+        return ws[0] if len(ws) == 1 else quant.concat_rows(ws)
+
+
+def _format(info: TensorInfo) -> str:
+    if len(info.shape) != 2:
+        raise GGUFLoadError(f"tensor {info.name!r}: expected a matrix, got shape {info.shape}")
+    try:
+        return quant.format_for(info.ggml_type).name
+    except NotImplementedError as e:
+        raise GGUFLoadError(f"tensor {info.name!r}: unsupported tensor type {info.ggml_type.name} ({e})") from e
+
+
+def _layer_entries(gf: GGUFFile, i: int, fuse: bool) -> dict[str, _Entry]:
+    entries: dict[str, _Entry] = {}
+    for suffix, (key, required, is_matrix) in _LAYER_TENSORS.items():
+        name = f"blk.{i}.{suffix}"
+        if name not in gf.tensors:
+            if required:
+                raise GGUFLoadError(f"missing tensor {name!r}")
+            continue
+        entries[key] = _Entry(is_matrix, (gf.tensors[name],))
+    if fuse:
+        for fused, parts in FUSED.items():
+            es = [entries.get(p) for p in parts]
+            if all(e is not None and e.is_matrix for e in es):
+                kinds = {(_format(e.infos[0]), int(e.infos[0].shape[1])) for e in es}
+                if len(kinds) == 1:
+                    entries[fused] = _Entry(True, tuple(e.infos[0] for e in es))
+                    for p in parts:
+                        del entries[p]
+    return entries
+
+
+def _stacked(entries: list[_Entry]) -> Any:
+    """The layers' values of one key, stacked on a leading [L] axis in one preallocated host
+    buffer (no list of per-layer copies beside it)."""
+    first = entries[0].load()
+    out = jax.tree_util.tree_map(lambda a: np.empty((len(entries), *a.shape), a.dtype), first)
+    for i, entry in enumerate(entries):
+        value = first if i == 0 else entry.load()
+        jax.tree_util.tree_map(lambda dst, src: dst.__setitem__(i, src), out, value)
+    return out
+
+
+def load_params(gf: GGUFFile, cfg: ModelConfig, fuse: bool = True, place: Place | None = None) -> Params:
     """Repacks and uploads every tensor of `gf`; stacks layers when they are uniform. With
     `fuse`, q/k/v and gate/up matrices of one format become one matrix each (`FUSED`);
-    tensor parallelism shards them one by one and loads with fuse=False."""
-    host_layers: list[dict[str, Any]] = []
-    for i in range(cfg.num_layers):
-        layer: dict[str, Any] = {}
-        for suffix, (key, required, is_matrix) in _LAYER_TENSORS.items():
-            name = f"blk.{i}.{suffix}"
-            if name not in gf.tensors:
-                if required:
-                    raise GGUFLoadError(f"missing tensor {name!r}")
-                continue
-            info = gf.tensors[name]
-            layer[key] = _matrix(info) if is_matrix else _float_vector(info)
-        if fuse:
-            _fuse(layer)
-        host_layers.append(layer)
+    tensor parallelism shards them one by one and loads with fuse=False.
 
-    signatures = [{k: _signature(v) for k, v in layer.items()} for layer in host_layers]
-    is_stacked = all(s == signatures[0] for s in signatures[1:])
+    Tensors are read, repacked and placed one layer key at a time (a stacked key: all layers of
+    it), so the host holds at most one key's stack beside the memory-mapped file, never the
+    model. `place` puts each value on its device(s) (tensor parallelism: each device receives
+    only its shards; default: the default device)."""
+    place = place or _to_device
+    entries = [_layer_entries(gf, i, fuse) for i in range(cfg.num_layers)]
+    signatures = [{k: e.signature() for k, e in layer.items()} for layer in entries]
+    is_stacked = all(sig == signatures[0] for sig in signatures[1:])
     if is_stacked:
-        layers = jax.tree_util.tree_map(lambda *xs: jnp.asarray(np.stack(xs)), *host_layers)
+        layers: Any = {key: place("blk.*", key, _stacked([layer[key] for layer in entries])) for key in entries[0]}
     else:
-        differing = sorted({k for s in signatures[1:] for k in s if s[k] != signatures[0].get(k)})
+        differing = sorted({k for sig in signatures[1:] for k in sig if sig[k] != signatures[0].get(k)})
         log.info("layers differ in %s: unrolling the layer loop", ", ".join(differing))
-        layers = [jax.tree_util.tree_map(jnp.asarray, layer) for layer in host_layers]
-    del host_layers
+        layers = [{key: place(f"blk.{i}", key, e.load()) for key, e in layer.items()} for i, layer in enumerate(entries)]
 
-    embed = jax.tree_util.tree_map(jnp.asarray, _matrix(gf.tensor("token_embd.weight")))
+    embed = place("token_embd", "embed", _matrix(gf.tensor("token_embd.weight")))
     output = None
     if not cfg.tied_output:
-        output = jax.tree_util.tree_map(jnp.asarray, _matrix(gf.tensor("output.weight")))
+        output = place("output", "output", _matrix(gf.tensor("output.weight")))
     rope_freqs = None
     if "rope_freqs.weight" in gf.tensors:
-        rope_freqs = jnp.asarray(_float_vector(gf.tensors["rope_freqs.weight"]))
+        rope_freqs = place("rope_freqs", "rope_freqs", _float_vector(gf.tensors["rope_freqs.weight"]))
     return Params(
         embed=embed,
         output=output,
-        output_norm=jnp.asarray(_float_vector(gf.tensor("output_norm.weight"))),
+        output_norm=place("output_norm", "output_norm", _float_vector(gf.tensor("output_norm.weight"))),
         rope_freqs=rope_freqs,
         layers=layers,
         is_stacked=is_stacked,
