@@ -427,7 +427,7 @@ def default_tuning(fmt: str, m: int, n: int, k: int, x_dtype) -> TritonMatmulTun
     of f32 x, where it is the exact path and the 3-pass MMA is dear), else tensor cores. For
     the MMA decode kernel (M = the engine's 8 slots), short K steps (128 elements of a 32-block
     format) in 4 stages, 64 rows, and split-K to about 2 programs per SM beat every other
-    point of a 96-point grid on the Llama-2-7B shapes (Q4_0, 2026-11-29: 12-30% faster than
+    point of a grid of up to 46 tunings per Llama-2-7B shape (Q4_0, 2026-11-29: 12-30% faster than
     256-element steps in 3 stages). The split is any divisor of the K steps (K = 11008 has 43
     steps of 256: powers of 2 left its 64 programs on half the SMs). With f32 x the MMA
     operands are split in three (registers), so its K steps are halved."""
