@@ -112,14 +112,7 @@ class _Pending:
         self._results: list[StepOutput] | None = None
 
     def _empty(self) -> StepOutput:
-        b, k = self._num_slots, self._num_top
-        return StepOutput(
-            tokens=np.zeros((b,), np.int32),
-            valid=np.zeros((b,), bool),
-            logprobs=np.zeros((b,), np.float32),
-            top_ids=np.zeros((b, k), np.int32),
-            top_logprobs=np.zeros((b, k), np.float32),
-        )
+        return StepOutput.empty(self._num_slots, self._num_top)
 
     @staticmethod
     def _fill_decode(out: StepOutput, decode_out: Any) -> None:

@@ -110,6 +110,17 @@ class StepOutput:
     top_ids: np.ndarray  # [B, max_top_logprobs] int32, best alternatives, descending
     top_logprobs: np.ndarray  # [B, max_top_logprobs] f32
 
+    @staticmethod
+    def empty(num_slots: int, num_top: int) -> "StepOutput":
+        """No slot valid: the start a step's results are filled into."""
+        return StepOutput(
+            tokens=np.zeros((num_slots,), np.int32),
+            valid=np.zeros((num_slots,), bool),
+            logprobs=np.zeros((num_slots,), np.float32),
+            top_ids=np.zeros((num_slots, num_top), np.int32),
+            top_logprobs=np.zeros((num_slots, num_top), np.float32),
+        )
+
 
 class PendingStep(Protocol):
     def result(self) -> StepOutput: ...  # the (first) step's output

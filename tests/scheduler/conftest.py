@@ -15,7 +15,6 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-import numpy as np
 import pytest
 
 from model.config import EngineConfig
@@ -114,18 +113,7 @@ class FakeModel:
         assert self.is_warm, "dispatch before warmup"
         self.plans.append(plan)
         assert plan.num_decode_steps in self.decode_steps, f"{plan.num_decode_steps} decode steps not compiled"
-        b, k = self.num_slots, self.max_top_logprobs
-
-        def empty() -> StepOutput:
-            return StepOutput(
-                tokens=np.zeros((b,), np.int32),
-                valid=np.zeros((b,), bool),
-                logprobs=np.zeros((b,), np.float32),
-                top_ids=np.zeros((b, k), np.int32),
-                top_logprobs=np.zeros((b, k), np.float32),
-            )
-
-        outs = [empty() for _ in range(plan.num_decode_steps)]
+        outs = [StepOutput.empty(self.num_slots, self.max_top_logprobs) for _ in range(plan.num_decode_steps)]
         out = outs[0]
         for setup in plan.setups:
             self._pos[setup.slot], self._last[setup.slot] = 0, None
