@@ -117,6 +117,17 @@ def _layer_specs(lp: Mapping[str, Any], tp: int, where: str) -> dict[str, Any]:
     return out
 
 
+def tensor_spec(where: str, key: str, value: Any, tp: int) -> Any:
+    """The PartitionSpec pytree of one Params entry (`model.weights.Place`'s arguments: a layer
+    dict key, or "embed", "output", "output_norm", "rope_freqs"). Raises ValueError for a
+    matrix that does not split."""
+    if key in ("embed", "output"):  # vocab-parallel
+        return _planes(value, _column_spec(where, value, tp))
+    if key in ("output_norm", "rope_freqs"):
+        return P()
+    return _layer_specs({key: value}, tp, where)[key]
+
+
 def param_specs(params: Params, tp: int) -> Params:
     """A Params-shaped pytree of PartitionSpec over the "tp" axis, one per leaf (leaves may be
     numpy or jax arrays: only shapes are read). Raises ValueError for a matrix that does not split."""
@@ -125,19 +136,13 @@ def param_specs(params: Params, tp: int) -> Params:
     else:
         layers = [_layer_specs(lp, tp, f"blk.{i}") for i, lp in enumerate(params.layers)]
     return Params(
-        embed=_planes(params.embed, _column_spec("token_embd", params.embed, tp)),
-        output=None if params.output is None else _planes(params.output, _column_spec("output", params.output, tp)),
-        output_norm=P(),
-        rope_freqs=None if params.rope_freqs is None else P(),
+        embed=tensor_spec("token_embd", "embed", params.embed, tp),
+        output=None if params.output is None else tensor_spec("output", "output", params.output, tp),
+        output_norm=tensor_spec("output_norm", "output_norm", params.output_norm, tp),
+        rope_freqs=None if params.rope_freqs is None else tensor_spec("rope_freqs", "rope_freqs", params.rope_freqs, tp),
         layers=layers,
         is_stacked=params.is_stacked,
     )
-
-
-def param_shardings(params: Params, mesh: Mesh) -> Params:
-    """`param_specs` bound to the mesh: a Params-shaped pytree of NamedSharding."""
-    specs = param_specs(params, mesh.shape[TP_AXIS])
-    return jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), specs)
 
 
 def placer(mesh: Mesh) -> Callable[[str, str, Any], Any]:
@@ -147,21 +152,10 @@ def placer(mesh: Mesh) -> Callable[[str, str, Any], Any]:
     tp = mesh.shape[TP_AXIS]
 
     def place(where: str, key: str, value: Any) -> Any:
-        if key in ("embed", "output"):
-            spec: Any = _planes(value, _column_spec(where, value, tp))
-        elif key in ("output_norm", "rope_freqs"):
-            spec = P()
-        else:
-            spec = _layer_specs({key: value}, tp, where)[key]
+        spec = tensor_spec(where, key, value, tp)
         return jax.device_put(value, jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), spec))
 
     return place
-
-
-def shard_params(params: Params, mesh: Mesh, cfg: ModelConfig) -> Params:
-    """Params placed on the mesh; raises ValueError for a model that does not split."""
-    check_divisible(cfg, mesh.shape[TP_AXIS])
-    return jax.device_put(params, param_shardings(params, mesh))
 
 
 CACHE_SPEC = P(None, None, None, TP_AXIS, None)  # k and v [L, B, S, K, D]: split over the kv heads K
@@ -197,34 +191,12 @@ def _local(w: QuantizedTensor, split: str, tp: int) -> QuantizedTensor:
     return QuantizedTensor(w.planes, w.fmt, shape)
 
 
-def _plane_spec(w: QuantizedTensor, split: str) -> QuantizedTensor:
-    axis = (TP_AXIS, None) if split == "column" else (None, TP_AXIS)
-    return jax.tree_util.tree_map(lambda p: P(*(None,) * (p.ndim - 2), *axis), w)
-
-
 def shard_kernels(kern: Kernels, mesh: Mesh) -> Kernels:
     """`kern` with matmul and attention run per device under `jax.shard_map` (module docstring)."""
     tp = mesh.shape[TP_AXIS]
 
     def smap(fn, in_specs, out_specs):
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-
-    def matmul(x, w: QuantizedTensor, layer=None, split: str | None = None):
-        if split not in ("column", "row"):
-            raise ValueError(f"a tensor-parallel matmul needs split='column' or 'row', got {split!r}")
-        args, specs = [x, w], [P() if split == "column" else P(None, TP_AXIS), _plane_spec(w, split)]
-        if layer is not None:
-            args.append(jnp.asarray(layer, jnp.int32))
-            specs.append(P())
-
-        def local(x, w, *layer):
-            y = kern.matmul(x, _local(w, split, tp), *(layer or (None,)), split)
-            return y if split == "column" else jax.lax.psum(y, TP_AXIS)  # row: partial sums over K
-
-        out = P(None, TP_AXIS) if split == "column" else P()
-        return smap(local, tuple(specs), out)(*args)
-
-    heads = P(None, TP_AXIS, None)  # q [B or T, H, D] and outputs: query heads split
 
     def scalars(*values):
         """Traced scalars travel as replicated shard_map operands; static ones (a window of 0,
@@ -239,6 +211,23 @@ def shard_kernels(kern: Kernels, mesh: Mesh) -> Kernels:
             return out
 
         return [jnp.asarray(values[i], jnp.int32) for i in traced], [P()] * len(traced), rebuild
+
+    def matmul(x, w: QuantizedTensor, layer=None, split: str | None = None):
+        if split not in ("column", "row"):
+            raise ValueError(f"a tensor-parallel matmul needs split='column' or 'row', got {split!r}")
+        w_spec = _planes(w, (_column_spec if split == "column" else _row_spec)("matmul", w, tp))
+        args, specs, rebuild = scalars(layer)
+
+        def local(x, w, *ops):
+            (layer_,) = rebuild(ops)
+            y = kern.matmul(x, _local(w, split, tp), layer_, split)
+            return y if split == "column" else jax.lax.psum(y, TP_AXIS)  # row: partial sums over K
+
+        in_x = P() if split == "column" else P(None, TP_AXIS)
+        out = P(None, TP_AXIS) if split == "column" else P()
+        return smap(local, (in_x, w_spec, *specs), out)(x, w, *args)
+
+    heads = P(None, TP_AXIS, None)  # q [B or T, H, D] and outputs: query heads split
 
     def attention_decode(q, k_cache, v_cache, positions, scale, window=0, *, layer=None, span=None):
         cache = CACHE_SPEC if k_cache.ndim == 5 else P(None, None, TP_AXIS, None)

@@ -76,12 +76,8 @@ def _float_vector(info: TensorInfo) -> np.ndarray:
 
 
 def _matrix(info: TensorInfo) -> quant.QuantizedTensor:
-    if len(info.shape) != 2:
-        raise GGUFLoadError(f"tensor {info.name!r}: expected a matrix, got shape {info.shape}")
-    try:
-        return quant.repack(np.asarray(info.data), info.ggml_type, info.shape)
-    except NotImplementedError as e:
-        raise GGUFLoadError(f"tensor {info.name!r}: unsupported tensor type {info.ggml_type.name} ({e})") from e
+    _format(info)  # a matrix of a supported type, or GGUFLoadError
+    return quant.repack(np.asarray(info.data), info.ggml_type, info.shape)
 
 
 # Matrices that read the same input, fused into one along N when their formats match: one
@@ -120,6 +116,7 @@ class _Entry(NamedTuple):
 
 
 def _format(info: TensorInfo) -> str:
+    """The repacked format of a matrix tensor (from the header alone)."""
     if len(info.shape) != 2:
         raise GGUFLoadError(f"tensor {info.name!r}: expected a matrix, got shape {info.shape}")
     try:
@@ -152,12 +149,12 @@ def _layer_entries(gf: GGUFFile, i: int, fuse: bool) -> dict[str, _Entry]:
 def _stacked(entries: list[_Entry]) -> Any:
     """The layers' values of one key, stacked on a leading [L] axis in one preallocated host
     buffer (no list of per-layer copies beside it)."""
-    first = entries[0].load()
-    out = jax.tree_util.tree_map(lambda a: np.empty((len(entries), *a.shape), a.dtype), first)
+    leaves, treedef = jax.tree_util.tree_flatten(entries[0].load())
+    out = [np.empty((len(entries), *a.shape), a.dtype) for a in leaves]
     for i, entry in enumerate(entries):
-        value = first if i == 0 else entry.load()
-        jax.tree_util.tree_map(lambda dst, src: dst.__setitem__(i, src), out, value)
-    return out
+        for dst, src in zip(out, leaves if i == 0 else jax.tree_util.tree_leaves(entry.load())):
+            dst[i] = src
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def load_params(gf: GGUFFile, cfg: ModelConfig, fuse: bool = True, place: Place | None = None) -> Params:

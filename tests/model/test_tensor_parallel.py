@@ -294,13 +294,12 @@ kern = Kernels(mm, embed_reference, functools.partial(attention_triton.attention
 prompt = jnp.asarray(np.arange(5, 21), jnp.int32)  # 16 tokens into slot 1
 
 def run(tp):
-    params = load_params(gf, cfg, fuse=False)
     kv = jnp.float32
     if tp == 1:
-        k, cache = kern, KVCache.create(cfg, 2, 64, kv)
+        params, k, cache = load_params(gf, cfg, fuse=False), kern, KVCache.create(cfg, 2, 64, kv)
     else:
         mesh = sharding.make_mesh(tp)
-        params = sharding.shard_params(params, mesh, cfg)
+        params = load_params(gf, cfg, fuse=False, place=sharding.placer(mesh))
         k, cache = sharding.shard_kernels(kern, mesh), sharding.create_cache(cfg, 2, 64, kv, mesh)
     seen.clear()
     pre = jax.jit(functools.partial(forward.prefill, cfg, k), static_argnums=(6,))
