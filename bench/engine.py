@@ -44,7 +44,7 @@ from typing import Any, Sequence  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
-from model.config import EngineConfig  # noqa: E402
+from model.config import EngineConfig, prefill_chunks_for  # noqa: E402
 from model.step_types import SamplingParams  # noqa: E402
 from scheduler.types import GenerationRequest, QueueFullError  # noqa: E402
 
@@ -59,11 +59,10 @@ USER_COUNTS = (1, 4, 8, 16, 32)
 
 def build_config(
     slots: int, max_context: int, kv_dtype: str = "float32", prefill_budget: int = 512, max_queue: int = 64,
-    decode_steps: int = 1,
+    decode_steps: int = 1, prefill_chunks: tuple[int, ...] | None = None,
 ) -> EngineConfig:
     """The EngineConfig `python -m server` builds from the same flags."""
-    defaults = EngineConfig.prefill_chunks
-    chunks = tuple(sorted({c for c in defaults if c <= prefill_budget} | {min(prefill_budget, defaults[-1])}))
+    chunks = prefill_chunks_for(prefill_budget, prefill_chunks)
     return EngineConfig(
         num_slots=slots, max_context=max_context, prefill_budget=prefill_budget, prefill_chunks=chunks,
         max_queue=max_queue, kv_dtype=kv_dtype, decode_steps_per_dispatch=decode_steps,
@@ -265,6 +264,7 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         "--model", str(args.model), "--slots", str(args.slots), "--max-context", str(args.max_context),
         "--kv-dtype", args.kv_dtype, "--prefill-budget", str(args.prefill_budget),
         "--decode-steps", str(args.decode_steps),
+        *(["--prefill-chunks", ",".join(map(str, args.prefill_chunks))] if args.prefill_chunks else []),
     ]
 
 
@@ -282,7 +282,7 @@ def startup_only(args: argparse.Namespace) -> int:
     common.enable_compilation_cache(args.cache_dir)
     entries = len(os.listdir(args.cache_dir))
     engine, startup = start_engine(args.model, build_config(args.slots, args.max_context, args.kv_dtype, args.prefill_budget,
-                         decode_steps=args.decode_steps))
+                         decode_steps=args.decode_steps, prefill_chunks=args.prefill_chunks))
     startup["cache_entries_before"] = entries
     startup["cache_entries_after"] = len(os.listdir(args.cache_dir))
     engine.shutdown(60)
@@ -303,7 +303,7 @@ def main_run(args: argparse.Namespace) -> int:
         log.info("device %s, copy bandwidth %.1f GB/s", info["device_kind"], bandwidth)
         entries = len(os.listdir(cache_dir))
         config = build_config(args.slots, args.max_context, args.kv_dtype, args.prefill_budget,
-                         decode_steps=args.decode_steps)
+                         decode_steps=args.decode_steps, prefill_chunks=args.prefill_chunks)
         engine, startup = start_engine(args.model, config)
         startup["cache_entries_before"] = entries
         timings = TimingLog()
@@ -426,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--prefill-budget", type=int, default=512)
+    ap.add_argument("--prefill-chunks", type=lambda v: tuple(int(c) for c in v.split(",")), default=None,
+                    help="compiled prompt chunk sizes (server --prefill-chunks; default the server's)")
     ap.add_argument("--decode-steps", type=int, default=1, help="decode steps per dispatch (server --decode-steps)")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of the decode runs")
     ap.add_argument("--decode-tokens", type=int, default=256, help="max_tokens of the decode runs")

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Sequence
 import uvicorn
 
 from model.chat_template import ChatTemplateError, load_template
-from model.config import EngineConfig
+from model.config import EngineConfig, prefill_chunks_for
 from server.app import EngineHolder, create_app
 from server.config import LOG_LEVELS, ServerConfig
 from server.default_model import FILENAME as DEFAULT_MODEL_FILENAME
@@ -50,6 +50,16 @@ def _kernels(value: str) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+def _sizes(value: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(sorted({int(v) for v in value.split(",")}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected sizes N[,N...], got {value!r}") from None
+    if min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be >= 1, got {value!r}")
+    return sizes
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m server",
@@ -62,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=8, help="concurrent sequences (decode batch)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     p.add_argument("--prefill-budget", type=int, default=512, help="prompt tokens per engine step")
+    p.add_argument("--prefill-chunks", type=_sizes, default=EngineConfig.prefill_chunks, metavar="N[,N...]",
+                   help="compiled prompt chunk sizes (a chunk runs at the smallest size that holds it); "
+                        "default %(default)s")
     p.add_argument("--max-context", type=int, default=4096, help="tokens per sequence (capped at the model's)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
     p.add_argument("--api-key", help=f"require Authorization: Bearer KEY (also ${API_KEY_ENV})")
@@ -80,22 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def prefill_chunks_for(budget: int) -> tuple[int, ...]:
-    """Compiled chunk sizes that fit the budget: the defaults below it, and the budget itself
-    when it is smaller than the largest default."""
-    defaults = EngineConfig.prefill_chunks
-    if budget < 1:
-        raise ValueError("prefill budget must be >= 1")
-    return tuple(sorted({c for c in defaults if c <= budget} | {min(budget, defaults[-1])}))
-
-
 def build_configs(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str]) -> tuple[EngineConfig, ServerConfig]:
     """Raises ValueError for values the configs refuse (ChatTemplateError for a bad template file)."""
     engine_config = EngineConfig(
         num_slots=args.slots,
         max_context=args.max_context,
         prefill_budget=args.prefill_budget,
-        prefill_chunks=prefill_chunks_for(args.prefill_budget),
+        prefill_chunks=prefill_chunks_for(args.prefill_budget, args.prefill_chunks),
         max_queue=args.max_queue,
         timeout_s=args.timeout,
         kernels=args.kernels,

@@ -38,7 +38,7 @@ def test_abbreviated_flag_is_an_error() -> None:
 def test_defaults() -> None:
     engine, server = build_configs(build_parser().parse_args([]), {})
     assert (engine.num_slots, engine.max_queue, engine.prefill_budget, engine.max_context) == (8, 64, 512, 4096)
-    assert engine.timeout_s == 600 and engine.kernels == () and engine.prefill_chunks == (64, 512)
+    assert engine.timeout_s == 600 and engine.kernels == () and engine.prefill_chunks == (64, 128, 256, 512)
     assert (server.host, server.port, server.api_key, server.chat_template) == ("127.0.0.1", 8080, None, None)
     assert server.model_name.endswith(".gguf")
 
@@ -55,7 +55,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
     )  # fmt: skip
     engine, server = build_configs(args, {})
     assert (engine.num_slots, engine.max_queue, engine.prefill_budget, engine.max_context) == (4, 0, 256, 1024)
-    assert engine.prefill_chunks == (64, 256) and engine.timeout_s == 30
+    assert engine.prefill_chunks == (64, 128, 256) and engine.timeout_s == 30
     assert engine.kernels == (("attention", "xla"), ("matmul", "triton"))
     assert (server.model_name, server.host, server.port, server.log_level) == ("m.gguf", "0.0.0.0", 0, "debug")
     assert server.chat_template == "{{ messages[0]['content'] }}"
@@ -84,7 +84,20 @@ def test_malformed_flags_exit(argv: list[str]) -> None:
 
 
 def test_prefill_chunks_for_budget() -> None:
-    assert prefill_chunks_for(512) == (64, 512)
-    assert prefill_chunks_for(2048) == (64, 512)
+    assert prefill_chunks_for(512) == (64, 128, 256, 512)
+    assert prefill_chunks_for(2048) == (64, 128, 256, 512)
     assert prefill_chunks_for(100) == (64, 100)
     assert prefill_chunks_for(32) == (32,)
+    assert prefill_chunks_for(300, (64, 512)) == (64, 300)
+    with pytest.raises(ValueError):
+        prefill_chunks_for(0)
+
+
+def test_prefill_chunks_flag() -> None:
+    engine, _ = build_configs(build_parser().parse_args(["--prefill-chunks", "256,64,128", "--prefill-budget", "200"]), {})
+    assert engine.prefill_chunks == (64, 128, 200)
+    engine, _ = build_configs(build_parser().parse_args(["--prefill-chunks", "32,128,256,512"]), {})
+    assert engine.prefill_chunks == (32, 128, 256, 512)
+    for bad in ("0,64", "a,64", ""):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--prefill-chunks", bad])
