@@ -13,6 +13,8 @@ thing, so the gaps between them say what costs:
     reshape rather than after.
   * `prefetch`: the production kernel with each step's planes loaded one step ahead (carried in
     registers through the loop), in case the loads are not pipelined by Triton.
+  * `mgpu_stream`: the planes streamed by TMA into shared memory by a Mosaic GPU kernel
+    (`block_n` rows per CTA, `num_stages` steps in flight), nothing computed: the bar for `load`.
 
 Times are the GPU kernels' own durations from a `jax.profiler` trace (CUPTI), over a stack of
 `--layers` distinct matrices per shape (well past the 60 MB L2), read in place by layer index as
@@ -53,7 +55,7 @@ from pallas_kernels import matmul_triton as mt  # noqa: E402
 from pallas_kernels import quant  # noqa: E402
 from pallas_kernels.matmul import qmatmul_reference  # noqa: E402
 
-VARIANTS = ("full", "load", "decode", "mma", "mmabf", "prefetch")
+VARIANTS = ("full", "load", "decode", "mma", "mmabf", "prefetch", "mgpu_stream")
 
 
 def random_q4_0_stack(key, layers: int, n: int, k: int) -> quant.QuantizedTensor:
@@ -179,6 +181,33 @@ def ablation_matmul(x2, w: quant.QuantizedTensor, layer_arr, *, mode: str, tunin
     return jnp.sum(partial, axis=0)
 
 
+def mgpu_stream(qs2: jax.Array, d2: jax.Array, *, layer: int, n: int, block_n: int = 64, stages: int = 4):
+    """Mosaic GPU: TMA-streams one layer's q4_0 planes (qs2 [L*N, K/2] uint8, d2 [L*N, K/32] f16,
+    the stack's free 2-D views) through shared memory, `stages` steps in flight per CTA, one CTA
+    per `block_n` rows, and computes nothing: the rate at which this backend's copy engine brings
+    the planes on chip, for comparison with the Triton `load` variant."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # imports absl; only where it runs
+
+    row_bytes = qs2.shape[1]
+    step = next(b for b in (256, 128, 64, 32) if row_bytes % b == 0)  # bytes of codes per row per step
+
+    def kernel(q_gmem, d_gmem, o_gmem):
+        r0 = layer * n + lax.axis_index("rows") * block_n
+
+        def body(idx, q_smem, d_smem):
+            del idx, q_smem, d_smem
+
+        plgpu.emit_pipeline(
+            body, grid=(row_bytes // step,),
+            in_specs=[plgpu.BlockSpec((block_n, step), lambda j: (0, j)),
+                      plgpu.BlockSpec((block_n, step // 8), lambda j: (0, j))],
+            max_concurrent_steps=stages,
+        )(q_gmem.at[pl.ds(r0, block_n)], d_gmem.at[pl.ds(r0, block_n)])
+
+    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((8,), jnp.float32), grid=(n // block_n,),
+                        grid_names=("rows",))(qs2, d2)
+
+
 def parse_variant(spec: str, tuning: mt.TritonMatmulTuning):
     """`mode[@tiled][:key=value,...]` with keys of TritonMatmulTuning (block_n, block_k, split_k,
     num_warps, num_stages), `x_mask=1` (padding rows of x masked out of the loads, not fetched)
@@ -195,6 +224,12 @@ def parse_variant(spec: str, tuning: mt.TritonMatmulTuning):
 
 
 def run_variant(mode, tiled, extra, x, w, tuning):
+    if mode == "mgpu_stream":
+        layers, n, half = w.planes["qs"].shape
+        qs2 = jnp.reshape(w.planes["qs"], (layers * n, half))
+        d2 = jnp.reshape(w.planes["d"], (layers * n, -1))
+        fn = jax.jit(mgpu_stream, static_argnames=("layer", "n", "block_n", "stages"))
+        return lambda l: fn(qs2, d2, layer=l, n=n, block_n=tuning.block_n, stages=tuning.num_stages)
     if mode == "full":
         return lambda l: mt.qmatmul_triton(x, w, tuning, layer=l)
     return lambda l: ablation_matmul(x, w, jnp.reshape(jnp.asarray(l, jnp.int32), (1,)), mode=mode, tuning=tuning,
@@ -258,7 +293,12 @@ def main() -> None:
                     jax.block_until_ready([fn(l) for l in range(args.layers)])
                 jax.profiler.stop_trace()
                 times = kernel_times(d)
-            key = next((nm for nm in times if ("ablation_" + mode if mode != "full" else "qmatmul_mma") in nm), None)
+            if mode == "mgpu_stream":
+                print("  kernels in the trace:", {nm[:60]: len(v) for nm, v in times.items()}, flush=True)
+            pattern = {"full": "qmatmul_mma", "mgpu_stream": "mgpu_stream"}.get(mode, "ablation_" + mode)
+            key = next((nm for nm in times if pattern in nm), None)
+            if key is None and mode == "mgpu_stream":  # Mosaic kernels may carry another name: the busiest
+                key = max(times, key=lambda nm: len(times[nm]) * (len(times[nm]) >= args.layers))
             if key is None:
                 print(f"{shape} {spec}: kernel not found in {list(times)[:8]}", flush=True)
                 continue
