@@ -60,10 +60,11 @@ USER_COUNTS = (1, 4, 8, 16, 32)
 def build_config(
     slots: int, max_context: int, kv_dtype: str = "float32", prefill_budget: int = 512, max_queue: int = 64,
     decode_steps: int = 1, prefill_chunks: tuple[int, ...] | None = None,
+    kernels: tuple[tuple[str, str], ...] = (),
 ) -> EngineConfig:
     """The EngineConfig `python -m server` builds from the same flags."""
     chunks = prefill_chunks_for(prefill_budget, prefill_chunks)
-    return EngineConfig(
+    return EngineConfig(kernels=kernels,
         num_slots=slots, max_context=max_context, prefill_budget=prefill_budget, prefill_chunks=chunks,
         max_queue=max_queue, kv_dtype=kv_dtype, decode_steps_per_dispatch=decode_steps,
     )
@@ -259,12 +260,17 @@ async def run_suite(engine, timings: TimingLog, args: argparse.Namespace, max_co
 # start-up in a child process (cold cache) and the main run
 
 
+def _kernel_pairs(value: str) -> tuple[tuple[str, str], ...]:
+    return tuple(tuple(item.split("=", 1)) for item in value.split(",") if item)  # type: ignore[misc]
+
+
 def _engine_flags(args: argparse.Namespace) -> list[str]:
     return [
         "--model", str(args.model), "--slots", str(args.slots), "--max-context", str(args.max_context),
         "--kv-dtype", args.kv_dtype, "--prefill-budget", str(args.prefill_budget),
         "--decode-steps", str(args.decode_steps),
         *(["--prefill-chunks", ",".join(map(str, args.prefill_chunks))] if args.prefill_chunks else []),
+        *(["--kernels", ",".join(f"{op}={impl}" for op, impl in args.kernels)] if args.kernels else []),
     ]
 
 
@@ -282,7 +288,8 @@ def startup_only(args: argparse.Namespace) -> int:
     common.enable_compilation_cache(args.cache_dir)
     entries = len(os.listdir(args.cache_dir))
     engine, startup = start_engine(args.model, build_config(args.slots, args.max_context, args.kv_dtype, args.prefill_budget,
-                         decode_steps=args.decode_steps, prefill_chunks=args.prefill_chunks))
+                         decode_steps=args.decode_steps, prefill_chunks=args.prefill_chunks,
+                         kernels=args.kernels))
     startup["cache_entries_before"] = entries
     startup["cache_entries_after"] = len(os.listdir(args.cache_dir))
     engine.shutdown(60)
@@ -303,7 +310,8 @@ def main_run(args: argparse.Namespace) -> int:
         log.info("device %s, copy bandwidth %.1f GB/s", info["device_kind"], bandwidth)
         entries = len(os.listdir(cache_dir))
         config = build_config(args.slots, args.max_context, args.kv_dtype, args.prefill_budget,
-                         decode_steps=args.decode_steps, prefill_chunks=args.prefill_chunks)
+                         decode_steps=args.decode_steps, prefill_chunks=args.prefill_chunks,
+                         kernels=args.kernels)
         engine, startup = start_engine(args.model, config)
         startup["cache_entries_before"] = entries
         timings = TimingLog()
@@ -426,6 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--prefill-budget", type=int, default=512)
+    ap.add_argument("--kernels", type=_kernel_pairs, default=(),
+                    help="force kernels, op=impl[,op=impl...] (server --kernels)")
     ap.add_argument("--prefill-chunks", type=lambda v: tuple(int(c) for c in v.split(",")), default=None,
                     help="compiled prompt chunk sizes (server --prefill-chunks; default the server's)")
     ap.add_argument("--decode-steps", type=int, default=1, help="decode steps per dispatch (server --decode-steps)")

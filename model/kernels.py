@@ -3,9 +3,11 @@ pass is compiled with.
 
 The choice follows the registry's order (GPU kernels first where the backend has them) or a
 forced `--kernels op=impl,...`. Matmul is chosen per weight format: each implementation is
-probed (traced, nothing compiled) on this model's own shapes, and one that refuses a format
+probed (traced, nothing compiled) on this model's own shapes, separately for decode (x of up to
+`num_slots` rows) and prefill chunks, and one that refuses a format
 with `NotImplementedError` is passed over for that format only. Every choice is logged and
-shown on /health (e.g. `matmul[q4_0]: triton`, `matmul[q6_k]: reference`); a chosen kernel
+shown on /health (e.g. `matmul_decode[q4_0]: mosaic_gpu`, `matmul[q4_0]: triton` for prefill,
+`matmul[q6_k]: reference`); a chosen kernel
 that fails at run time raises, it never falls back.
 """
 
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 import pallas_kernels.attention  # noqa: F401
 import pallas_kernels.attention_triton  # noqa: F401
 import pallas_kernels.matmul  # noqa: F401
+import pallas_kernels.matmul_mgpu  # noqa: F401
 import pallas_kernels.matmul_triton  # noqa: F401
 from model.config import EngineConfig, ModelConfig
 from model.forward import Kernels
@@ -63,10 +66,8 @@ def _matrices(params: Params) -> dict[tuple[str, int, int], QuantizedTensor]:
 
 
 def _choose(op: str, forced: str | None, probes: list[tuple]) -> tuple[Any, str]:
-    fn = None
-    for args in probes:
-        fn = registry.choose(op, forced, probe_args=args)
-        forced = registry.describe()[op]  # every probe must accept the same implementation
+    """The first implementation (or the forced one) that takes every probe."""
+    fn = registry.choose(op, forced, probes=probes)
     return fn, registry.describe()[op]
 
 
@@ -97,15 +98,25 @@ def choose_kernels(
         raise ValueError(f"--kernels names unknown ops {unknown}; ops are {list(OPS)}")
     names: dict[str, str] = {}
     f32 = jnp.float32
+    # On a GPU the kernels take bf16 activations (tensor cores; f32 x costs a 3-pass split);
+    # on the CPU the reference keeps f32. Matmuls are probed with the dtype they will get.
+    act_dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
-    by_format: dict[str, Any] = {}
-    for (fmt, n, k), w in sorted(_matrices(params).items()):
-        probes = [(jax.ShapeDtypeStruct((m, local.shape[1]), f32), local) for local in _shard_shapes(w, tp)
-                  for m in (engine_cfg.num_slots, engine_cfg.prefill_chunks[-1])]
-        # A format's first shape picks its implementation; its other shapes must take the same one.
-        key = f"matmul[{fmt}]"
-        fn, names[key] = _choose("matmul", names.get(key, forced.get("matmul")), probes)
-        by_format[fmt] = fn
+    # Per weight format, one implementation for decode (x of up to num_slots rows: bandwidth-bound)
+    # and one for prefill chunks (compute-bound), each taking every shape of that format.
+    decode_rows = engine_cfg.num_slots
+    prefill_rows = sorted({engine_cfg.prefill_chunks[0], engine_cfg.prefill_chunks[-1]} - {decode_rows}) or [decode_rows]
+    mats: dict[str, list[QuantizedTensor]] = {}
+    for (fmt, _, _), w in sorted(_matrices(params).items()):
+        mats.setdefault(fmt, []).append(w)
+    decode_fns: dict[str, Any] = {}
+    prefill_fns: dict[str, Any] = {}
+    for fmt, ws in mats.items():
+        for key, fns, rows in ((f"matmul_decode[{fmt}]", decode_fns, [decode_rows]),
+                               (f"matmul[{fmt}]", prefill_fns, prefill_rows)):
+            probes = [(jax.ShapeDtypeStruct((m, local.shape[1]), act_dtype), local)
+                      for w in ws for local in _shard_shapes(w, tp) for m in rows]
+            fns[fmt], names[key] = _choose("matmul", forced.get("matmul"), probes)
 
     embed_w = _matrices(Params(params.embed, None, params.output_norm, None, [], False))
     embed_fn, names["embed"] = _choose(
@@ -127,12 +138,12 @@ def choose_kernels(
         jax.ShapeDtypeStruct((max(s, t), kh, d), kv), jax.ShapeDtypeStruct((), jnp.int32), cfg.scale, window,
     )])
 
-    # On a GPU the kernels take bf16 activations (tensor cores; f32 x costs a 3-pass split);
-    # on the CPU the reference keeps f32.
-    act_dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-
     def matmul(x: jax.Array, w: QuantizedTensor, layer=None, split: str | None = None) -> jax.Array:
         del split  # one device: nothing is split (model/sharding.py wraps this for tensor parallelism)
-        return by_format[w.fmt](x.astype(act_dtype), w, layer=layer)
+        rows = 1
+        for d in x.shape[:-1]:
+            rows *= d
+        fn = (decode_fns if rows <= decode_rows else prefill_fns)[w.fmt]
+        return fn(x.astype(act_dtype), w, layer=layer)
 
     return Kernels(matmul=matmul, embed=embed_fn, attention_decode=dec_fn, attention_prefill=pre_fn), names

@@ -70,11 +70,14 @@ class Registry:
         return tuple(self._impls[op])
 
     def choose(
-        self, op: str, forced: str | None = None, probe_args: Sequence[Any] | None = None
+        self, op: str, forced: str | None = None, probe_args: Sequence[Any] | None = None,
+        probes: Sequence[Sequence[Any]] = (),
     ) -> Callable[..., Any]:
         """Picks op's implementation: `forced` by name, else the first available one that takes
-        `probe_args` (arrays or jax.ShapeDtypeStruct pytrees). Records, logs and returns it."""
+        `probe_args` and every args tuple of `probes` (arrays or jax.ShapeDtypeStruct pytrees).
+        Records, logs and returns it."""
         impls = self.implementations(op)
+        probes = ([] if probe_args is None else [probe_args]) + list(probes)
         if forced is not None:
             by_name = {impl.name: impl for impl in impls}
             if forced not in by_name:
@@ -84,9 +87,10 @@ class Registry:
                 raise ValueError(
                     f"implementation {forced!r} of op {op!r} is not available on backend {jax.default_backend()!r}"
                 )
-            if probe_args is not None:
+            if probes:
                 try:
-                    _probe(impl.fn, probe_args)
+                    for args in probes:
+                        _probe(impl.fn, args)
                 except NotImplementedError as e:
                     raise NotImplementedError(
                         f"forced implementation {forced!r} of op {op!r} cannot take this input: {e}"
@@ -97,12 +101,12 @@ class Registry:
             if not impl.is_available():
                 reasons.append(f"{impl.name}: not available on {jax.default_backend()}")
                 continue
-            if probe_args is not None:
-                try:
-                    _probe(impl.fn, probe_args)
-                except NotImplementedError as e:
-                    reasons.append(f"{impl.name}: {e}")
-                    continue
+            try:
+                for args in probes:
+                    _probe(impl.fn, args)
+            except NotImplementedError as e:
+                reasons.append(f"{impl.name}: {e}")
+                continue
             return self._record(op, impl, "; ".join(reasons) or "first available")
         raise RuntimeError(f"no implementation of op {op!r} can run here: {'; '.join(reasons)}")
 

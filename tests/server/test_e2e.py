@@ -68,7 +68,8 @@ def test_health_reports_model_and_kernels(server):
     assert body["status"] == "ok"
     assert body["slots"] == 4
     assert {"embed", "attention_decode", "attention_prefill"} <= set(body["kernels"])
-    assert {k for k in body["kernels"] if k.startswith("matmul[")} == {"matmul[q4_1]", "matmul[q8_0]"}
+    assert {k for k in body["kernels"] if k.startswith("matmul")} == {
+        "matmul[q4_1]", "matmul[q8_0]", "matmul_decode[q4_1]", "matmul_decode[q8_0]"}
 
 
 def test_completion_streamed_equals_unstreamed(client):

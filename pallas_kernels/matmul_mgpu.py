@@ -1,0 +1,210 @@
+"""Quantized matmul as a Mosaic GPU kernel (Hopper: TMA, wgmma): implementation "mosaic_gpu" of op
+"matmul", for the decode regime (up to 64 rows of x) of Q4_0 weights.
+
+It reads the planes `pallas_kernels.quant.repack` built, in place (no layout of its own):
+
+  * codes: the `qs` plane [N, K/32, 16] uint8 seen as int4 [N, K] (a free bitcast). JAX packs
+    int4 low nibble first, so int4 element 32 g + 2 l + h of a row is nibble h of byte l of
+    block g, i.e. weight element 32 g + 16 h + l. x is permuted the same way outside the kernel
+    (x_perm[:, 32 g + 2 l + h] = x[:, 32 g + 16 h + l]), which leaves the dot product unchanged.
+    A nibble holds the unsigned code q; as int4 it reads q - 16 [q >= 8], and XOR with -8 (the
+    sign bit) turns that into q - 8, the centred Q4_0 value.
+  * scales: the matrix's `d` plane [N, K/32] f16, transposed to [K/32, N] per call (one small
+    XLA fusion that reads only this layer's scales, about 1/9 of the matrix's bytes): the kernel
+    needs each block's 64 scales contiguous, to load them as the row vector that scales a
+    [64, M] result (a column of the [64, K/32] tile is a strided ref, which Mosaic GPU refuses to
+    load in that layout). Holding the transposed plane from load time would save the fusion.
+
+One warpgroup per 64 rows of the weight (the wgmma M dimension) and a split of K; a TMA pipeline
+(`emit_pipeline`, `stages` steps in flight) brings each step's x slice [M, tile_k], codes
+[64, tile_k] and scales [tile_k/32, 64] into shared memory. The codes become bf16 in registers
+(wgmma layout; Mosaic's int4 -> bf16 conversion), and each 32-block meets x in one
+64 x M x 32 wgmma (A from registers, x as the transposed B operand); the step's wgmmas are
+issued before one wait, and each block's [64, M] result is scaled by its scales (a row vector)
+and summed in f32. Partial sums of the K splits [split, N, M] are added outside.
+
+Exact up to f32 summation: the int4 codes and bf16 x are exact in bf16, and their products are
+exact in the f32 accumulator. It takes bf16 x only (the GPU engine's activations); f32 x is
+refused rather than rounded.
+
+bench/matmul_ablation.py (variant `mgpu_mma`) measured it against the Triton kernel on the H200.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import registry
+from pallas_kernels.quant import QuantizedTensor
+
+SUPPORTED_FORMATS = ("q4_0",)
+MAX_ROWS = 64  # rows of x: decode; prefill (compute-bound) stays with the Triton kernel
+BLOCK_N = 64  # weight rows per warpgroup: the wgmma M
+TILE_K = 256  # K elements per pipeline step (8 blocks of 32)
+STAGES = 4
+TARGET_CTAS = 264  # about two per SM of the H200: K is split until the grid reaches it
+
+
+def _plgpu():
+    # Imported on use: it needs absl and a CUDA-enabled jaxlib, which the CPU tests lack.
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu
+
+
+def _check_supported(x: jax.Array, w: QuantizedTensor, layer) -> None:
+    if w.fmt not in SUPPORTED_FORMATS:
+        raise NotImplementedError(f"mosaic_gpu matmul takes {', '.join(SUPPORTED_FORMATS)}; not {w.fmt}")
+    if layer is None and w.stack_shape:
+        raise ValueError(f"a stack {w.stack_shape} of matrices needs a layer index")
+    if layer is not None and len(w.stack_shape) != 1:
+        raise ValueError(f"a layer index needs a one-dim stack of matrices, got stack {w.stack_shape}")
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x {list(x.shape)} does not match weight [{n}, {k}]")
+    m = 1
+    for d in x.shape[:-1]:
+        m *= d
+    if x.dtype != jnp.bfloat16:
+        raise NotImplementedError(f"mosaic_gpu matmul takes bf16 x (the GPU engine's activations), not {x.dtype}")
+    if m > MAX_ROWS:
+        raise NotImplementedError(f"mosaic_gpu matmul is the decode kernel: at most {MAX_ROWS} rows of x, got {m}")
+    if n % BLOCK_N:
+        raise NotImplementedError(f"mosaic_gpu matmul: N={n} is not a multiple of {BLOCK_N}")
+    if k % TILE_K:
+        raise NotImplementedError(f"mosaic_gpu matmul: K={k} is not a multiple of {TILE_K}")
+
+
+def split_for(n: int, k: int) -> int:
+    """K splits: the fewest giving TARGET_CTAS warpgroups, at most one per K step."""
+    return max(1, min(k // TILE_K, -(-TARGET_CTAS // (n // BLOCK_N))))
+
+
+def permute_x(x2: jax.Array) -> jax.Array:
+    """x [M, K] in the order of the int4 view of the codes: [:, 32 g + 2 l + h] = [:, 32 g + 16 h + l]."""
+    m, k = x2.shape
+    return jnp.reshape(jnp.swapaxes(jnp.reshape(x2, (m, k // 32, 2, 16)), 2, 3), (m, k))
+
+
+def codes_view(qs: jax.Array, n: int, k: int) -> jax.Array:
+    """The qs plane [L, N, K/32, 16] uint8 as int4 [L*N, K]."""
+    flat = jnp.reshape(qs, (-1, k // 2))
+    return jnp.reshape(lax.bitcast_convert_type(flat, jnp.int4), (flat.shape[0], k))
+
+
+def _kernel(layer_gmem, x_gmem, c_gmem, s_gmem, o_gmem, o_smem, *, n: int, m: int, steps: int, split: int,
+            stages: int):
+    plgpu = _plgpu()
+    nb = TILE_K // 32
+    blk, sid = lax.axis_index("rows"), lax.axis_index("split")
+    row0 = layer_gmem[0] * n + blk * BLOCK_N
+    lo, hi = (sid * steps) // split, ((sid + 1) * steps) // split
+    a_swz = plgpu.find_swizzle(TILE_K * 4, "lhs")
+    x_swz = plgpu.find_swizzle(32 * 16, "rhs")
+
+    def body(idx, x_smem, c_smem, s_smem, acc):
+        del idx
+        a = (c_smem[...] ^ jnp.int4(-8)).astype(jnp.bfloat16)  # [64, TILE_K]: q - 8, exact
+
+        def blockdots(*acc_refs):
+            for b, acc_ref in enumerate(acc_refs):
+                plgpu.wgmma(acc_ref, a[:, 32 * b:32 * (b + 1)],
+                            plgpu.transpose_ref(x_smem.at[:, pl.ds(32 * b, 32)], (1, 0)))
+            return [r[...] for r in acc_refs]
+
+        parts = pl.run_scoped(blockdots, *[plgpu.ACC((BLOCK_N, m), jnp.float32) for _ in range(nb)])
+        for b, part in enumerate(parts):
+            d = plgpu.load(s_smem.at[b], (), layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
+            acc = acc + part * lax.broadcast_in_dim(d, part.shape, [0])
+        return acc
+
+    acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_N, m), jnp.float32), plgpu.Layout.WGMMA)
+    acc = plgpu.emit_pipeline(
+        body,
+        grid=(steps,) if split == 1 else (hi - lo,),
+        in_specs=[
+            plgpu.BlockSpec((m, TILE_K), lambda j: (0, lo + j),
+                            transforms=(plgpu.TilingTransform((8, x_swz * 8 // 16)), plgpu.SwizzleTransform(x_swz))),
+            plgpu.BlockSpec((BLOCK_N, TILE_K), lambda j: (0, lo + j),
+                            transforms=(plgpu.TilingTransform((8, a_swz * 8 // 4)), plgpu.SwizzleTransform(a_swz))),
+            plgpu.BlockSpec((nb, BLOCK_N), lambda j: (lo + j, 0)),
+        ],
+        max_concurrent_steps=stages,
+        init_carry=acc0,
+    )(x_gmem, c_gmem.at[pl.ds(row0, BLOCK_N)], s_gmem.at[:, pl.ds(blk * BLOCK_N, BLOCK_N)])
+    o_smem[...] = acc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sid, pl.ds(blk * BLOCK_N, BLOCK_N)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("stages",))
+def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, stages: int = STAGES) -> jax.Array:
+    plgpu = _plgpu()
+    n, k = w.shape
+    m = x2.shape[0]
+    m_pad = -(-m // 8) * 8  # the wgmma N
+    xp = permute_x(x2)
+    if m_pad != m:
+        xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
+    codes = codes_view(w.planes["qs"], n, k)
+    d = w.planes["d"]
+    if d.ndim == 3:  # a stack: this layer's scales only
+        d = lax.dynamic_index_in_dim(d, layer_arr[0], keepdims=False)
+    scales = jnp.transpose(d)  # [K/32, N]
+    split = split_for(n, k)
+    kernel = functools.partial(_kernel, n=n, m=m_pad, steps=k // TILE_K, split=split, stages=stages)
+    partial = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((split, n, m_pad), jnp.float32),
+        grid=(n // BLOCK_N, split),
+        grid_names=("rows", "split"),
+        scratch_types=[plgpu.SMEM((BLOCK_N, m_pad), jnp.float32)],
+    )(layer_arr, xp, codes, scales)
+    out = partial[0] if split == 1 else jnp.sum(partial, axis=0)
+    return out[:, :m].T
+
+
+def qmatmul_mgpu(
+    x: jax.Array,  # [..., K] bf16
+    w: QuantizedTensor,  # [N, K], or a stack [L, N, K] with `layer`
+    tuning=None,
+    *,
+    layer: jax.Array | int | None = None,
+    interpret: bool = False,
+) -> jax.Array:  # [..., N] f32
+    """x @ dequant(w).T through the Mosaic GPU decode kernel. Raises NotImplementedError for what it
+    does not take (formats other than q4_0, x not bf16, more than 64 rows of x, N not a multiple
+    of 64, K not a multiple of 256, interpret mode)."""
+    del tuning
+    if interpret:
+        raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
+    _check_supported(x, w, layer)
+    n, k = w.shape
+    lead = x.shape[:-1]
+    x2 = jnp.reshape(x, (-1, k))
+    if x2.shape[0] == 0:
+        return jnp.zeros((*lead, n), jnp.float32)
+    layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    return jnp.reshape(_qmatmul_jit(x2, w, layer_arr), (*lead, n))
+
+
+def _is_available() -> bool:
+    if jax.default_backend() != "gpu":
+        return False
+    kind = jax.devices()[0].device_kind.lower()
+    if not any(h in kind for h in ("h100", "h200", "h800", "gh200")):
+        return False  # wgmma and TMA: Hopper
+    try:
+        _plgpu()
+    except ImportError:
+        return False
+    return True
+
+
+registry.register("matmul", "mosaic_gpu", qmatmul_mgpu, is_available=_is_available, priority=20)

@@ -1,0 +1,94 @@
+"""The Mosaic GPU decode matmul (pallas_kernels/matmul_mgpu.py): the shared conformance checks on
+the GPU (marked `gpu`), and on the CPU its contract: what it refuses, that it registers above the
+Triton kernel for the GPU only, its x permutation and int4 view of the codes (checked against the
+reference with plain jnp), and that the kernel lowers for CUDA (no GPU needed)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import matmul_mgpu, quant, registry
+from pallas_kernels.matmul import qmatmul_reference
+from tests.pallas_kernels.test_matmul_conformance import Case, MatmulConformance, random_weight, relative_error
+from tests.pallas_kernels.test_matmul_conformance import pytest_generate_tests  # noqa: F401  (parametrizes `case`)
+
+
+def _spec(fmt: str, n: int, k: int, stack: int | None = None) -> quant.QuantizedTensor:
+    f = quant.FORMATS[fmt]
+    shapes, dtypes = f.plane_shapes(n, k), f.plane_dtypes()
+    lead = (stack,) if stack else ()
+    return quant.QuantizedTensor({p: jax.ShapeDtypeStruct((*lead, *shapes[p]), dtypes[p]) for p in f.planes}, fmt,
+                                 (n, k))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+class TestMosaicGpu(MatmulConformance):
+    CASES = (
+        Case("q4_0", 1, 256, 1024, "bfloat16"),
+        Case("q4_0", 3, 256, 1024, "bfloat16"),
+        Case("q4_0", 8, 512, 4096, "bfloat16", stack=True),
+        Case("q4_0", 64, 1024, 2048, "bfloat16"),
+        Case("q4_0", 8, 4096, 11008, "bfloat16", stack=True),  # K split unevenly (43 steps)
+        Case("q4_0", 8, 12288, 4096, "bfloat16"),
+    )
+
+    def matmul(self, x, w, case, layer=None):
+        return matmul_mgpu.qmatmul_mgpu(x, w, layer=layer)
+
+    def poison(self):
+        jax.block_until_ready(jnp.full((64 << 20,), jnp.nan, jnp.float32))
+
+
+@pytest.mark.parametrize("fmt,m,n,k,dtype", [
+    ("q4_1", 8, 256, 1024, jnp.bfloat16), ("q8_0", 8, 256, 1024, jnp.bfloat16), ("q4_k", 8, 256, 1024, jnp.bfloat16),
+    ("q4_0", 65, 256, 1024, jnp.bfloat16), ("q4_0", 8, 96, 1024, jnp.bfloat16), ("q4_0", 8, 256, 1056, jnp.bfloat16),
+    ("q4_0", 8, 256, 1024, jnp.float32),
+])
+def test_refuses_what_it_cannot_take(fmt, m, n, k, dtype):
+    with pytest.raises(NotImplementedError):
+        jax.eval_shape(matmul_mgpu.qmatmul_mgpu, jax.ShapeDtypeStruct((m, k), dtype), _spec(fmt, n, k))
+
+
+def test_no_interpret_mode_and_gpu_only():
+    with pytest.raises(NotImplementedError, match="interpret"):
+        matmul_mgpu.qmatmul_mgpu(jnp.zeros((8, 1024), jnp.bfloat16), _spec("q4_0", 256, 1024), interpret=True)
+    impls = {impl.name: impl for impl in registry.implementations("matmul")}
+    assert impls["mosaic_gpu"].priority > impls["triton"].priority
+    if jax.default_backend() != "gpu":
+        assert not impls["mosaic_gpu"].is_available()
+
+
+def test_permuted_x_and_int4_codes_give_the_reference_product():
+    """What the kernel computes, in plain jnp: the int4 view of qs, XOR -8, times d per block,
+    against x permuted within each 32-block."""
+    n, k = 64, 512
+    w = random_weight("q4_0", n, k, np.random.default_rng(0))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((5, k)), jnp.float32).astype(jnp.bfloat16)
+    codes = (matmul_mgpu.codes_view(w.planes["qs"], n, k) ^ jnp.int4(-8)).astype(jnp.float32)
+    d = jnp.asarray(w.planes["d"], jnp.float32)
+    deq = jnp.reshape(jnp.reshape(codes, (n, k // 32, 32)) * d[:, :, None], (n, k))
+    y = matmul_mgpu.permute_x(x).astype(jnp.float32) @ deq.T
+    assert relative_error(y, qmatmul_reference(x, w)) < 1e-5
+
+
+def test_split_reaches_the_target_grid():
+    assert matmul_mgpu.split_for(22016, 4096) == 1
+    assert matmul_mgpu.split_for(4096, 11008) == 5  # 64 row blocks x 5 >= 264
+    assert matmul_mgpu.split_for(256, 256) == 1  # never more splits than K steps
+
+
+@pytest.mark.parametrize("m,n,k,stack", [(8, 4096, 11008, 3), (1, 256, 1024, None), (64, 512, 4096, 2)])
+def test_lowers_for_cuda(m, n, k, stack):
+    pytest.importorskip("absl")  # jax's Mosaic GPU imports it
+    w = _spec("q4_0", n, k, stack)
+    if stack:
+        fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, layer=i)  # noqa: E731
+    else:
+        fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w)  # noqa: E731
+    lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((m, k), jnp.bfloat16), w,
+                                jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
