@@ -13,9 +13,10 @@ thing, so the gaps between them say what costs:
     reshape rather than after.
   * `prefetch`: the production kernel with each step's planes loaded one step ahead (carried in
     registers through the loop), in case the loads are not pipelined by Triton.
-  * `mgpu_mma`: a first Mosaic GPU q4_0 kernel (`mgpu_q4_0`, codes repacked to int4 for it):
-    TMA pipeline, int4 -> bf16 in registers, one wgmma per 32-block, scaled sums. `block_k`
-    sets its K step in elements (twice the variant's value), `num_stages` the steps in flight.
+  * `mgpu_mma`: the Mosaic GPU decode kernel (pallas_kernels/matmul_mgpu.py; its module
+    constants set its tiling, the variant's tuning is ignored). The runs of 2026-11-29 14:17 and
+    14:19 used its first cut, written here, which read int4 codes and transposed scales
+    repacked for it and took the layer as a compile-time constant.
   * `mgpu_stream`: the planes streamed by TMA into shared memory by a Mosaic GPU kernel
     (`block_n` rows per CTA, `num_stages` steps in flight), nothing computed: the bar for `load`.
 
@@ -211,66 +212,6 @@ def mgpu_stream(qs2: jax.Array, d2: jax.Array, *, layer: int, n: int, block_n: i
                         grid_names=("rows",))(qs2, d2)
 
 
-def mgpu_q4_0(x, codes, scales_t, *, layer: int, n: int, block_n: int = 64, tile_k: int = 256, stages: int = 4,
-              split: int = 1):
-    """Mosaic GPU q4_0 decode matmul, a first cut: x [M, K] bf16 (M a multiple of 8), codes
-    [L*N, K] int4 (q - 8, natural K order), scales_t [L, K/32, N] f16; returns partial sums
-    [split, N, M] f32 for matrix `layer`. One warpgroup per `block_n` rows and K split `split`
-    ways (uneven ranges of K steps where the steps do not divide). A TMA pipeline brings x,
-    codes and scales on chip; each step's codes become bf16 in registers (wgmma layout) and meet
-    x in one 64 x M x 32 wgmma per 32-block, all issued before one wait; each block's result is
-    scaled by its scales and summed."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu  # imports absl; only where it runs
-
-    m, k = x.shape
-    nb = tile_k // 32
-    if k % tile_k:
-        raise ValueError(f"K={k} is not a multiple of the K step {tile_k}")
-    steps = k // tile_k
-    a_swz = plgpu.find_swizzle(tile_k * 4, "lhs")
-    a_tr = (plgpu.TilingTransform((8, a_swz * 8 // 4)), plgpu.SwizzleTransform(a_swz))
-    x_swz = plgpu.find_swizzle(32 * 16, "rhs")
-    x_tr = (plgpu.TilingTransform((8, x_swz * 8 // 16)), plgpu.SwizzleTransform(x_swz))
-
-    def kernel(x_gmem, c_gmem, s_gmem, o_gmem, o_smem):
-        blk, sid = lax.axis_index("rows"), lax.axis_index("split")
-        r0 = layer * n + blk * block_n
-        lo, hi = (sid * steps) // split, ((sid + 1) * steps) // split
-
-        def body(idx, x_smem, c_smem, s_smem, acc):
-            a = c_smem[...].astype(jnp.bfloat16)  # [BN, tile_k]
-
-            def blockdots(*acc_refs):
-                for b, acc_ref in enumerate(acc_refs):
-                    plgpu.wgmma(acc_ref, a[:, 32 * b:32 * (b + 1)],
-                                plgpu.transpose_ref(x_smem.at[:, pl.ds(32 * b, 32)], (1, 0)))
-                return [r[...] for r in acc_refs]
-
-            parts = pl.run_scoped(blockdots, *[plgpu.ACC((block_n, m), jnp.float32) for _ in range(nb)])
-            for b, part in enumerate(parts):
-                d = plgpu.load(s_smem.at[b], (), layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
-                acc = acc + part * lax.broadcast_in_dim(d, part.shape, [0])
-            return acc
-
-        acc0 = plgpu.layout_cast(jnp.zeros((block_n, m), jnp.float32), plgpu.Layout.WGMMA)
-        grid = (steps,) if split == 1 else (hi - lo,)
-        acc = plgpu.emit_pipeline(
-            body, grid=grid,
-            in_specs=[plgpu.BlockSpec((m, tile_k), lambda j: (0, lo + j), transforms=x_tr),
-                      plgpu.BlockSpec((block_n, tile_k), lambda j: (0, lo + j), transforms=a_tr),
-                      plgpu.BlockSpec((nb, block_n), lambda j: (lo + j, 0))],
-            max_concurrent_steps=stages, init_carry=acc0,
-        )(x_gmem, c_gmem.at[pl.ds(r0, block_n)], s_gmem.at[layer, :, pl.ds(blk * block_n, block_n)])
-        o_smem[...] = acc
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sid, pl.ds(blk * block_n, block_n)])
-        plgpu.wait_smem_to_gmem(0)
-
-    return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((split, n, m), jnp.float32),
-                        grid=(n // block_n, split), grid_names=("rows", "split"),
-                        scratch_types=[plgpu.SMEM((block_n, m), jnp.float32)])(x, codes, scales_t)
-
-
 def parse_variant(spec: str, tuning: mt.TritonMatmulTuning):
     """`mode[@tiled][:key=value,...]` with keys of TritonMatmulTuning (block_n, block_k, split_k,
     num_warps, num_stages), `x_mask=1` (padding rows of x masked out of the loads, not fetched)
@@ -286,24 +227,11 @@ def parse_variant(spec: str, tuning: mt.TritonMatmulTuning):
     return mode, layout == "tiled", dataclasses.replace(tuning, **changes), extra
 
 
-def q4_0_to_int4(w: quant.QuantizedTensor):
-    """The layout mgpu_q4_0 reads: codes as int4 q - 8 in natural K order [L*N, K], scales
-    transposed [L, K/32, N]."""
-    layers, n, half = w.planes["qs"].shape
-    qs = jnp.reshape(w.planes["qs"], (layers, n, half // 16, 16)).astype(jnp.int8)
-    codes = jnp.concatenate([qs & 15, qs >> 4], axis=-1) - 8  # [L, N, K/32, 32]: low nibbles first
-    codes = jnp.reshape(codes, (layers * n, half * 2)).astype(jnp.int4)
-    return codes, jnp.transpose(w.planes["d"], (0, 2, 1))
-
-
 def run_variant(mode, tiled, extra, x, w, tuning):
     if mode == "mgpu_mma":
-        codes, scales_t = jax.jit(q4_0_to_int4)(w)
-        n = w.shape[0]
-        fn = jax.jit(mgpu_q4_0, static_argnames=("layer", "n", "block_n", "tile_k", "stages", "split"))
-        split = max(1, -(-264 // (n // 64)))  # about two CTAs per SM
-        return lambda l: jnp.sum(fn(x, codes, scales_t, layer=l, n=n, block_n=64, tile_k=tuning.block_k * 2,
-                                    stages=tuning.num_stages, split=split), axis=0).T
+        from pallas_kernels import matmul_mgpu
+
+        return lambda l: matmul_mgpu.qmatmul_mgpu(x, w, layer=l)
     if mode == "mgpu_stream":
         layers, n, half = w.planes["qs"].shape
         qs2 = jnp.reshape(w.planes["qs"], (layers * n, half))

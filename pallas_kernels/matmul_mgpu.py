@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import registry
-from pallas_kernels.quant import QuantizedTensor
+from pallas_kernels.quant import QuantizedTensor, check_layer
 
 SUPPORTED_FORMATS = ("q4_0",)
 MAX_ROWS = 64  # rows of x: decode; prefill (compute-bound) stays with the Triton kernel
@@ -60,10 +60,7 @@ def _plgpu():
 def _check_supported(x: jax.Array, w: QuantizedTensor, layer) -> None:
     if w.fmt not in SUPPORTED_FORMATS:
         raise NotImplementedError(f"mosaic_gpu matmul takes {', '.join(SUPPORTED_FORMATS)}; not {w.fmt}")
-    if layer is None and w.stack_shape:
-        raise ValueError(f"a stack {w.stack_shape} of matrices needs a layer index")
-    if layer is not None and len(w.stack_shape) != 1:
-        raise ValueError(f"a layer index needs a one-dim stack of matrices, got stack {w.stack_shape}")
+    check_layer(w, layer)
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"x {list(x.shape)} does not match weight [{n}, {k}]")

@@ -52,7 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import registry
-from pallas_kernels.quant import QuantizedTensor
+from pallas_kernels.quant import QuantizedTensor, check_layer
 
 # jax 0.10.2 and 0.11.x name it CompilerParams; older releases TritonCompilerParams. Looked up by
 # attribute so that a missing name fails loudly at import, not hidden behind an ImportError.
@@ -401,10 +401,7 @@ def _mma_kernel(x_ref, layer_ref, *refs, fmt: str, names: Sequence[str], s: int,
 def _check_supported(w: QuantizedTensor, layer) -> None:
     if w.fmt not in SPECS:
         raise NotImplementedError(f"triton matmul takes {', '.join(SUPPORTED_FORMATS)}; not {w.fmt}")
-    if layer is None and w.stack_shape:
-        raise ValueError(f"a stack {w.stack_shape} of matrices needs a layer index")
-    if layer is not None and len(w.stack_shape) != 1:
-        raise ValueError(f"a layer index needs a one-dim stack of matrices, got stack {w.stack_shape}")
+    check_layer(w, layer)
     n, k = w.shape
     spec = SPECS[w.fmt]
     if k % spec.unit:

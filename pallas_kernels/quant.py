@@ -171,16 +171,22 @@ class QuantizedTensor:
         return f"QuantizedTensor({self.fmt}, shape={self.shape}, {planes})"
 
 
+def check_layer(qt: QuantizedTensor, layer: jax.Array | int | None) -> None:
+    """Raises ValueError unless `layer` fits `qt`: None for a single matrix, an index (traced or
+    not) for a one-dim stack [L, N, K]."""
+    stack = qt.stack_shape
+    if layer is None and stack:
+        raise ValueError(f"a stack {stack} of matrices needs a layer index")
+    if layer is not None and len(stack) != 1:
+        raise ValueError(f"a layer index needs a one-dim stack of matrices, got stack {stack}")
+
+
 def layer_of(qt: QuantizedTensor, layer: jax.Array | int | None) -> QuantizedTensor:
     """Matrix `layer` of a one-dim stack [L, N, K] (a traced index is fine), or `qt` itself
     when `layer` is None (then it must be a single matrix)."""
-    stack = qt.stack_shape
+    check_layer(qt, layer)
     if layer is None:
-        if stack:
-            raise ValueError(f"a stack {stack} of matrices needs a layer index")
         return qt
-    if len(stack) != 1:
-        raise ValueError(f"a layer index needs a one-dim stack of matrices, got stack {stack}")
     planes = {k: jax.lax.dynamic_index_in_dim(p, layer, axis=0, keepdims=False) for k, p in qt.planes.items()}
     return QuantizedTensor(planes, qt.fmt, qt.shape)
 
