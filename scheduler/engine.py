@@ -302,13 +302,27 @@ class Engine:
 
     # ---- the engine thread ----
 
+    @staticmethod
+    def _close_model(model: StepModel | None) -> None:
+        """A model with `close()` (model.multihost.LeaderRunner: it ends the other processes'
+        step loops) is closed once the engine stops stepping it."""
+        close = getattr(model, "close", None)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - stopping anyway; the log says why the others may hang
+            log.exception("closing the model failed")
+
     def _main(self) -> None:
+        model = None
         try:
             model = self._factory()
             self._adopt(model)
             model.warmup()
         except BaseException as exc:  # noqa: BLE001 - whatever it is, streams and /health must know
             log.exception("the model failed to load")
+            self._close_model(model)
             self._fail(exc)
             self._settled.set()
             self._serve_failed()
@@ -324,9 +338,11 @@ class Engine:
             self._run()
         except BaseException as exc:  # noqa: BLE001 - whatever it is, streams and /health must know
             log.exception("the engine thread failed")
+            self._close_model(model)
             self._fail(exc)
             self._serve_failed()
             return
+        self._close_model(model)
         self._end_all(FINISH_ERROR, "the engine is shutting down")
         self._publish("stopped")
         log.info("engine stopped")

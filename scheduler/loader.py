@@ -50,11 +50,31 @@ def build_engine(
         "kv_dtype": engine_config.kv_dtype,
         "backend": jax.default_backend(),
     }
+    if jax.process_count() > 1:  # process 0 of several: the others follow its step plans
+        from model.multihost import LeaderRunner
+
+        def factory():
+            return LeaderRunner(loaded.make_runner(engine_config))
+    else:
+        def factory():
+            return loaded.make_runner(engine_config)
     engine = Engine(
-        lambda: loaded.make_runner(engine_config),
+        factory,
         loaded.tokenizer,
         engine_config,
         model_name=loaded.name,
         info=info,
     )
     return engine  # the caller starts it (server/__main__.py: start, wait_ready, info)
+
+
+def run_follower(model_path: str | os.PathLike[str], engine_config: EngineConfig) -> int:
+    """A process other than 0 after `jax.distributed.initialize`: loads the same model with the
+    same config as process 0, compiles the same programs and runs process 0's step plans until
+    its engine stops (model/multihost.py). Returns the number of steps run."""
+    from model.multihost import follow
+
+    engine_config = resolve_kv_dtype(engine_config)
+    loaded = load_model(model_path, engine_config)
+    engine_config = fit_engine_config(engine_config, loaded.config.context_length)
+    return follow(loaded.make_runner(engine_config))

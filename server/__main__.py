@@ -88,13 +88,53 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JAX persistent compilation cache directory (default: in the model cache; 'none' disables)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model over N devices of this host (or of every host after jax.distributed)")
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="serve from several processes (hosts): process 0's address for jax.distributed; "
+                        "with --num-processes and --process-id. Process 0 serves HTTP, the others follow it")
+    p.add_argument("--num-processes", type=int, metavar="N", help="processes in the job (with --coordinator)")
+    p.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1 (with --coordinator)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.add_argument("--fetch-model", action="store_true", help="download the default model into the cache and exit")
     return p
 
 
+def check_distributed(args: argparse.Namespace) -> None:
+    """Raises ValueError unless --coordinator, --num-processes and --process-id come together and fit."""
+    given = [args.coordinator is not None, args.num_processes is not None, args.process_id is not None]
+    if not any(given):
+        return
+    if not all(given):
+        raise ValueError("--coordinator, --num-processes and --process-id go together")
+    if args.num_processes < 2:
+        raise ValueError("--num-processes must be >= 2")
+    if not 0 <= args.process_id < args.num_processes:
+        raise ValueError(f"--process-id must be in [0, {args.num_processes})")
+
+
+def _join_processes(args: argparse.Namespace) -> None:
+    """jax.distributed.initialize, before anything else starts JAX's backends."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU backends: collectives across processes
+    jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
+    log.info("process %d of %d; %d devices in all", jax.process_index(), jax.process_count(), jax.device_count())
+
+
+def _follow(model: pathlib.Path | None, engine_config: EngineConfig, compile_cache: pathlib.Path | None) -> int:
+    import jax
+
+    from scheduler.loader import run_follower
+
+    if compile_cache is not None:
+        jax.config.update("jax_compilation_cache_dir", str(compile_cache))
+    steps = run_follower(model if model is not None else ensure_default_model(), engine_config)
+    log.info("process 0 stopped; ran %d steps", steps)
+    return 0
+
+
 def build_configs(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str]) -> tuple[EngineConfig, ServerConfig]:
     """Raises ValueError for values the configs refuse (ChatTemplateError for a bad template file)."""
+    check_distributed(args)
     engine_config = EngineConfig(
         num_slots=args.slots,
         max_context=args.max_context,
@@ -193,6 +233,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--model: no such file {args.model}")
 
     log.info("engine config: %s", dataclasses.asdict(engine_config))
+    if args.coordinator is not None:
+        _join_processes(args)
+        if args.process_id != 0:
+            return _follow(args.model, engine_config, _compile_cache_dir(args.compile_cache))
     holder = EngineHolder()
     app = create_app(
         server_config,

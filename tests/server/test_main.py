@@ -101,3 +101,14 @@ def test_prefill_chunks_flag() -> None:
     for bad in ("0,64", "a,64", ""):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["--prefill-chunks", bad])
+
+
+def test_distributed_flags_go_together() -> None:
+    engine, _ = build_configs(build_parser().parse_args(
+        ["--coordinator", "10.0.0.1:1234", "--num-processes", "2", "--process-id", "1"]), {})
+    assert engine.num_slots == 8
+    for bad in (["--coordinator", "h:1"], ["--coordinator", "h:1", "--num-processes", "2"],
+                ["--coordinator", "h:1", "--num-processes", "1", "--process-id", "0"],
+                ["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"]):
+        with pytest.raises(ValueError):
+            build_configs(build_parser().parse_args(bad), {})

@@ -1,0 +1,159 @@
+"""Serving from two processes (model/multihost.py): two subprocesses joined by
+`jax.distributed.initialize` on the CPU (gloo collectives), two devices each, the model split
+tp=4 over all four. Process 0 generates through a `LeaderRunner`; process 1 runs `follow`.
+Both must run the same plans (with the seeds the leader drew) and see the same tokens, which
+must equal one process without tensor parallelism; and the follower must stop when the
+leader closes."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from model.config import EngineConfig
+from model.loader import load_model
+from model.multihost import with_seeds
+from model.offline import generate
+from model.step_types import SamplingParams, SlotSetup, StepPlan
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+MAKE_GGUF = ROOT / "bench" / "make_synthetic_gguf.py"
+PROMPTS = [[1, 5, 9, 200, 300], [1, 77, 78, 79, 80, 81], [1] + list(range(400, 430))]
+
+
+def engine_config(tp: int) -> EngineConfig:
+    return EngineConfig(num_slots=4, max_context=64, prefill_budget=16, prefill_chunks=(16,), context_buckets=(64,),
+                        max_top_logprobs=4, tensor_parallel=tp)
+
+
+WORKER = r'''
+import json, sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+path, port, pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid)
+from model.loader import load_model
+from model.multihost import LeaderRunner, follow
+from model.offline import generate
+from model.step_types import SamplingParams
+from tests.model.test_multihost import PROMPTS, engine_config
+
+cfg = engine_config(4)
+runner = load_model(path, cfg).make_runner(cfg)
+
+def seeds(plan):
+    return [s.sampling.seed for s in plan.setups]
+
+
+if pid == 0:
+    ran = []  # the plans the leader's own runner ran (seeds filled in)
+
+    class Recording:
+        def __init__(self, inner):
+            self.inner = inner
+            for name in ("num_slots", "max_context", "prefill_chunks", "max_top_logprobs", "decode_steps"):
+                setattr(self, name, getattr(inner, name))
+
+        def warmup(self):
+            self.inner.warmup()
+
+        def dispatch(self, plan):
+            ran.append(seeds(plan))
+            return self.inner.dispatch(plan)
+
+    leader = LeaderRunner(Recording(runner))
+    leader.warmup()
+    greedy = generate(leader, PROMPTS, 8)
+    seeded = generate(leader, PROMPTS, 8, sampling=SamplingParams(temperature=0.9, top_p=0.95))  # seeds left open
+    leader.close()
+    print(json.dumps({"greedy": greedy, "seeded": seeded, "devices": jax.device_count(), "seeds": ran}))
+else:
+    seen, got = [], []
+
+    def on_step(plan, outs):
+        got.append(seeds(plan))
+        seen.append([[int(t) if v else None for t, v in zip(o.tokens, o.valid)] for o in outs])
+
+    steps = follow(runner, on_step=on_step)
+    print(json.dumps({"steps": steps, "outputs": seen, "seeds": got}))
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("multihost") / "tiny-tp-q8_0.gguf"
+    subprocess.run([sys.executable, str(MAKE_GGUF), "--shape", "tiny-tp", "--quant", "q8_0", "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=60)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tiny_path: pathlib.Path) -> tuple[dict, dict]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip())
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(tiny_path), port, str(pid)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for pid in (0, 1)]
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            if proc.returncode:
+                pytest.fail(f"worker {procs.index(proc)} failed:\n{err[-4000:]}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            proc.kill()
+    return results[0], results[1]
+
+
+def test_leader_tokens_equal_one_process_without_tensor_parallelism(two_processes, tiny_path):
+    leader, _ = two_processes
+    assert leader["devices"] == 4
+    cfg = engine_config(1)
+    runner = load_model(tiny_path, cfg).make_runner(cfg)
+    runner.warmup()
+    assert leader["greedy"] == generate(runner, PROMPTS, 8)
+
+
+def test_follower_ran_every_plan_with_the_same_outputs(two_processes):
+    leader, follower = two_processes
+    # generate(): one prefill step, then one decode step per further token, per call
+    assert follower["steps"] == 2 * 8
+    # the follower's sampled tokens, step by step, are the leader's
+    per_step = [step[0] for step in follower["outputs"]]
+    for run, first in ((leader["greedy"], 0), (leader["seeded"], 8)):
+        for i in range(8):
+            tokens = per_step[first + i]
+            assert [tokens[slot] for slot in range(len(PROMPTS))] == [run[slot][i] for slot in range(len(PROMPTS))]
+
+
+def test_with_seeds_draws_only_missing_seeds():
+    rng = np.random.default_rng(0)
+    plan = StepPlan(setups=(SlotSetup(0, SamplingParams(seed=5)), SlotSetup(1, SamplingParams())))
+    out = with_seeds(plan, rng)
+    assert out.setups[0].sampling.seed == 5 and out.setups[1].sampling.seed is not None
+    assert with_seeds(out, rng) is out
+
+
+def test_follower_gets_the_seeds_the_leader_drew(two_processes):
+    """Seeds a request leaves open are drawn once, by the leader, and sent with the plan: every
+    process must feed the SPMD programs the same host inputs. (The tokens alone would not show
+    it: on the CPU the replicated outputs followed process 0's inputs even with other seeds.)"""
+    leader, follower = two_processes
+    assert follower["seeds"] == leader["seeds"]
+    drawn = [s for step in leader["seeds"] for s in step]
+    assert len(drawn) == 2 * len(PROMPTS) and all(s is not None for s in drawn)

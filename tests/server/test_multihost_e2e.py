@@ -1,0 +1,85 @@
+"""`python -m server` from two processes (--coordinator, --num-processes, --process-id) on the
+CPU, one device each, the synthetic tiny-tp model split tp=2 over both: process 0 answers HTTP,
+process 1 follows its step plans, and process 1 exits once process 0 is stopped."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+MAKE_GGUF = ROOT / "bench" / "make_synthetic_gguf.py"
+DEADLINE_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("multihost-e2e") / "tiny-tp-q8_0.gguf"
+    subprocess.run([sys.executable, str(MAKE_GGUF), "--shape", "tiny-tp", "--quant", "q8_0", "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=60)
+    return out
+
+
+def test_two_processes_serve_and_stop_together(tiny_path, tmp_path):
+    port, coordinator = _free_port(), f"127.0.0.1:{_free_port()}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)  # one CPU device per process
+    common = ["--model", str(tiny_path), "--slots", "2", "--max-context", "512", "--prefill-budget", "64",
+              "--prefill-chunks", "64", "--tensor-parallel", "2", "--compile-cache", "none",
+              "--coordinator", coordinator, "--num-processes", "2"]
+    logs = [tmp_path / f"process{i}.log" for i in (0, 1)]
+    procs = []
+    try:
+        for i in (0, 1):
+            with open(logs[i], "w") as log:
+                procs.append(subprocess.Popen([sys.executable, "-m", "server", *common, "--process-id", str(i),
+                                               "--port", str(port)], cwd=ROOT, env=env, stdout=log,
+                                              stderr=subprocess.STDOUT))
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + DEADLINE_S
+        while True:
+            for i, proc in enumerate(procs):
+                if proc.poll() is not None:
+                    pytest.fail(f"process {i} exited with {proc.returncode}:\n{logs[i].read_text()[-4000:]}")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"not ready after {DEADLINE_S} s:\n{logs[0].read_text()[-3000:]}")
+            time.sleep(0.5)
+        health = httpx.get(base + "/health", timeout=5).json()
+        assert health["kernels"]  # the engine runs on process 0
+        for _ in range(2):  # two requests: setups, prefills and decodes all go through the broadcast
+            r = httpx.post(base + "/v1/completions", json={"prompt": "hello there", "max_tokens": 6,
+                                                            "temperature": 0}, timeout=120)
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["usage"]["completion_tokens"] >= 1
+        procs[0].send_signal(signal.SIGINT)
+        # uvicorn shuts down gracefully, then re-raises the signal it caught: -SIGINT for process 0
+        for i, proc in enumerate(procs):
+            try:
+                assert proc.wait(timeout=120) in ((0, -signal.SIGINT) if i == 0 else (0,)), logs[i].read_text()[-3000:]
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"process {i} did not stop:\n{logs[i].read_text()[-3000:]}")
+        assert "process 0 stopped" in logs[1].read_text()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
