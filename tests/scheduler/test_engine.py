@@ -537,3 +537,54 @@ def test_multi_step_waits_while_a_prompt_is_prefilled(make_engine, fake_model_cl
     _, second, first = run(two())
     assert second.final.finish_reason == "length" and first.final.finish_reason == "length"
     assert all(not (p.prefills and p.num_decode_steps > 1) for p in model.plans)
+
+
+# ---- closing the model (model.multihost.LeaderRunner ends the other processes this way) ----
+
+
+def test_model_is_closed_once_when_the_engine_stops(make_engine, fake_model_cls):
+    class Closable(fake_model_cls):
+        closed = 0
+
+        def close(self):
+            self.closed += 1
+
+    engine, model = make_engine(Closable())
+    run(collect_one(engine, req("a", max_tokens=3)))
+    assert model.closed == 0
+    engine.shutdown(5)
+    assert model.closed == 1
+
+
+def test_model_is_closed_when_the_engine_fails(make_engine, fake_model_cls):
+    class Closable(fake_model_cls):
+        closed = 0
+
+        def close(self):
+            self.closed += 1
+
+    model = Closable(fail_at_step=0)
+    engine, _ = make_engine(model)
+
+    async def main():
+        return await collect(engine.submit(req("a", max_tokens=3)))
+
+    assert run(main()).final.finish_reason == "error"
+    wait_until(lambda: engine.stats().state == "failed")
+    wait_until(lambda: model.closed == 1)
+
+
+def test_model_is_closed_when_its_warmup_fails(make_engine, fake_model_cls):
+    class BadWarmup(fake_model_cls):
+        closed = 0
+
+        def warmup(self):
+            raise RuntimeError("compile failed")
+
+        def close(self):
+            self.closed += 1
+
+    model = BadWarmup()
+    engine, _ = make_engine(model)
+    assert not engine.wait_ready(1)
+    assert engine.stats().state == "failed" and model.closed == 1
