@@ -322,9 +322,9 @@ class Engine:
             model.warmup()
         except BaseException as exc:  # noqa: BLE001 - whatever it is, streams and /health must know
             log.exception("the model failed to load")
-            self._close_model(model)
             self._fail(exc)
             self._settled.set()
+            self._close_model(model)  # after the failure is published: closing may wait on other processes
             self._serve_failed()
             return
         self._model = model
@@ -338,12 +338,12 @@ class Engine:
             self._run()
         except BaseException as exc:  # noqa: BLE001 - whatever it is, streams and /health must know
             log.exception("the engine thread failed")
-            self._close_model(model)
             self._fail(exc)
+            self._close_model(model)
             self._serve_failed()
             return
-        self._close_model(model)
         self._end_all(FINISH_ERROR, "the engine is shutting down")
+        self._close_model(model)
         self._publish("stopped")
         log.info("engine stopped")
 

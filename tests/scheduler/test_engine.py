@@ -587,4 +587,5 @@ def test_model_is_closed_when_its_warmup_fails(make_engine, fake_model_cls):
     model = BadWarmup()
     engine, _ = make_engine(model)
     assert not engine.wait_ready(1)
-    assert engine.stats().state == "failed" and model.closed == 1
+    assert engine.stats().state == "failed"
+    wait_until(lambda: model.closed == 1)  # closed after the failure is published
