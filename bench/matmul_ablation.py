@@ -303,10 +303,9 @@ def main() -> None:
                 times = kernel_times(d)
             if mode.startswith("mgpu"):
                 print("  kernels in the trace:", {nm[:60]: len(v) for nm, v in times.items()}, flush=True)
-            pattern = {"full": "qmatmul_mma", "mgpu_stream": "mgpu", "mgpu_mma": "mgpu"}.get(mode, "ablation_" + mode)
+            pattern = {"full": "qmatmul_mma", "mgpu_stream": "mosaic_gpu", "mgpu_mma": "mosaic_gpu"}.get(
+                mode, "ablation_" + mode)
             key = next((nm for nm in times if pattern in nm), None)
-            if key is None and mode.startswith("mgpu"):  # Mosaic kernels may carry another name: the busiest
-                key = max(times, key=lambda nm: len(times[nm]) * (len(times[nm]) >= args.layers))
             if key is None:
                 print(f"{shape} {spec}: kernel not found in {list(times)[:8]}", flush=True)
                 continue

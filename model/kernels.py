@@ -7,7 +7,7 @@ probed (traced, nothing compiled) on this model's own shapes, separately for dec
 `num_slots` rows) and prefill chunks, and one that refuses a format
 with `NotImplementedError` is passed over for that format only. Every choice is logged and
 shown on /health (e.g. `matmul_decode[q4_0]: mosaic_gpu`, `matmul[q4_0]: triton` for prefill,
-`matmul[q6_k]: reference`); a chosen kernel
+`matmul[q6_k]: reference`; `--kernels matmul_decode=...` forces the decode one alone); a chosen kernel
 that fails at run time raises, it never falls back.
 """
 
@@ -33,7 +33,9 @@ from pallas_kernels.quant import QuantizedTensor
 
 log = logging.getLogger(__name__)
 
-OPS = ("matmul", "embed", "attention_decode", "attention_prefill")
+# "matmul_decode" forces only the decode regime's matmul; "matmul" forces prefill, and decode too
+# unless "matmul_decode" is given.
+OPS = ("matmul", "matmul_decode", "embed", "attention_decode", "attention_prefill")
 
 
 def _spec(x: Any) -> jax.ShapeDtypeStruct:
@@ -103,20 +105,23 @@ def choose_kernels(
     act_dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
     # Per weight format, one implementation for decode (x of up to num_slots rows: bandwidth-bound)
-    # and one for prefill chunks (compute-bound), each taking every shape of that format.
+    # and one for prefill chunks (compute-bound, every chunk size above num_slots), each taking
+    # every matrix shape of that format. A chunk of at most num_slots rows runs the decode one.
     decode_rows = engine_cfg.num_slots
-    prefill_rows = sorted({engine_cfg.prefill_chunks[0], engine_cfg.prefill_chunks[-1]} - {decode_rows}) or [decode_rows]
+    prefill_rows = [c for c in engine_cfg.prefill_chunks if c > decode_rows] or [decode_rows]
     mats: dict[str, list[QuantizedTensor]] = {}
     for (fmt, _, _), w in sorted(_matrices(params).items()):
         mats.setdefault(fmt, []).append(w)
     decode_fns: dict[str, Any] = {}
     prefill_fns: dict[str, Any] = {}
     for fmt, ws in mats.items():
-        for key, fns, rows in ((f"matmul_decode[{fmt}]", decode_fns, [decode_rows]),
-                               (f"matmul[{fmt}]", prefill_fns, prefill_rows)):
+        for key, fns, rows, force in (
+            (f"matmul_decode[{fmt}]", decode_fns, [decode_rows], forced.get("matmul_decode", forced.get("matmul"))),
+            (f"matmul[{fmt}]", prefill_fns, prefill_rows, forced.get("matmul")),
+        ):
             probes = [(jax.ShapeDtypeStruct((m, local.shape[1]), act_dtype), local)
                       for w in ws for local in _shard_shapes(w, tp) for m in rows]
-            fns[fmt], names[key] = _choose("matmul", forced.get("matmul"), probes)
+            fns[fmt], names[key] = _choose("matmul", force, probes)
 
     embed_w = _matrices(Params(params.embed, None, params.output_norm, None, [], False))
     embed_fn, names["embed"] = _choose(

@@ -11,6 +11,14 @@ length, then the bytes padded to a power of two, so that only a few broadcast sh
 Seeds the plan leaves open are drawn by the leader before it sends the plan, so every process
 samples with the same ones. Pickle is safe here: the bytes only come from process 0 of the
 same job.
+
+Limits: every step waits for the broadcast (a device collective) before it is dispatched, so
+the leader loses the overlap of host work with the previous step. A process that fails or dies
+(process 0 failing to load its model included) leaves the others waiting in a collective:
+restart the whole job. Releasing them would need a channel outside the device collectives
+(the distributed runtime's key-value store), since a failing process may be at any point of
+the others' collective sequence (tried: a broadcast sent when process 0's load failed was
+matched by a collective of the follower's own load and hung it).
 """
 
 from __future__ import annotations

@@ -3,17 +3,21 @@
 
 It reads the planes `pallas_kernels.quant.repack` built, in place (no layout of its own):
 
-  * codes: the `qs` plane [N, K/32, 16] uint8 seen as int4 [N, K] (a free bitcast). JAX packs
+  * codes: the `qs` plane [N, K/2] uint8 (16 bytes per 32-block) seen as int4 [N, K] (a free
+    bitcast). JAX packs
     int4 low nibble first, so int4 element 32 g + 2 l + h of a row is nibble h of byte l of
     block g, i.e. weight element 32 g + 16 h + l. x is permuted the same way outside the kernel
     (x_perm[:, 32 g + 2 l + h] = x[:, 32 g + 16 h + l]), which leaves the dot product unchanged.
     A nibble holds the unsigned code q; as int4 it reads q - 16 [q >= 8], and XOR with -8 (the
     sign bit) turns that into q - 8, the centred Q4_0 value.
-  * scales: the matrix's `d` plane [N, K/32] f16, transposed to [K/32, N] per call (one small
-    XLA fusion that reads only this layer's scales, about 1/9 of the matrix's bytes): the kernel
-    needs each block's 64 scales contiguous, to load them as the row vector that scales a
+  * scales: the matrix's `d` plane [N, K/32] f16, transposed to [K/32, N] outside the kernel:
+    it needs each block's 64 scales contiguous, to load them as the row vector that scales a
     [64, M] result (a column of the [64, K/32] tile is a strided ref, which Mosaic GPU refuses to
-    load in that layout). Holding the transposed plane from load time would save the fusion.
+    load in that layout). In the served step this costs more than it should: XLA hoists a
+    transpose of the whole stacked plane out of the layer loop and then copies one layer of it
+    per call, about 0.8 ms per step of a 7B model on the H200 with the x permutation
+    (bench/results/trace-20261129-142730.json). Holding the plane transposed from load time
+    would remove it.
 
 One warpgroup per 64 rows of the weight (the wgmma M dimension) and a split of K; a TMA pipeline
 (`emit_pipeline`, `stages` steps in flight) brings each step's x slice [M, tile_k], codes
@@ -27,7 +31,9 @@ Exact up to f32 summation: the int4 codes and bf16 x are exact in bf16, and thei
 exact in the f32 accumulator. It takes bf16 x only (the GPU engine's activations); f32 x is
 refused rather than rounded.
 
-bench/matmul_ablation.py (variant `mgpu_mma`) measured it against the Triton kernel on the H200.
+bench/matmul_ablation.py (variant `mgpu_mma`) times it against the Triton kernel; the recorded
+runs (bench/results/ablation-20261129-14*.json) timed its first cut, which read pre-transposed
+scales and took the layer as a constant.
 """
 
 from __future__ import annotations
@@ -192,15 +198,14 @@ def qmatmul_mgpu(
 
 
 def _is_available() -> bool:
+    """A Hopper GPU (compute capability 9.x: wgmma and TMA). A Mosaic GPU import that fails
+    there raises: absl-py is a dependency, so that is a broken install, not a missing feature."""
     if jax.default_backend() != "gpu":
         return False
-    kind = jax.devices()[0].device_kind.lower()
-    if not any(h in kind for h in ("h100", "h200", "h800", "gh200")):
-        return False  # wgmma and TMA: Hopper
-    try:
-        _plgpu()
-    except ImportError:
+    major = str(getattr(jax.devices()[0], "compute_capability", "0")).split(".")[0]
+    if major != "9":
         return False
+    _plgpu()
     return True
 
 

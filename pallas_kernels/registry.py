@@ -6,7 +6,8 @@ calls the returned function from then on; `describe` feeds /health. There is no 
 call time: a chosen implementation that fails raises.
 
 An implementation raises `NotImplementedError(reason)` for input it cannot take; `choose`
-detects that by tracing it on `probe_args` (`jax.eval_shape`: nothing is compiled or run).
+detects that by tracing it on `probe_args` and each of `probes` (`jax.eval_shape`: nothing is
+compiled or run), and picks the first that takes them all.
 """
 
 from __future__ import annotations

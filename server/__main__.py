@@ -111,13 +111,15 @@ def check_distributed(args: argparse.Namespace) -> None:
         raise ValueError(f"--process-id must be in [0, {args.num_processes})")
 
 
-def _join_processes(args: argparse.Namespace) -> None:
-    """jax.distributed.initialize, before anything else starts JAX's backends."""
+def _join_processes(args: argparse.Namespace) -> int:
+    """jax.distributed.initialize, before anything else starts JAX's backends; returns the number
+    of devices of all processes."""
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU backends: collectives across processes
     jax.distributed.initialize(args.coordinator, num_processes=args.num_processes, process_id=args.process_id)
     log.info("process %d of %d; %d devices in all", jax.process_index(), jax.process_count(), jax.device_count())
+    return jax.device_count()
 
 
 def _follow(model: pathlib.Path | None, engine_config: EngineConfig, compile_cache: pathlib.Path | None) -> int:
@@ -234,7 +236,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     log.info("engine config: %s", dataclasses.asdict(engine_config))
     if args.coordinator is not None:
-        _join_processes(args)
+        devices = _join_processes(args)
+        if engine_config.tensor_parallel != devices:
+            log.error("with several processes, --tensor-parallel must be the number of devices of all of "
+                      "them (%d), got %d", devices, engine_config.tensor_parallel)
+            return 2
         if args.process_id != 0:
             return _follow(args.model, engine_config, _compile_cache_dir(args.compile_cache))
     holder = EngineHolder()

@@ -90,3 +90,19 @@ def test_errors():
     reg.register("lonely", "gpu_only", fast, is_available=lambda: False)
     with pytest.raises(RuntimeError, match="no implementation of op 'lonely'"):
         reg.choose("lonely")
+
+
+def test_choose_takes_the_first_implementation_accepting_every_probe():
+    reg = make()
+    rows16 = (jax.ShapeDtypeStruct((16, 8), jnp.float32),)
+    assert reg.choose("op", probes=[rows16]) is fussy  # highest available priority that takes it
+    assert reg.choose("op", probes=[rows16, SPEC]) is fast  # fussy refuses the second probe
+    assert reg.choose("op", probe_args=rows16, probes=[SPEC]) is fast  # probe_args counts as one more
+
+
+def test_forced_implementation_must_accept_every_probe():
+    reg = make()
+    rows16 = (jax.ShapeDtypeStruct((16, 8), jnp.float32),)
+    assert reg.choose("op", "fussy", probes=[rows16]) is fussy
+    with pytest.raises(NotImplementedError, match="forced implementation 'fussy'"):
+        reg.choose("op", "fussy", probes=[rows16, SPEC])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -34,21 +35,28 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return out
 
 
-def test_two_processes_serve_and_stop_together(tiny_path, tmp_path):
-    port, coordinator = _free_port(), f"127.0.0.1:{_free_port()}"
+def _start(models: list[pathlib.Path], port: int, tmp_path: pathlib.Path):
+    """Two `python -m server` processes joined through a local coordinator; process i loads models[i]."""
+    coordinator = f"127.0.0.1:{_free_port()}"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)  # one CPU device per process
-    common = ["--model", str(tiny_path), "--slots", "2", "--max-context", "512", "--prefill-budget", "64",
-              "--prefill-chunks", "64", "--tensor-parallel", "2", "--compile-cache", "none",
-              "--coordinator", coordinator, "--num-processes", "2"]
+    common = ["--slots", "2", "--max-context", "512", "--prefill-budget", "64", "--prefill-chunks", "64",
+              "--tensor-parallel", "2", "--compile-cache", "none", "--coordinator", coordinator,
+              "--num-processes", "2", "--port", str(port)]
     logs = [tmp_path / f"process{i}.log" for i in (0, 1)]
     procs = []
+    for i in (0, 1):
+        with open(logs[i], "w") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "server", "--model", str(models[i]), *common,
+                                           "--process-id", str(i)], cwd=ROOT, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT))
+    return procs, logs
+
+
+def test_two_processes_serve_and_stop_together(tiny_path, tmp_path):
+    port = _free_port()
+    procs, logs = _start([tiny_path, tiny_path], port, tmp_path)
     try:
-        for i in (0, 1):
-            with open(logs[i], "w") as log:
-                procs.append(subprocess.Popen([sys.executable, "-m", "server", *common, "--process-id", str(i),
-                                               "--port", str(port)], cwd=ROOT, env=env, stdout=log,
-                                              stderr=subprocess.STDOUT))
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + DEADLINE_S
         while True:
@@ -78,7 +86,8 @@ def test_two_processes_serve_and_stop_together(tiny_path, tmp_path):
                 assert proc.wait(timeout=120) in ((0, -signal.SIGINT) if i == 0 else (0,)), logs[i].read_text()[-3000:]
             except subprocess.TimeoutExpired:
                 pytest.fail(f"process {i} did not stop:\n{logs[i].read_text()[-3000:]}")
-        assert "process 0 stopped" in logs[1].read_text()
+        ran = re.search(r"process 0 stopped; ran (\d+) steps", logs[1].read_text())
+        assert ran and int(ran.group(1)) >= 2 * 6  # two requests: a prefill and several decodes each
     finally:
         for proc in procs:
             if proc.poll() is None:
