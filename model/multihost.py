@@ -37,6 +37,7 @@ from model.step_types import StepOutput, StepPlan
 log = logging.getLogger(__name__)
 
 _MIN_PAYLOAD = 256  # bytes: the smallest padded broadcast
+_WARM_PAYLOAD = 1 << 16  # broadcast sizes up to this one are compiled in warmup: plans are far smaller
 
 
 def broadcast_bytes(payload: bytes | None) -> bytes:
@@ -53,6 +54,15 @@ def broadcast_bytes(payload: bytes | None) -> bytes:
         buf[:n] = np.frombuffer(payload, np.uint8)
     buf = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=is_source))
     return buf[:n].tobytes()
+
+
+def warm_broadcasts() -> None:
+    """Compiles the broadcasts of every padded size up to _WARM_PAYLOAD (a collective sequence
+    that every process runs in warmup), so that serving compiles nothing."""
+    size = _MIN_PAYLOAD
+    while size <= _WARM_PAYLOAD:
+        broadcast_bytes(bytes(size) if jax.process_index() == 0 else None)
+        size *= 2
 
 
 def with_seeds(plan: StepPlan, rng: np.random.Generator) -> StepPlan:
@@ -84,6 +94,7 @@ class LeaderRunner:
 
     def warmup(self) -> None:
         self._runner.warmup()  # compiling is local to each process: followers compile their own
+        warm_broadcasts()
 
     def dispatch(self, plan: StepPlan):
         if self._closed:
@@ -103,6 +114,7 @@ def follow(runner: Any, on_step: Callable[[StepPlan, list[StepOutput]], None] | 
     number of steps run. `on_step` sees each plan and its outputs (tests compare them with the
     leader's)."""
     runner.warmup()
+    warm_broadcasts()
     log.info("process %d: following process 0's step plans", jax.process_index())
     steps = 0
     while True:
