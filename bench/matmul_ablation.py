@@ -13,8 +13,8 @@ thing, so the gaps between them say what costs:
     reshape rather than after.
   * `prefetch`: the production kernel with each step's planes loaded one step ahead (carried in
     registers through the loop), in case the loads are not pipelined by Triton.
-  * `mgpu_mma`: the Mosaic GPU decode kernel (pallas_kernels/matmul_mgpu.py; its module
-    constants set its tiling, the variant's tuning is ignored). The runs of 2026-11-29 14:17 and
+  * `mgpu_mma`: the Mosaic GPU decode kernel (pallas_kernels/matmul_mgpu.py): `block_k` sets its
+    K step in elements (twice the variant's value: 128 -> 256), `num_stages` its steps in flight. The runs of 2026-11-29 14:17 and
     14:19 used its first cut, written here, which read int4 codes and transposed scales
     repacked for it and took the layer as a compile-time constant.
   * `mgpu_stream`: the planes streamed by TMA into shared memory by a Mosaic GPU kernel
@@ -231,7 +231,8 @@ def run_variant(mode, tiled, extra, x, w, tuning):
     if mode == "mgpu_mma":
         from pallas_kernels import matmul_mgpu
 
-        return lambda l: matmul_mgpu.qmatmul_mgpu(x, w, layer=l)
+        mosaic = matmul_mgpu.MosaicMatmulTuning(tile_k=tuning.block_k * 2, stages=tuning.num_stages)
+        return lambda l: matmul_mgpu.qmatmul_mgpu(x, w, mosaic, layer=l)
     if mode == "mgpu_stream":
         layers, n, half = w.planes["qs"].shape
         qs2 = jnp.reshape(w.planes["qs"], (layers * n, half))

@@ -38,6 +38,7 @@ scales and took the layer as a constant.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -49,11 +50,30 @@ from pallas_kernels import registry
 from pallas_kernels.quant import QuantizedTensor, check_layer
 
 SUPPORTED_FORMATS = ("q4_0",)
-MAX_ROWS = 64  # rows of x: decode; prefill (compute-bound) stays with the Triton kernel
+MAX_ROWS = 64  # rows of x: decode; prefill (compute-bound) stays with the Triton kernel. Timed at 8.
 BLOCK_N = 64  # weight rows per warpgroup: the wgmma M
-TILE_K = 256  # K elements per pipeline step (8 blocks of 32)
-STAGES = 4
-TARGET_CTAS = 264  # about two per SM of the H200: K is split until the grid reaches it
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicMatmulTuning:
+    """Tiling of one call. The defaults won on the H200 (gate/up, q/k/v, down and output
+    projection of a 7B at M = 8, the kernel's first cut): `tile_k` 128 or 512, and 3 or 8
+    stages, were slower."""
+
+    tile_k: int = 256  # K elements per pipeline step: a power of 2, 64..512 (2..16 blocks of 32)
+    stages: int = 4  # pipeline steps in flight per warpgroup
+    target_ctas: int = 264  # K is split until the grid reaches this many (about two per SM)
+
+    def __post_init__(self) -> None:
+        if self.tile_k not in (64, 128, 256, 512):
+            raise ValueError(f"tile_k must be 64, 128, 256 or 512, got {self.tile_k!r}")
+        if not isinstance(self.stages, int) or self.stages < 1:
+            raise ValueError(f"stages must be an int >= 1, got {self.stages!r}")
+        if not isinstance(self.target_ctas, int) or self.target_ctas < 1:
+            raise ValueError(f"target_ctas must be an int >= 1, got {self.target_ctas!r}")
+
+
+DEFAULT_TUNING = MosaicMatmulTuning()
 
 
 def _plgpu():
@@ -63,7 +83,7 @@ def _plgpu():
     return plgpu
 
 
-def _check_supported(x: jax.Array, w: QuantizedTensor, layer) -> None:
+def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatmulTuning) -> None:
     if w.fmt not in SUPPORTED_FORMATS:
         raise NotImplementedError(f"mosaic_gpu matmul takes {', '.join(SUPPORTED_FORMATS)}; not {w.fmt}")
     check_layer(w, layer)
@@ -79,13 +99,13 @@ def _check_supported(x: jax.Array, w: QuantizedTensor, layer) -> None:
         raise NotImplementedError(f"mosaic_gpu matmul is the decode kernel: at most {MAX_ROWS} rows of x, got {m}")
     if n % BLOCK_N:
         raise NotImplementedError(f"mosaic_gpu matmul: N={n} is not a multiple of {BLOCK_N}")
-    if k % TILE_K:
-        raise NotImplementedError(f"mosaic_gpu matmul: K={k} is not a multiple of {TILE_K}")
+    if k % tuning.tile_k:
+        raise NotImplementedError(f"mosaic_gpu matmul: K={k} is not a multiple of the K step {tuning.tile_k}")
 
 
-def split_for(n: int, k: int) -> int:
-    """K splits: the fewest giving TARGET_CTAS warpgroups, at most one per K step."""
-    return max(1, min(k // TILE_K, -(-TARGET_CTAS // (n // BLOCK_N))))
+def split_for(n: int, k: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING) -> int:
+    """K splits: the fewest giving `target_ctas` warpgroups, at most one per K step."""
+    return max(1, min(k // tuning.tile_k, -(-tuning.target_ctas // (n // BLOCK_N))))
 
 
 def permute_x(x2: jax.Array) -> jax.Array:
@@ -100,19 +120,21 @@ def codes_view(qs: jax.Array, n: int, k: int) -> jax.Array:
     return jnp.reshape(lax.bitcast_convert_type(flat, jnp.int4), (flat.shape[0], k))
 
 
-def _kernel(layer_gmem, x_gmem, c_gmem, s_gmem, o_gmem, o_smem, *, n: int, m: int, steps: int, split: int,
-            stages: int):
+def _kernel(layer_gmem, x_gmem, c_gmem, s_gmem, o_gmem, o_smem, *, n: int, m: int, tile_k: int, steps: int,
+            split: int, stages: int):
+    """layer_gmem [1] int32; x_gmem [M, K] bf16 (permuted); c_gmem [L*N, K] int4 codes; s_gmem
+    [K/32, N] f16 scales of the layer; o_gmem [split, N, M] f32 partial sums; o_smem [64, M] f32."""
     plgpu = _plgpu()
-    nb = TILE_K // 32
+    nb = tile_k // 32
     blk, sid = lax.axis_index("rows"), lax.axis_index("split")
     row0 = layer_gmem[0] * n + blk * BLOCK_N
     lo, hi = (sid * steps) // split, ((sid + 1) * steps) // split
-    a_swz = plgpu.find_swizzle(TILE_K * 4, "lhs")
+    a_swz = plgpu.find_swizzle(tile_k * 4, "lhs")
     x_swz = plgpu.find_swizzle(32 * 16, "rhs")
 
     def body(idx, x_smem, c_smem, s_smem, acc):
         del idx
-        a = (c_smem[...] ^ jnp.int4(-8)).astype(jnp.bfloat16)  # [64, TILE_K]: q - 8, exact
+        a = (c_smem[...] ^ jnp.int4(-8)).astype(jnp.bfloat16)  # [64, tile_k]: q - 8, exact
 
         def blockdots(*acc_refs):
             for b, acc_ref in enumerate(acc_refs):
@@ -131,9 +153,9 @@ def _kernel(layer_gmem, x_gmem, c_gmem, s_gmem, o_gmem, o_smem, *, n: int, m: in
         body,
         grid=(steps,) if split == 1 else (hi - lo,),
         in_specs=[
-            plgpu.BlockSpec((m, TILE_K), lambda j: (0, lo + j),
+            plgpu.BlockSpec((m, tile_k), lambda j: (0, lo + j),
                             transforms=(plgpu.TilingTransform((8, x_swz * 8 // 16)), plgpu.SwizzleTransform(x_swz))),
-            plgpu.BlockSpec((BLOCK_N, TILE_K), lambda j: (0, lo + j),
+            plgpu.BlockSpec((BLOCK_N, tile_k), lambda j: (0, lo + j),
                             transforms=(plgpu.TilingTransform((8, a_swz * 8 // 4)), plgpu.SwizzleTransform(a_swz))),
             plgpu.BlockSpec((nb, BLOCK_N), lambda j: (lo + j, 0)),
         ],
@@ -146,8 +168,8 @@ def _kernel(layer_gmem, x_gmem, c_gmem, s_gmem, o_gmem, o_smem, *, n: int, m: in
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("stages",))
-def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, stages: int = STAGES) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("tuning",))
+def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning: MosaicMatmulTuning) -> jax.Array:
     plgpu = _plgpu()
     n, k = w.shape
     m = x2.shape[0]
@@ -160,8 +182,9 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, stages
     if d.ndim == 3:  # a stack: this layer's scales only
         d = lax.dynamic_index_in_dim(d, layer_arr[0], keepdims=False)
     scales = jnp.transpose(d)  # [K/32, N]
-    split = split_for(n, k)
-    kernel = functools.partial(_kernel, n=n, m=m_pad, steps=k // TILE_K, split=split, stages=stages)
+    split = split_for(n, k, tuning)
+    kernel = functools.partial(_kernel, n=n, m=m_pad, tile_k=tuning.tile_k, steps=k // tuning.tile_k, split=split,
+                               stages=tuning.stages)
     partial = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((split, n, m_pad), jnp.float32),
@@ -176,7 +199,7 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, stages
 def qmatmul_mgpu(
     x: jax.Array,  # [..., K] bf16
     w: QuantizedTensor,  # [N, K], or a stack [L, N, K] with `layer`
-    tuning=None,
+    tuning: MosaicMatmulTuning | None = None,
     *,
     layer: jax.Array | int | None = None,
     interpret: bool = False,
@@ -184,17 +207,17 @@ def qmatmul_mgpu(
     """x @ dequant(w).T through the Mosaic GPU decode kernel. Raises NotImplementedError for what it
     does not take (formats other than q4_0, x not bf16, more than 64 rows of x, N not a multiple
     of 64, K not a multiple of 256, interpret mode)."""
-    del tuning
     if interpret:
         raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
-    _check_supported(x, w, layer)
+    tuning = tuning or DEFAULT_TUNING
+    _check_supported(x, w, layer, tuning)
     n, k = w.shape
     lead = x.shape[:-1]
     x2 = jnp.reshape(x, (-1, k))
     if x2.shape[0] == 0:
         return jnp.zeros((*lead, n), jnp.float32)
     layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
-    return jnp.reshape(_qmatmul_jit(x2, w, layer_arr), (*lead, n))
+    return jnp.reshape(_qmatmul_jit(x2, w, layer_arr, tuning), (*lead, n))
 
 
 def _is_available() -> bool:

@@ -75,20 +75,35 @@ def test_permuted_x_and_int4_codes_give_the_reference_product():
     assert relative_error(y, qmatmul_reference(x, w)) < 1e-5
 
 
+@pytest.mark.parametrize("kwargs", [dict(tile_k=32), dict(tile_k=384), dict(stages=0), dict(target_ctas=0)])
+def test_tuning_validation(kwargs):
+    with pytest.raises(ValueError):
+        matmul_mgpu.MosaicMatmulTuning(**kwargs)
+
+
+def test_k_must_divide_by_the_tuned_step():
+    x, w = jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16), _spec("q4_0", 256, 1024)
+    jax.eval_shape(lambda x, w: matmul_mgpu._check_supported(x, w, None, matmul_mgpu.MosaicMatmulTuning(512)), x, w)
+    with pytest.raises(NotImplementedError, match="K step 256"):
+        jax.eval_shape(matmul_mgpu.qmatmul_mgpu, jax.ShapeDtypeStruct((8, 1152), jnp.bfloat16), _spec("q4_0", 256, 1152))
+
+
 def test_split_reaches_the_target_grid():
     assert matmul_mgpu.split_for(22016, 4096) == 1
     assert matmul_mgpu.split_for(4096, 11008) == 5  # 64 row blocks x 5 >= 264
     assert matmul_mgpu.split_for(256, 256) == 1  # never more splits than K steps
 
 
-@pytest.mark.parametrize("m,n,k,stack", [(8, 4096, 11008, 3), (1, 256, 1024, None), (64, 512, 4096, 2)])
-def test_lowers_for_cuda(m, n, k, stack):
+@pytest.mark.parametrize("m,n,k,stack,tile_k", [(8, 4096, 11008, 3, 256), (1, 256, 1024, None, 256),
+                                                (64, 512, 4096, 2, 256), (8, 512, 4096, 2, 512), (8, 512, 4096, 2, 64)])
+def test_lowers_for_cuda(m, n, k, stack, tile_k):
     pytest.importorskip("absl")  # jax's Mosaic GPU imports it
     w = _spec("q4_0", n, k, stack)
+    tuning = matmul_mgpu.MosaicMatmulTuning(tile_k)
     if stack:
-        fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, layer=i)  # noqa: E731
+        fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, tuning, layer=i)  # noqa: E731
     else:
-        fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w)  # noqa: E731
+        fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, tuning)  # noqa: E731
     lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((m, k), jnp.bfloat16), w,
                                 jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
