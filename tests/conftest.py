@@ -8,12 +8,16 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pathlib
+import socket
+import subprocess
+import sys
 
 import pytest
 
 from server.default_model import default_model_path
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+MAKE_GGUF = pathlib.Path(__file__).resolve().parents[1] / "bench" / "make_synthetic_gguf.py"
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +31,21 @@ def smollm2_path() -> pathlib.Path:
 @pytest.fixture(scope="session")
 def fixtures_dir() -> pathlib.Path:
     return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def tiny_tp_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """tiny-tp (8 heads, 4 kv heads, E=256, F=768, V=2048) in q8_0, written once per run by
+    bench/make_synthetic_gguf.py (run as a script: nothing imports bench/): it splits over 2 or
+    4 devices, and its greedy tokens vary."""
+    out = tmp_path_factory.mktemp("tiny-tp") / "tiny-tp-q8_0.gguf"
+    subprocess.run([sys.executable, str(MAKE_GGUF), "--shape", "tiny-tp", "--quant", "q8_0", "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=60)
+    return out
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for servers and coordinators the tests start)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

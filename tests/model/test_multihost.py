@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -22,9 +21,9 @@ from model.loader import load_model
 from model.multihost import with_seeds
 from model.offline import generate
 from model.step_types import SamplingParams, SlotSetup, StepPlan
+from tests.conftest import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-MAKE_GGUF = ROOT / "bench" / "make_synthetic_gguf.py"
 PROMPTS = [[1, 5, 9, 200, 300], [1, 77, 78, 79, 80, 81], [1] + list(range(400, 430))]
 
 
@@ -99,25 +98,11 @@ else:
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    out = tmp_path_factory.mktemp("multihost") / "tiny-tp-q8_0.gguf"
-    subprocess.run([sys.executable, str(MAKE_GGUF), "--shape", "tiny-tp", "--quant", "q8_0", "--out", str(out)],
-                   check=True, capture_output=True, text=True, timeout=60)
-    return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def two_processes(tiny_path: pathlib.Path) -> tuple[dict, dict]:
+def two_processes(tiny_tp_path: pathlib.Path) -> tuple[dict, dict]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip())
-    port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(tiny_path), port, str(pid)], cwd=ROOT, env=env,
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(tiny_tp_path), port, str(pid)], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for pid in (0, 1)]
     results = []
     try:
@@ -132,11 +117,11 @@ def two_processes(tiny_path: pathlib.Path) -> tuple[dict, dict]:
     return results[0], results[1]
 
 
-def test_leader_tokens_equal_one_process_without_tensor_parallelism(two_processes, tiny_path):
+def test_leader_tokens_equal_one_process_without_tensor_parallelism(two_processes, tiny_tp_path):
     leader, _ = two_processes
     assert leader["devices"] == 4
     cfg = engine_config(1)
-    runner = load_model(tiny_path, cfg).make_runner(cfg)
+    runner = load_model(tiny_tp_path, cfg).make_runner(cfg)
     runner.warmup()
     assert leader["greedy"] == generate(runner, PROMPTS, 8)
 

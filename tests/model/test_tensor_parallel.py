@@ -23,7 +23,6 @@ from pallas_kernels.quant import FORMATS, QuantizedTensor
 from server.__main__ import build_configs, build_parser
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-MAKE_GGUF = ROOT / "bench" / "make_synthetic_gguf.py"
 TP = "tp"
 
 # Runs in the subprocess. Writes one JSON object on stdout: per tp, the greedy and seeded tokens,
@@ -91,15 +90,6 @@ def run(path, tp):
 
 sys.stdout.write(json.dumps({tp: run(sys.argv[1], tp) for tp in (1, 2, 4)}))
 '''
-
-
-@pytest.fixture(scope="module")
-def tiny_tp_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """tiny-tp (8 heads, 4 kv heads, E=256, F=768, V=2048) in q8_0: its greedy tokens vary."""
-    out = tmp_path_factory.mktemp("tp") / "tiny-tp-q8_0.gguf"
-    subprocess.run([sys.executable, str(MAKE_GGUF), "--shape", "tiny-tp", "--quant", "q8_0", "--out", str(out)],
-                   check=True, capture_output=True, text=True, timeout=60)
-    return out
 
 
 def run_on_four_cpu_devices(worker: str, path: pathlib.Path, timeout: float) -> dict[int, dict]:

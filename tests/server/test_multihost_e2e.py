@@ -8,7 +8,6 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,28 +15,15 @@ import time
 import httpx
 import pytest
 
+from tests.conftest import free_port
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-MAKE_GGUF = ROOT / "bench" / "make_synthetic_gguf.py"
 DEADLINE_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    out = tmp_path_factory.mktemp("multihost-e2e") / "tiny-tp-q8_0.gguf"
-    subprocess.run([sys.executable, str(MAKE_GGUF), "--shape", "tiny-tp", "--quant", "q8_0", "--out", str(out)],
-                   check=True, capture_output=True, text=True, timeout=60)
-    return out
 
 
 def _start(models: list[pathlib.Path], port: int, tmp_path: pathlib.Path):
     """Two `python -m server` processes joined through a local coordinator; process i loads models[i]."""
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)  # one CPU device per process
     common = ["--slots", "2", "--max-context", "512", "--prefill-budget", "64", "--prefill-chunks", "64",
@@ -53,9 +39,9 @@ def _start(models: list[pathlib.Path], port: int, tmp_path: pathlib.Path):
     return procs, logs
 
 
-def test_two_processes_serve_and_stop_together(tiny_path, tmp_path):
-    port = _free_port()
-    procs, logs = _start([tiny_path, tiny_path], port, tmp_path)
+def test_two_processes_serve_and_stop_together(tiny_tp_path, tmp_path):
+    port = free_port()
+    procs, logs = _start([tiny_tp_path, tiny_tp_path], port, tmp_path)
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + DEADLINE_S
