@@ -1,0 +1,72 @@
+"""model/kernels.py chooses the matmul per weight format twice: for decode (x of up to num_slots
+rows) and for prefill chunks, probing every matrix shape of the format; at run time a call goes
+to one or the other by its rows. Checked with a decode-only implementation registered for the
+test beside the reference (what the Mosaic GPU kernel is on a Hopper GPU)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model.config import EngineConfig
+from model.kernels import choose_kernels
+from model.loader import load_model
+from pallas_kernels import registry
+from pallas_kernels.matmul import qmatmul_reference
+
+CALLS: list[int] = []
+
+
+def decode_only(x, w, tuning=None, *, layer=None, interpret=False):
+    rows = int(np.prod(x.shape[:-1]))
+    if rows > 8:
+        raise NotImplementedError("decode only: at most 8 rows")
+    CALLS.append(rows)
+    return qmatmul_reference(x, w, layer=layer)
+
+
+@pytest.fixture
+def with_decode_only():
+    impls, chosen = registry._REGISTRY._impls["matmul"], registry._REGISTRY._chosen
+    saved, saved_chosen = list(impls), dict(chosen)
+    registry.register("matmul", "decode_only", decode_only, priority=1000)
+    CALLS.clear()
+    yield
+    impls[:] = saved
+    chosen.clear()
+    chosen.update(saved_chosen)
+
+
+def _loaded(path, **kw):
+    cfg = EngineConfig(num_slots=8, max_context=64, prefill_budget=64, prefill_chunks=(8, 64), context_buckets=(64,),
+                       **kw)
+    return load_model(path, cfg), cfg
+
+
+def test_decode_and_prefill_are_chosen_and_routed_apart(tiny_tp_path, with_decode_only):
+    loaded, cfg = _loaded(tiny_tp_path)
+    names = loaded.kernel_names
+    assert names["matmul_decode[q8_0]"] == "decode_only"  # takes every shape at 8 rows
+    assert names["matmul[q8_0]"] == "reference"  # refuses the 64-row chunk
+    w = loaded.params.layers["wo"]
+    k = w.shape[1]
+    for rows, expect in ((8, [8]), (1, [1]), (64, [])):
+        CALLS.clear()
+        y = loaded.kernels.matmul(jnp.ones((rows, k), jnp.float32), w, layer=0)
+        assert y.shape == (rows, w.shape[0]) and CALLS == expect
+
+
+def test_forcing_the_decode_matmul_alone(tiny_tp_path, with_decode_only):
+    loaded, _ = _loaded(tiny_tp_path, kernels=(("matmul_decode", "reference"),))
+    assert loaded.kernel_names["matmul_decode[q8_0]"] == "reference"
+    loaded, _ = _loaded(tiny_tp_path, kernels=(("matmul", "reference"),))  # both regimes
+    assert loaded.kernel_names["matmul_decode[q8_0]"] == "reference" == loaded.kernel_names["matmul[q8_0]"]
+    with pytest.raises(NotImplementedError, match="forced implementation 'decode_only'"):
+        _loaded(tiny_tp_path, kernels=(("matmul", "decode_only"),))  # it cannot take the prefill chunk
+
+
+def test_unknown_forced_op_is_an_error(tiny_tp_path):
+    with pytest.raises(ValueError, match="unknown ops"):
+        _loaded(tiny_tp_path, kernels=(("matmul_prefill", "reference"),))
