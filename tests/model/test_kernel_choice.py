@@ -5,13 +5,11 @@ test beside the reference (what the Mosaic GPU kernel is on a Hopper GPU)."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from model.config import EngineConfig
-from model.kernels import choose_kernels
 from model.loader import load_model
 from pallas_kernels import registry
 from pallas_kernels.matmul import qmatmul_reference
