@@ -12,6 +12,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -98,23 +99,42 @@ else:
 
 
 @pytest.fixture(scope="module")
-def two_processes(tiny_tp_path: pathlib.Path) -> tuple[dict, dict]:
+def two_processes(tiny_tp_path: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    """Runs both workers; if one fails (or they hang), both are stopped and both logs shown."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip())
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(tiny_tp_path), port, str(pid)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for pid in (0, 1)]
-    results = []
+    logs = tmp_path_factory.mktemp("workers")
+    outs = [logs / f"worker{pid}.out" for pid in (0, 1)]
+    errs = [logs / f"worker{pid}.err" for pid in (0, 1)]
+    procs = []
+    for pid in (0, 1):
+        with open(outs[pid], "w") as out, open(errs[pid], "w") as err:
+            procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(tiny_tp_path), port, str(pid)], cwd=ROOT,
+                                          env=env, stdout=out, stderr=err))
+
+    def tails() -> str:
+        return "\n".join(f"--- worker {pid} (exit {procs[pid].poll()}):\n{errs[pid].read_text()[-3000:]}" for pid in (0, 1))
+
+    deadline = time.monotonic() + 300
     try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=300)
-            if proc.returncode:
-                pytest.fail(f"worker {procs.index(proc)} failed:\n{err[-4000:]}")
-            results.append(json.loads(out.strip().splitlines()[-1]))
+        while any(proc.poll() is None for proc in procs):
+            if any(proc.poll() not in (None, 0) for proc in procs):
+                break
+            if time.monotonic() > deadline:
+                pytest.fail(f"the workers did not finish in 300 s\n{tails()}")
+            time.sleep(0.2)
+        if any(proc.poll() != 0 for proc in procs):
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+            pytest.fail(f"a worker failed\n{tails()}")
     finally:
         for proc in procs:
-            proc.kill()
-    return results[0], results[1]
+            if proc.poll() is None:
+                proc.kill()
+    leader, follower = (json.loads(o.read_text().strip().splitlines()[-1]) for o in outs)
+    return leader, follower
 
 
 def test_leader_tokens_equal_one_process_without_tensor_parallelism(two_processes, tiny_tp_path):
