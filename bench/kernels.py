@@ -138,7 +138,7 @@ def bf16_matmul_rate(size: int, runs: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Impl:
-    name: str  # "triton", "triton:<variant>", "reference", "dense_bf16"
+    name: str  # "triton", "triton:<variant>", "mosaic_gpu", "reference", "dense_bf16"
     fn: object  # (x, w) -> [M, N] f32
     tuning: str = ""
 
@@ -270,6 +270,10 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
         for name in impl_names:
             if name == "triton":
                 impls += triton_impls(fmt, m, n, k, x_dtype, args.interpret, args.sweep, args.grid)
+            elif name == "mosaic_gpu":  # q4_0 decode only; other cases report its NotImplementedError
+                from pallas_kernels import matmul_mgpu
+
+                impls.append(Impl("mosaic_gpu", matmul_mgpu.qmatmul_mgpu, str(matmul_mgpu.DEFAULT_TUNING)))
             elif name == "reference":
                 impls.append(Impl("reference", qmatmul_reference, "xla dequant + dot (HIGHEST)"))
             elif name == "dense_bf16":
@@ -296,7 +300,7 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
                     row["rel_err"], row["ok"] = err, bool(err <= tol)
                     # the XLA reference is slow (tiled dequantize + dot): fewer matrices keep the
                     # run short, and its time is far above the launch cost anyway
-                    ws = weights if impl.name.startswith("triton") else weights[: args.ref_mats]
+                    ws = weights if impl.name != "reference" else weights[: args.ref_mats]
                     row["mats"] = len(ws)
                 t = time_impl(impl, x, ws, args.runs, ceilings["call_overhead_s"])
                 moved = plane_bytes(ws[0]) + x.size * x.dtype.itemsize + m * n * 4
@@ -371,7 +375,7 @@ def main(argv=None) -> None:
     ap.add_argument("--formats", default="q4_0,q8_0,q4_k,q6_k")
     ap.add_argument("--shapes", default=None, help="comma list of NxK or set names: " + ", ".join(SHAPE_SETS))
     ap.add_argument("--ms", default=None, help="rows of x, comma list (default 1,8,512; --interpret 1,8,20)")
-    ap.add_argument("--impls", default="triton,reference", help="triton, reference, dense_bf16")
+    ap.add_argument("--impls", default="triton,reference", help="triton, mosaic_gpu, reference, dense_bf16")
     ap.add_argument("--x-dtype", default="bf16", choices=["bf16", "f32"])
     ap.add_argument("--sweep", action="store_true", help="also time neighbours of the default triton tuning")
     ap.add_argument("--grid", action="store_true", help="also time a grid of block sizes, stages and split-K")
