@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gzip
 import json
 import os
 import pathlib
@@ -264,3 +265,17 @@ def git_rev() -> str | None:
 def model_facts(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = pathlib.Path(path)
     return {"path": str(p), "name": p.name, "file_gib": round(p.stat().st_size / 2**30, 3)}
+
+
+def device_trace_events(log_dir: str | os.PathLike[str]) -> list[dict] | None:
+    """The complete events on the device tracks (process names with /device:GPU) of the newest
+    `jax.profiler` trace under log_dir; None when there is no trace file."""
+    files = sorted(pathlib.Path(log_dir).rglob("*.trace.json.gz"))
+    if not files:
+        return None
+    with gzip.open(files[-1]) as f:
+        trace = json.load(f)
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in trace.get("traceEvents", [])
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {pid for pid, name in names.items() if "/device:GPU" in name}
+    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("pid") in gpu]

@@ -36,8 +36,6 @@ import argparse
 import collections
 import dataclasses
 import functools
-import gzip
-import json
 import pathlib
 import sys
 import tempfile
@@ -246,16 +244,10 @@ def run_variant(mode, tiled, extra, x, w, tuning):
 
 
 def kernel_times(log_dir: str) -> dict[str, list[float]]:
-    files = sorted(pathlib.Path(log_dir).rglob("*.trace.json.gz"))
-    with gzip.open(files[-1]) as f:
-        trace = json.load(f)
-    names = {e["pid"]: e.get("args", {}).get("name", "") for e in trace.get("traceEvents", [])
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu = {pid for pid, nm in names.items() if "/device:GPU" in nm}
+    """Microseconds of each device kernel call in the trace, by kernel name."""
     out = collections.defaultdict(list)
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") == "X" and e.get("pid") in gpu:
-            out[e["name"]].append(float(e.get("dur", 0.0)))
+    for e in common.device_trace_events(log_dir) or []:
+        out[e["name"]].append(float(e.get("dur", 0.0)))
     return out
 
 

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
 import json
 import pathlib
-import re
 import sys
 import tempfile
 import time
@@ -30,28 +28,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import common  # noqa: E402
 from model.config import EngineConfig  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.weights import params_nbytes  # noqa: E402
 
 
-def _device_events(trace: dict) -> list[dict]:
-    """Complete events on the device's tracks (process names with /device:GPU)."""
-    names = {}
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            names[e["pid"]] = e.get("args", {}).get("name", "")
-    gpu = {pid for pid, n in names.items() if "/device:GPU" in n}
-    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("pid") in gpu]
-
-
 def summarize(log_dir: str, steps: int, top: int = 40) -> dict:
-    files = sorted(pathlib.Path(log_dir).rglob("*.trace.json.gz"))
-    if not files:
+    events = common.device_trace_events(log_dir)
+    if events is None:
         return {"error": f"no trace.json.gz under {log_dir}"}
-    with gzip.open(files[-1]) as f:
-        trace = json.load(f)
-    events = _device_events(trace)
     if not events:
         return {"error": "the trace has no device events (no CUPTI?)"}
     by_name: dict[str, list[float]] = collections.defaultdict(list)
