@@ -14,6 +14,7 @@ that fails at run time raises, it never falls back.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Mapping
 
 import jax
@@ -145,10 +146,7 @@ def choose_kernels(
 
     def matmul(x: jax.Array, w: QuantizedTensor, layer=None, split: str | None = None) -> jax.Array:
         del split  # one device: nothing is split (model/sharding.py wraps this for tensor parallelism)
-        rows = 1
-        for d in x.shape[:-1]:
-            rows *= d
-        fn = (decode_fns if rows <= decode_rows else prefill_fns)[w.fmt]
+        fn = (decode_fns if math.prod(x.shape[:-1]) <= decode_rows else prefill_fns)[w.fmt]
         return fn(x.astype(act_dtype), w, layer=layer)
 
     return Kernels(matmul=matmul, embed=embed_fn, attention_decode=dec_fn, attention_prefill=pre_fn), names

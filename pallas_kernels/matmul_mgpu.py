@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -90,9 +91,7 @@ def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatm
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"x {list(x.shape)} does not match weight [{n}, {k}]")
-    m = 1
-    for d in x.shape[:-1]:
-        m *= d
+    m = math.prod(x.shape[:-1])
     if x.dtype != jnp.bfloat16:
         raise NotImplementedError(f"mosaic_gpu matmul takes bf16 x (the GPU engine's activations), not {x.dtype}")
     if m > MAX_ROWS:

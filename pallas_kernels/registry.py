@@ -6,8 +6,8 @@ calls the returned function from then on; `describe` feeds /health. There is no 
 call time: a chosen implementation that fails raises.
 
 An implementation raises `NotImplementedError(reason)` for input it cannot take; `choose`
-detects that by tracing it on `probe_args` and each of `probes` (`jax.eval_shape`: nothing is
-compiled or run), and picks the first that takes them all.
+detects that by tracing it on each of `probes` (`jax.eval_shape`: nothing is compiled or run),
+and picks the first that takes them all.
 """
 
 from __future__ import annotations
@@ -71,14 +71,12 @@ class Registry:
         return tuple(self._impls[op])
 
     def choose(
-        self, op: str, forced: str | None = None, probe_args: Sequence[Any] | None = None,
-        probes: Sequence[Sequence[Any]] = (),
+        self, op: str, forced: str | None = None, probes: Sequence[Sequence[Any]] = ()
     ) -> Callable[..., Any]:
         """Picks op's implementation: `forced` by name, else the first available one that takes
-        `probe_args` and every args tuple of `probes` (arrays or jax.ShapeDtypeStruct pytrees).
-        Records, logs and returns it."""
+        every args tuple of `probes` (arrays or jax.ShapeDtypeStruct pytrees). Records, logs and
+        returns it."""
         impls = self.implementations(op)
-        probes = ([] if probe_args is None else [probe_args]) + list(probes)
         if forced is not None:
             by_name = {impl.name: impl for impl in impls}
             if forced not in by_name:

@@ -33,15 +33,21 @@ def resolve_kv_dtype(engine_config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(engine_config, kv_dtype=kv)
 
 
+def _load(model_path: str | os.PathLike[str], engine_config: EngineConfig):
+    """The loaded model and the engine config resolved for it (KV dtype, context cap): the same
+    on every process of a multi-process job."""
+    engine_config = resolve_kv_dtype(engine_config)
+    loaded = load_model(model_path, engine_config)
+    return loaded, fit_engine_config(engine_config, loaded.config.context_length)
+
+
 def build_engine(
     model_path: str | os.PathLike[str],
     engine_config: EngineConfig,
     chat_template_path: pathlib.Path | None = None,  # rendered by the server; accepted for the seam
 ) -> Engine:
     del chat_template_path
-    engine_config = resolve_kv_dtype(engine_config)
-    loaded = load_model(model_path, engine_config)
-    engine_config = fit_engine_config(engine_config, loaded.config.context_length)
+    loaded, engine_config = _load(model_path, engine_config)
     info = {
         "model_path": loaded.path,
         "arch": loaded.config.arch,
@@ -50,14 +56,14 @@ def build_engine(
         "kv_dtype": engine_config.kv_dtype,
         "backend": jax.default_backend(),
     }
-    if jax.process_count() > 1:  # process 0 of several: the others follow its step plans
-        from model.multihost import LeaderRunner
+    def factory():
+        runner = loaded.make_runner(engine_config)
+        if jax.process_count() == 1:
+            return runner
+        from model.multihost import LeaderRunner  # process 0 of several: the others follow its plans
 
-        def factory():
-            return LeaderRunner(loaded.make_runner(engine_config))
-    else:
-        def factory():
-            return loaded.make_runner(engine_config)
+        return LeaderRunner(runner)
+
     engine = Engine(
         factory,
         loaded.tokenizer,
@@ -74,7 +80,5 @@ def run_follower(model_path: str | os.PathLike[str], engine_config: EngineConfig
     its engine stops (model/multihost.py). Returns the number of steps run."""
     from model.multihost import follow
 
-    engine_config = resolve_kv_dtype(engine_config)
-    loaded = load_model(model_path, engine_config)
-    engine_config = fit_engine_config(engine_config, loaded.config.context_length)
+    loaded, engine_config = _load(model_path, engine_config)
     return follow(loaded.make_runner(engine_config))

@@ -338,7 +338,7 @@ class TestPrefillGpu(PrefillConformance):
     def test_chosen_by_the_registry(self):
         spec = (jax.ShapeDtypeStruct((64, 32, 128), jnp.bfloat16), jax.ShapeDtypeStruct((512, 8, 128), jnp.bfloat16),
                 jax.ShapeDtypeStruct((512, 8, 128), jnp.bfloat16), jax.ShapeDtypeStruct((), jnp.int32), 0.1, 0)
-        assert registry.choose("attention_prefill", probe_args=spec) is attention_triton.attention_prefill_triton
+        assert registry.choose("attention_prefill", probes=[spec]) is attention_triton.attention_prefill_triton
 
 
 # ---------------------------------------------------------------------------------------------

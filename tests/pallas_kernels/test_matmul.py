@@ -125,6 +125,6 @@ def test_reference_is_registered_and_chosen_on_cpu():
     w = random_weight("q4_1", 16, 64)
     w_spec = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), w)
     x_spec = jax.ShapeDtypeStruct((4, 64), jnp.float32)
-    fn = registry.choose("matmul", forced="reference", probe_args=(x_spec, w_spec))
+    fn = registry.choose("matmul", forced="reference", probes=[(x_spec, w_spec)])
     assert fn is matmul.qmatmul_reference
     assert registry.describe()["matmul"] == "reference"

@@ -45,7 +45,7 @@ def test_order_and_availability(caplog):
     assert [i.name for i in reg.implementations("op")] == ["gpu_only", "fussy", "fast", "reference"]
     with caplog.at_level(logging.INFO, logger="pallas_kernels.registry"):
         assert reg.choose("op") is fussy  # without probe args only availability counts
-        assert reg.choose("op", probe_args=SPEC) is fast  # fussy refuses 4 rows
+        assert reg.choose("op", probes=[SPEC]) is fast  # fussy refuses 4 rows
     assert "fussy: needs rows in multiples of 16" in caplog.text
     assert reg.describe() == {"op": "fast"}
     assert reg.chosen("op") is fast
@@ -53,14 +53,14 @@ def test_order_and_availability(caplog):
 
 def test_forced():
     reg = make()
-    assert reg.choose("op", forced="reference", probe_args=SPEC) is reference
+    assert reg.choose("op", forced="reference", probes=[SPEC]) is reference
     assert reg.describe() == {"op": "reference"}
     with pytest.raises(ValueError, match="no implementation 'nope'.*known"):
         reg.choose("op", forced="nope")
     with pytest.raises(ValueError, match="not available"):
         reg.choose("op", forced="gpu_only")
     with pytest.raises(NotImplementedError, match="multiples of 16"):
-        reg.choose("op", forced="fussy", probe_args=SPEC)
+        reg.choose("op", forced="fussy", probes=[SPEC])
 
 
 def test_no_silent_fallback_at_call_time():
@@ -76,7 +76,7 @@ def test_probe_does_not_hide_bugs():
     reg.register("op", "broken", broken, priority=1)
     reg.register("op", "reference", reference)
     with pytest.raises(TypeError, match="a bug"):
-        reg.choose("op", probe_args=SPEC)
+        reg.choose("op", probes=[SPEC])
 
 
 def test_errors():
@@ -97,7 +97,7 @@ def test_choose_takes_the_first_implementation_accepting_every_probe():
     rows16 = (jax.ShapeDtypeStruct((16, 8), jnp.float32),)
     assert reg.choose("op", probes=[rows16]) is fussy  # highest available priority that takes it
     assert reg.choose("op", probes=[rows16, SPEC]) is fast  # fussy refuses the second probe
-    assert reg.choose("op", probe_args=rows16, probes=[SPEC]) is fast  # probe_args counts as one more
+    assert reg.choose("op", probes=[SPEC, rows16]) is fast  # order does not matter
 
 
 def test_forced_implementation_must_accept_every_probe():
