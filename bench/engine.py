@@ -45,6 +45,7 @@ import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
 from model.config import EngineConfig, prefill_chunks_for  # noqa: E402
+from server.__main__ import parse_kernels, parse_sizes  # noqa: E402  (the server's flag parsers)
 from model.step_types import SamplingParams  # noqa: E402
 from scheduler.types import GenerationRequest, QueueFullError  # noqa: E402
 
@@ -260,10 +261,6 @@ async def run_suite(engine, timings: TimingLog, args: argparse.Namespace, max_co
 # start-up in a child process (cold cache) and the main run
 
 
-def _kernel_pairs(value: str) -> tuple[tuple[str, str], ...]:
-    return tuple(tuple(item.split("=", 1)) for item in value.split(",") if item)  # type: ignore[misc]
-
-
 def _engine_flags(args: argparse.Namespace) -> list[str]:
     return [
         "--model", str(args.model), "--slots", str(args.slots), "--max-context", str(args.max_context),
@@ -434,9 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--prefill-budget", type=int, default=512)
-    ap.add_argument("--kernels", type=_kernel_pairs, default=(),
+    ap.add_argument("--kernels", type=parse_kernels, default=(),
                     help="force kernels, op=impl[,op=impl...] (server --kernels)")
-    ap.add_argument("--prefill-chunks", type=lambda v: tuple(int(c) for c in v.split(",")), default=None,
+    ap.add_argument("--prefill-chunks", type=parse_sizes, default=None,
                     help="compiled prompt chunk sizes (server --prefill-chunks; default the server's)")
     ap.add_argument("--decode-steps", type=int, default=1, help="decode steps per dispatch (server --decode-steps)")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of the decode runs")

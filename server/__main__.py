@@ -40,7 +40,7 @@ log = logging.getLogger("server")
 API_KEY_ENV = "PALLAS_SERVE_API_KEY"
 
 
-def _kernels(value: str) -> tuple[tuple[str, str], ...]:
+def parse_kernels(value: str) -> tuple[tuple[str, str], ...]:
     pairs = []
     for item in value.split(","):
         op, sep, impl = item.strip().partition("=")
@@ -50,7 +50,7 @@ def _kernels(value: str) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
-def _sizes(value: str) -> tuple[int, ...]:
+def parse_sizes(value: str) -> tuple[int, ...]:
     try:
         sizes = tuple(sorted({int(v) for v in value.split(",")}))
     except ValueError:
@@ -72,14 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=8, help="concurrent sequences (decode batch)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     p.add_argument("--prefill-budget", type=int, default=512, help="prompt tokens per engine step")
-    p.add_argument("--prefill-chunks", type=_sizes, default=EngineConfig.prefill_chunks, metavar="N[,N...]",
+    p.add_argument("--prefill-chunks", type=parse_sizes, default=EngineConfig.prefill_chunks, metavar="N[,N...]",
                    help="compiled prompt chunk sizes (a chunk runs at the smallest size that holds it); "
                         "default %(default)s")
     p.add_argument("--max-context", type=int, default=4096, help="tokens per sequence (capped at the model's)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
     p.add_argument("--api-key", help=f"require Authorization: Bearer KEY (also ${API_KEY_ENV})")
     p.add_argument("--chat-template", type=pathlib.Path, help="Jinja chat template replacing the GGUF's")
-    p.add_argument("--kernels", type=_kernels, default=(), help="force kernels: op=impl[,op=impl...]")
+    p.add_argument("--kernels", type=parse_kernels, default=(), help="force kernels: op=impl[,op=impl...]")
     p.add_argument("--decode-steps", type=int, default=1, metavar="N",
                    help="decode steps per device dispatch while no prompt is waiting (one lax.scan program)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
@@ -122,13 +122,19 @@ def _join_processes(args: argparse.Namespace) -> int:
     return jax.device_count()
 
 
-def _follow(model: pathlib.Path | None, engine_config: EngineConfig, compile_cache: pathlib.Path | None) -> int:
-    import jax
+def _use_compile_cache(compile_cache: pathlib.Path | None) -> None:
+    if compile_cache is not None:
+        import jax
 
+        # Compiled step programs persist across restarts: a warm start skips XLA compilation.
+        jax.config.update("jax_compilation_cache_dir", str(compile_cache))
+        log.info("persistent compilation cache: %s", compile_cache)
+
+
+def _follow(model: pathlib.Path | None, engine_config: EngineConfig, compile_cache: pathlib.Path | None) -> int:
     from scheduler.loader import run_follower
 
-    if compile_cache is not None:
-        jax.config.update("jax_compilation_cache_dir", str(compile_cache))
+    _use_compile_cache(compile_cache)
     steps = run_follower(model if model is not None else ensure_default_model(), engine_config)
     log.info("process 0 stopped; ran %d steps", steps)
     return 0
@@ -167,15 +173,9 @@ def _build_engine(
 ) -> Engine:
     """Runs on the loader thread, so /health answers while the model downloads and loads."""
     # Imported here: it pulls in JAX, which `--help` and argument errors should not pay for.
-    import jax
-
     from scheduler.loader import build_engine
 
-    if compile_cache is not None:
-        # Compiled step programs persist across restarts: a warm start skips XLA compilation.
-        jax.config.update("jax_compilation_cache_dir", str(compile_cache))
-        log.info("persistent compilation cache: %s", compile_cache)
-
+    _use_compile_cache(compile_cache)
     model_path = model if model is not None else ensure_default_model()
     log.info("loading %s", model_path)
     return build_engine(model_path, engine_config, chat_template)
