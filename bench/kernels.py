@@ -158,6 +158,21 @@ def triton_impls(fmt: str, m: int, n: int, k: int, x_dtype, interpret: bool, swe
     return out
 
 
+def mosaic_impls(sweep: bool) -> list[Impl]:
+    """The Mosaic GPU decode kernel at its default tuning, and with --sweep its neighbours: CTAs
+    per SM (K split), steps in flight, K step."""
+    from pallas_kernels import matmul_mgpu
+
+    base = matmul_mgpu.DEFAULT_TUNING
+    tunings = [("mosaic_gpu", base)]
+    if sweep:
+        for tag, kw in [("ctas132", dict(target_ctas=132)), ("ctas396", dict(target_ctas=396)),
+                        ("ctas528", dict(target_ctas=528)), ("stages6", dict(stages=6)),
+                        ("tile512", dict(tile_k=512, stages=3))]:
+            tunings.append((f"mosaic_gpu:{tag}", dataclasses.replace(base, **kw)))
+    return [Impl(name, lambda x, w, t=t: matmul_mgpu.qmatmul_mgpu(x, w, t), str(t)) for name, t in tunings]
+
+
 def tuning_tag(t: matmul_triton.TritonMatmulTuning) -> str:
     tag = f"{t.kernel} bn{t.block_n} bk{t.block_k} sk{t.split_k} w{t.num_warps} s{t.num_stages}"
     if t.kernel == "mma":
@@ -270,10 +285,8 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
         for name in impl_names:
             if name == "triton":
                 impls += triton_impls(fmt, m, n, k, x_dtype, args.interpret, args.sweep, args.grid)
-            elif name == "mosaic_gpu":  # q4_0 decode only; other cases report its NotImplementedError
-                from pallas_kernels import matmul_mgpu
-
-                impls.append(Impl("mosaic_gpu", matmul_mgpu.qmatmul_mgpu, str(matmul_mgpu.DEFAULT_TUNING)))
+            elif name == "mosaic_gpu":  # q4_0/q8_0 decode only; other cases report its NotImplementedError
+                impls += mosaic_impls(args.sweep)
             elif name == "reference":
                 impls.append(Impl("reference", qmatmul_reference, "xla dequant + dot (HIGHEST)"))
             elif name == "dense_bf16":
@@ -377,7 +390,7 @@ def main(argv=None) -> None:
     ap.add_argument("--ms", default=None, help="rows of x, comma list (default 1,8,512; --interpret 1,8,20)")
     ap.add_argument("--impls", default="triton,reference", help="triton, mosaic_gpu, reference, dense_bf16")
     ap.add_argument("--x-dtype", default="bf16", choices=["bf16", "f32"])
-    ap.add_argument("--sweep", action="store_true", help="also time neighbours of the default triton tuning")
+    ap.add_argument("--sweep", action="store_true", help="also time neighbours of the default triton and mosaic_gpu tunings")
     ap.add_argument("--grid", action="store_true", help="also time a grid of block sizes, stages and split-K")
     ap.add_argument("--mats", type=int, default=16, help="at least this many distinct weights per call")
     ap.add_argument("--max-mats", type=int, default=256)

@@ -1,39 +1,36 @@
 """Quantized matmul as a Mosaic GPU kernel (Hopper: TMA, wgmma): implementation "mosaic_gpu" of op
-"matmul", for the decode regime (up to 64 rows of x) of Q4_0 weights.
+"matmul", for the decode regime (up to 64 rows of x) of Q4_0 and Q8_0 weights.
 
 It reads the planes `pallas_kernels.quant.repack` built, in place (no layout of its own):
 
-  * codes: the `qs` plane [N, K/2] uint8 (16 bytes per 32-block) seen as int4 [N, K] (a free
-    bitcast). JAX packs
-    int4 low nibble first, so int4 element 32 g + 2 l + h of a row is nibble h of byte l of
-    block g, i.e. weight element 32 g + 16 h + l. x is permuted the same way outside the kernel
-    (x_perm[:, 32 g + 2 l + h] = x[:, 32 g + 16 h + l]), which leaves the dot product unchanged.
-    A nibble holds the unsigned code q; as int4 it reads q - 16 [q >= 8], and XOR with -8 (the
-    sign bit) turns that into q - 8, the centred Q4_0 value.
-  * scales: the matrix's `d` plane [N, K/32] f16, transposed to [K/32, N] outside the kernel:
-    it needs each block's 64 scales contiguous, to load them as the row vector that scales a
-    [64, M] result (a column of the [64, K/32] tile is a strided ref, which Mosaic GPU refuses to
-    load in that layout). In the served step this costs more than it should: XLA hoists a
-    transpose of the whole stacked plane out of the layer loop and then copies one layer of it
-    per call, about 0.8 ms per step of a 7B model on the H200 with the x permutation
-    (bench/results/trace-20261129-142730.json). Holding the plane transposed from load time
-    would remove it.
+  * codes, q4_0: the `qs` plane [N, K/2] uint8 (16 bytes per 32-block) seen as int4 [N, K] (a
+    free bitcast). JAX packs int4 low nibble first, so int4 element 32 g + 2 l + h of a row is
+    nibble h of byte l of block g, i.e. weight element 32 g + 16 h + l. x is permuted the same
+    way outside the kernel (x_perm[:, 32 g + 2 l + h] = x[:, 32 g + 16 h + l]), which leaves the
+    dot product unchanged. A nibble holds the unsigned code q; as int4 it reads q - 16 [q >= 8],
+    and XOR with -8 (the sign bit) turns that into q - 8, the centred Q4_0 value.
+  * codes, q8_0: the int8 `qs` plane [N, K], in natural order.
+  * scales: the `d` plane [N, K/32] f16 as it is. A step's tile [64, tile_k/32] is loaded as
+    the warpgroup's wgmma fragments, and block b's column becomes the row vector that scales the
+    block's [64, M] result through a masked sum along the tile's rows (a column of the tile
+    cannot be loaded directly in that layout: Mosaic GPU refuses the strided ref). The first cut
+    read a transposed copy [K/32, N] instead, and in the served step XLA made that copy on
+    every call: a hoisted transpose of each stacked plane and a per-layer slice of it, about
+    0.8 ms per step of a 7B model on the H200 (bench/results/trace-20261129-142730.json).
 
 One warpgroup per 64 rows of the weight (the wgmma M dimension) and a split of K; a TMA pipeline
-(`emit_pipeline`, `stages` steps in flight) brings each step's x slice [M, tile_k], codes
-[64, tile_k] and scales [tile_k/32, 64] into shared memory. The codes become bf16 in registers
-(wgmma layout; Mosaic's int4 -> bf16 conversion), and each 32-block meets x in one
-64 x M x 32 wgmma (A from registers, x as the transposed B operand); the step's wgmmas are
-issued before one wait, and each block's [64, M] result is scaled by its scales (a row vector)
+(`emit_pipeline`, up to `stages` steps in flight, fewer where shared memory runs out) brings each
+step's x slice [M, tile_k], codes [64, tile_k] and scales [64, tile_k/32] into shared memory. The
+codes become bf16 in registers (wgmma layout; Mosaic's int4/int8 -> bf16 conversion), and each
+32-block meets x in one 64 x M x 32 wgmma (A from registers, x as the transposed B operand); the
+step's wgmmas are issued before one wait, and each block's [64, M] result is scaled by its scales
 and summed in f32. Partial sums of the K splits [split, N, M] are added outside.
 
-Exact up to f32 summation: the int4 codes and bf16 x are exact in bf16, and their products are
-exact in the f32 accumulator. It takes bf16 x only (the GPU engine's activations); f32 x is
-refused rather than rounded.
+Exact up to f32 summation: the codes (4 or 8 bits) and bf16 x are exact in bf16, and their
+products are exact in the f32 accumulator. It takes bf16 x only (the GPU engine's activations);
+f32 x is refused rather than rounded.
 
-bench/matmul_ablation.py (variant `mgpu_mma`) times it against the Triton kernel; the recorded
-runs (bench/results/ablation-20261129-14*.json) timed its first cut, which read pre-transposed
-scales and took the layer as a constant.
+bench/matmul_ablation.py (variant `mgpu_mma`) and bench/kernels.py (`--impls mosaic_gpu`) time it.
 """
 
 from __future__ import annotations
@@ -50,7 +47,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels import registry
 from pallas_kernels.quant import QuantizedTensor, check_layer
 
-SUPPORTED_FORMATS = ("q4_0",)
+SUPPORTED_FORMATS = ("q4_0", "q8_0")
+CODE_BITS = {"q4_0": 4, "q8_0": 8}  # bits per code as the kernel views them
 MAX_ROWS = 64  # rows of x: decode; prefill (compute-bound) stays with the Triton kernel. Timed at 8.
 BLOCK_N = 64  # weight rows per warpgroup: the wgmma M
 
@@ -61,13 +59,15 @@ class MosaicMatmulTuning:
     projection of a 7B at M = 8, the kernel's first cut): `tile_k` 128 or 512, and 3 or 8
     stages, were slower."""
 
-    tile_k: int = 256  # K elements per pipeline step: a power of 2, 64..512 (2..16 blocks of 32)
+    # K elements per pipeline step: 256 or 512. A step's scales are [64, tile_k/32] f16, and a TMA
+    # box needs rows of at least 16 bytes.
+    tile_k: int = 256
     stages: int = 4  # pipeline steps in flight per warpgroup
     target_ctas: int = 264  # K is split until the grid reaches this many (about two per SM)
 
     def __post_init__(self) -> None:
-        if self.tile_k not in (64, 128, 256, 512):
-            raise ValueError(f"tile_k must be 64, 128, 256 or 512, got {self.tile_k!r}")
+        if self.tile_k not in (256, 512):
+            raise ValueError(f"tile_k must be 256 or 512, got {self.tile_k!r}")
         if not isinstance(self.stages, int) or self.stages < 1:
             raise ValueError(f"stages must be an int >= 1, got {self.stages!r}")
         if not isinstance(self.target_ctas, int) or self.target_ctas < 1:
@@ -100,6 +100,25 @@ def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatm
         raise NotImplementedError(f"mosaic_gpu matmul: N={n} is not a multiple of {BLOCK_N}")
     if k % tuning.tile_k:
         raise NotImplementedError(f"mosaic_gpu matmul: K={k} is not a multiple of the K step {tuning.tile_k}")
+    if stages_for(w.fmt, m, tuning) < 2:
+        raise NotImplementedError(f"mosaic_gpu matmul: {m} rows with K steps of {tuning.tile_k} leave shared memory "
+                                  "for fewer than 2 steps in flight")
+
+
+SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on the H100/H200
+
+
+def stage_bytes(fmt: str, m: int, tile_k: int) -> int:
+    """Shared memory of one pipeline step: x [M, tile_k] bf16, codes [64, tile_k], scales."""
+    m_pad = -(-m // 8) * 8
+    return m_pad * tile_k * 2 + BLOCK_N * tile_k * CODE_BITS[fmt] // 8 + BLOCK_N * (tile_k // 32) * 2
+
+
+def stages_for(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING) -> int:
+    """Steps in flight: `tuning.stages`, or as many as fit beside the [64, M] f32 output tile."""
+    m_pad = -(-m // 8) * 8
+    room = SMEM_BYTES - BLOCK_N * m_pad * 4 - 1024  # barriers and alignment
+    return min(tuning.stages, room // stage_bytes(fmt, m, tuning.tile_k))
 
 
 def split_for(n: int, k: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING) -> int:
@@ -119,21 +138,27 @@ def codes_view(qs: jax.Array, n: int, k: int) -> jax.Array:
     return jnp.reshape(lax.bitcast_convert_type(flat, jnp.int4), (flat.shape[0], k))
 
 
-def _kernel(layer_gmem, x_gmem, c_gmem, s_gmem, o_gmem, o_smem, *, n: int, m: int, tile_k: int, steps: int,
-            split: int, stages: int):
-    """layer_gmem [1] int32; x_gmem [M, K] bf16 (permuted); c_gmem [L*N, K] int4 codes; s_gmem
-    [K/32, N] f16 scales of the layer; o_gmem [split, N, M] f32 partial sums; o_smem [64, M] f32."""
+def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: int, m: int, tile_k: int,
+            steps: int, split: int, stages: int):
+    """layer_gmem [1] int32; x_gmem [M, K] bf16 (permuted for q4_0); c_gmem [L*N, K] codes (int4
+    or int8); d_gmem [L*N, K/32] f16 scales; o_gmem [split, N, M] f32 partial sums; o_smem [64, M]."""
     plgpu = _plgpu()
     nb = tile_k // 32
+    bits = CODE_BITS[fmt]
     blk, sid = lax.axis_index("rows"), lax.axis_index("split")
     row0 = layer_gmem[0] * n + blk * BLOCK_N
     lo, hi = (sid * steps) // split, ((sid + 1) * steps) // split
-    a_swz = plgpu.find_swizzle(tile_k * 4, "lhs")
+    a_swz = plgpu.find_swizzle(tile_k * bits, "lhs")
     x_swz = plgpu.find_swizzle(32 * 16, "rhs")
+    wgmma_layout = plgpu.Layout.WGMMA
+    column = plgpu.broadcasted_iota(jnp.int32, (BLOCK_N, nb), 1, layout=wgmma_layout)
 
-    def body(idx, x_smem, c_smem, s_smem, acc):
+    def body(idx, x_smem, c_smem, d_smem, acc):
         del idx
-        a = (c_smem[...] ^ jnp.int4(-8)).astype(jnp.bfloat16)  # [64, tile_k]: q - 8, exact
+        codes = c_smem[...]
+        if fmt == "q4_0":
+            codes = codes ^ jnp.int4(-8)  # q - 8, exact
+        a = codes.astype(jnp.bfloat16)  # [64, tile_k]
 
         def blockdots(*acc_refs):
             for b, acc_ref in enumerate(acc_refs):
@@ -142,12 +167,15 @@ def _kernel(layer_gmem, x_gmem, c_gmem, s_gmem, o_gmem, o_smem, *, n: int, m: in
             return [r[...] for r in acc_refs]
 
         parts = pl.run_scoped(blockdots, *[plgpu.ACC((BLOCK_N, m), jnp.float32) for _ in range(nb)])
+        # The step's scales [64, nb] as the warpgroup's fragments; block b's column becomes the
+        # row vector that scales its [64, M] result by a masked sum along the row.
+        d_tile = plgpu.load(d_smem, (), layout=wgmma_layout).astype(jnp.float32)
         for b, part in enumerate(parts):
-            d = plgpu.load(s_smem.at[b], (), layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
+            d = jnp.sum(jnp.where(column == b, d_tile, 0.0), axis=1)  # [64]
             acc = acc + part * lax.broadcast_in_dim(d, part.shape, [0])
         return acc
 
-    acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_N, m), jnp.float32), plgpu.Layout.WGMMA)
+    acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_N, m), jnp.float32), wgmma_layout)
     acc = plgpu.emit_pipeline(
         body,
         grid=(steps,) if split == 1 else (hi - lo,),
@@ -155,16 +183,25 @@ def _kernel(layer_gmem, x_gmem, c_gmem, s_gmem, o_gmem, o_smem, *, n: int, m: in
             plgpu.BlockSpec((m, tile_k), lambda j: (0, lo + j),
                             transforms=(plgpu.TilingTransform((8, x_swz * 8 // 16)), plgpu.SwizzleTransform(x_swz))),
             plgpu.BlockSpec((BLOCK_N, tile_k), lambda j: (0, lo + j),
-                            transforms=(plgpu.TilingTransform((8, a_swz * 8 // 4)), plgpu.SwizzleTransform(a_swz))),
-            plgpu.BlockSpec((nb, BLOCK_N), lambda j: (lo + j, 0)),
+                            transforms=(plgpu.TilingTransform((8, a_swz * 8 // bits)), plgpu.SwizzleTransform(a_swz))),
+            plgpu.BlockSpec((BLOCK_N, nb), lambda j: (0, lo + j)),
         ],
         max_concurrent_steps=stages,
         init_carry=acc0,
-    )(x_gmem, c_gmem.at[pl.ds(row0, BLOCK_N)], s_gmem.at[:, pl.ds(blk * BLOCK_N, BLOCK_N)])
+    )(x_gmem, c_gmem.at[pl.ds(row0, BLOCK_N)], d_gmem.at[pl.ds(row0, BLOCK_N)])
     o_smem[...] = acc
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sid, pl.ds(blk * BLOCK_N, BLOCK_N)])
     plgpu.wait_smem_to_gmem(0)
+
+
+def codes_of(w: QuantizedTensor) -> jax.Array:
+    """The codes of every stacked matrix as [L*N, K] (free views): int4 for q4_0 (see
+    `codes_view`), the int8 `qs` plane of q8_0 as it is."""
+    n, k = w.shape
+    if w.fmt == "q4_0":
+        return codes_view(w.planes["qs"], n, k)
+    return jnp.reshape(w.planes["qs"], (-1, k))
 
 
 @functools.partial(jax.jit, static_argnames=("tuning",))
@@ -173,24 +210,20 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
     n, k = w.shape
     m = x2.shape[0]
     m_pad = -(-m // 8) * 8  # the wgmma N
-    xp = permute_x(x2)
+    xp = permute_x(x2) if w.fmt == "q4_0" else x2
     if m_pad != m:
         xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
-    codes = codes_view(w.planes["qs"], n, k)
-    d = w.planes["d"]
-    if d.ndim == 3:  # a stack: this layer's scales only
-        d = lax.dynamic_index_in_dim(d, layer_arr[0], keepdims=False)
-    scales = jnp.transpose(d)  # [K/32, N]
+    scales = jnp.reshape(w.planes["d"], (-1, k // 32))  # [L*N, K/32]: a view, read in place
     split = split_for(n, k, tuning)
-    kernel = functools.partial(_kernel, n=n, m=m_pad, tile_k=tuning.tile_k, steps=k // tuning.tile_k, split=split,
-                               stages=tuning.stages)
+    kernel = functools.partial(_kernel, fmt=w.fmt, n=n, m=m_pad, tile_k=tuning.tile_k, steps=k // tuning.tile_k,
+                               split=split, stages=stages_for(w.fmt, m, tuning))
     partial = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((split, n, m_pad), jnp.float32),
         grid=(n // BLOCK_N, split),
         grid_names=("rows", "split"),
         scratch_types=[plgpu.SMEM((BLOCK_N, m_pad), jnp.float32)],
-    )(layer_arr, xp, codes, scales)
+    )(layer_arr, xp, codes_of(w), scales)
     out = partial[0] if split == 1 else jnp.sum(partial, axis=0)
     return out[:, :m].T
 

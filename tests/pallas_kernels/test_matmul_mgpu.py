@@ -34,6 +34,10 @@ class TestMosaicGpu(MatmulConformance):
         Case("q4_0", 64, 1024, 2048, "bfloat16"),
         Case("q4_0", 8, 4096, 11008, "bfloat16", stack=True),  # K split unevenly (43 steps)
         Case("q4_0", 8, 12288, 4096, "bfloat16"),
+        Case("q8_0", 1, 256, 1024, "bfloat16"),
+        Case("q8_0", 8, 512, 4096, "bfloat16", stack=True),
+        Case("q8_0", 64, 1024, 2048, "bfloat16"),
+        Case("q8_0", 8, 4096, 11008, "bfloat16", stack=True),
     )
 
     def matmul(self, x, w, case, layer=None):
@@ -44,7 +48,7 @@ class TestMosaicGpu(MatmulConformance):
 
 
 @pytest.mark.parametrize("fmt,m,n,k,dtype", [
-    ("q4_1", 8, 256, 1024, jnp.bfloat16), ("q8_0", 8, 256, 1024, jnp.bfloat16), ("q4_k", 8, 256, 1024, jnp.bfloat16),
+    ("q4_1", 8, 256, 1024, jnp.bfloat16), ("q5_0", 8, 256, 1024, jnp.bfloat16), ("q4_k", 8, 256, 1024, jnp.bfloat16),
     ("q4_0", 65, 256, 1024, jnp.bfloat16), ("q4_0", 8, 96, 1024, jnp.bfloat16), ("q4_0", 8, 256, 1056, jnp.bfloat16),
     ("q4_0", 8, 256, 1024, jnp.float32),
 ])
@@ -62,20 +66,26 @@ def test_no_interpret_mode_and_gpu_only():
         assert not impls["mosaic_gpu"].is_available()
 
 
-def test_permuted_x_and_int4_codes_give_the_reference_product():
-    """What the kernel computes, in plain jnp: the int4 view of qs, XOR -8, times d per block,
-    against x permuted within each 32-block."""
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
+def test_code_views_and_x_order_give_the_reference_product(fmt):
+    """What the kernel computes, in plain jnp: the codes as it views them (int4 XOR -8 for q4_0,
+    int8 for q8_0) times each block's scale from the d plane's rows, against x in the kernel's
+    order (permuted within each 32-block for q4_0)."""
     n, k = 64, 512
-    w = random_weight("q4_0", n, k, np.random.default_rng(0))
+    w = random_weight(fmt, n, k, np.random.default_rng(0))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((5, k)), jnp.float32).astype(jnp.bfloat16)
-    codes = (matmul_mgpu.codes_view(w.planes["qs"], n, k) ^ jnp.int4(-8)).astype(jnp.float32)
+    codes = matmul_mgpu.codes_of(w)
+    if fmt == "q4_0":
+        codes, x_kernel = codes ^ jnp.int4(-8), matmul_mgpu.permute_x(x)
+    else:
+        x_kernel = x
     d = jnp.asarray(w.planes["d"], jnp.float32)
-    deq = jnp.reshape(jnp.reshape(codes, (n, k // 32, 32)) * d[:, :, None], (n, k))
-    y = matmul_mgpu.permute_x(x).astype(jnp.float32) @ deq.T
+    deq = jnp.reshape(jnp.reshape(codes.astype(jnp.float32), (n, k // 32, 32)) * d[:, :, None], (n, k))
+    y = x_kernel.astype(jnp.float32) @ deq.T
     assert relative_error(y, qmatmul_reference(x, w)) < 1e-5
 
 
-@pytest.mark.parametrize("kwargs", [dict(tile_k=32), dict(tile_k=384), dict(stages=0), dict(target_ctas=0)])
+@pytest.mark.parametrize("kwargs", [dict(tile_k=128), dict(tile_k=384), dict(stages=0), dict(target_ctas=0)])
 def test_tuning_validation(kwargs):
     with pytest.raises(ValueError):
         matmul_mgpu.MosaicMatmulTuning(**kwargs)
@@ -88,17 +98,29 @@ def test_k_must_divide_by_the_tuned_step():
         jax.eval_shape(matmul_mgpu.qmatmul_mgpu, jax.ShapeDtypeStruct((8, 1152), jnp.bfloat16), _spec("q4_0", 256, 1152))
 
 
+def test_steps_in_flight_fit_shared_memory():
+    assert matmul_mgpu.stages_for("q4_0", 8) == matmul_mgpu.DEFAULT_TUNING.stages
+    wide = matmul_mgpu.MosaicMatmulTuning(tile_k=512, stages=8)
+    for fmt in ("q4_0", "q8_0"):
+        for m in (1, 8, 64):
+            s = matmul_mgpu.stages_for(fmt, m, wide)
+            assert s * matmul_mgpu.stage_bytes(fmt, m, 512) + 64 * (-(-m // 8) * 8) * 4 <= matmul_mgpu.SMEM_BYTES
+    assert matmul_mgpu.stages_for("q8_0", 64, wide) < matmul_mgpu.stages_for("q8_0", 8, wide)
+
+
 def test_split_reaches_the_target_grid():
     assert matmul_mgpu.split_for(22016, 4096) == 1
     assert matmul_mgpu.split_for(4096, 11008) == 5  # 64 row blocks x 5 >= 264
     assert matmul_mgpu.split_for(256, 256) == 1  # never more splits than K steps
 
 
-@pytest.mark.parametrize("m,n,k,stack,tile_k", [(8, 4096, 11008, 3, 256), (1, 256, 1024, None, 256),
-                                                (64, 512, 4096, 2, 256), (8, 512, 4096, 2, 512), (8, 512, 4096, 2, 64)])
-def test_lowers_for_cuda(m, n, k, stack, tile_k):
+@pytest.mark.parametrize("fmt,m,n,k,stack,tile_k", [
+    ("q4_0", 8, 4096, 11008, 3, 256), ("q4_0", 1, 256, 1024, None, 256), ("q4_0", 64, 512, 4096, 2, 256),
+    ("q4_0", 8, 512, 4096, 2, 512), ("q8_0", 8, 4096, 11008, 3, 256), ("q8_0", 64, 512, 4096, 2, 512),
+])
+def test_lowers_for_cuda(fmt, m, n, k, stack, tile_k):
     pytest.importorskip("absl")  # jax's Mosaic GPU imports it
-    w = _spec("q4_0", n, k, stack)
+    w = _spec(fmt, n, k, stack)
     tuning = matmul_mgpu.MosaicMatmulTuning(tile_k)
     if stack:
         fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, tuning, layer=i)  # noqa: E731
