@@ -14,7 +14,8 @@ thing, so the gaps between them say what costs:
   * `prefetch`: the production kernel with each step's planes loaded one step ahead (carried in
     registers through the loop), in case the loads are not pipelined by Triton.
   * `mgpu_mma`: the Mosaic GPU decode kernel (pallas_kernels/matmul_mgpu.py): `block_k` sets its
-    K step in elements (twice the variant's value: 128 -> 256), `num_stages` its steps in flight. The runs of 2026-11-29 14:17 and
+    K step in elements (twice the variant's value: 128 -> 256), `num_stages` its steps in flight,
+    `ctas` its target grid (`target_ctas`). The runs of 2026-11-29 14:17 and
     14:19 used its first cut, written here, which read int4 codes and transposed scales
     repacked for it and took the layer as a compile-time constant.
   * `mgpu_stream`: the planes streamed by TMA into shared memory by a Mosaic GPU kernel
@@ -62,7 +63,7 @@ VARIANTS = ("full", "load", "decode", "mma", "mmabf", "prefetch", "mgpu_stream",
 
 def random_q4_0_stack(key, layers: int, n: int, k: int) -> quant.QuantizedTensor:
     qs = jax.random.randint(key, (layers, n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
-    d = jax.random.uniform(jax.random.fold_in(key, 1), (layers, n, k // 32), jnp.float32, 1e-3, 0.05)
+    d = jax.random.uniform(jax.random.fold_in(key, 1), (layers, k // 32, n), jnp.float32, 1e-3, 0.05)  # transposed
     return quant.QuantizedTensor({"qs": qs, "d": d.astype(jnp.float16)}, "q4_0", (n, k))
 
 
@@ -222,6 +223,8 @@ def parse_variant(spec: str, tuning: mt.TritonMatmulTuning):
         raise ValueError(f"unknown layout {layout!r}")
     changes = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in opts.split(",") if kv}
     extra = {key: bool(changes.pop(key)) for key in ("x_mask", "evict") if key in changes}
+    if "ctas" in changes:  # mgpu_mma: target_ctas of the Mosaic tuning
+        extra["ctas"] = changes.pop("ctas")
     return mode, layout == "tiled", dataclasses.replace(tuning, **changes), extra
 
 
@@ -229,12 +232,13 @@ def run_variant(mode, tiled, extra, x, w, tuning):
     if mode == "mgpu_mma":
         from pallas_kernels import matmul_mgpu
 
-        mosaic = matmul_mgpu.MosaicMatmulTuning(tile_k=tuning.block_k * 2, stages=tuning.num_stages)
+        mosaic = matmul_mgpu.MosaicMatmulTuning(tile_k=tuning.block_k * 2, stages=tuning.num_stages,
+                                                target_ctas=extra.get("ctas", matmul_mgpu.DEFAULT_TUNING.target_ctas))
         return lambda l: matmul_mgpu.qmatmul_mgpu(x, w, mosaic, layer=l)
     if mode == "mgpu_stream":
         layers, n, half = w.planes["qs"].shape
         qs2 = jnp.reshape(w.planes["qs"], (layers * n, half))
-        d2 = jnp.reshape(w.planes["d"], (layers * n, -1))
+        d2 = jnp.reshape(quant.row_major_planes(w)["d"], (layers * n, -1))  # the bytes of the scales
         fn = jax.jit(mgpu_stream, static_argnames=("layer", "n", "block_n", "stages"))
         return lambda l: fn(qs2, d2, layer=l, n=n, block_n=tuning.block_n, stages=tuning.num_stages)
     if mode == "full":

@@ -76,17 +76,28 @@ def _choose(op: str, forced: str | None, probes: list[tuple]) -> tuple[Any, str]
 
 def _shard_shapes(w: QuantizedTensor, tp: int) -> list[QuantizedTensor]:
     """The per-device matrices a [N, K] weight becomes under tensor parallelism `tp`: its column
-    split [N/tp, K] and its row split [N, K/tp] (the planes' packed X axis divides with K)."""
+    split [N/tp, K] and its row split [N, K/tp] (each plane's N or packed X axis divides)."""
     if tp == 1:
         return [w]
     n, k = w.shape
+    fmt = w.format
+
+    def split(axis_of, shape) -> QuantizedTensor | None:
+        planes = {}
+        for name, p in w.planes.items():
+            dims = list(p.shape)
+            axis = len(dims) + axis_of(name)
+            if dims[axis] % tp:
+                return None
+            dims[axis] //= tp
+            planes[name] = jax.ShapeDtypeStruct(tuple(dims), p.dtype)
+        return QuantizedTensor(planes, w.fmt, shape)
+
     out = []
     if n % tp == 0:
-        planes = {name: jax.ShapeDtypeStruct((p.shape[0] // tp, *p.shape[1:]), p.dtype) for name, p in w.planes.items()}
-        out.append(QuantizedTensor(planes, w.fmt, (n // tp, k)))
-    if k % tp == 0 and all(p.shape[-1] % tp == 0 for p in w.planes.values()):
-        planes = {name: jax.ShapeDtypeStruct((*p.shape[:-1], p.shape[-1] // tp), p.dtype) for name, p in w.planes.items()}
-        out.append(QuantizedTensor(planes, w.fmt, (n, k // tp)))
+        out.append(split(fmt.n_axis, (n // tp, k)))
+    if k % tp == 0 and (row := split(fmt.x_axis, (n, k // tp))) is not None:
+        out.append(row)
     return out
 
 

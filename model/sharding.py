@@ -77,25 +77,34 @@ def check_divisible(cfg: ModelConfig, tp: int) -> None:
             raise ValueError(f"tensor parallel {tp} does not divide the model's {what} ({size})")
 
 
-def _column_spec(name: str, w: QuantizedTensor, tp: int) -> P:
+def _split_planes(w: QuantizedTensor, split: str) -> QuantizedTensor:
+    """The PartitionSpec of each plane: a column split shards each plane's N axis, a row split its
+    X axis (which divides with K); a transposed plane holds them the other way round."""
+    fmt = w.format
+    lead = (None,) * len(w.stack_shape)
+
+    def spec(name: str) -> P:
+        axis = fmt.n_axis(name) if split == "column" else fmt.x_axis(name)
+        return P(*lead, *((TP_AXIS, None) if axis == -2 else (None, TP_AXIS)))
+
+    return QuantizedTensor({name: spec(name) for name in w.planes}, w.fmt, w.shape)
+
+
+def _column_spec(name: str, w: QuantizedTensor, tp: int) -> QuantizedTensor:
     n = w.shape[0]
     if n % tp:
         raise ValueError(f"{name}: {n} output rows do not split over tensor parallel {tp}")
-    return P(*(None,) * len(w.stack_shape), TP_AXIS, None)
+    return _split_planes(w, "column")
 
 
-def _row_spec(name: str, w: QuantizedTensor, tp: int) -> P:
+def _row_spec(name: str, w: QuantizedTensor, tp: int) -> QuantizedTensor:
     k, block = w.shape[1], w.format.block_size
     if k % tp or (k // tp) % block:
         raise ValueError(
             f"{name} ({w.fmt}): row length K={k} split over tensor parallel {tp} gives {k / tp:g} per device, "
             f"not a multiple of the {block}-element block"
         )
-    return P(*(None,) * len(w.stack_shape), None, TP_AXIS)
-
-
-def _planes(w: QuantizedTensor, spec: P) -> QuantizedTensor:
-    return jax.tree_util.tree_map(lambda _: spec, w)
+    return _split_planes(w, "row")
 
 
 def _layer_specs(lp: Mapping[str, Any], tp: int, where: str) -> dict[str, Any]:
@@ -103,9 +112,9 @@ def _layer_specs(lp: Mapping[str, Any], tp: int, where: str) -> dict[str, Any]:
     for key, leaf in lp.items():
         name = f"{where}.{key}"
         if key in _COLUMN:
-            out[key] = _planes(leaf, _column_spec(name, leaf, tp))
+            out[key] = _column_spec(name, leaf, tp)
         elif key in _ROW:
-            out[key] = _planes(leaf, _row_spec(name, leaf, tp))
+            out[key] = _row_spec(name, leaf, tp)
         elif key in _COLUMN_BIAS:  # [*L, N]
             if leaf.shape[-1] % tp:
                 raise ValueError(f"{name}: {leaf.shape[-1]} entries do not split over tensor parallel {tp}")
@@ -122,7 +131,7 @@ def tensor_spec(where: str, key: str, value: Any, tp: int) -> Any:
     dict key, or "embed", "output", "output_norm", "rope_freqs"). Raises ValueError for a
     matrix that does not split."""
     if key in ("embed", "output"):  # vocab-parallel
-        return _planes(value, _column_spec(where, value, tp))
+        return _column_spec(where, value, tp)
     if key in ("output_norm", "rope_freqs"):
         return P()
     return _layer_specs({key: value}, tp, where)[key]
@@ -215,7 +224,7 @@ def shard_kernels(kern: Kernels, mesh: Mesh) -> Kernels:
     def matmul(x, w: QuantizedTensor, layer=None, split: str | None = None):
         if split not in ("column", "row"):
             raise ValueError(f"a tensor-parallel matmul needs split='column' or 'row', got {split!r}")
-        w_spec = _planes(w, (_column_spec if split == "column" else _row_spec)("matmul", w, tp))
+        w_spec = (_column_spec if split == "column" else _row_spec)("matmul", w, tp)
         args, specs, rebuild = scalars(layer)
 
         def local(x, w, *ops):

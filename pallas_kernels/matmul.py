@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import registry
 from pallas_kernels.quant import (
-    QuantizedTensor, dequantize_phase, dequantize_reference, layer_of, layout, take_rows_reference,
+    QuantizedTensor, dequantize_phase, dequantize_reference, layer_of, layout, slice_rows, take_rows_reference,
 )
 
 
@@ -56,10 +56,6 @@ def _dense_matmul(x: jax.Array, w: QuantizedTensor) -> jax.Array:
     return y
 
 
-def _row_slice(w: QuantizedTensor, start: int, stop: int) -> QuantizedTensor:
-    return QuantizedTensor({name: p[start:stop] for name, p in w.planes.items()}, w.fmt, (stop - start, w.shape[1]))
-
-
 def qmatmul_reference(
     x: jax.Array,  # [..., K] any float dtype
     w: QuantizedTensor,  # [N, K], or a stack [L, N, K] with `layer`
@@ -79,7 +75,10 @@ def qmatmul_reference(
         return _dense_matmul(x, w)
 
     num_tiles, n_full = n // tile, n // tile * tile
-    tiled = {name: p[:n_full].reshape(num_tiles, tile, *p.shape[1:]) for name, p in w.planes.items()}
+    tiled = {}
+    for name, p in slice_rows(w, 0, n_full).planes.items():  # [N, X] or [X, N] -> [tiles, ...]
+        axis = p.ndim + w.format.n_axis(name)
+        tiled[name] = jnp.moveaxis(jnp.reshape(p, (*p.shape[:axis], num_tiles, tile, *p.shape[axis + 1:])), axis, 0)
 
     def one_tile(_, planes):
         return None, _dense_matmul(x, QuantizedTensor(planes, w.fmt, (tile, k)))  # [..., tile]
@@ -87,7 +86,7 @@ def qmatmul_reference(
     _, y = jax.lax.scan(one_tile, None, tiled)  # [num_tiles, ..., tile]
     y = jnp.reshape(jnp.moveaxis(y, 0, -2), (*y.shape[1:-1], n_full))
     if n_full < n:
-        y = jnp.concatenate([y, _dense_matmul(x, _row_slice(w, n_full, n))], axis=-1)
+        y = jnp.concatenate([y, _dense_matmul(x, slice_rows(w, n_full, n))], axis=-1)
     return y
 
 

@@ -10,17 +10,18 @@ It reads the planes `pallas_kernels.quant.repack` built, in place (no layout of 
     dot product unchanged. A nibble holds the unsigned code q; as int4 it reads q - 16 [q >= 8],
     and XOR with -8 (the sign bit) turns that into q - 8, the centred Q4_0 value.
   * codes, q8_0: the int8 `qs` plane [N, K], in natural order.
-  * scales: the `d` plane [N, K/32] f16 as it is. A step's tile [64, tile_k/32] is loaded as
-    the warpgroup's wgmma fragments, and block b's column becomes the row vector that scales the
-    block's [64, M] result through a masked sum along the tile's rows (a column of the tile
-    cannot be loaded directly in that layout: Mosaic GPU refuses the strided ref). The first cut
-    read a transposed copy [K/32, N] instead, and in the served step XLA made that copy on
-    every call: a hoisted transpose of each stacked plane and a per-layer slice of it, about
-    0.8 ms per step of a 7B model on the H200 (bench/results/trace-20261129-142730.json).
+  * scales: the `d` plane, which Q4_0 and Q8_0 hold transposed, [K/32, N] f16
+    (pallas_kernels/quant.py), so that a 32-block's 64 scales are contiguous: the kernel loads
+    them as the row vector that scales the block's [64, M] result. Two other ways cost more on
+    the H200 (7B shapes, M = 8): a transposed copy made per call (the first cut) cost about 0.8
+    ms per served decode step in XLA's copies (bench/results/trace-20261129-142730.json), and
+    picking each column out of the row-major [64, tile_k/32] tile in registers (a masked sum
+    along the row, since a column cannot be loaded in that layout) made the kernel 10-45%
+    slower (bench/results/ablation-20261129-161337.json).
 
 One warpgroup per 64 rows of the weight (the wgmma M dimension) and a split of K; a TMA pipeline
 (`emit_pipeline`, up to `stages` steps in flight, fewer where shared memory runs out) brings each
-step's x slice [M, tile_k], codes [64, tile_k] and scales [64, tile_k/32] into shared memory. The
+step's x slice [M, tile_k], codes [64, tile_k] and scales [tile_k/32, 64] into shared memory. The
 codes become bf16 in registers (wgmma layout; Mosaic's int4/int8 -> bf16 conversion), and each
 32-block meets x in one 64 x M x 32 wgmma (A from registers, x as the transposed B operand); the
 step's wgmmas are issued before one wait, and each block's [64, M] result is scaled by its scales
@@ -59,15 +60,13 @@ class MosaicMatmulTuning:
     projection of a 7B at M = 8, the kernel's first cut): `tile_k` 128 or 512, and 3 or 8
     stages, were slower."""
 
-    # K elements per pipeline step: 256 or 512. A step's scales are [64, tile_k/32] f16, and a TMA
-    # box needs rows of at least 16 bytes.
-    tile_k: int = 256
+    tile_k: int = 256  # K elements per pipeline step: a power of 2, 64..512 (2..16 blocks of 32)
     stages: int = 4  # pipeline steps in flight per warpgroup
     target_ctas: int = 264  # K is split until the grid reaches this many (about two per SM)
 
     def __post_init__(self) -> None:
-        if self.tile_k not in (256, 512):
-            raise ValueError(f"tile_k must be 256 or 512, got {self.tile_k!r}")
+        if self.tile_k not in (64, 128, 256, 512):
+            raise ValueError(f"tile_k must be 64, 128, 256 or 512, got {self.tile_k!r}")
         if not isinstance(self.stages, int) or self.stages < 1:
             raise ValueError(f"stages must be an int >= 1, got {self.stages!r}")
         if not isinstance(self.target_ctas, int) or self.target_ctas < 1:
@@ -138,20 +137,21 @@ def codes_view(qs: jax.Array, n: int, k: int) -> jax.Array:
     return jnp.reshape(lax.bitcast_convert_type(flat, jnp.int4), (flat.shape[0], k))
 
 
-def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: int, m: int, tile_k: int,
+def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: int, k: int, m: int, tile_k: int,
             steps: int, split: int, stages: int):
     """layer_gmem [1] int32; x_gmem [M, K] bf16 (permuted for q4_0); c_gmem [L*N, K] codes (int4
-    or int8); d_gmem [L*N, K/32] f16 scales; o_gmem [split, N, M] f32 partial sums; o_smem [64, M]."""
+    or int8); d_gmem [L*K/32, N] f16 scales (the transposed plane); o_gmem [split, N, M] f32
+    partial sums; o_smem [64, M]."""
     plgpu = _plgpu()
     nb = tile_k // 32
     bits = CODE_BITS[fmt]
     blk, sid = lax.axis_index("rows"), lax.axis_index("split")
-    row0 = layer_gmem[0] * n + blk * BLOCK_N
+    layer = layer_gmem[0]
+    row0 = layer * n + blk * BLOCK_N
     lo, hi = (sid * steps) // split, ((sid + 1) * steps) // split
     a_swz = plgpu.find_swizzle(tile_k * bits, "lhs")
     x_swz = plgpu.find_swizzle(32 * 16, "rhs")
     wgmma_layout = plgpu.Layout.WGMMA
-    column = plgpu.broadcasted_iota(jnp.int32, (BLOCK_N, nb), 1, layout=wgmma_layout)
 
     def body(idx, x_smem, c_smem, d_smem, acc):
         del idx
@@ -167,11 +167,9 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: 
             return [r[...] for r in acc_refs]
 
         parts = pl.run_scoped(blockdots, *[plgpu.ACC((BLOCK_N, m), jnp.float32) for _ in range(nb)])
-        # The step's scales [64, nb] as the warpgroup's fragments; block b's column becomes the
-        # row vector that scales its [64, M] result by a masked sum along the row.
-        d_tile = plgpu.load(d_smem, (), layout=wgmma_layout).astype(jnp.float32)
         for b, part in enumerate(parts):
-            d = jnp.sum(jnp.where(column == b, d_tile, 0.0), axis=1)  # [64]
+            # block b's 64 scales, contiguous in the transposed plane: the row vector of its result
+            d = plgpu.load(d_smem.at[b], (), layout=wgmma_layout.reduce(1)).astype(jnp.float32)
             acc = acc + part * lax.broadcast_in_dim(d, part.shape, [0])
         return acc
 
@@ -184,11 +182,12 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: 
                             transforms=(plgpu.TilingTransform((8, x_swz * 8 // 16)), plgpu.SwizzleTransform(x_swz))),
             plgpu.BlockSpec((BLOCK_N, tile_k), lambda j: (0, lo + j),
                             transforms=(plgpu.TilingTransform((8, a_swz * 8 // bits)), plgpu.SwizzleTransform(a_swz))),
-            plgpu.BlockSpec((BLOCK_N, nb), lambda j: (0, lo + j)),
+            plgpu.BlockSpec((nb, BLOCK_N), lambda j: (lo + j, 0)),
         ],
         max_concurrent_steps=stages,
         init_carry=acc0,
-    )(x_gmem, c_gmem.at[pl.ds(row0, BLOCK_N)], d_gmem.at[pl.ds(row0, BLOCK_N)])
+    )(x_gmem, c_gmem.at[pl.ds(row0, BLOCK_N)],
+      d_gmem.at[pl.ds(layer * (k // 32), k // 32), pl.ds(blk * BLOCK_N, BLOCK_N)])
     o_smem[...] = acc
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sid, pl.ds(blk * BLOCK_N, BLOCK_N)])
@@ -213,9 +212,9 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
     xp = permute_x(x2) if w.fmt == "q4_0" else x2
     if m_pad != m:
         xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
-    scales = jnp.reshape(w.planes["d"], (-1, k // 32))  # [L*N, K/32]: a view, read in place
+    scales = jnp.reshape(w.planes["d"], (-1, n))  # [L*K/32, N]: a view, read in place
     split = split_for(n, k, tuning)
-    kernel = functools.partial(_kernel, fmt=w.fmt, n=n, m=m_pad, tile_k=tuning.tile_k, steps=k // tuning.tile_k,
+    kernel = functools.partial(_kernel, fmt=w.fmt, n=n, k=k, m=m_pad, tile_k=tuning.tile_k, steps=k // tuning.tile_k,
                                split=split, stages=stages_for(w.fmt, m, tuning))
     partial = plgpu.kernel(
         kernel,

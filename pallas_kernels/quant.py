@@ -6,10 +6,17 @@ or as a float array [N, K]; `repack` splits the blocks into numpy planes (one ar
 e.g. `qs`, `d`), losslessly, so that a GPU kernel can read each field with wide aligned loads.
 The loader device_puts the planes; `pallas_kernels.matmul` and the model read them.
 
-Weight convention: [N, K] = [out_features, in_features] (GGUF `ne = [K, N]`). Every plane is
+Weight convention: [N, K] = [out_features, in_features] (GGUF `ne = [K, N]`). A plane is
 [*S, N, X]: an optional leading stack S (layers stacked for lax.scan), then one row per output
-feature. The static shape stays (N, K) per matrix, so `jax.tree.map(lambda p: p[i], qt)` gives
-layer i's tensor.
+feature; or, for the planes a format lists as `transposed`, [*S, X, N]. The static shape stays
+(N, K) per matrix, so `jax.tree.map(lambda p: p[i], qt)` gives layer i's tensor. Code that
+slices, gathers or splits rows goes through `QuantFormat.n_axis`.
+
+Transposed planes: the per-block scales `d` of Q4_0 and Q8_0, [*S, K/32, N]. The Mosaic GPU
+decode kernel (pallas_kernels/matmul_mgpu.py) scales each 32-block's [64 rows, M] result by
+the block's 64 scales as one row vector, which it loads from a contiguous run; it cannot load a
+column of a [64, K/32] tile in that layout, and a transposed copy made per call cost about
+0.8 ms per decode step of a 7B model on the H200.
 
 `dequantize_reference` follows llama.cpp's math (gguf-py `gguf/quants.py`, `ggml-quants.c`)
 element for element; it is the specification the kernels are tested against.
@@ -43,10 +50,21 @@ class QuantFormat:
     planes: tuple[str, ...]
     dtypes: tuple[str, ...]
     per_block: tuple[int, ...]
+    transposed: tuple[str, ...] = ()  # planes held [*S, X, N] rather than [*S, N, X]
 
     def __post_init__(self) -> None:
         if not len(self.planes) == len(self.dtypes) == len(self.per_block):
             raise ValueError(f"{self.name}: planes, dtypes and per_block differ in length")
+        if not set(self.transposed) <= set(self.planes):
+            raise ValueError(f"{self.name}: transposed planes {self.transposed} are not all planes")
+
+    def n_axis(self, plane: str) -> int:
+        """The axis of a plane's output rows N: -2 ([*S, N, X]) or -1 for a transposed plane."""
+        return -1 if plane in self.transposed else -2
+
+    def x_axis(self, plane: str) -> int:
+        """The axis of a plane's packed per-row entries X (it divides with K)."""
+        return -2 if plane in self.transposed else -1
 
     @property
     def is_float(self) -> bool:
@@ -58,7 +76,8 @@ class QuantFormat:
 
     def plane_shapes(self, n: int, k: int) -> dict[str, tuple[int, int]]:
         check_k(self, k)
-        return {p: (n, k // self.block_size * w) for p, w in zip(self.planes, self.per_block)}
+        shapes = {p: (n, k // self.block_size * w) for p, w in zip(self.planes, self.per_block)}
+        return {p: shape[::-1] if p in self.transposed else shape for p, shape in shapes.items()}
 
     def plane_dtypes(self) -> dict[str, np.dtype]:
         return {p: np.dtype(_DTYPES[d]) for p, d in zip(self.planes, self.dtypes)}
@@ -67,14 +86,14 @@ class QuantFormat:
 _DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16, "u8": np.uint8, "i8": np.int8}
 
 
-def _fmt(name: str, qtype: Q, *planes: tuple[str, str, int]) -> QuantFormat:
+def _fmt(name: str, qtype: Q, *planes: tuple[str, str, int], transposed: tuple[str, ...] = ()) -> QuantFormat:
     block_size, type_size = {
         Q.F32: (1, 4), Q.F16: (1, 2), Q.BF16: (1, 2),
         Q.Q4_0: (32, 18), Q.Q4_1: (32, 20), Q.Q5_0: (32, 22), Q.Q5_1: (32, 24), Q.Q8_0: (32, 34),
         Q.Q2_K: (256, 84), Q.Q3_K: (256, 110), Q.Q4_K: (256, 144), Q.Q5_K: (256, 176), Q.Q6_K: (256, 210),
     }[qtype]  # written out (not read from gguf) so that a test can hold them against GGML_QUANT_SIZES
     names, dtypes, widths = zip(*planes)
-    return QuantFormat(name, qtype, block_size, type_size, names, dtypes, widths)
+    return QuantFormat(name, qtype, block_size, type_size, names, dtypes, widths, transposed)
 
 
 FORMATS: dict[str, QuantFormat] = {
@@ -83,8 +102,8 @@ FORMATS: dict[str, QuantFormat] = {
         _fmt("f32", Q.F32, ("w", "f32", 1)),
         _fmt("f16", Q.F16, ("w", "f16", 1)),
         _fmt("bf16", Q.BF16, ("w", "bf16", 1)),
-        _fmt("q8_0", Q.Q8_0, ("qs", "i8", 32), ("d", "f16", 1)),
-        _fmt("q4_0", Q.Q4_0, ("qs", "u8", 16), ("d", "f16", 1)),
+        _fmt("q8_0", Q.Q8_0, ("qs", "i8", 32), ("d", "f16", 1), transposed=("d",)),
+        _fmt("q4_0", Q.Q4_0, ("qs", "u8", 16), ("d", "f16", 1), transposed=("d",)),
         _fmt("q4_1", Q.Q4_1, ("qs", "u8", 16), ("d", "f16", 1), ("m", "f16", 1)),
         _fmt("q5_0", Q.Q5_0, ("qs", "u8", 16), ("qh", "u8", 4), ("d", "f16", 1)),
         _fmt("q5_1", Q.Q5_1, ("qs", "u8", 16), ("qh", "u8", 4), ("d", "f16", 1), ("m", "f16", 1)),
@@ -193,14 +212,24 @@ def layer_of(qt: QuantizedTensor, layer: jax.Array | int | None) -> QuantizedTen
 
 def concat_rows(tensors: Sequence[QuantizedTensor]) -> QuantizedTensor:
     """One matrix [N1 + N2 + ..., K] from matrices of one format and K (each plane is per row,
-    so the planes concatenate along N). Works on numpy or jax planes, stacked or not."""
+    so the planes concatenate along their N axis). Works on numpy or jax planes, stacked or not."""
     first = tensors[0]
     if any(t.fmt != first.fmt or t.shape[1] != first.shape[1] or t.stack_shape != first.stack_shape for t in tensors):
         raise ValueError("concat_rows needs matrices of one format, K and stack")
-    axis = len(first.stack_shape)
+    fmt = first.format
     xp = np if all(isinstance(p, np.ndarray) for t in tensors for p in t.planes.values()) else jnp
-    planes = {k: xp.concatenate([t.planes[k] for t in tensors], axis=axis) for k in first.planes}
+    planes = {k: xp.concatenate([t.planes[k] for t in tensors], axis=fmt.n_axis(k)) for k in first.planes}
     return QuantizedTensor(planes, first.fmt, (sum(t.shape[0] for t in tensors), first.shape[1]))
+
+
+def slice_rows(qt: QuantizedTensor, start: int, stop: int) -> QuantizedTensor:
+    """Rows [start, stop) of a matrix (stacked or not) as a QuantizedTensor [stop - start, K]."""
+    fmt = qt.format
+    planes = {}
+    for name, p in qt.planes.items():
+        axis = p.ndim + fmt.n_axis(name)
+        planes[name] = p[(slice(None),) * axis + (slice(start, stop),)]
+    return QuantizedTensor(planes, qt.fmt, (stop - start, qt.shape[1]))
 
 
 def num_bytes(qt: QuantizedTensor) -> int:
@@ -282,7 +311,8 @@ def repack(data: np.ndarray, ggml_type: int | gguf.GGMLQuantizationType, shape: 
     out = {}
     for name in fmt.planes:
         plane = planes[name]
-        out[name] = np.ascontiguousarray(plane.reshape(*stack, n, -1).astype(dtypes[name], copy=False))
+        plane = plane.reshape(*stack, n, -1).astype(dtypes[name], copy=False)
+        out[name] = np.ascontiguousarray(np.swapaxes(plane, -1, -2) if name in fmt.transposed else plane)
     return QuantizedTensor(out, fmt.name, (n, k))
 
 
@@ -339,9 +369,15 @@ def layout(fmt: str, k: int) -> tuple[int, int, int]:
     return num_phases, k // (num_phases * width), width
 
 
+def row_major_planes(qt: QuantizedTensor) -> dict[str, jax.Array]:
+    """The planes, each [*S, N, X] (transposed ones swapped back)."""
+    fmt = qt.format
+    return {k: jnp.swapaxes(jnp.asarray(p), -1, -2) if k in fmt.transposed else p for k, p in qt.planes.items()}
+
+
 def dequantize_phase(qt: QuantizedTensor, ph: int) -> jax.Array:
     """f32 [*S, N, G, g]: element (ph, l) of every group of every row (see `layout`)."""
-    p, f = qt.planes, qt.fmt
+    p, f = row_major_planes(qt), qt.fmt
     _, num_groups, width = layout(f, qt.shape[1])
     if f in ("f32", "f16", "bf16"):
         return _f32(p["w"])[..., None, :]
@@ -401,7 +437,8 @@ def take_rows(qt: QuantizedTensor, ids: jax.Array) -> QuantizedTensor:
     if qt.stack_shape:
         raise ValueError(f"take_rows needs a single matrix, got stack {qt.stack_shape}")
     ids = jnp.asarray(ids)
-    planes = {name: jnp.take(jnp.asarray(p), ids, axis=0, mode="fill") for name, p in qt.planes.items()}
+    fmt = qt.format
+    planes = {name: jnp.take(jnp.asarray(p), ids, axis=fmt.n_axis(name), mode="fill") for name, p in qt.planes.items()}
     return QuantizedTensor(planes, qt.fmt, (ids.shape[0], qt.shape[1]))
 
 

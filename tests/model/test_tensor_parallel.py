@@ -144,7 +144,7 @@ def test_arrays_live_where_the_rules_say(runs) -> None:
         assert runs[tp]["specs"] == {
             "cache": str(P(None, None, None, TP, None)),
             "wq": str(P(None, TP, None)),
-            "wo": str(P(None, None, TP)),
+            "wo": str(P(None, TP, None)),  # q8_0 scales are held [L, K/32, N]: a row split shards K/32
             "embed": str(P(TP, None)),
         }
         assert set(runs[tp]["kernels"].values()) == {"reference"}
@@ -191,20 +191,35 @@ def _plane_specs(qt: QuantizedTensor) -> set:
     return set(qt.planes.values())
 
 
+def _split_axis(qt: QuantizedTensor, split: str, lead: tuple) -> dict:
+    """Per plane, the spec that shards its N axis (column split) or its packed X axis (row
+    split); the transposed planes (q4_0/q8_0 scales [*S, K/32, N]) hold those axes swapped."""
+    fmt = qt.format
+    out = {}
+    for name in qt.planes:
+        axis = fmt.n_axis(name) if split == "column" else fmt.x_axis(name)
+        out[name] = P(*lead, *((TP, None) if axis == -2 else (None, TP)))
+    return out
+
+
 @pytest.mark.parametrize("is_stacked", [True, False])
 def test_megatron_rules(is_stacked: bool) -> None:
     specs = sharding.param_specs(_params(is_stacked), 4)
     s = (None,) if is_stacked else ()
     for layer in (specs.layers,) if is_stacked else specs.layers:
         for key in ("wq", "wk", "wv", "w_gate", "w_up"):  # column-parallel: rows N
-            assert _plane_specs(layer[key]) == {P(*s, TP, None)}, key
+            assert layer[key].planes == _split_axis(layer[key], "column", s), key
+            assert layer[key].planes[layer[key].format.planes[0]] == P(*s, TP, None), key  # the codes
         for key in ("wo", "w_down"):  # row-parallel: the packed K of every plane
-            assert _plane_specs(layer[key]) == {P(*s, None, TP)}, key
+            assert layer[key].planes == _split_axis(layer[key], "row", s), key
+            assert layer[key].planes[layer[key].format.planes[0]] == P(*s, None, TP), key
+        assert layer["wo"].planes["d"] == P(*s, TP, None)  # q4_0 scales [*S, K/32, N]: K/32 splits
         for key in ("bq", "bk", "bv"):
             assert layer[key] == P(*s, TP), key
         for key in ("attn_norm", "ffn_norm", "q_norm", "k_norm"):
             assert layer[key] == P(), key
-    assert _plane_specs(specs.embed) == _plane_specs(specs.output) == {P(TP, None)}  # vocab-parallel
+    assert specs.embed.planes == _split_axis(specs.embed, "column", ())  # vocab-parallel
+    assert _plane_specs(specs.output) == {P(TP, None)}
     assert specs.output_norm == P() and specs.rope_freqs is None
 
 

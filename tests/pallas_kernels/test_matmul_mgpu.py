@@ -69,8 +69,8 @@ def test_no_interpret_mode_and_gpu_only():
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0"])
 def test_code_views_and_x_order_give_the_reference_product(fmt):
     """What the kernel computes, in plain jnp: the codes as it views them (int4 XOR -8 for q4_0,
-    int8 for q8_0) times each block's scale from the d plane's rows, against x in the kernel's
-    order (permuted within each 32-block for q4_0)."""
+    int8 for q8_0) times each block's scale from the transposed d plane, against x in the
+    kernel's order (permuted within each 32-block for q4_0)."""
     n, k = 64, 512
     w = random_weight(fmt, n, k, np.random.default_rng(0))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((5, k)), jnp.float32).astype(jnp.bfloat16)
@@ -79,13 +79,13 @@ def test_code_views_and_x_order_give_the_reference_product(fmt):
         codes, x_kernel = codes ^ jnp.int4(-8), matmul_mgpu.permute_x(x)
     else:
         x_kernel = x
-    d = jnp.asarray(w.planes["d"], jnp.float32)
+    d = jnp.asarray(w.planes["d"], jnp.float32).T  # held [K/32, N]
     deq = jnp.reshape(jnp.reshape(codes.astype(jnp.float32), (n, k // 32, 32)) * d[:, :, None], (n, k))
     y = x_kernel.astype(jnp.float32) @ deq.T
     assert relative_error(y, qmatmul_reference(x, w)) < 1e-5
 
 
-@pytest.mark.parametrize("kwargs", [dict(tile_k=128), dict(tile_k=384), dict(stages=0), dict(target_ctas=0)])
+@pytest.mark.parametrize("kwargs", [dict(tile_k=32), dict(tile_k=384), dict(stages=0), dict(target_ctas=0)])
 def test_tuning_validation(kwargs):
     with pytest.raises(ValueError):
         matmul_mgpu.MosaicMatmulTuning(**kwargs)
@@ -116,7 +116,8 @@ def test_split_reaches_the_target_grid():
 
 @pytest.mark.parametrize("fmt,m,n,k,stack,tile_k", [
     ("q4_0", 8, 4096, 11008, 3, 256), ("q4_0", 1, 256, 1024, None, 256), ("q4_0", 64, 512, 4096, 2, 256),
-    ("q4_0", 8, 512, 4096, 2, 512), ("q8_0", 8, 4096, 11008, 3, 256), ("q8_0", 64, 512, 4096, 2, 512),
+    ("q4_0", 8, 512, 4096, 2, 512), ("q4_0", 8, 512, 4096, 2, 64), ("q8_0", 8, 4096, 11008, 3, 256),
+    ("q8_0", 64, 512, 4096, 2, 512),
 ])
 def test_lowers_for_cuda(fmt, m, n, k, stack, tile_k):
     pytest.importorskip("absl")  # jax's Mosaic GPU imports it
