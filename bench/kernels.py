@@ -168,7 +168,7 @@ def mosaic_impls(sweep: bool) -> list[Impl]:
     if sweep:
         for tag, kw in [("ctas132", dict(target_ctas=132)), ("ctas396", dict(target_ctas=396)),
                         ("ctas528", dict(target_ctas=528)), ("stages6", dict(stages=6)),
-                        ("tile512", dict(tile_k=512, stages=3))]:
+                        ("tile512", dict(tile_k=512, stages=3)), ("wgmma_loads", dict(upcast_loads=False))]:
             tunings.append((f"mosaic_gpu:{tag}", dataclasses.replace(base, **kw)))
     return [Impl(name, lambda x, w, t=t: matmul_mgpu.qmatmul_mgpu(x, w, t), str(t)) for name, t in tunings]
 

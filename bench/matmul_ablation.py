@@ -15,7 +15,8 @@ thing, so the gaps between them say what costs:
     registers through the loop), in case the loads are not pipelined by Triton.
   * `mgpu_mma`: the Mosaic GPU decode kernel (pallas_kernels/matmul_mgpu.py): `block_k` sets its
     K step in elements (twice the variant's value: 128 -> 256), `num_stages` its steps in flight,
-    `ctas` its target grid (`target_ctas`). The runs of 2026-11-29 14:17 and
+    `ctas` its target grid (`target_ctas`), `upcast=0` loads the codes in the wgmma layout
+    rather than 32 bits per thread (`upcast_loads`). The runs of 2026-11-29 14:17 and
     14:19 used its first cut, written here, which read int4 codes and transposed scales
     repacked for it and took the layer as a compile-time constant.
   * `mgpu_stream`: the planes streamed by TMA into shared memory by a Mosaic GPU kernel
@@ -223,8 +224,9 @@ def parse_variant(spec: str, tuning: mt.TritonMatmulTuning):
         raise ValueError(f"unknown layout {layout!r}")
     changes = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in opts.split(",") if kv}
     extra = {key: bool(changes.pop(key)) for key in ("x_mask", "evict") if key in changes}
-    if "ctas" in changes:  # mgpu_mma: target_ctas of the Mosaic tuning
-        extra["ctas"] = changes.pop("ctas")
+    for key in ("ctas", "upcast"):  # mgpu_mma: target_ctas and upcast_loads of the Mosaic tuning
+        if key in changes:
+            extra[key] = changes.pop(key)
     return mode, layout == "tiled", dataclasses.replace(tuning, **changes), extra
 
 
@@ -233,7 +235,8 @@ def run_variant(mode, tiled, extra, x, w, tuning):
         from pallas_kernels import matmul_mgpu
 
         mosaic = matmul_mgpu.MosaicMatmulTuning(tile_k=tuning.block_k * 2, stages=tuning.num_stages,
-                                                target_ctas=extra.get("ctas", matmul_mgpu.DEFAULT_TUNING.target_ctas))
+                                                target_ctas=extra.get("ctas", matmul_mgpu.DEFAULT_TUNING.target_ctas),
+                                                upcast_loads=bool(extra.get("upcast", matmul_mgpu.DEFAULT_TUNING.upcast_loads)))
         return lambda l: matmul_mgpu.qmatmul_mgpu(x, w, mosaic, layer=l)
     if mode == "mgpu_stream":
         layers, n, half = w.planes["qs"].shape

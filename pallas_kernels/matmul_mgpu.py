@@ -63,6 +63,10 @@ class MosaicMatmulTuning:
     tile_k: int = 256  # K elements per pipeline step: a power of 2, 64..512 (2..16 blocks of 32)
     stages: int = 4  # pipeline steps in flight per warpgroup
     target_ctas: int = 264  # K is split until the grid reaches this many (about two per SM)
+    # Codes come out of shared memory 32 bits per thread (Mosaic's upcast layouts: 8 int4 or 4
+    # int8 per load) and are moved to the wgmma layout in registers before conversion; False
+    # loads them in the wgmma layout itself (8 or 16 bits per load).
+    upcast_loads: bool = True
 
     def __post_init__(self) -> None:
         if self.tile_k not in (64, 128, 256, 512):
@@ -138,7 +142,7 @@ def codes_view(qs: jax.Array, n: int, k: int) -> jax.Array:
 
 
 def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: int, k: int, m: int, tile_k: int,
-            steps: int, split: int, stages: int):
+            steps: int, split: int, stages: int, upcast_loads: bool):
     """layer_gmem [1] int32; x_gmem [M, K] bf16 (permuted for q4_0); c_gmem [L*N, K] codes (int4
     or int8); d_gmem [L*K/32, N] f16 scales (the transposed plane); o_gmem [split, N, M] f32
     partial sums; o_smem [64, M]."""
@@ -155,9 +159,15 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: 
 
     def body(idx, x_smem, c_smem, d_smem, acc):
         del idx
-        codes = c_smem[...]
+        if upcast_loads:
+            load_layout = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
+            codes = plgpu.load(c_smem, (), layout=load_layout)
+        else:
+            codes = c_smem[...]
         if fmt == "q4_0":
             codes = codes ^ jnp.int4(-8)  # q - 8, exact
+        if upcast_loads:
+            codes = plgpu.layout_cast(codes, wgmma_layout)
         a = codes.astype(jnp.bfloat16)  # [64, tile_k]
 
         def blockdots(*acc_refs):
@@ -215,7 +225,7 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
     scales = jnp.reshape(w.planes["d"], (-1, n))  # [L*K/32, N]: a view, read in place
     split = split_for(n, k, tuning)
     kernel = functools.partial(_kernel, fmt=w.fmt, n=n, k=k, m=m_pad, tile_k=tuning.tile_k, steps=k // tuning.tile_k,
-                               split=split, stages=stages_for(w.fmt, m, tuning))
+                               split=split, stages=stages_for(w.fmt, m, tuning), upcast_loads=tuning.upcast_loads)
     partial = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((split, n, m_pad), jnp.float32),
