@@ -61,11 +61,11 @@ USER_COUNTS = (1, 4, 8, 16, 32)
 def build_config(
     slots: int, max_context: int, kv_dtype: str = "float32", prefill_budget: int = 512, max_queue: int = 64,
     decode_steps: int = 1, prefill_chunks: tuple[int, ...] | None = None,
-    kernels: tuple[tuple[str, str], ...] = (),
+    kernels: tuple[tuple[str, str], ...] = (), tensor_parallel: int = 1,
 ) -> EngineConfig:
     """The EngineConfig `python -m server` builds from the same flags."""
     chunks = prefill_chunks_for(prefill_budget, prefill_chunks)
-    return EngineConfig(kernels=kernels,
+    return EngineConfig(kernels=kernels, tensor_parallel=tensor_parallel,
         num_slots=slots, max_context=max_context, prefill_budget=prefill_budget, prefill_chunks=chunks,
         max_queue=max_queue, kv_dtype=kv_dtype, decode_steps_per_dispatch=decode_steps,
     )
@@ -286,7 +286,7 @@ def startup_only(args: argparse.Namespace) -> int:
     entries = len(os.listdir(args.cache_dir))
     engine, startup = start_engine(args.model, build_config(args.slots, args.max_context, args.kv_dtype, args.prefill_budget,
                          decode_steps=args.decode_steps, prefill_chunks=args.prefill_chunks,
-                         kernels=args.kernels))
+                         kernels=args.kernels, tensor_parallel=args.tensor_parallel))
     startup["cache_entries_before"] = entries
     startup["cache_entries_after"] = len(os.listdir(args.cache_dir))
     engine.shutdown(60)
@@ -308,7 +308,7 @@ def main_run(args: argparse.Namespace) -> int:
         entries = len(os.listdir(cache_dir))
         config = build_config(args.slots, args.max_context, args.kv_dtype, args.prefill_budget,
                          decode_steps=args.decode_steps, prefill_chunks=args.prefill_chunks,
-                         kernels=args.kernels)
+                         kernels=args.kernels, tensor_parallel=args.tensor_parallel)
         engine, startup = start_engine(args.model, config)
         startup["cache_entries_before"] = entries
         timings = TimingLog()
@@ -345,7 +345,8 @@ def main_run(args: argparse.Namespace) -> int:
         "engine_config": {"slots": config.num_slots, "max_context": int(engine_info["max_context"]),
                           "kv_dtype": config.kv_dtype, "prefill_budget": config.prefill_budget,
                           "prefill_chunks": list(config.prefill_chunks), "kernels": engine_info.get("kernels"),
-                          "decode_steps": config.decode_steps_per_dispatch},
+                          "decode_steps": config.decode_steps_per_dispatch,
+                          "tensor_parallel": config.tensor_parallel},
         "settings": {"prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
                      "prefill_len": args.prefill_len, "join_len": args.join_len, "repeats": args.repeats,
                      "sampling": "temperature 1.0, seeded; ignore_eos"},
@@ -436,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-chunks", type=parse_sizes, default=None,
                     help="compiled prompt chunk sizes (server --prefill-chunks; default the server's)")
     ap.add_argument("--decode-steps", type=int, default=1, help="decode steps per dispatch (server --decode-steps)")
+    ap.add_argument("--tensor-parallel", type=int, default=1, help="GPUs the model is sharded over (server --tensor-parallel)")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of the decode runs")
     ap.add_argument("--decode-tokens", type=int, default=256, help="max_tokens of the decode runs")
     ap.add_argument("--prefill-len", type=int, default=512)
