@@ -28,7 +28,8 @@ class Kernels:
     """The op implementations one compiled program uses (hashable: a static jit argument)."""
 
     # (x [M, K], w, layer, split) -> [M, N] f32; a stacked w is read at `layer` in place. `split`
-    # ("column" | "row") is how the matrix divides under tensor parallelism (model/sharding.py);
+    # ("column" | "row" | "vocab") is how the matrix divides under tensor parallelism
+    # (model/sharding.py; "vocab": column-split output head whose logits are gathered whole);
     # single-device kernels ignore it.
     matmul: Callable
     embed: Callable  # (w, ids [T]) -> [T, E] f32
@@ -138,7 +139,8 @@ def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 def _mm(kern: Kernels, x: jax.Array, w: QuantizedTensor, layer, split: str) -> jax.Array:
     """x @ w.T; a stacked w (the scanned layers) is read at `layer` by the kernel itself.
-    split: "column" (output features split under tensor parallelism) or "row" (input features)."""
+    split: "column" (output features split under tensor parallelism), "row" (input features) or
+    "vocab" (the output head: split like "column", its logits gathered whole on every device)."""
     return kern.matmul(x, w, layer if w.stack_shape else None, split)
 
 
@@ -246,7 +248,9 @@ def _embed(cfg: ModelConfig, kern: Kernels, params: Params, tokens: jax.Array) -
 def _logits(cfg: ModelConfig, kern: Kernels, params: Params, x: jax.Array) -> jax.Array:
     h = rms_norm(x, params.output_norm, cfg.rms_eps)
     w = params.output if params.output is not None else params.embed
-    logits = _mm(kern, h, w, None, "column")  # vocab-parallel head
+    # vocab-parallel head; its logits are gathered once, so that sampling runs whole on every
+    # device instead of XLA spreading a dozen small collectives through the sort and reductions
+    logits = _mm(kern, h, w, None, "vocab")
     if cfg.final_logit_softcap:
         c = cfg.final_logit_softcap
         logits = jnp.tanh(logits / c) * c

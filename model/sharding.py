@@ -222,17 +222,22 @@ def shard_kernels(kern: Kernels, mesh: Mesh) -> Kernels:
         return [jnp.asarray(values[i], jnp.int32) for i in traced], [P()] * len(traced), rebuild
 
     def matmul(x, w: QuantizedTensor, layer=None, split: str | None = None):
-        if split not in ("column", "row"):
-            raise ValueError(f"a tensor-parallel matmul needs split='column' or 'row', got {split!r}")
-        w_spec = (_column_spec if split == "column" else _row_spec)("matmul", w, tp)
+        if split not in ("column", "row", "vocab"):
+            raise ValueError(f"a tensor-parallel matmul needs split='column', 'row' or 'vocab', got {split!r}")
+        w_spec = (_row_spec if split == "row" else _column_spec)("matmul", w, tp)
         args, specs, rebuild = scalars(layer)
+        local_split = "row" if split == "row" else "column"
 
         def local(x, w, *ops):
             (layer_,) = rebuild(ops)
-            y = kern.matmul(x, _local(w, split, tp), layer_, split)
-            return y if split == "column" else jax.lax.psum(y, TP_AXIS)  # row: partial sums over K
+            y = kern.matmul(x, _local(w, local_split, tp), layer_, local_split)
+            if split == "row":  # partial sums over K
+                return jax.lax.psum(y, TP_AXIS)
+            if split == "vocab":  # the whole logits on every device: one gather
+                return jax.lax.all_gather(y, TP_AXIS, axis=y.ndim - 1, tiled=True)
+            return y
 
-        in_x = P() if split == "column" else P(None, TP_AXIS)
+        in_x = P(None, TP_AXIS) if split == "row" else P()
         out = P(None, TP_AXIS) if split == "column" else P()
         return smap(local, (in_x, w_spec, *specs), out)(x, w, *args)
 

@@ -77,7 +77,9 @@ def run(path, tp):
     seeded = generate(runner, PROMPTS, 8, sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=7))
     jax.monitoring.unregister_event_duration_listener(listener)
     hlo = runner._program("decode", 4, 64).as_text()  # the compiled decode program
-    collectives = sorted({m.groups() for m in re.finditer(r"= \(?(\w+)\[([\d,]*)\][^=]*? (all-gather|all-reduce)(?:-start)?\(", hlo)})
+    collectives = sorted({m.groups() for m in re.finditer(
+        r"= \(?(\w+)\[([\d,]*)\][^=]*? (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(",
+        hlo)})
     spec = lambda x: str(getattr(x.sharding, "spec", None))
     layers = loaded.params.layers
     return dict(
@@ -148,6 +150,17 @@ def test_arrays_live_where_the_rules_say(runs) -> None:
             "embed": str(P(TP, None)),
         }
         assert set(runs[tp]["kernels"].values()) == {"reference"}
+
+
+def test_sampling_runs_on_logits_gathered_once(runs) -> None:
+    """The vocab-parallel head's logits [B, V] are gathered once, and sampling (penalties, sort,
+    softmax, argmax) runs whole on every device: no other activation collective than the
+    row-parallel all-reduce [B, E]. The rest are the vocab-parallel embedding lookup's (its
+    planes' rows, combined by XLA with an all-reduce)."""
+    collectives = {tuple(c) for c in runs[4]["collectives"]}
+    assert {c for c in collectives if c[0] in ("f32", "s32", "pred")} == {
+        ("f32", "4,256", "all-reduce"), ("f32", "4,2048", "all-gather")}
+    assert {c[2] for c in collectives} <= {"all-reduce", "all-gather"}
 
 
 def test_xla_reduces_activations_and_never_gathers_weights(runs) -> None:
