@@ -5,7 +5,9 @@ The choice follows the registry's order (GPU kernels first where the backend has
 forced `--kernels op=impl,...`. Matmul is chosen per weight format: each implementation is
 probed (traced, nothing compiled) on this model's own shapes, separately for decode (x of up to
 `num_slots` rows) and prefill chunks, and one that refuses a format
-with `NotImplementedError` is passed over for that format only. Every choice is logged and
+with `NotImplementedError` is passed over for that format only; where no implementation takes
+every shape of a format, each shape gets its own (`matmul_decode[q4_0 4096x5504]: triton`
+beside `matmul_decode[q4_0 6144x4096]: mosaic_gpu`). Every choice is logged and
 shown on /health (e.g. `matmul_decode[q4_0]: mosaic_gpu`, `matmul[q4_0]: triton` for prefill,
 `matmul[q6_k]: reference`; `--kernels matmul_decode=...` forces the decode one alone); a chosen kernel
 that fails at run time raises, it never falls back.
@@ -101,6 +103,26 @@ def _shard_shapes(w: QuantizedTensor, tp: int) -> list[QuantizedTensor]:
     return out
 
 
+def _choose_matmuls(op: str, fmt: str, shapes: list[QuantizedTensor], rows: list[int], act_dtype, forced: str | None,
+                    fns: dict, names: dict[str, str]) -> None:
+    """The matmul of one format and regime: the first implementation that takes every shape,
+    `{op}[{fmt}]`. Where none does, each shape (N, K) gets the first that takes it, named
+    `{op}[{fmt} NxK]`: under tensor parallelism a shard can leave one kernel's tiling (the Mosaic
+    decode kernel and a row-parallel 4096x5504 w_down shard of a 7B) and only that shard should
+    lose it. Forced, one implementation must take them all."""
+    def probes(ws):
+        return [(jax.ShapeDtypeStruct((m, w.shape[1]), act_dtype), w) for w in ws for m in rows]
+
+    unique = list({w.shape: w for w in shapes}.values())
+    per_shape = [] if forced is not None else [_choose("matmul", None, probes([w])) for w in unique]
+    if forced is not None or len({name for _, name in per_shape}) == 1:
+        fns[fmt], names[f"{op}[{fmt}]"] = _choose("matmul", forced, probes(unique))
+        return
+    for w, (fn, name) in zip(unique, per_shape):
+        n, k = w.shape
+        fns[(fmt, n, k)], names[f"{op}[{fmt} {n}x{k}]"] = fn, name
+
+
 def choose_kernels(
     forced: Mapping[str, str], cfg: ModelConfig, params: Params, engine_cfg: EngineConfig
 ) -> tuple[Kernels, dict[str, str]]:
@@ -124,16 +146,16 @@ def choose_kernels(
     mats: dict[str, list[QuantizedTensor]] = {}
     for (fmt, _, _), w in sorted(_matrices(params).items()):
         mats.setdefault(fmt, []).append(w)
-    decode_fns: dict[str, Any] = {}
-    prefill_fns: dict[str, Any] = {}
+    # Keyed by format, or by (format, N, K) for a shape whose choice differs from its format's.
+    decode_fns: dict[Any, Any] = {}
+    prefill_fns: dict[Any, Any] = {}
     for fmt, ws in mats.items():
-        for key, fns, rows, force in (
-            (f"matmul_decode[{fmt}]", decode_fns, [decode_rows], forced.get("matmul_decode", forced.get("matmul"))),
-            (f"matmul[{fmt}]", prefill_fns, prefill_rows, forced.get("matmul")),
+        for op, fns, rows, force in (
+            ("matmul_decode", decode_fns, [decode_rows], forced.get("matmul_decode", forced.get("matmul"))),
+            ("matmul", prefill_fns, prefill_rows, forced.get("matmul")),
         ):
-            probes = [(jax.ShapeDtypeStruct((m, local.shape[1]), act_dtype), local)
-                      for w in ws for local in _shard_shapes(w, tp) for m in rows]
-            fns[fmt], names[key] = _choose("matmul", force, probes)
+            _choose_matmuls(op, fmt, [local for w in ws for local in _shard_shapes(w, tp)], rows, act_dtype, force,
+                            fns, names)
 
     embed_w = _matrices(Params(params.embed, None, params.output_norm, None, [], False))
     embed_fn, names["embed"] = _choose(
@@ -157,7 +179,8 @@ def choose_kernels(
 
     def matmul(x: jax.Array, w: QuantizedTensor, layer=None, split: str | None = None) -> jax.Array:
         del split  # one device: nothing is split (model/sharding.py wraps this for tensor parallelism)
-        fn = (decode_fns if math.prod(x.shape[:-1]) <= decode_rows else prefill_fns)[w.fmt]
+        fns = decode_fns if math.prod(x.shape[:-1]) <= decode_rows else prefill_fns
+        fn = fns.get((w.fmt, *w.shape)) or fns[w.fmt]
         return fn(x.astype(act_dtype), w, layer=layer)
 
     return Kernels(matmul=matmul, embed=embed_fn, attention_decode=dec_fn, attention_prefill=pre_fn), names

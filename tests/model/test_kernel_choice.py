@@ -5,6 +5,8 @@ test beside the reference (what the Mosaic GPU kernel is on a Hopper GPU)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -63,6 +65,35 @@ def test_forcing_the_decode_matmul_alone(tiny_tp_path, with_decode_only):
     assert loaded.kernel_names["matmul_decode[q8_0]"] == "reference" == loaded.kernel_names["matmul[q8_0]"]
     with pytest.raises(NotImplementedError, match="forced implementation 'decode_only'"):
         _loaded(tiny_tp_path, kernels=(("matmul", "decode_only"),))  # it cannot take the prefill chunk
+
+
+def test_a_shape_the_first_kernel_refuses_gets_its_own_choice(tiny_tp_path, with_decode_only):
+    """Where no implementation takes every shape of a format, each shape gets the first that
+    takes it (as a row-parallel shard can leave the Mosaic kernel's tiling), named per shape."""
+    loaded, _ = _loaded(tiny_tp_path)
+    down = loaded.params.layers["w_down"]
+    n_down, k_down = down.shape
+
+    def refuses_down(x, w, tuning=None, *, layer=None, interpret=False):
+        if w.shape == (n_down, k_down):
+            raise NotImplementedError("not this shape")
+        return decode_only(x, w, layer=layer)
+
+    impls = registry._REGISTRY._impls["matmul"]  # restored by the fixture
+    assert impls[0].name == "decode_only"
+    impls[0] = dataclasses.replace(impls[0], fn=refuses_down)
+    loaded, _ = _loaded(tiny_tp_path)
+    names = loaded.kernel_names
+    assert "matmul_decode[q8_0]" not in names
+    assert names[f"matmul_decode[q8_0 {n_down}x{k_down}]"] == "reference"
+    others = {k: v for k, v in names.items() if k.startswith("matmul_decode[q8_0 ") and f"{n_down}x{k_down}" not in k}
+    assert others and set(others.values()) == {"decode_only"}
+    for name, expect in (("wo", [8]), ("w_down", [])):
+        w = loaded.params.layers[name]
+        CALLS.clear()
+        y = loaded.kernels.matmul(jnp.ones((8, w.shape[1]), jnp.float32), w, layer=0)
+        assert y.shape == (8, w.shape[0]) and CALLS == expect, name
+    assert loaded.kernel_names["matmul[q8_0]"] == "reference"
 
 
 def test_unknown_forced_op_is_an_error(tiny_tp_path):
