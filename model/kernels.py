@@ -29,6 +29,7 @@ import pallas_kernels.matmul  # noqa: F401
 import pallas_kernels.matmul_mgpu  # noqa: F401
 import pallas_kernels.matmul_triton  # noqa: F401
 from model.config import EngineConfig, ModelConfig
+from model import sharding
 from model.forward import Kernels
 from model.weights import Params
 from pallas_kernels import registry
@@ -45,28 +46,27 @@ def _spec(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
-def _matrices(params: Params) -> dict[tuple[str, int, int], QuantizedTensor]:
-    """One example per distinct (format, N, K) among the model's matrices, unstacked."""
-    found: dict[tuple[str, int, int], QuantizedTensor] = {}
+def _matrices(params: Params) -> dict[tuple[str, int, int], tuple[QuantizedTensor, set[str]]]:
+    """One example per distinct (format, N, K) among the model's matrices, unstacked, with how
+    tensor parallelism splits the matrices of that shape ("column" or "row", as
+    model/sharding.py places them)."""
+    found: dict[tuple[str, int, int], tuple[QuantizedTensor, set[str]]] = {}
 
-    def visit(node: Any) -> None:
+    def visit(node: Any, split: str) -> None:
         if isinstance(node, QuantizedTensor):
             key = (node.fmt, *node.shape)
             if key not in found:
                 stack = len(node.stack_shape)
                 planes = {k: jax.ShapeDtypeStruct(v.shape[stack:], v.dtype) for k, v in node.planes.items()}
-                found[key] = QuantizedTensor(planes, node.fmt, node.shape)
-        elif isinstance(node, dict):
-            for v in node.values():
-                visit(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                visit(v)
+                found[key] = (QuantizedTensor(planes, node.fmt, node.shape), set())
+            found[key][1].add(split)
 
-    visit(params.layers)
-    visit(params.embed)
+    for layer in [params.layers] if isinstance(params.layers, dict) else params.layers:
+        for name, value in layer.items():
+            visit(value, "row" if name in sharding.ROW_SPLIT else "column")
+    visit(params.embed, "column")  # vocab-parallel
     if params.output is not None:
-        visit(params.output)
+        visit(params.output, "column")
     return found
 
 
@@ -76,9 +76,10 @@ def _choose(op: str, forced: str | None, probes: list[tuple]) -> tuple[Any, str]
     return fn, registry.describe()[op]
 
 
-def _shard_shapes(w: QuantizedTensor, tp: int) -> list[QuantizedTensor]:
+def _shard_shapes(w: QuantizedTensor, splits: set[str], tp: int) -> list[QuantizedTensor]:
     """The per-device matrices a [N, K] weight becomes under tensor parallelism `tp`: its column
-    split [N/tp, K] and its row split [N, K/tp] (each plane's N or packed X axis divides)."""
+    split [N/tp, K] and/or its row split [N, K/tp] (each plane's N or packed X axis divides);
+    model/sharding.py refuses a model whose matrices do not divide."""
     if tp == 1:
         return [w]
     n, k = w.shape
@@ -96,9 +97,9 @@ def _shard_shapes(w: QuantizedTensor, tp: int) -> list[QuantizedTensor]:
         return QuantizedTensor(planes, w.fmt, shape)
 
     out = []
-    if n % tp == 0:
+    if "column" in splits and n % tp == 0:
         out.append(split(fmt.n_axis, (n // tp, k)))
-    if k % tp == 0 and (row := split(fmt.x_axis, (n, k // tp))) is not None:
+    if "row" in splits and k % tp == 0 and (row := split(fmt.x_axis, (n, k // tp))) is not None:
         out.append(row)
     return out
 
@@ -144,8 +145,8 @@ def choose_kernels(
     decode_rows = engine_cfg.num_slots
     prefill_rows = [c for c in engine_cfg.prefill_chunks if c > decode_rows] or [decode_rows]
     mats: dict[str, list[QuantizedTensor]] = {}
-    for (fmt, _, _), w in sorted(_matrices(params).items()):
-        mats.setdefault(fmt, []).append(w)
+    for (fmt, _, _), (w, splits) in sorted(_matrices(params).items()):
+        mats.setdefault(fmt, []).extend(_shard_shapes(w, splits, tp))
     # Keyed by format, or by (format, N, K) for a shape whose choice differs from its format's.
     decode_fns: dict[Any, Any] = {}
     prefill_fns: dict[Any, Any] = {}
@@ -154,12 +155,11 @@ def choose_kernels(
             ("matmul_decode", decode_fns, [decode_rows], forced.get("matmul_decode", forced.get("matmul"))),
             ("matmul", prefill_fns, prefill_rows, forced.get("matmul")),
         ):
-            _choose_matmuls(op, fmt, [local for w in ws for local in _shard_shapes(w, tp)], rows, act_dtype, force,
-                            fns, names)
+            _choose_matmuls(op, fmt, ws, rows, act_dtype, force, fns, names)
 
     embed_w = _matrices(Params(params.embed, None, params.output_norm, None, [], False))
     embed_fn, names["embed"] = _choose(
-        "embed", forced.get("embed"), [(w, jax.ShapeDtypeStruct((8,), jnp.int32)) for w in embed_w.values()]
+        "embed", forced.get("embed"), [(w, jax.ShapeDtypeStruct((8,), jnp.int32)) for w, _ in embed_w.values()]
     )
 
     kv = jnp.dtype(engine_cfg.kv_dtype)
@@ -180,7 +180,9 @@ def choose_kernels(
     def matmul(x: jax.Array, w: QuantizedTensor, layer=None, split: str | None = None) -> jax.Array:
         del split  # one device: nothing is split (model/sharding.py wraps this for tensor parallelism)
         fns = decode_fns if math.prod(x.shape[:-1]) <= decode_rows else prefill_fns
-        fn = fns.get((w.fmt, *w.shape)) or fns[w.fmt]
+        fn = fns.get((w.fmt, *w.shape)) or fns.get(w.fmt)
+        if fn is None:
+            raise KeyError(f"no matmul was chosen for a {w.fmt} matrix {list(w.shape)}: not a shape of this model")
         return fn(x.astype(act_dtype), w, layer=layer)
 
     return Kernels(matmul=matmul, embed=embed_fn, attention_decode=dec_fn, attention_prefill=pre_fn), names

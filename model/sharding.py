@@ -3,14 +3,16 @@
 Megatron-style layout, applied by `model/loader.py` (params) and `model/runner.py` (KV cache,
 slot state) with `jax.device_put` when `EngineConfig.tensor_parallel` > 1. The step programs
 stay the single-device code: `jax.jit` runs them SPMD and XLA's partitioner inserts the
-collectives (one all-reduce after each row-parallel matmul, gathers of the vocab-sharded
-logits for sampling).
+collectives (one all-reduce after each row-parallel matmul, and the embedding lookup's); the
+vocab-sharded logits are gathered once, inside the output head's shard_map, so that sampling
+runs whole on every device.
 
 - column-parallel wq/wk/wv, w_gate/w_up: rows N (output features: heads, ffn) are sharded, so
   each device holds whole heads; their biases shard with N.
 - row-parallel wo, w_down: the input features K are sharded. A QuantizedTensor plane is
-  [*L, N, X] with X a per-row packing of K, so X is sharded; that cuts rows into whole blocks
-  only when K / tp is a multiple of the format's block size (checked).
+  [*L, N, X] with X a per-row packing of K (or [*L, X, N] for a transposed plane, see
+  pallas_kernels/quant.py), so X is sharded; that cuts rows into whole blocks only when K / tp
+  is a multiple of the format's block size (checked).
 - vocab-parallel embedding and output head: rows N = vocab are sharded.
 - norms and rope factors, slot state and sampling arrays: replicated.
 - KV cache [L, B, S, K, D]: sharded over its kv-head axis K, beside the heads that read it.
@@ -50,6 +52,7 @@ TP_AXIS = "tp"
 # layer dict key -> how it shards (see the module docstring)
 _COLUMN = frozenset({"wq", "wk", "wv", "w_gate", "w_up"})
 _ROW = frozenset({"wo", "w_down"})
+ROW_SPLIT = _ROW  # the layer matrices split over K (model/kernels.py probes them so)
 _COLUMN_BIAS = frozenset({"bq", "bk", "bv"})
 _REPLICATED = frozenset({"attn_norm", "ffn_norm", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm"})
 

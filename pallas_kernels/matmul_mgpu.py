@@ -136,7 +136,7 @@ def permute_x(x2: jax.Array) -> jax.Array:
 
 
 def codes_view(qs: jax.Array, n: int, k: int) -> jax.Array:
-    """The qs plane [L, N, K/32, 16] uint8 as int4 [L*N, K]."""
+    """The q4_0 qs plane [*S, N, K/2] uint8 as int4 [L*N, K]."""
     flat = jnp.reshape(qs, (-1, k // 2))
     return jnp.reshape(lax.bitcast_convert_type(flat, jnp.int4), (flat.shape[0], k))
 
@@ -246,8 +246,9 @@ def qmatmul_mgpu(
     interpret: bool = False,
 ) -> jax.Array:  # [..., N] f32
     """x @ dequant(w).T through the Mosaic GPU decode kernel. Raises NotImplementedError for what it
-    does not take (formats other than q4_0, x not bf16, more than 64 rows of x, N not a multiple
-    of 64, K not a multiple of 256, interpret mode)."""
+    does not take (formats other than q4_0 and q8_0, x not bf16, more than 64 rows of x, N not a
+    multiple of 64, K not a multiple of the tuning's K step, too many rows for shared memory,
+    interpret mode)."""
     if interpret:
         raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
     tuning = tuning or DEFAULT_TUNING

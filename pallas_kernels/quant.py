@@ -142,7 +142,8 @@ def check_k(fmt: QuantFormat, k: int) -> None:
 
 @jax.tree_util.register_pytree_with_keys_class
 class QuantizedTensor:
-    """A weight matrix [N, K] in format `fmt`, stored as planes (name -> array [*S, N, X]).
+    """A weight matrix [N, K] in format `fmt`, stored as planes (name -> array [*S, N, X], or
+    [*S, X, N] for the format's `transposed` planes).
 
     Children: the planes (numpy or jax arrays). Static aux data: (fmt, shape), shape = (N, K)
     of one matrix whatever the leading stack S.

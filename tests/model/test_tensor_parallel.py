@@ -353,13 +353,19 @@ def test_pallas_kernels_run_per_shard(tiny_tp_path: pathlib.Path) -> None:
 def test_kernels_are_probed_on_per_device_shapes() -> None:
     from model.kernels import _shard_shapes
 
+    both = {"column", "row"}
     w = _qt("q4_k", 512, 1024)
-    assert _shard_shapes(w, 1) == [w]
-    col, row = _shard_shapes(w, 4)
+    assert _shard_shapes(w, both, 1) == [w]
+    col, row = _shard_shapes(w, both, 4)
     assert col.shape == (128, 1024) and col.planes["qs"].shape == (128, 512)
     assert row.shape == (512, 256) and row.planes["qs"].shape == (512, 128) and row.planes["d"].shape == (512, 1)
     # a row split that would cut a 256-element super-block is not a shape any device gets
-    assert [t.shape for t in _shard_shapes(_qt("q4_k", 512, 512), 4)] == [(128, 512)]
+    assert [t.shape for t in _shard_shapes(_qt("q4_k", 512, 512), both, 4)] == [(128, 512)]
+    # only the split the matrix gets is probed; a transposed plane splits along its own axes
+    (col,) = _shard_shapes(_qt("q4_0", 512, 1024), {"column"}, 4)
+    assert col.shape == (128, 1024) and col.planes["d"].shape == (32, 128)
+    (row,) = _shard_shapes(_qt("q4_0", 512, 1024), {"row"}, 4)
+    assert row.shape == (512, 256) and row.planes["d"].shape == (8, 512) and row.planes["qs"].shape == (512, 128)
 
 
 def test_config_and_flag() -> None:
