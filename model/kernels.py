@@ -115,9 +115,13 @@ def _choose_matmuls(op: str, fmt: str, shapes: list[QuantizedTensor], rows: list
         return [(jax.ShapeDtypeStruct((m, w.shape[1]), act_dtype), w) for w in ws for m in rows]
 
     unique = list({w.shape: w for w in shapes}.values())
-    per_shape = [] if forced is not None else [_choose("matmul", None, probes([w])) for w in unique]
-    if forced is not None or len({name for _, name in per_shape}) == 1:
+    if forced is not None:
         fns[fmt], names[f"{op}[{fmt}]"] = _choose("matmul", forced, probes(unique))
+        return
+    # Each shape's first taker; when they agree, no implementation before it takes every shape.
+    per_shape = [_choose("matmul", None, probes([w])) for w in unique]
+    if len({name for _, name in per_shape}) == 1:
+        fns[fmt], names[f"{op}[{fmt}]"] = per_shape[0]
         return
     for w, (fn, name) in zip(unique, per_shape):
         n, k = w.shape

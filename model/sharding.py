@@ -51,8 +51,7 @@ TP_AXIS = "tp"
 
 # layer dict key -> how it shards (see the module docstring)
 _COLUMN = frozenset({"wq", "wk", "wv", "w_gate", "w_up"})
-_ROW = frozenset({"wo", "w_down"})
-ROW_SPLIT = _ROW  # the layer matrices split over K (model/kernels.py probes them so)
+ROW_SPLIT = frozenset({"wo", "w_down"})  # public: model/kernels.py probes these on their K split
 _COLUMN_BIAS = frozenset({"bq", "bk", "bv"})
 _REPLICATED = frozenset({"attn_norm", "ffn_norm", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm"})
 
@@ -116,7 +115,7 @@ def _layer_specs(lp: Mapping[str, Any], tp: int, where: str) -> dict[str, Any]:
         name = f"{where}.{key}"
         if key in _COLUMN:
             out[key] = _column_spec(name, leaf, tp)
-        elif key in _ROW:
+        elif key in ROW_SPLIT:
             out[key] = _row_spec(name, leaf, tp)
         elif key in _COLUMN_BIAS:  # [*L, N]
             if leaf.shape[-1] % tp:

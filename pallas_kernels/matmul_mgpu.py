@@ -111,16 +111,19 @@ def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatm
 SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on the H100/H200
 
 
+def padded_rows(m: int) -> int:
+    """Rows of x as the kernel runs them: a multiple of 8 (the wgmma N)."""
+    return -(-m // 8) * 8
+
+
 def stage_bytes(fmt: str, m: int, tile_k: int) -> int:
     """Shared memory of one pipeline step: x [M, tile_k] bf16, codes [64, tile_k], scales."""
-    m_pad = -(-m // 8) * 8
-    return m_pad * tile_k * 2 + BLOCK_N * tile_k * CODE_BITS[fmt] // 8 + BLOCK_N * (tile_k // 32) * 2
+    return padded_rows(m) * tile_k * 2 + BLOCK_N * tile_k * CODE_BITS[fmt] // 8 + BLOCK_N * (tile_k // 32) * 2
 
 
 def stages_for(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING) -> int:
     """Steps in flight: `tuning.stages`, or as many as fit beside the [64, M] f32 output tile."""
-    m_pad = -(-m // 8) * 8
-    room = SMEM_BYTES - BLOCK_N * m_pad * 4 - 1024  # barriers and alignment
+    room = SMEM_BYTES - BLOCK_N * padded_rows(m) * 4 - 1024  # barriers and alignment
     return min(tuning.stages, room // stage_bytes(fmt, m, tuning.tile_k))
 
 
@@ -135,7 +138,7 @@ def permute_x(x2: jax.Array) -> jax.Array:
     return jnp.reshape(jnp.swapaxes(jnp.reshape(x2, (m, k // 32, 2, 16)), 2, 3), (m, k))
 
 
-def codes_view(qs: jax.Array, n: int, k: int) -> jax.Array:
+def codes_view(qs: jax.Array, k: int) -> jax.Array:
     """The q4_0 qs plane [*S, N, K/2] uint8 as int4 [L*N, K]."""
     flat = jnp.reshape(qs, (-1, k // 2))
     return jnp.reshape(lax.bitcast_convert_type(flat, jnp.int4), (flat.shape[0], k))
@@ -207,9 +210,9 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: 
 def codes_of(w: QuantizedTensor) -> jax.Array:
     """The codes of every stacked matrix as [L*N, K] (free views): int4 for q4_0 (see
     `codes_view`), the int8 `qs` plane of q8_0 as it is."""
-    n, k = w.shape
+    k = w.shape[1]
     if w.fmt == "q4_0":
-        return codes_view(w.planes["qs"], n, k)
+        return codes_view(w.planes["qs"], k)
     return jnp.reshape(w.planes["qs"], (-1, k))
 
 
@@ -218,7 +221,7 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
     plgpu = _plgpu()
     n, k = w.shape
     m = x2.shape[0]
-    m_pad = -(-m // 8) * 8  # the wgmma N
+    m_pad = padded_rows(m)
     xp = permute_x(x2) if w.fmt == "q4_0" else x2
     if m_pad != m:
         xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))

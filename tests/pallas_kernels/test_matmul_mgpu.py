@@ -104,7 +104,7 @@ def test_steps_in_flight_fit_shared_memory():
     for fmt in ("q4_0", "q8_0"):
         for m in (1, 8, 64):
             s = matmul_mgpu.stages_for(fmt, m, wide)
-            assert s * matmul_mgpu.stage_bytes(fmt, m, 512) + 64 * (-(-m // 8) * 8) * 4 <= matmul_mgpu.SMEM_BYTES
+            assert s * matmul_mgpu.stage_bytes(fmt, m, 512) + 64 * matmul_mgpu.padded_rows(m) * 4 <= matmul_mgpu.SMEM_BYTES
     assert matmul_mgpu.stages_for("q8_0", 64, wide) < matmul_mgpu.stages_for("q8_0", 8, wide)
 
 
