@@ -160,7 +160,7 @@ def triton_impls(fmt: str, m: int, n: int, k: int, x_dtype, interpret: bool, swe
 
 def mosaic_impls(sweep: bool) -> list[Impl]:
     """The Mosaic GPU decode kernel at its default tuning, and with --sweep its neighbours: CTAs
-    per SM (K split), steps in flight, K step."""
+    per SM (K split), steps in flight, K step, the code loads and the q4_0 unpacking."""
     from pallas_kernels import matmul_mgpu
 
     base = matmul_mgpu.DEFAULT_TUNING
@@ -168,7 +168,8 @@ def mosaic_impls(sweep: bool) -> list[Impl]:
     if sweep:
         for tag, kw in [("ctas132", dict(target_ctas=132)), ("ctas396", dict(target_ctas=396)),
                         ("ctas528", dict(target_ctas=528)), ("stages6", dict(stages=6)),
-                        ("tile512", dict(tile_k=512, stages=3)), ("wgmma_loads", dict(upcast_loads=False))]:
+                        ("tile512", dict(tile_k=512, stages=3)), ("wgmma_loads", dict(upcast_loads=False, word_unpack=False)),
+                        ("shuffle_unpack", dict(word_unpack=False))]:
             tunings.append((f"mosaic_gpu:{tag}", dataclasses.replace(base, **kw)))
     return [Impl(name, lambda x, w, t=t: matmul_mgpu.qmatmul_mgpu(x, w, t), str(t)) for name, t in tunings]
 

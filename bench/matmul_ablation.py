@@ -16,7 +16,11 @@ thing, so the gaps between them say what costs:
   * `mgpu_mma`: the Mosaic GPU decode kernel (pallas_kernels/matmul_mgpu.py): `block_k` sets its
     K step in elements (twice the variant's value: 128 -> 256), `num_stages` its steps in flight,
     `ctas` its target grid (`target_ctas`), `upcast=0` loads the codes in the wgmma layout
-    rather than 32 bits per thread (`upcast_loads`). The runs of 2026-11-29 14:17 and
+    rather than 32 bits per thread (`upcast_loads`), `words=0` converts the codes after moving them
+    to the wgmma layout rather than word by word in place (`word_unpack`). Cut-down twins, for timing only (wrong
+    results): `noxor=1` (with `words=0`) converts the q4_0 codes without centring them, `noscale=1` sums the
+    blocks' results unscaled (no scale loads), `noconv=1` feeds constant codes to the wgmmas
+    (the codes still arrive in shared memory, unread). The runs of 2026-11-29 14:17 and
     14:19 used its first cut, written here, which read int4 codes and transposed scales
     repacked for it and took the layer as a compile-time constant.
   * `mgpu_stream`: the planes streamed by TMA into shared memory by a Mosaic GPU kernel
@@ -224,19 +228,53 @@ def parse_variant(spec: str, tuning: mt.TritonMatmulTuning):
         raise ValueError(f"unknown layout {layout!r}")
     changes = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in opts.split(",") if kv}
     extra = {key: bool(changes.pop(key)) for key in ("x_mask", "evict") if key in changes}
-    for key in ("ctas", "upcast"):  # mgpu_mma: target_ctas and upcast_loads of the Mosaic tuning
+    for key in ("ctas", "upcast", "words", "noxor", "noscale", "noconv"):  # mgpu_mma: see the module docstring
         if key in changes:
             extra[key] = changes.pop(key)
     return mode, layout == "tiled", dataclasses.replace(tuning, **changes), extra
+
+
+_MGPU_HELPERS = {}
+
+
+def _ablate_mgpu(matmul_mgpu, *, noxor: bool, noscale: bool, noconv: bool) -> None:
+    """Swap the Mosaic kernel's step helpers for cut-down ones (wrong results, timing only), or
+    restore them; clears JAX's caches so that the next call traces the kernel again."""
+    if not _MGPU_HELPERS:
+        _MGPU_HELPERS.update(codes=matmul_mgpu._codes_bf16, scale=matmul_mgpu._scale_and_sum)
+    plgpu = matmul_mgpu._plgpu()
+
+    def codes_noxor(c_smem, fmt, *_):
+        layout = plgpu.Layout.WGMMA_UPCAST_4X if matmul_mgpu.CODE_BITS[fmt] == 4 else plgpu.Layout.WGMMA_UPCAST_2X
+        codes = plgpu.layout_cast(plgpu.load(c_smem, (), layout=layout), plgpu.Layout.WGMMA)
+        return codes.astype(jnp.bfloat16)
+
+    def codes_const(c_smem, fmt, *_):  # the codes still arrive by TMA, unread
+        return plgpu.layout_cast(jnp.full(c_smem.shape, 1.0, jnp.bfloat16), plgpu.Layout.WGMMA)
+
+    def scale_none(acc, parts, d_smem):
+        for part in parts:
+            acc = acc + part
+        return acc
+
+    codes = codes_const if noconv else codes_noxor if noxor else _MGPU_HELPERS["codes"]
+    scale = scale_none if noscale else _MGPU_HELPERS["scale"]
+    if (codes, scale) != (matmul_mgpu._codes_bf16, matmul_mgpu._scale_and_sum):
+        matmul_mgpu._codes_bf16, matmul_mgpu._scale_and_sum = codes, scale
+        jax.clear_caches()
 
 
 def run_variant(mode, tiled, extra, x, w, tuning):
     if mode == "mgpu_mma":
         from pallas_kernels import matmul_mgpu
 
+        _ablate_mgpu(matmul_mgpu, noxor=bool(extra.get("noxor")), noscale=bool(extra.get("noscale")),
+                     noconv=bool(extra.get("noconv")))
+
         mosaic = matmul_mgpu.MosaicMatmulTuning(tile_k=tuning.block_k * 2, stages=tuning.num_stages,
                                                 target_ctas=extra.get("ctas", matmul_mgpu.DEFAULT_TUNING.target_ctas),
-                                                upcast_loads=bool(extra.get("upcast", matmul_mgpu.DEFAULT_TUNING.upcast_loads)))
+                                                upcast_loads=bool(extra.get("upcast", matmul_mgpu.DEFAULT_TUNING.upcast_loads)),
+                                                word_unpack=bool(extra.get("words", matmul_mgpu.DEFAULT_TUNING.word_unpack)))
         return lambda l: matmul_mgpu.qmatmul_mgpu(x, w, mosaic, layer=l)
     if mode == "mgpu_stream":
         layers, n, half = w.planes["qs"].shape

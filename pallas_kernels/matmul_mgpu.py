@@ -4,11 +4,18 @@
 It reads the planes `pallas_kernels.quant.repack` built, in place (no layout of its own):
 
   * codes, q4_0: the `qs` plane [N, K/2] uint8 (16 bytes per 32-block) seen as int4 [N, K] (a
-    free bitcast). JAX packs int4 low nibble first, so int4 element 32 g + 2 l + h of a row is
-    nibble h of byte l of block g, i.e. weight element 32 g + 16 h + l. x is permuted the same
-    way outside the kernel (x_perm[:, 32 g + 2 l + h] = x[:, 32 g + 16 h + l]), which leaves the
-    dot product unchanged. A nibble holds the unsigned code q; as int4 it reads q - 16 [q >= 8],
-    and XOR with -8 (the sign bit) turns that into q - 8, the centred Q4_0 value.
+    free bitcast), brought to registers 32 bits per thread (Mosaic's WGMMA_UPCAST_4X layout: a
+    thread holds bytes 4c..4c+3 of a block's row, c = lane % 4). By default
+    (`word_unpack`) each thread makes its own four bf16 pairs of the wgmma operand from that word
+    with a shift, a mask-and-OR and one bf16 subtraction per pair (`_q4_0_words_to_bf16`, no data
+    exchanged between threads); the weights land at wgmma columns in a fixed order within the
+    block (even weights, then odd), and x is permuted the same way outside the kernel
+    (`permute_x_words`), which leaves the dot product unchanged. The other way
+    (`word_unpack=False`, 6-9% slower per call on the H200, bench/results/ablation-20261129-174950.json)
+    moves the codes to the wgmma layout with two warp shuffles per word and converts them there
+    with Mosaic's signed int4 conversion: JAX packs int4 low nibble first, so int4 element
+    32 g + 2 l + h is weight 32 g + 16 h + l (x permuted by `permute_x`), and XOR with -8 turns the
+    nibble's signed reading q - 16 [q >= 8] into q - 8, the centred Q4_0 value.
   * codes, q8_0: the int8 `qs` plane [N, K], in natural order.
   * scales: the `d` plane, which Q4_0 and Q8_0 hold transposed, [K/32, N] f16
     (pallas_kernels/quant.py), so that a 32-block's 64 scales are contiguous: the kernel loads
@@ -22,7 +29,7 @@ It reads the planes `pallas_kernels.quant.repack` built, in place (no layout of 
 One warpgroup per 64 rows of the weight (the wgmma M dimension) and a split of K; a TMA pipeline
 (`emit_pipeline`, up to `stages` steps in flight, fewer where shared memory runs out) brings each
 step's x slice [M, tile_k], codes [64, tile_k] and scales [tile_k/32, 64] into shared memory. The
-codes become bf16 in registers (wgmma layout; Mosaic's int4/int8 -> bf16 conversion), and each
+codes become bf16 in registers (wgmma layout; for q8_0 through Mosaic's int8 -> bf16 conversion), and each
 32-block meets x in one 64 x M x 32 wgmma (A from registers, x as the transposed B operand); the
 step's wgmmas are issued before one wait, and each block's [64, M] result is scaled by its scales
 and summed in f32. Partial sums of the K splits [split, N, M] are added outside.
@@ -67,6 +74,11 @@ class MosaicMatmulTuning:
     # int8 per load) and are moved to the wgmma layout in registers before conversion; False
     # loads them in the wgmma layout itself (8 or 16 bits per load).
     upcast_loads: bool = True
+    # q4_0: each thread turns the 32-bit word of 8 codes it loads into its four bf16 pairs of the
+    # wgmma operand with shifts, masks and one subtraction (`_q4_0_words_to_bf16`), with x
+    # permuted to match; False moves the codes to the wgmma layout first (two warp shuffles per
+    # word) and converts them there.
+    word_unpack: bool = True
 
     def __post_init__(self) -> None:
         if self.tile_k not in (64, 128, 256, 512):
@@ -144,8 +156,89 @@ def codes_view(qs: jax.Array, k: int) -> jax.Array:
     return jnp.reshape(lax.bitcast_convert_type(flat, jnp.int4), (flat.shape[0], k))
 
 
+def permute_x_words(x2: jax.Array) -> jax.Array:
+    """x [M, K] in the column order `_q4_0_words_to_bf16` gives the codes: within each 32-block
+    the even weights, then the odd ones."""
+    m, k = x2.shape
+    return jnp.reshape(jnp.swapaxes(jnp.reshape(x2, (m, k // 32, 16, 2)), 2, 3), (m, k))
+
+
+def _q4_0_words_to_bf16(codes):
+    """Mosaic GPU code (inside `inline_mgpu`): q4_0 codes [64, tile_k] loaded in the
+    WGMMA_UPCAST_4X layout (each thread holds, per 32-block and row, one 32-bit word: bytes 4c..4c+3
+    of the block, c = lane % 4, i.e. weights 4c..4c+3 in the low nibbles and 4c+16..4c+19 in the
+    high ones) -> the wgmma operand [64, tile_k] bf16 in the WGMMA layout, q - 8 exactly.
+
+    No data moves between threads: the thread's pair j (0..3) of the block, at wgmma columns
+    8 j + 2 c and 8 j + 2 c + 1, is nibbles j and j + 4 of its word, i.e. (w >> 4 j) & 0x000F000F
+    (one nibble in each 16-bit half), made bf16 by OR-ing in the exponent of 128 (0x4300: 128 + q,
+    exact) and subtracting 136 (128 + 8). That puts weight 16 (j % 2) + 4 c + 2 h + j // 2 of the
+    block at wgmma column 8 j + 2 c + h: the even weights, in order, then the odd ones, which is the
+    order `permute_x_words` gives x."""
+    import numpy as np
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith
+
+    i32 = ir.IntegerType.get_signless(32)
+    pair = ir.VectorType.get((2,), ir.BF16Type.get())
+    mask = arith.constant(i32, 0x000F000F)
+    exponent = arith.constant(i32, 0x43004300)
+    offset = mgpu_utils.bitcast(arith.constant(i32, 0x43084308), pair)  # bf16 136, twice
+    shifts = [None] + [arith.constant(i32, 4 * j) for j in range(1, 4)]
+    out = np.empty(fa.WGMMA_LAYOUT.registers_shape(codes.shape), dtype=object)
+    # register index (0, b, 0, 0, row half, 0...) of UPCAST_4X is block b's word; (0, t, ...) of
+    # WGMMA is the pair of columns 8 t + 2 c, so block b's pair j is at t = 4 b + j
+    for idx, reg in np.ndenumerate(codes.registers):
+        word = mgpu_utils.bitcast(reg, i32)
+        for j in range(4):
+            nibbles = word if j == 0 else arith.shrui(word, shifts[j])
+            biased = arith.ori(arith.andi(nibbles, mask), exponent)
+            out[(idx[0], 4 * idx[1] + j, *idx[2:])] = arith.subf(mgpu_utils.bitcast(biased, pair), offset)
+    return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+
+def _q4_0_words_bf16_op(codes: jax.Array) -> jax.Array:
+    """`_q4_0_words_to_bf16` as a Pallas op: int4 [64, n] in WGMMA_UPCAST_4X -> bf16 in WGMMA."""
+    plgpu = _plgpu()
+    return plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+        return_type=plgpu.ShapeDtypeStruct(codes.shape, jnp.bfloat16, plgpu.Layout.WGMMA),
+    )(lambda ctx, words: _q4_0_words_to_bf16(words))(codes)
+
+
+def _codes_bf16(c_smem, fmt: str, upcast_loads: bool, word_unpack: bool = False) -> jax.Array:
+    """One step's codes [64, tile_k] from shared memory as centred bf16 values, in the wgmma layout
+    (for q4_0 with `word_unpack`, in the column order of `permute_x_words`)."""
+    plgpu = _plgpu()
+    if fmt == "q4_0" and word_unpack:
+        return _q4_0_words_bf16_op(plgpu.load(c_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X))
+    wgmma_layout = plgpu.Layout.WGMMA
+    if upcast_loads:
+        load_layout = plgpu.Layout.WGMMA_UPCAST_4X if CODE_BITS[fmt] == 4 else plgpu.Layout.WGMMA_UPCAST_2X
+        codes = plgpu.load(c_smem, (), layout=load_layout)
+    else:
+        codes = c_smem[...]
+    if fmt == "q4_0":
+        codes = codes ^ jnp.int4(-8)  # q - 8, exact
+    if upcast_loads:
+        codes = plgpu.layout_cast(codes, wgmma_layout)
+    return codes.astype(jnp.bfloat16)
+
+
+def _scale_and_sum(acc: jax.Array, parts: list[jax.Array], d_smem) -> jax.Array:
+    """acc + sum over the step's 32-blocks b of parts[b] [64, M] scaled by block b's 64 scales."""
+    plgpu = _plgpu()
+    for b, part in enumerate(parts):
+        # block b's 64 scales, contiguous in the transposed plane: the row vector of its result
+        d = plgpu.load(d_smem.at[b], (), layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
+        acc = acc + part * lax.broadcast_in_dim(d, part.shape, [0])
+    return acc
+
+
 def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: int, k: int, m: int, tile_k: int,
-            steps: int, split: int, stages: int, upcast_loads: bool):
+            steps: int, split: int, stages: int, upcast_loads: bool, word_unpack: bool):
     """layer_gmem [1] int32; x_gmem [M, K] bf16 (permuted for q4_0); c_gmem [L*N, K] codes (int4
     or int8); d_gmem [L*K/32, N] f16 scales (the transposed plane); o_gmem [split, N, M] f32
     partial sums; o_smem [64, M]."""
@@ -162,16 +255,7 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: 
 
     def body(idx, x_smem, c_smem, d_smem, acc):
         del idx
-        if upcast_loads:
-            load_layout = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
-            codes = plgpu.load(c_smem, (), layout=load_layout)
-        else:
-            codes = c_smem[...]
-        if fmt == "q4_0":
-            codes = codes ^ jnp.int4(-8)  # q - 8, exact
-        if upcast_loads:
-            codes = plgpu.layout_cast(codes, wgmma_layout)
-        a = codes.astype(jnp.bfloat16)  # [64, tile_k]
+        a = _codes_bf16(c_smem, fmt, upcast_loads, word_unpack)  # [64, tile_k]
 
         def blockdots(*acc_refs):
             for b, acc_ref in enumerate(acc_refs):
@@ -180,11 +264,7 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: 
             return [r[...] for r in acc_refs]
 
         parts = pl.run_scoped(blockdots, *[plgpu.ACC((BLOCK_N, m), jnp.float32) for _ in range(nb)])
-        for b, part in enumerate(parts):
-            # block b's 64 scales, contiguous in the transposed plane: the row vector of its result
-            d = plgpu.load(d_smem.at[b], (), layout=wgmma_layout.reduce(1)).astype(jnp.float32)
-            acc = acc + part * lax.broadcast_in_dim(d, part.shape, [0])
-        return acc
+        return _scale_and_sum(acc, parts, d_smem)
 
     acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_N, m), jnp.float32), wgmma_layout)
     acc = plgpu.emit_pipeline(
@@ -222,13 +302,17 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
     n, k = w.shape
     m = x2.shape[0]
     m_pad = padded_rows(m)
-    xp = permute_x(x2) if w.fmt == "q4_0" else x2
+    if w.fmt == "q4_0":
+        xp = permute_x_words(x2) if tuning.word_unpack else permute_x(x2)
+    else:
+        xp = x2
     if m_pad != m:
         xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
     scales = jnp.reshape(w.planes["d"], (-1, n))  # [L*K/32, N]: a view, read in place
     split = split_for(n, k, tuning)
     kernel = functools.partial(_kernel, fmt=w.fmt, n=n, k=k, m=m_pad, tile_k=tuning.tile_k, steps=k // tuning.tile_k,
-                               split=split, stages=stages_for(w.fmt, m, tuning), upcast_loads=tuning.upcast_loads)
+                               split=split, stages=stages_for(w.fmt, m, tuning), upcast_loads=tuning.upcast_loads,
+                               word_unpack=tuning.word_unpack)
     partial = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((split, n, m_pad), jnp.float32),

@@ -85,6 +85,34 @@ def test_code_views_and_x_order_give_the_reference_product(fmt):
     assert relative_error(y, qmatmul_reference(x, w)) < 1e-5
 
 
+def _bf16_halves(words: np.ndarray) -> np.ndarray:
+    """uint32 words -> their two bf16 halves (low, high) as f32, [..., 2]."""
+    halves = np.stack([words & 0xFFFF, words >> 16], axis=-1).astype(np.uint32)
+    return (halves << 16).view(np.float32)
+
+
+def test_word_unpack_bit_arithmetic_and_x_order_give_the_reference_product():
+    """`_q4_0_words_to_bf16` restated per thread in numpy: lane c of a row holds bytes 4c..4c+3 of
+    each 32-block as one word; its pair j, (w >> 4j) & 0x000F000F OR 0x43004300 read as two bf16
+    less 136, lands at wgmma columns 8j + 2c (+1). With x in `permute_x_words` order and each
+    block's scale, that is the reference product (the register placement is checked on the GPU)."""
+    n, k, m = 64, 512, 5
+    w = random_weight("q4_0", n, k, np.random.default_rng(2))
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((m, k)), jnp.float32).astype(jnp.bfloat16)
+    qs = np.asarray(w.planes["qs"]).reshape(n, k // 32, 4, 4)  # [row, block, lane c, byte]
+    words = qs.astype(np.uint32) @ (np.uint32(1) << (8 * np.arange(4, dtype=np.uint32)))  # little-endian
+    a = np.zeros((n, k // 32, 32), np.float32)
+    for j in range(4):
+        pair = _bf16_halves(((words >> np.uint32(4 * j)) & np.uint32(0x000F000F)) | np.uint32(0x43004300)) - 136.0
+        for c in range(4):
+            a[:, :, 8 * j + 2 * c:8 * j + 2 * c + 2] = pair[:, :, c, :]
+    assert set(np.unique(a)) <= set(range(-8, 8))
+    d = np.asarray(w.planes["d"], np.float32).T  # held [K/32, N]
+    deq = (a * d[:, :, None]).reshape(n, k)
+    y = np.asarray(matmul_mgpu.permute_x_words(x), np.float32) @ deq.T
+    assert relative_error(jnp.asarray(y), qmatmul_reference(x, w)) < 1e-5
+
+
 @pytest.mark.parametrize("kwargs", [dict(tile_k=32), dict(tile_k=384), dict(stages=0), dict(target_ctas=0)])
 def test_tuning_validation(kwargs):
     with pytest.raises(ValueError):
@@ -114,15 +142,16 @@ def test_split_reaches_the_target_grid():
     assert matmul_mgpu.split_for(256, 256) == 1  # never more splits than K steps
 
 
-@pytest.mark.parametrize("fmt,m,n,k,stack,tile_k", [
-    ("q4_0", 8, 4096, 11008, 3, 256), ("q4_0", 1, 256, 1024, None, 256), ("q4_0", 64, 512, 4096, 2, 256),
-    ("q4_0", 8, 512, 4096, 2, 512), ("q4_0", 8, 512, 4096, 2, 64), ("q8_0", 8, 4096, 11008, 3, 256),
-    ("q8_0", 64, 512, 4096, 2, 512),
+@pytest.mark.parametrize("fmt,m,n,k,stack,tile_k,word_unpack", [
+    ("q4_0", 8, 4096, 11008, 3, 256, True), ("q4_0", 1, 256, 1024, None, 256, True),
+    ("q4_0", 64, 512, 4096, 2, 256, True), ("q4_0", 8, 512, 4096, 2, 512, True), ("q4_0", 8, 512, 4096, 2, 64, True),
+    ("q8_0", 8, 4096, 11008, 3, 256, True), ("q8_0", 64, 512, 4096, 2, 512, True),
+    ("q4_0", 8, 512, 4096, 2, 256, False),
 ])
-def test_lowers_for_cuda(fmt, m, n, k, stack, tile_k):
+def test_lowers_for_cuda(fmt, m, n, k, stack, tile_k, word_unpack):
     pytest.importorskip("absl")  # jax's Mosaic GPU imports it
     w = _spec(fmt, n, k, stack)
-    tuning = matmul_mgpu.MosaicMatmulTuning(tile_k)
+    tuning = matmul_mgpu.MosaicMatmulTuning(tile_k, word_unpack=word_unpack)
     if stack:
         fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, tuning, layer=i)  # noqa: E731
     else:
