@@ -41,13 +41,24 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 def test_greedy_is_argmax_and_logprobs_are_log_softmax():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(3, 50)).astype(np.float32) * 3
-    tokens, logprob, top_ids, top_lps = _run(logits, [SamplingParams(temperature=0)] * 3)
+    tokens, logprob, top_ids, top_lps = _run(logits, [SamplingParams(temperature=0, top_logprobs=NUM_TOP)] * 3)
     np.testing.assert_array_equal(tokens, logits.argmax(-1))
     ref = _log_softmax(logits)
     np.testing.assert_allclose(logprob, ref[np.arange(3), tokens], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(top_ids, np.argsort(-logits, axis=-1)[:, :NUM_TOP])
     np.testing.assert_allclose(top_lps, np.sort(ref, axis=-1)[:, ::-1][:, :NUM_TOP], rtol=1e-5, atol=1e-5)
     assert top_ids.dtype == np.int32 and tokens.dtype == np.int32
+
+
+def test_alternatives_only_when_a_row_asks():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(3, 50)).astype(np.float32)
+    _, _, top_ids, top_lps = _run(logits, [SamplingParams(temperature=0)] * 3)
+    assert (top_ids == 0).all() and np.isneginf(top_lps).all()  # nobody asked: padding
+    rows = [SamplingParams(temperature=0), SamplingParams(temperature=0, top_logprobs=2), SamplingParams(temperature=0)]
+    _, _, top_ids, top_lps = _run(logits, rows)
+    np.testing.assert_array_equal(top_ids[1], np.argsort(-logits[1])[:NUM_TOP])
+    np.testing.assert_allclose(top_lps[1], np.sort(_log_softmax(logits[1]))[::-1][:NUM_TOP], rtol=1e-5, atol=1e-5)
 
 
 def test_penalties_and_logit_bias_hand_computed():
@@ -60,6 +71,7 @@ def test_penalties_and_logit_bias_hand_computed():
         presence_penalty=0.5,
         frequency_penalty=0.25,
         logit_bias=((2, -3.0), (4, 0.25)),
+        top_logprobs=5,
     )
     # bias:        [1, -1, -1, 0.5, 0.25]
     # repetition over {0, 1, 3} (prompt or generated): positive / 2, negative * 2

@@ -65,7 +65,7 @@ def run(path, tp):
     runner = loaded.make_runner(cfg)
     runner.warmup()
     rec = Recorder(runner)
-    greedy = generate(rec, PROMPTS, 8)
+    greedy = generate(rec, PROMPTS, 8, sampling=SamplingParams(temperature=0, top_logprobs=4))
     logprobs, top_ids, top_logprobs = [], [], []
     for out in rec.outputs:
         logprobs += out.logprobs[out.valid].tolist()
