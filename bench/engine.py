@@ -61,13 +61,14 @@ USER_COUNTS = (1, 4, 8, 16, 32)
 def build_config(
     slots: int, max_context: int, kv_dtype: str = "float32", prefill_budget: int = 512, max_queue: int = 64,
     decode_steps: int = 1, prefill_chunks: tuple[int, ...] | None = None,
-    kernels: tuple[tuple[str, str], ...] = (), tensor_parallel: int = 1,
+    kernels: tuple[tuple[str, str], ...] = (), tensor_parallel: int = 1, unroll_decode_layers: str = "auto",
 ) -> EngineConfig:
     """The EngineConfig `python -m server` builds from the same flags."""
     chunks = prefill_chunks_for(prefill_budget, prefill_chunks)
     return EngineConfig(kernels=kernels, tensor_parallel=tensor_parallel,
         num_slots=slots, max_context=max_context, prefill_budget=prefill_budget, prefill_chunks=chunks,
         max_queue=max_queue, kv_dtype=kv_dtype, decode_steps_per_dispatch=decode_steps,
+        unroll_decode_layers=unroll_decode_layers,
     )
 
 
@@ -265,7 +266,7 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
     return [
         "--model", str(args.model), "--slots", str(args.slots), "--max-context", str(args.max_context),
         "--kv-dtype", args.kv_dtype, "--prefill-budget", str(args.prefill_budget),
-        "--decode-steps", str(args.decode_steps),
+        "--decode-steps", str(args.decode_steps), "--unroll-decode-layers", args.unroll_decode_layers,
         *(["--prefill-chunks", ",".join(map(str, args.prefill_chunks))] if args.prefill_chunks else []),
         *(["--kernels", ",".join(f"{op}={impl}" for op, impl in args.kernels)] if args.kernels else []),
     ]
@@ -286,7 +287,8 @@ def startup_only(args: argparse.Namespace) -> int:
     entries = len(os.listdir(args.cache_dir))
     engine, startup = start_engine(args.model, build_config(args.slots, args.max_context, args.kv_dtype, args.prefill_budget,
                          decode_steps=args.decode_steps, prefill_chunks=args.prefill_chunks,
-                         kernels=args.kernels, tensor_parallel=args.tensor_parallel))
+                         kernels=args.kernels, tensor_parallel=args.tensor_parallel,
+                         unroll_decode_layers=args.unroll_decode_layers))
     startup["cache_entries_before"] = entries
     startup["cache_entries_after"] = len(os.listdir(args.cache_dir))
     engine.shutdown(60)
@@ -308,7 +310,8 @@ def main_run(args: argparse.Namespace) -> int:
         entries = len(os.listdir(cache_dir))
         config = build_config(args.slots, args.max_context, args.kv_dtype, args.prefill_budget,
                          decode_steps=args.decode_steps, prefill_chunks=args.prefill_chunks,
-                         kernels=args.kernels, tensor_parallel=args.tensor_parallel)
+                         kernels=args.kernels, tensor_parallel=args.tensor_parallel,
+                         unroll_decode_layers=args.unroll_decode_layers)
         engine, startup = start_engine(args.model, config)
         startup["cache_entries_before"] = entries
         timings = TimingLog()
@@ -346,6 +349,7 @@ def main_run(args: argparse.Namespace) -> int:
                           "kv_dtype": config.kv_dtype, "prefill_budget": config.prefill_budget,
                           "prefill_chunks": list(config.prefill_chunks), "kernels": engine_info.get("kernels"),
                           "decode_steps": config.decode_steps_per_dispatch,
+                          "unroll_decode_layers": config.unroll_decode_layers,
                           "tensor_parallel": config.tensor_parallel},
         "settings": {"prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
                      "prefill_len": args.prefill_len, "join_len": args.join_len, "repeats": args.repeats,
@@ -438,6 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compiled prompt chunk sizes (server --prefill-chunks; default the server's)")
     ap.add_argument("--decode-steps", type=int, default=1, help="decode steps per dispatch (server --decode-steps)")
     ap.add_argument("--tensor-parallel", type=int, default=1, help="GPUs the model is sharded over (server --tensor-parallel)")
+    ap.add_argument("--unroll-decode-layers", default="auto", choices=("auto", "on", "off"),
+                    help="the decode program's layer loop (server --unroll-decode-layers)")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of the decode runs")
     ap.add_argument("--decode-tokens", type=int, default=256, help="max_tokens of the decode runs")
     ap.add_argument("--prefill-len", type=int, default=512)

@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="bfloat16")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--unroll-decode-layers", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--matmul-warps", type=int, default=None,
                     help="a variant: this many warps in the Triton decode matmuls (M <= 64) instead of the default")
     args = ap.parse_args()
@@ -86,7 +87,8 @@ def main() -> None:
         matmul_triton.default_tuning = patched
     out = pathlib.Path(args.out) if args.out else None
 
-    ecfg = EngineConfig(num_slots=args.slots, max_context=args.max_context, kv_dtype=args.kv_dtype)
+    ecfg = EngineConfig(num_slots=args.slots, max_context=args.max_context, kv_dtype=args.kv_dtype,
+                        unroll_decode_layers=args.unroll_decode_layers)
     m = load_model(args.model, ecfg)
     runner = m.make_runner(ecfg)
     attend = runner._bucket(args.position + 1)

@@ -207,7 +207,7 @@ def _layer_consts(cfg: ModelConfig, params: Params, layer: jax.Array | int):
     return _inv_freq(cfg, theta, params.rope_freqs), window
 
 
-def _run_layers(params: Params, cache: KVCache, body: Callable):
+def _run_layers(params: Params, cache: KVCache, body: Callable, unroll: bool = False):
     """Applies body(layer_params, cache, layer_index, x) -> (x, cache) over all layers.
 
     The body writes into the whole [L, ...] cache in place (scatter at [layer, ...]): slicing a
@@ -215,7 +215,8 @@ def _run_layers(params: Params, cache: KVCache, body: Callable):
     Stacked layers are scanned over the layer index alone: the matrices stay whole [L, N, K]
     stacks that the kernels read at the index (scanning over them as `xs` made XLA copy every
     layer's weights out of the stack each step, 25% of a decode step on the H200), and only the
-    small vectors (norms, biases) are sliced.
+    small vectors (norms, biases) are sliced. `unroll` emits the scanned body once per layer
+    (constant layer indices, no while loop).
     """
 
     def layer_params(i):
@@ -230,7 +231,7 @@ def _run_layers(params: Params, cache: KVCache, body: Callable):
     def run(x):
         if params.is_stacked:
             n = cache.k.shape[0]
-            (x, c), _ = jax.lax.scan(step, (x, cache), jnp.arange(n))
+            (x, c), _ = jax.lax.scan(step, (x, cache), jnp.arange(n), unroll=n if unroll else 1)
             return x, c
         c = cache
         for i, lp in enumerate(params.layers):
@@ -265,6 +266,7 @@ def decode(
     tokens: jax.Array,  # [B] int32
     positions: jax.Array,  # [B] int32; rows with position < 0 are inactive (nothing written)
     attend: int | None = None,  # static: attention reads cache positions [0, attend); > every position
+    unroll: bool = False,  # static: unroll the layer loop (EngineConfig.unroll_decode_layers)
 ) -> tuple[jax.Array, KVCache]:  # logits [B, V] f32
     b = tokens.shape[0]
     s = cache.max_context
@@ -282,7 +284,7 @@ def decode(
         return _attn_out_and_ffn(cfg, kern, lp, i, x, attn), c
 
     x = _embed(cfg, kern, params, tokens)
-    x, cache = _run_layers(params, cache, body)(x)
+    x, cache = _run_layers(params, cache, body, unroll)(x)
     return _logits(cfg, kern, params, x), cache
 
 

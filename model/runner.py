@@ -50,9 +50,10 @@ class SlotState:
         )
 
 
-def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, params, cache, st: SlotState, samp, active):
+def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, params, cache, st: SlotState, samp, active,
+                 *, unroll: bool = False):
     positions = jnp.where(active, st.positions, -1)
-    logits, cache = forward.decode(cfg, kern, params, cache, st.tokens, positions, attend)
+    logits, cache = forward.decode(cfg, kern, params, cache, st.tokens, positions, attend, unroll)
     tok, lp, top_ids, top_lps = sampling.sample(logits, samp, st.prompt_mask, st.counts, st.step_index, num_top)
     inc = active.astype(jnp.int32)
     st = SlotState(
@@ -65,12 +66,13 @@ def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, par
     return cache, st, (tok, active, lp, top_ids, top_lps)
 
 
-def _multi_decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, num_steps: int, params, cache, st: SlotState, samp, active):
+def _multi_decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, num_steps: int, params, cache, st: SlotState, samp, active,
+                       *, unroll: bool = False):
     """num_steps decode steps in one program; outputs stacked on a leading [num_steps] axis."""
 
     def one(carry, _):
         cache, st = carry
-        cache, st, out = _decode_step(cfg, kern, num_top, attend, params, cache, st, samp, active)
+        cache, st, out = _decode_step(cfg, kern, num_top, attend, params, cache, st, samp, active, unroll=unroll)
         return (cache, st), out
 
     (cache, st), outs = jax.lax.scan(one, (cache, st), None, length=num_steps)
@@ -164,6 +166,7 @@ class ModelRunner:
         self.max_top_logprobs = engine_cfg.max_top_logprobs
         self.decode_steps = tuple(sorted({1, engine_cfg.decode_steps_per_dispatch}))
         self._mesh = mesh
+        self._unroll_decode = engine_cfg.unrolls_decode(jax.default_backend())
         if mesh is None:
             self._cache = KVCache.create(cfg, self.num_slots, self.max_context, jnp.dtype(engine_cfg.kv_dtype))
             self._state = SlotState.create(self.num_slots, cfg.vocab_size)
@@ -185,10 +188,14 @@ class ModelRunner:
 
     def _jitted(self, kind: str, attend: int, num_steps: int = 1):
         if kind == "decode" and num_steps > 1:
-            fn = functools.partial(_multi_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend, num_steps)
+            fn = functools.partial(_multi_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend, num_steps,
+                                   unroll=self._unroll_decode)
             return jax.jit(fn, donate_argnums=(1, 2))
-        step = _decode_step if kind == "decode" else _prefill_step
-        fn = functools.partial(step, self.cfg, self.kernels, self.max_top_logprobs, attend)
+        if kind == "decode":
+            fn = functools.partial(_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend,
+                                   unroll=self._unroll_decode)
+        else:
+            fn = functools.partial(_prefill_step, self.cfg, self.kernels, self.max_top_logprobs, attend)
         if self._mesh is None:
             return jax.jit(fn, donate_argnums=(1, 2))
         # SPMD over the mesh: XLA partitions the step from the inputs' shardings.

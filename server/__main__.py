@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", type=parse_kernels, default=(), help="force kernels: op=impl[,op=impl...]")
     p.add_argument("--decode-steps", type=int, default=1, metavar="N",
                    help="decode steps per device dispatch while no prompt is waiting (one lax.scan program)")
+    p.add_argument("--unroll-decode-layers", default="auto", choices=("auto", "on", "off"),
+                   help="unroll the decode program's layer loop (auto: on GPU only)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="KV cache dtype (auto: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--compile-cache", type=pathlib.Path, default=None,
@@ -154,6 +156,7 @@ def build_configs(args: argparse.Namespace, environ: dict[str, str] | os._Enviro
         kv_dtype=args.kv_dtype,
         tensor_parallel=args.tensor_parallel,
         decode_steps_per_dispatch=args.decode_steps,
+        unroll_decode_layers=args.unroll_decode_layers,
     )
     model_name = args.model.name if args.model is not None else DEFAULT_MODEL_FILENAME
     server_config = ServerConfig(

@@ -81,3 +81,27 @@ def test_several_decode_steps_per_dispatch_match_single_steps(smollm2, prompt_id
     assert len(outs) == 8
     multi = [[int(first[0].tokens[s])] + [int(o.tokens[s]) for o in outs] for s in range(2)]
     assert multi == single
+
+
+def test_unrolled_decode_layers_match_the_scanned_loop(smollm2, prompt_ids):
+    """`unroll_decode_layers` (on by default on GPU) changes the program's structure only: no
+    while loop over the layers, the same tokens as the scanned body."""
+    import dataclasses
+
+    from tests.model.conftest import SMOL_ENGINE
+
+    import re
+
+    layers = smollm2.config.num_layers
+    tokens, loops = {}, {}
+    for mode in ("off", "on"):
+        cfg = dataclasses.replace(SMOL_ENGINE, num_slots=2, max_context=1024, context_buckets=(1024,),
+                                  unroll_decode_layers=mode)
+        runner = smollm2.make_runner(cfg)
+        runner.warmup()
+        tokens[mode] = generate(runner, prompt_ids[:2], 6)
+        hlo = runner._program("decode", 2, 1024).as_text()
+        trips = re.findall(r' while\(.*"known_trip_count":\{"n":"(\d+)"\}', hlo)
+        loops[mode] = trips.count(str(layers))  # loops over the layers (the kernels' own loops are shorter)
+    assert tokens["on"] == tokens["off"]
+    assert loops == {"off": 1, "on": 0}
