@@ -450,6 +450,11 @@ def default_tuning(fmt: str, m: int, n: int, k: int, x_dtype) -> TritonMatmulTun
         kernel, block_k, block_m, stages, target = "fma", step(256), 16, 1, 4 * 132
     else:
         kernel, block_k, block_m, stages, target = "mma", step(128), max(16, 1 << (m - 1).bit_length()), 4, 2 * 132
+        if fmt == "q6_k" and step(512) == 512:
+            # two super-blocks per step in 2 stages: the Llama-2-7B Q6_K output head (32000x4096,
+            # M = 8) took 169 us against 215 us with one super-block in 4 stages, the best of 12
+            # grid points (bench/results/kernels-2026-11-29-180859.md)
+            block_k, stages = 512, 2
     block_n = _largest_pow2_divisor(n, 64)
     steps = units // (block_k // spec.unit)
     # the smallest split reaching `target` programs; at least 2 where that leaves each program
