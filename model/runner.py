@@ -54,6 +54,9 @@ def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, par
                  *, unroll: bool = False):
     positions = jnp.where(active, st.positions, -1)
     logits, cache = forward.decode(cfg, kern, params, cache, st.tokens, positions, attend, unroll)
+    # a finished request's settings stay in its slot until the slot is reused: only active rows
+    # may ask for the alternatives (their top-k is skipped otherwise)
+    samp = samp._replace(top_logprobs=jnp.where(active, samp.top_logprobs, 0))
     tok, lp, top_ids, top_lps = sampling.sample(logits, samp, st.prompt_mask, st.counts, st.step_index, num_top)
     inc = active.astype(jnp.int32)
     st = SlotState(
@@ -167,6 +170,8 @@ class ModelRunner:
         self.decode_steps = tuple(sorted({1, engine_cfg.decode_steps_per_dispatch}))
         self._mesh = mesh
         self._unroll_decode = engine_cfg.unrolls_decode(jax.default_backend())
+        log.info("decode layer loop: %s (unroll_decode_layers=%s)", "unrolled" if self._unroll_decode else "scanned",
+                 engine_cfg.unroll_decode_layers)
         if mesh is None:
             self._cache = KVCache.create(cfg, self.num_slots, self.max_context, jnp.dtype(engine_cfg.kv_dtype))
             self._state = SlotState.create(self.num_slots, cfg.vocab_size)

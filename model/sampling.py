@@ -160,8 +160,8 @@ def sample(
     num_top: int,  # static: number of top alternatives returned
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Returns (tokens [B] int32, logprob [B] f32, top_ids [B, L] int32, top_logprobs [B, L] f32).
-    The alternatives are computed only when some row's `arrays.top_logprobs` is > 0 (padding,
-    id 0 and -inf, otherwise).
+    Only rows whose `arrays.top_logprobs` is > 0 get alternatives (the others get the padding,
+    id 0 and -inf), and the top-k runs only in steps where some row asked.
 
     Logprobs are the log-softmax of the penalised logits, before temperature and truncation.
     Greedy rows (temperature 0) take exactly the argmax of the penalised logits. Sampled rows
@@ -203,16 +203,18 @@ def sample(
     if num_top > 0:
         # A vocabulary smaller than num_top (toy models) pads with (id 0, -inf). The top-k (sorts
         # over the vocabulary: ~0.09 ms of a 7B decode step on the H200) runs only in steps where
-        # some row asked for alternatives; otherwise every row gets the padding.
+        # some row asked for alternatives; a row that did not ask always gets the padding (so a
+        # row's outputs never depend on its neighbours).
         k = min(num_top, vocab)
+        wants = arrays.top_logprobs > 0
         values, ids = jax.lax.cond(
-            jnp.any(arrays.top_logprobs > 0),
+            jnp.any(wants),
             lambda lp: tuple(jax.lax.top_k(lp, k)),
             lambda lp: (jnp.full((num_rows, k), -jnp.inf, lp.dtype), jnp.zeros((num_rows, k), jnp.int32)),
             logprobs,
         )
-        top_logprobs = top_logprobs.at[:, :k].set(values)
-        top_ids = top_ids.at[:, :k].set(ids.astype(jnp.int32))
+        top_logprobs = top_logprobs.at[:, :k].set(jnp.where(wants[:, None], values, -jnp.inf))
+        top_ids = top_ids.at[:, :k].set(jnp.where(wants[:, None], ids.astype(jnp.int32), 0))
     return tokens, token_logprob, top_ids, top_logprobs
 
 

@@ -107,7 +107,7 @@ class StepOutput:
     tokens: np.ndarray  # [B] int32
     valid: np.ndarray  # [B] bool: a token was sampled for slot b (decode, or last prefill chunk)
     logprobs: np.ndarray  # [B] f32, log-probability of the sampled token (after penalties, before temperature)
-    top_ids: np.ndarray  # [B, max_top_logprobs] int32, best alternatives, descending
+    top_ids: np.ndarray  # [B, max_top_logprobs] int32, best alternatives, descending (id 0 / -inf padding where not asked)
     top_logprobs: np.ndarray  # [B, max_top_logprobs] f32
 
     @staticmethod

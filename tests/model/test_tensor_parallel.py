@@ -123,6 +123,9 @@ def test_greedy_tokens_identical_across_tp(runs) -> None:
 
 def test_logprobs_close_across_tp(runs) -> None:
     ref = runs[1]
+    top = np.array(ref["top_logprobs"])  # the greedy runs asked for 4 alternatives per token
+    assert np.isfinite(top).all() and (np.diff(top, axis=1) <= 0).all()
+    np.testing.assert_allclose(top[:, 0], ref["logprobs"], rtol=1e-5, atol=1e-6)  # greedy: the best one
     for tp in (2, 4):
         assert runs[tp]["top_ids"] == ref["top_ids"], f"tp={tp}"
         np.testing.assert_allclose(runs[tp]["logprobs"], ref["logprobs"], rtol=1e-4, atol=1e-6, err_msg=f"tp={tp}")
