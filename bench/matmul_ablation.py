@@ -231,6 +231,8 @@ def parse_variant(spec: str, tuning: mt.TritonMatmulTuning):
     for key in ("ctas", "upcast", "words", "noxor", "noscale", "noconv"):  # mgpu_mma: see the module docstring
         if key in changes:
             extra[key] = changes.pop(key)
+    if (extra.get("upcast") == 0 or extra.get("noxor")) and extra.get("words", 1):
+        raise ValueError(f"{spec}: upcast=0 and noxor=1 are variants of the shuffle path: add words=0")
     return mode, layout == "tiled", dataclasses.replace(tuning, **changes), extra
 
 

@@ -11,7 +11,7 @@ It reads the planes `pallas_kernels.quant.repack` built, in place (no layout of 
     exchanged between threads); the weights land at wgmma columns in a fixed order within the
     block (even weights, then odd), and x is permuted the same way outside the kernel
     (`permute_x_words`), which leaves the dot product unchanged. The other way
-    (`word_unpack=False`, 6-9% slower per call on the H200, bench/results/ablation-20261129-174950.json)
+    (`word_unpack=False`, 8-10% slower per call on the H200, bench/results/ablation-20261129-174950.json)
     moves the codes to the wgmma layout with two warp shuffles per word and converts them there
     with Mosaic's signed int4 conversion: JAX packs int4 low nibble first, so int4 element
     32 g + 2 l + h is weight 32 g + 16 h + l (x permuted by `permute_x`), and XOR with -8 turns the
@@ -29,7 +29,8 @@ It reads the planes `pallas_kernels.quant.repack` built, in place (no layout of 
 One warpgroup per 64 rows of the weight (the wgmma M dimension) and a split of K; a TMA pipeline
 (`emit_pipeline`, up to `stages` steps in flight, fewer where shared memory runs out) brings each
 step's x slice [M, tile_k], codes [64, tile_k] and scales [tile_k/32, 64] into shared memory. The
-codes become bf16 in registers (wgmma layout; for q8_0 through Mosaic's int8 -> bf16 conversion), and each
+codes become bf16 in registers (wgmma layout; q8_0, and q4_0 without `word_unpack`, through Mosaic's
+int8 / int4 -> bf16 conversions), and each
 32-block meets x in one 64 x M x 32 wgmma (A from registers, x as the transposed B operand); the
 step's wgmmas are issued before one wait, and each block's [64, M] result is scaled by its scales
 and summed in f32. Partial sums of the K splits [split, N, M] are added outside.
@@ -49,6 +50,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -72,7 +74,8 @@ class MosaicMatmulTuning:
     target_ctas: int = 264  # K is split until the grid reaches this many (about two per SM)
     # Codes come out of shared memory 32 bits per thread (Mosaic's upcast layouts: 8 int4 or 4
     # int8 per load) and are moved to the wgmma layout in registers before conversion; False
-    # loads them in the wgmma layout itself (8 or 16 bits per load).
+    # loads them in the wgmma layout itself (8 or 16 bits per load); q4_0 with `word_unpack`
+    # always loads 32 bits, so False there is refused.
     upcast_loads: bool = True
     # q4_0: each thread turns the 32-bit word of 8 codes it loads into its four bf16 pairs of the
     # wgmma operand with shifts, masks and one subtraction (`_q4_0_words_to_bf16`), with x
@@ -87,6 +90,8 @@ class MosaicMatmulTuning:
             raise ValueError(f"stages must be an int >= 1, got {self.stages!r}")
         if not isinstance(self.target_ctas, int) or self.target_ctas < 1:
             raise ValueError(f"target_ctas must be an int >= 1, got {self.target_ctas!r}")
+        if self.word_unpack and not self.upcast_loads:
+            raise ValueError("word_unpack reads the codes 32 bits per thread: it needs upcast_loads")
 
 
 DEFAULT_TUNING = MosaicMatmulTuning()
@@ -156,6 +161,13 @@ def codes_view(qs: jax.Array, k: int) -> jax.Array:
     return jnp.reshape(lax.bitcast_convert_type(flat, jnp.int4), (flat.shape[0], k))
 
 
+# `_q4_0_words_to_bf16`: pair j of a 32-bit word of codes is (word >> 4 j) & NIBBLE_PAIR_MASK,
+# OR BF16_128_PAIR (two bf16 128 + q, exact), minus BF16_136_PAIR (two bf16 136): q - 8.
+NIBBLE_PAIR_MASK = 0x000F000F
+BF16_128_PAIR = 0x43004300
+BF16_136_PAIR = 0x43084308
+
+
 def permute_x_words(x2: jax.Array) -> jax.Array:
     """x [M, K] in the column order `_q4_0_words_to_bf16` gives the codes: within each 32-block
     the even weights, then the odd ones."""
@@ -175,7 +187,6 @@ def _q4_0_words_to_bf16(codes):
     exact) and subtracting 136 (128 + 8). That puts weight 16 (j % 2) + 4 c + 2 h + j // 2 of the
     block at wgmma column 8 j + 2 c + h: the even weights, in order, then the odd ones, which is the
     order `permute_x_words` gives x."""
-    import numpy as np
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
@@ -183,10 +194,17 @@ def _q4_0_words_to_bf16(codes):
 
     i32 = ir.IntegerType.get_signless(32)
     pair = ir.VectorType.get((2,), ir.BF16Type.get())
-    mask = arith.constant(i32, 0x000F000F)
-    exponent = arith.constant(i32, 0x43004300)
-    offset = mgpu_utils.bitcast(arith.constant(i32, 0x43084308), pair)  # bf16 136, twice
+    mask = arith.constant(i32, NIBBLE_PAIR_MASK)
+    exponent = arith.constant(i32, BF16_128_PAIR)
+    offset = mgpu_utils.bitcast(arith.constant(i32, BF16_136_PAIR), pair)
     shifts = [None] + [arith.constant(i32, 4 * j) for j in range(1, 4)]
+    # The register indexing below is Mosaic's (private): check it is still the one this was
+    # written against rather than place registers wrongly.
+    blocks = codes.shape[1] // 32
+    if (codes.layout != fa.WGMMA_LAYOUT_UPCAST_4X or codes.registers.shape != (1, blocks, 1, 1, 2, 1, 1, 1, 1)
+            or fa.WGMMA_LAYOUT.registers_shape(codes.shape) != (1, 4 * blocks, 1, 1, 2, 1, 1, 1, 1)):
+        raise NotImplementedError("this jax's Mosaic GPU register layouts differ from the ones the q4_0 word "
+                                  "unpacking was written for; use MosaicMatmulTuning(word_unpack=False)")
     out = np.empty(fa.WGMMA_LAYOUT.registers_shape(codes.shape), dtype=object)
     # register index (0, b, 0, 0, row half, 0...) of UPCAST_4X is block b's word; (0, t, ...) of
     # WGMMA is the pair of columns 8 t + 2 c, so block b's pair j is at t = 4 b + j
@@ -196,6 +214,7 @@ def _q4_0_words_to_bf16(codes):
             nibbles = word if j == 0 else arith.shrui(word, shifts[j])
             biased = arith.ori(arith.andi(nibbles, mask), exponent)
             out[(idx[0], 4 * idx[1] + j, *idx[2:])] = arith.subf(mgpu_utils.bitcast(biased, pair), offset)
+    assert all(r is not None for r in out.flat)
     return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
 
@@ -208,7 +227,7 @@ def _q4_0_words_bf16_op(codes: jax.Array) -> jax.Array:
     )(lambda ctx, words: _q4_0_words_to_bf16(words))(codes)
 
 
-def _codes_bf16(c_smem, fmt: str, upcast_loads: bool, word_unpack: bool = False) -> jax.Array:
+def _codes_bf16(c_smem, fmt: str, upcast_loads: bool, word_unpack: bool) -> jax.Array:
     """One step's codes [64, tile_k] from shared memory as centred bf16 values, in the wgmma layout
     (for q4_0 with `word_unpack`, in the column order of `permute_x_words`)."""
     plgpu = _plgpu()

@@ -427,7 +427,9 @@ def default_tuning(fmt: str, m: int, n: int, k: int, x_dtype) -> TritonMatmulTun
     point of a grid of up to 46 tunings per Llama-2-7B shape (Q4_0, 2026-11-29: 12-30% faster than
     256-element steps in 3 stages). The split is any divisor of the K steps (K = 11008 has 43
     steps of 256: powers of 2 left its 64 programs on half the SMs). With f32 x the MMA
-    operands are split in three (registers), so its K steps are halved."""
+    operands are split in three (registers), so its K steps are halved. Q6_K decode is the
+    exception: two super-blocks per step in 2 stages where K allows (measured on the 7B output
+    head only, M = 8, bf16 x; the same shared memory in flight as one super-block in 4)."""
     spec = SPECS[fmt]
     units = k // spec.unit
     is_f32 = jnp.dtype(x_dtype) == jnp.float32

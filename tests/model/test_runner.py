@@ -3,6 +3,9 @@ nothing compiled after warm-up."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -62,8 +65,6 @@ def test_nothing_compiles_after_warmup(smol_runner, prompt_ids):
 
 
 def test_several_decode_steps_per_dispatch_match_single_steps(smollm2, prompt_ids):
-    import dataclasses
-
     from model.step_types import PrefillChunk, SlotSetup, StepPlan
     from tests.model.conftest import SMOL_ENGINE
 
@@ -86,11 +87,7 @@ def test_several_decode_steps_per_dispatch_match_single_steps(smollm2, prompt_id
 def test_unrolled_decode_layers_match_the_scanned_loop(smollm2, prompt_ids):
     """`unroll_decode_layers` (on by default on GPU) changes the program's structure only: no
     while loop over the layers, the same tokens as the scanned body."""
-    import dataclasses
-
     from tests.model.conftest import SMOL_ENGINE
-
-    import re
 
     layers = smollm2.config.num_layers
     tokens, loops = {}, {}

@@ -47,6 +47,17 @@ class TestMosaicGpu(MatmulConformance):
         jax.block_until_ready(jnp.full((64 << 20,), jnp.nan, jnp.float32))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+class TestMosaicGpuShuffleUnpack(TestMosaicGpu):
+    """q4_0 through the other conversion (codes moved to the wgmma layout by warp shuffles)."""
+
+    CASES = tuple(c for c in TestMosaicGpu.CASES if c.fmt == "q4_0")
+
+    def matmul(self, x, w, case, layer=None):
+        return matmul_mgpu.qmatmul_mgpu(x, w, matmul_mgpu.MosaicMatmulTuning(word_unpack=False), layer=layer)
+
+
 @pytest.mark.parametrize("fmt,m,n,k,dtype", [
     ("q4_1", 8, 256, 1024, jnp.bfloat16), ("q5_0", 8, 256, 1024, jnp.bfloat16), ("q4_k", 8, 256, 1024, jnp.bfloat16),
     ("q4_0", 65, 256, 1024, jnp.bfloat16), ("q4_0", 8, 96, 1024, jnp.bfloat16), ("q4_0", 8, 256, 1056, jnp.bfloat16),
@@ -103,7 +114,9 @@ def test_word_unpack_bit_arithmetic_and_x_order_give_the_reference_product():
     words = qs.astype(np.uint32) @ (np.uint32(1) << (8 * np.arange(4, dtype=np.uint32)))  # little-endian
     a = np.zeros((n, k // 32, 32), np.float32)
     for j in range(4):
-        pair = _bf16_halves(((words >> np.uint32(4 * j)) & np.uint32(0x000F000F)) | np.uint32(0x43004300)) - 136.0
+        nibbles = (words >> np.uint32(4 * j)) & np.uint32(matmul_mgpu.NIBBLE_PAIR_MASK)
+        pair = _bf16_halves(nibbles | np.uint32(matmul_mgpu.BF16_128_PAIR)) - _bf16_halves(
+            np.uint32(matmul_mgpu.BF16_136_PAIR))
         for c in range(4):
             a[:, :, 8 * j + 2 * c:8 * j + 2 * c + 2] = pair[:, :, c, :]
     assert set(np.unique(a)) <= set(range(-8, 8))
@@ -113,7 +126,8 @@ def test_word_unpack_bit_arithmetic_and_x_order_give_the_reference_product():
     assert relative_error(jnp.asarray(y), qmatmul_reference(x, w)) < 1e-5
 
 
-@pytest.mark.parametrize("kwargs", [dict(tile_k=32), dict(tile_k=384), dict(stages=0), dict(target_ctas=0)])
+@pytest.mark.parametrize("kwargs", [dict(tile_k=32), dict(tile_k=384), dict(stages=0), dict(target_ctas=0),
+                                    dict(upcast_loads=False)])
 def test_tuning_validation(kwargs):
     with pytest.raises(ValueError):
         matmul_mgpu.MosaicMatmulTuning(**kwargs)

@@ -41,6 +41,8 @@ def test_defaults() -> None:
     assert engine.timeout_s == 600 and engine.kernels == () and engine.prefill_chunks == (64, 128, 256, 512)
     assert (server.host, server.port, server.api_key, server.chat_template) == ("127.0.0.1", 8080, None, None)
     assert server.model_name.endswith(".gguf")
+    assert engine.unroll_decode_layers == "auto"
+    assert engine.unrolls_decode("gpu") and not engine.unrolls_decode("cpu")
 
 
 def test_flags(tmp_path: pathlib.Path) -> None:
@@ -51,12 +53,14 @@ def test_flags(tmp_path: pathlib.Path) -> None:
             "--model", str(tmp_path / "m.gguf"), "--host", "0.0.0.0", "--port", "0", "--slots", "4",
             "--max-queue", "0", "--prefill-budget", "256", "--max-context", "1024", "--timeout", "30",
             "--kernels", "attention=xla, matmul=triton", "--chat-template", str(template), "--log-level", "debug",
+            "--unroll-decode-layers", "off",
         ]
     )  # fmt: skip
     engine, server = build_configs(args, {})
     assert (engine.num_slots, engine.max_queue, engine.prefill_budget, engine.max_context) == (4, 0, 256, 1024)
     assert engine.prefill_chunks == (64, 128, 256) and engine.timeout_s == 30
     assert engine.kernels == (("attention", "xla"), ("matmul", "triton"))
+    assert engine.unroll_decode_layers == "off" and not engine.unrolls_decode("gpu")
     assert (server.model_name, server.host, server.port, server.log_level) == ("m.gguf", "0.0.0.0", 0, "debug")
     assert server.chat_template == "{{ messages[0]['content'] }}"
 
@@ -77,7 +81,8 @@ def test_bad_values_raise_value_error(argv: list[str]) -> None:
         build_configs(build_parser().parse_args(argv), {})
 
 
-@pytest.mark.parametrize("argv", [["--kernels", "attention"], ["--kernels", "=xla"], ["--slots", "many"]])
+@pytest.mark.parametrize("argv", [["--kernels", "attention"], ["--kernels", "=xla"], ["--slots", "many"],
+                                  ["--unroll-decode-layers", "yes"]])
 def test_malformed_flags_exit(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)
