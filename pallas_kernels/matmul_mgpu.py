@@ -198,11 +198,13 @@ def _q4_0_words_to_bf16(codes):
     exponent = arith.constant(i32, BF16_128_PAIR)
     offset = mgpu_utils.bitcast(arith.constant(i32, BF16_136_PAIR), pair)
     shifts = [None] + [arith.constant(i32, 4 * j) for j in range(1, 4)]
-    # The register indexing below is Mosaic's (private): check it is still the one this was
-    # written against rather than place registers wrongly.
+    # The register indexing below is Mosaic's (private): check what it relies on (both register
+    # arrays alike but for axis 1, which counts 32-column blocks in one and 8-column tiles in the
+    # other) rather than place registers wrongly.
     blocks = codes.shape[1] // 32
-    if (codes.layout != fa.WGMMA_LAYOUT_UPCAST_4X or codes.registers.shape != (1, blocks, 1, 1, 2, 1, 1, 1, 1)
-            or fa.WGMMA_LAYOUT.registers_shape(codes.shape) != (1, 4 * blocks, 1, 1, 2, 1, 1, 1, 1)):
+    have, want = codes.registers.shape, fa.WGMMA_LAYOUT.registers_shape(codes.shape)
+    if (codes.layout != fa.WGMMA_LAYOUT_UPCAST_4X or len(have) != len(want) or len(have) < 2
+            or (have[1], want[1]) != (blocks, 4 * blocks) or have[:1] + have[2:] != want[:1] + want[2:]):
         raise NotImplementedError("this jax's Mosaic GPU register layouts differ from the ones the q4_0 word "
                                   "unpacking was written for; use MosaicMatmulTuning(word_unpack=False)")
     out = np.empty(fa.WGMMA_LAYOUT.registers_shape(codes.shape), dtype=object)
