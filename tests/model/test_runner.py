@@ -86,19 +86,31 @@ def test_several_decode_steps_per_dispatch_match_single_steps(smollm2, prompt_id
 
 def test_unrolled_decode_layers_match_the_scanned_loop(smollm2, prompt_ids):
     """`unroll_decode_layers` (on by default on GPU) changes the program's structure only: no
-    while loop over the layers, the same tokens as the scanned body."""
+    while loop over the layers, the same tokens as the scanned body, in single steps and in
+    several steps per dispatch."""
+    from model.step_types import PrefillChunk, SlotSetup, StepPlan
     from tests.model.conftest import SMOL_ENGINE
 
-    layers = smollm2.config.num_layers
+    def layer_loops(program) -> int:  # loops over the layers (the kernels' own loops are shorter)
+        trips = re.findall(r' while\(.*"known_trip_count":\{"n":"(\d+)"\}', program.as_text())
+        return trips.count(str(smollm2.config.num_layers))
+
     tokens, loops = {}, {}
     for mode in ("off", "on"):
         cfg = dataclasses.replace(SMOL_ENGINE, num_slots=2, max_context=1024, context_buckets=(1024,),
-                                  unroll_decode_layers=mode)
+                                  unroll_decode_layers=mode, decode_steps_per_dispatch=2 if mode == "on" else 1)
         runner = smollm2.make_runner(cfg)
         runner.warmup()
         tokens[mode] = generate(runner, prompt_ids[:2], 6)
-        hlo = runner._program("decode", 2, 1024).as_text()
-        trips = re.findall(r' while\(.*"known_trip_count":\{"n":"(\d+)"\}', hlo)
-        loops[mode] = trips.count(str(layers))  # loops over the layers (the kernels' own loops are shorter)
+        loops[mode] = layer_loops(runner._program("decode", 2, 1024))
     assert tokens["on"] == tokens["off"]
     assert loops == {"off": 1, "on": 0}
+    # the multi-step program (the last runner's) unrolls its layers too, with the same tokens
+    assert layer_loops(runner._program("decode", 2, 1024, 2)) == 0
+    setups = tuple(SlotSetup(s, SamplingParams(temperature=0.0)) for s in range(2))
+    prefills = tuple(PrefillChunk(s, np.asarray(ids, np.int32), 0, True) for s, ids in enumerate(prompt_ids[:2]))
+    first = runner.dispatch(StepPlan(setups=setups, prefills=prefills)).results()
+    outs = runner.dispatch(StepPlan(decode_slots=(0, 1), num_decode_steps=2)).results()
+    outs += runner.dispatch(StepPlan(decode_slots=(0, 1), num_decode_steps=2)).results()
+    multi = [[int(first[0].tokens[s])] + [int(o.tokens[s]) for o in outs] for s in range(2)]
+    assert multi == [t[:5] for t in tokens["off"]]
