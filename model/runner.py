@@ -54,9 +54,7 @@ def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, par
                  *, unroll: bool = False):
     positions = jnp.where(active, st.positions, -1)
     logits, cache = forward.decode(cfg, kern, params, cache, st.tokens, positions, attend, unroll)
-    # a finished request's settings stay in its slot until the slot is reused: only active rows
-    # may ask for the alternatives (their top-k is skipped otherwise)
-    samp = samp._replace(top_logprobs=jnp.where(active, samp.top_logprobs, 0))
+    samp = sampling.for_rows(samp, active)  # inactive rows' outputs are discarded: no draw, sort or top-k for them
     tok, lp, top_ids, top_lps = sampling.sample(logits, samp, st.prompt_mask, st.counts, st.step_index, num_top)
     inc = active.astype(jnp.int32)
     st = SlotState(

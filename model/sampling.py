@@ -101,6 +101,19 @@ def pack_sampling(
     )
 
 
+def for_rows(arrays: SamplingArrays, rows: jax.Array) -> SamplingArrays:
+    """The settings with every row outside `rows` ([B] bool) made neutral: greedy, no truncation,
+    no alternatives. A finished request's settings stay in its slot until the slot is reused;
+    neutral, they no longer switch on a step's conditional work (the random draw, the sort for
+    top-k/top-p, the top-k of the alternatives) for a row whose output is discarded."""
+    return arrays._replace(
+        temperature=jnp.where(rows, arrays.temperature, 0.0),
+        top_k=jnp.where(rows, arrays.top_k, 0),
+        top_p=jnp.where(rows, arrays.top_p, 1.0),
+        top_logprobs=jnp.where(rows, arrays.top_logprobs, 0),
+    )
+
+
 def apply_penalties(
     logits: jax.Array,  # [B, V] f32
     arrays: SamplingArrays,

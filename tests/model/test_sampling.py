@@ -61,6 +61,20 @@ def test_alternatives_only_when_a_row_asks():
     np.testing.assert_allclose(top_lps[1], np.sort(_log_softmax(logits[1]))[::-1][:NUM_TOP], rtol=1e-5, atol=1e-5)
 
 
+def test_rows_outside_the_step_are_neutral():
+    params = [SamplingParams(temperature=0.8, top_k=5, top_p=0.9, top_logprobs=3, seed=1),
+              SamplingParams(temperature=0.7, top_p=0.5, top_logprobs=2, seed=2)]
+    arrays = sampling.for_rows(sampling.pack_sampling(params, 0), jnp.asarray([True, False]))
+    assert np.asarray(arrays.temperature).tolist() == pytest.approx([0.8, 0.0])
+    assert np.asarray(arrays.top_k).tolist() == [5, 0] and np.asarray(arrays.top_p).tolist() == pytest.approx([0.9, 1.0])
+    assert np.asarray(arrays.top_logprobs).tolist() == [3, 0]
+    logits = np.random.default_rng(4).normal(size=(2, 50)).astype(np.float32)
+    out = _sample(logits, arrays, np.zeros((2, 50), bool), np.zeros((2, 50), np.int32), np.zeros((2,), np.int32))
+    alone = _run(logits[:1], params[:1])
+    np.testing.assert_array_equal(np.asarray(out[0])[:1], alone[0])  # the kept row samples as before
+    assert np.asarray(out[0])[1] == logits[1].argmax() and (np.asarray(out[2])[1] == 0).all()
+
+
 def test_penalties_and_logit_bias_hand_computed():
     logits = np.array([[1.0, -1.0, 2.0, 0.5, 0.0]], np.float32)
     prompt_mask = np.array([[True, True, False, False, False]])
