@@ -61,10 +61,13 @@ class KVCache:
         return self.k.shape[2]
 
     def write_decode(self, layer, rows, positions, k, v) -> "KVCache":
-        """k, v [B, K, D] at positions [B] of each row; out-of-range positions are dropped."""
+        """k, v [B, K, D] at positions [B] of each row; out-of-range positions are dropped.
+        `rows` must be distinct and ascending (one write per row: the indices are declared
+        sorted and unique, which lets XLA write without atomics)."""
+        hints = dict(mode="drop", indices_are_sorted=True, unique_indices=True)
         return KVCache(
-            self.k.at[layer, rows, positions].set(k.astype(self.k.dtype), mode="drop"),
-            self.v.at[layer, rows, positions].set(v.astype(self.v.dtype), mode="drop"),
+            self.k.at[layer, rows, positions].set(k.astype(self.k.dtype), **hints),
+            self.v.at[layer, rows, positions].set(v.astype(self.v.dtype), **hints),
         )
 
     def write_prefill(self, layer, slot, positions, k, v) -> "KVCache":
