@@ -17,7 +17,9 @@ thing, so the gaps between them say what costs:
     K step in elements (twice the variant's value: 128 -> 256), `num_stages` its steps in flight,
     `ctas` its target grid (`target_ctas`), `upcast=0` loads the codes in the wgmma layout
     rather than 32 bits per thread (`upcast_loads`), `words=0` converts the codes after moving them
-    to the wgmma layout rather than word by word in place (`word_unpack`). Cut-down twins, for timing only (wrong
+    to the wgmma layout rather than word by word in place (`word_unpack`), `fold=0` scales each
+    block's f32 result after the step's wgmmas rather than its bf16 codes before (`fold_scales`),
+    `tiles` sets the 64-row tiles per warpgroup (`row_tiles`). Cut-down twins, for timing only (wrong
     results): `noxor=1` (with `words=0`) converts the q4_0 codes without centring them, `noscale=1` sums the
     blocks' results unscaled (no scale loads), `noconv=1` feeds constant codes to the wgmmas
     (the codes still arrive in shared memory, unread). The runs of 2026-11-29 14:17 and
@@ -228,11 +230,13 @@ def parse_variant(spec: str, tuning: mt.TritonMatmulTuning):
         raise ValueError(f"unknown layout {layout!r}")
     changes = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in opts.split(",") if kv}
     extra = {key: bool(changes.pop(key)) for key in ("x_mask", "evict") if key in changes}
-    for key in ("ctas", "upcast", "words", "noxor", "noscale", "noconv"):  # mgpu_mma: see the module docstring
+    for key in ("ctas", "upcast", "words", "fold", "tiles", "noxor", "noscale", "noconv"):  # mgpu_mma: see the module docstring
         if key in changes:
             extra[key] = changes.pop(key)
     if (extra.get("upcast") == 0 or extra.get("noxor")) and extra.get("words", 1):
         raise ValueError(f"{spec}: upcast=0 and noxor=1 are variants of the shuffle path: add words=0")
+    if extra.get("noscale") and extra.get("fold", 1):
+        raise ValueError(f"{spec}: noscale=1 cuts the scaling of the unfolded kernel: add fold=0")
     return mode, layout == "tiled", dataclasses.replace(tuning, **changes), extra
 
 
@@ -276,7 +280,9 @@ def run_variant(mode, tiled, extra, x, w, tuning):
         mosaic = matmul_mgpu.MosaicMatmulTuning(tile_k=tuning.block_k * 2, stages=tuning.num_stages,
                                                 target_ctas=extra.get("ctas", matmul_mgpu.DEFAULT_TUNING.target_ctas),
                                                 upcast_loads=bool(extra.get("upcast", matmul_mgpu.DEFAULT_TUNING.upcast_loads)),
-                                                word_unpack=bool(extra.get("words", matmul_mgpu.DEFAULT_TUNING.word_unpack)))
+                                                word_unpack=bool(extra.get("words", matmul_mgpu.DEFAULT_TUNING.word_unpack)),
+                                                fold_scales=bool(extra.get("fold", matmul_mgpu.DEFAULT_TUNING.fold_scales)),
+                                                row_tiles=extra.get("tiles", matmul_mgpu.DEFAULT_TUNING.row_tiles))
         return lambda l: matmul_mgpu.qmatmul_mgpu(x, w, mosaic, layer=l)
     if mode == "mgpu_stream":
         layers, n, half = w.planes["qs"].shape

@@ -26,14 +26,21 @@ It reads the planes `pallas_kernels.quant.repack` built, in place (no layout of 
     along the row, since a column cannot be loaded in that layout) made the kernel 10-45%
     slower (bench/results/ablation-20261129-161337.json).
 
-One warpgroup per 64 rows of the weight (the wgmma M dimension) and a split of K; a TMA pipeline
-(`emit_pipeline`, up to `stages` steps in flight, fewer where shared memory runs out) brings each
-step's x slice [M, tile_k], codes [64, tile_k] and scales [tile_k/32, 64] into shared memory. The
-codes become bf16 in registers (wgmma layout; q8_0, and q4_0 without `word_unpack`, through Mosaic's
-int8 / int4 -> bf16 conversions), and each
-32-block meets x in one 64 x M x 32 wgmma (A from registers, x as the transposed B operand); the
-step's wgmmas are issued before one wait, and each block's [64, M] result is scaled by its scales
-and summed in f32. Partial sums of the K splits [split, N, M] are added outside.
+One warpgroup per 64 rows of the weight (the wgmma M dimension; `row_tiles` 64-row tiles) and a
+split of K; a TMA pipeline (`emit_pipeline`, up to `stages` steps in flight, fewer where shared
+memory runs out) brings each step's x slice [M, tile_k], codes [rows, tile_k] and scales
+[tile_k/32, rows] into shared memory. The codes become bf16 in registers (wgmma layout; q8_0, and
+q4_0 without `word_unpack`, through Mosaic's int8 / int4 -> bf16 conversions), and each 32-block
+meets x in one 64 x M x 32 wgmma (A from registers, x as the transposed B operand); the step's
+wgmmas are issued before one wait, and each block's [64, M] result is scaled by its scales and
+summed in f32 (or, with `fold_scales`, the scales multiply the bf16 codes and every block adds
+into one accumulator). Partial sums of the K splits [split, N, M] are added outside.
+
+Where its time goes (bench/results/README.md, sixth session): the kernel is bound by instruction
+issue, not memory. Nsight Compute on gate/up (22016 x 4096, M = 8) counts about 500 instructions
+per warp per 256-wide K step, the code conversion about half of them; issue slots are 56% busy
+at 2.5 warps per scheduler (122 registers and 55 KB of shared memory per CTA allow 4 CTAs per
+SM). Sharing x over more rows (`row_tiles`) and folding the scales were both slower on the H200.
 
 Exact up to f32 summation: the codes (4 or 8 bits) and bf16 x are exact in bf16, and their
 products are exact in the f32 accumulator. It takes bf16 x only (the GPU engine's activations);
@@ -82,8 +89,20 @@ class MosaicMatmulTuning:
     # permuted to match; False moves the codes to the wgmma layout first (two warp shuffles per
     # word) and converts them there.
     word_unpack: bool = True
+    # Each block's scales multiply its bf16 codes before the wgmma (weights rounded to bf16,
+    # relative error <= 2^-9), so all of a warpgroup's wgmmas add into one accumulator carried
+    # across K steps and a step never waits for its own wgmmas (only for the previous step's,
+    # before that step's x is released); False keeps the codes exact, one accumulator per block,
+    # and scales the block's [64, M] f32 result after waiting for the step's wgmmas.
+    fold_scales: bool = False
+    # 64-row tiles of the weight per warpgroup (fewer where N does not divide): they share each
+    # step's x tile, so x is read from L2 once per 64 * row_tiles rows of weights rather than
+    # once per 64 (with 8 rows of x, x is half as many bytes as a 64-row tile of q4_0 codes).
+    row_tiles: int = 1
 
     def __post_init__(self) -> None:
+        if self.row_tiles not in (1, 2, 4):
+            raise ValueError(f"row_tiles must be 1, 2 or 4, got {self.row_tiles!r}")
         if self.tile_k not in (64, 128, 256, 512):
             raise ValueError(f"tile_k must be 64, 128, 256 or 512, got {self.tile_k!r}")
         if not isinstance(self.stages, int) or self.stages < 1:
@@ -120,7 +139,7 @@ def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatm
         raise NotImplementedError(f"mosaic_gpu matmul: N={n} is not a multiple of {BLOCK_N}")
     if k % tuning.tile_k:
         raise NotImplementedError(f"mosaic_gpu matmul: K={k} is not a multiple of the K step {tuning.tile_k}")
-    if stages_for(w.fmt, m, tuning) < 2:
+    if stages_for(w.fmt, m, tuning, rows_per_cta(n, tuning)) < 2:
         raise NotImplementedError(f"mosaic_gpu matmul: {m} rows with K steps of {tuning.tile_k} leave shared memory "
                                   "for fewer than 2 steps in flight")
 
@@ -133,20 +152,28 @@ def padded_rows(m: int) -> int:
     return -(-m // 8) * 8
 
 
-def stage_bytes(fmt: str, m: int, tile_k: int) -> int:
-    """Shared memory of one pipeline step: x [M, tile_k] bf16, codes [64, tile_k], scales."""
-    return padded_rows(m) * tile_k * 2 + BLOCK_N * tile_k * CODE_BITS[fmt] // 8 + BLOCK_N * (tile_k // 32) * 2
+def rows_per_cta(n: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING) -> int:
+    """Weight rows per warpgroup: 64 * `tuning.row_tiles`, halved until they divide N."""
+    tiles = tuning.row_tiles
+    while n % (BLOCK_N * tiles):
+        tiles //= 2
+    return BLOCK_N * tiles
 
 
-def stages_for(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING) -> int:
-    """Steps in flight: `tuning.stages`, or as many as fit beside the [64, M] f32 output tile."""
-    room = SMEM_BYTES - BLOCK_N * padded_rows(m) * 4 - 1024  # barriers and alignment
-    return min(tuning.stages, room // stage_bytes(fmt, m, tuning.tile_k))
+def stage_bytes(fmt: str, m: int, tile_k: int, rows: int = BLOCK_N) -> int:
+    """Shared memory of one pipeline step: x [M, tile_k] bf16, codes [rows, tile_k], scales."""
+    return padded_rows(m) * tile_k * 2 + rows * tile_k * CODE_BITS[fmt] // 8 + rows * (tile_k // 32) * 2
+
+
+def stages_for(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, rows: int = BLOCK_N) -> int:
+    """Steps in flight: `tuning.stages`, or as many as fit beside the [rows, M] f32 output tile."""
+    room = SMEM_BYTES - rows * padded_rows(m) * 4 - 1024  # barriers and alignment
+    return min(tuning.stages, room // stage_bytes(fmt, m, tuning.tile_k, rows))
 
 
 def split_for(n: int, k: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING) -> int:
     """K splits: the fewest giving `target_ctas` warpgroups, at most one per K step."""
-    return max(1, min(k // tuning.tile_k, -(-tuning.target_ctas // (n // BLOCK_N))))
+    return max(1, min(k // tuning.tile_k, -(-tuning.target_ctas // (n // rows_per_cta(n, tuning)))))
 
 
 def permute_x(x2: jax.Array) -> jax.Array:
@@ -258,53 +285,96 @@ def _scale_and_sum(acc: jax.Array, parts: list[jax.Array], d_smem) -> jax.Array:
     return acc
 
 
+def _scaled_blocks(a: jax.Array, d_smem) -> list[jax.Array]:
+    """The step's codes a [64, tile_k] (bf16, wgmma layout) as its 32-blocks [64, 32], each
+    multiplied by its 64 scales (the block's row of the transposed plane), rounded to bf16."""
+    plgpu = _plgpu()
+    blocks = []
+    for b in range(a.shape[1] // 32):
+        d = plgpu.load(d_smem.at[b], (), layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
+        d = d.astype(jnp.bfloat16)
+        blocks.append(a[:, 32 * b:32 * (b + 1)] * lax.broadcast_in_dim(d, (a.shape[0], 32), [0]))
+    return blocks
+
+
 def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: int, k: int, m: int, tile_k: int,
-            steps: int, split: int, stages: int, upcast_loads: bool, word_unpack: bool):
+            rows: int, steps: int, split: int, stages: int, upcast_loads: bool, word_unpack: bool,
+            fold_scales: bool):
     """layer_gmem [1] int32; x_gmem [M, K] bf16 (permuted for q4_0); c_gmem [L*N, K] codes (int4
     or int8); d_gmem [L*K/32, N] f16 scales (the transposed plane); o_gmem [split, N, M] f32
-    partial sums; o_smem [64, M]."""
+    partial sums; o_smem [rows, M]. Each warpgroup takes `rows` rows (64-row tiles t) of the
+    weight and one K split."""
     plgpu = _plgpu()
-    nb = tile_k // 32
+    nb, tiles = tile_k // 32, rows // BLOCK_N
     bits = CODE_BITS[fmt]
     blk, sid = lax.axis_index("rows"), lax.axis_index("split")
     layer = layer_gmem[0]
-    row0 = layer * n + blk * BLOCK_N
+    row0 = layer * n + blk * rows
     lo, hi = (sid * steps) // split, ((sid + 1) * steps) // split
     a_swz = plgpu.find_swizzle(tile_k * bits, "lhs")
     x_swz = plgpu.find_swizzle(32 * 16, "rhs")
     wgmma_layout = plgpu.Layout.WGMMA
 
-    def body(idx, x_smem, c_smem, d_smem, acc):
-        del idx
-        a = _codes_bf16(c_smem, fmt, upcast_loads, word_unpack)  # [64, tile_k]
+    def tile_codes(c_smem, t):
+        return _codes_bf16(c_smem.at[pl.ds(BLOCK_N * t, BLOCK_N)], fmt, upcast_loads, word_unpack)  # [64, tile_k]
 
-        def blockdots(*acc_refs):
-            for b, acc_ref in enumerate(acc_refs):
-                plgpu.wgmma(acc_ref, a[:, 32 * b:32 * (b + 1)],
-                            plgpu.transpose_ref(x_smem.at[:, pl.ds(32 * b, 32)], (1, 0)))
+    def x_block(x_smem, b):
+        return plgpu.transpose_ref(x_smem.at[:, pl.ds(32 * b, 32)], (1, 0))
+
+    def body(idx, x_smem, c_smem, d_smem, accs):
+        del idx
+        a = [tile_codes(c_smem, t) for t in range(tiles)]
+
+        def blockdots(*acc_refs):  # every tile's block products issued before one wait
+            for i, acc_ref in enumerate(acc_refs):
+                t, b = divmod(i, nb)
+                plgpu.wgmma(acc_ref, a[t][:, 32 * b:32 * (b + 1)], x_block(x_smem, b))
             return [r[...] for r in acc_refs]
 
-        parts = pl.run_scoped(blockdots, *[plgpu.ACC((BLOCK_N, m), jnp.float32) for _ in range(nb)])
-        return _scale_and_sum(acc, parts, d_smem)
+        parts = pl.run_scoped(blockdots, *[plgpu.ACC((BLOCK_N, m), jnp.float32) for _ in range(tiles * nb)])
+        return tuple(_scale_and_sum(accs[t], parts[t * nb:(t + 1) * nb], d_smem.at[:, pl.ds(BLOCK_N * t, BLOCK_N)])
+                     for t in range(tiles))
 
-    acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_N, m), jnp.float32), wgmma_layout)
-    acc = plgpu.emit_pipeline(
-        body,
-        grid=(steps,) if split == 1 else (hi - lo,),
-        in_specs=[
-            plgpu.BlockSpec((m, tile_k), lambda j: (0, lo + j),
-                            transforms=(plgpu.TilingTransform((8, x_swz * 8 // 16)), plgpu.SwizzleTransform(x_swz))),
-            plgpu.BlockSpec((BLOCK_N, tile_k), lambda j: (0, lo + j),
-                            transforms=(plgpu.TilingTransform((8, a_swz * 8 // bits)), plgpu.SwizzleTransform(a_swz))),
-            plgpu.BlockSpec((nb, BLOCK_N), lambda j: (lo + j, 0)),
-        ],
-        max_concurrent_steps=stages,
-        init_carry=acc0,
-    )(x_gmem, c_gmem.at[pl.ds(row0, BLOCK_N)],
-      d_gmem.at[pl.ds(layer * (k // 32), k // 32), pl.ds(blk * BLOCK_N, BLOCK_N)])
-    o_smem[...] = acc
+    def folded_body(acc_refs, idx, x_smem, c_smem, d_smem):
+        del idx
+        for t, acc_ref in enumerate(acc_refs):
+            blocks = _scaled_blocks(tile_codes(c_smem, t), d_smem.at[:, pl.ds(BLOCK_N * t, BLOCK_N)])
+            for b, ab in enumerate(blocks):
+                plgpu.wgmma(acc_ref, ab, x_block(x_smem, b))
+        # this step's wgmmas may still run; the previous step's are done, so its x (released
+        # one step late) is no longer read
+        plgpu.wgmma_wait(tiles * nb)
+
+    def pipeline(body, **kwargs):
+        return plgpu.emit_pipeline(
+            body,
+            grid=(steps,) if split == 1 else (hi - lo,),
+            in_specs=[
+                plgpu.BlockSpec((m, tile_k), lambda j: (0, lo + j),
+                                transforms=(plgpu.TilingTransform((8, x_swz * 8 // 16)), plgpu.SwizzleTransform(x_swz)),
+                                delay_release=1 if fold_scales else 0),
+                plgpu.BlockSpec((rows, tile_k), lambda j: (0, lo + j),
+                                transforms=(plgpu.TilingTransform((8, a_swz * 8 // bits)), plgpu.SwizzleTransform(a_swz))),
+                plgpu.BlockSpec((nb, rows), lambda j: (lo + j, 0)),
+            ],
+            max_concurrent_steps=stages,
+            **kwargs,
+        )(x_gmem, c_gmem.at[pl.ds(row0, rows)],
+          d_gmem.at[pl.ds(layer * (k // 32), k // 32), pl.ds(blk * rows, rows)])
+
+    if fold_scales:
+        def accumulate(*acc_refs):
+            pipeline(functools.partial(folded_body, acc_refs))
+            return tuple(plgpu.wgmma_accumulator_load(r, wait_n=0) for r in acc_refs)
+
+        accs = pl.run_scoped(accumulate, *[plgpu.ACC((BLOCK_N, m), jnp.float32) for _ in range(tiles)])
+    else:
+        zero = plgpu.layout_cast(jnp.zeros((BLOCK_N, m), jnp.float32), wgmma_layout)
+        accs = pipeline(body, init_carry=(zero,) * tiles)
+    for t, acc in enumerate(accs):
+        o_smem[pl.ds(BLOCK_N * t, BLOCK_N)] = acc
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sid, pl.ds(blk * BLOCK_N, BLOCK_N)])
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sid, pl.ds(blk * rows, rows)])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -330,16 +400,17 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
     if m_pad != m:
         xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
     scales = jnp.reshape(w.planes["d"], (-1, n))  # [L*K/32, N]: a view, read in place
-    split = split_for(n, k, tuning)
-    kernel = functools.partial(_kernel, fmt=w.fmt, n=n, k=k, m=m_pad, tile_k=tuning.tile_k, steps=k // tuning.tile_k,
-                               split=split, stages=stages_for(w.fmt, m, tuning), upcast_loads=tuning.upcast_loads,
-                               word_unpack=tuning.word_unpack)
+    split, rows = split_for(n, k, tuning), rows_per_cta(n, tuning)
+    kernel = functools.partial(_kernel, fmt=w.fmt, n=n, k=k, m=m_pad, tile_k=tuning.tile_k, rows=rows,
+                               steps=k // tuning.tile_k, split=split, stages=stages_for(w.fmt, m, tuning, rows),
+                               upcast_loads=tuning.upcast_loads,
+                               word_unpack=tuning.word_unpack, fold_scales=tuning.fold_scales)
     partial = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((split, n, m_pad), jnp.float32),
-        grid=(n // BLOCK_N, split),
+        grid=(n // rows, split),
         grid_names=("rows", "split"),
-        scratch_types=[plgpu.SMEM((BLOCK_N, m_pad), jnp.float32)],
+        scratch_types=[plgpu.SMEM((rows, m_pad), jnp.float32)],
     )(layer_arr, xp, codes_of(w), scales)
     out = partial[0] if split == 1 else jnp.sum(partial, axis=0)
     return out[:, :m].T

@@ -58,6 +58,31 @@ class TestMosaicGpuShuffleUnpack(TestMosaicGpu):
         return matmul_mgpu.qmatmul_mgpu(x, w, matmul_mgpu.MosaicMatmulTuning(word_unpack=False), layer=layer)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+class TestMosaicGpuUnfoldedScales(TestMosaicGpu):
+    """Exact codes: one accumulator per block, scaled after the step's wait (`fold_scales=False`)."""
+
+    CASES = tuple(c for c in TestMosaicGpu.CASES if c.m == 8)
+
+    def matmul(self, x, w, case, layer=None):
+        return matmul_mgpu.qmatmul_mgpu(x, w, matmul_mgpu.MosaicMatmulTuning(fold_scales=False), layer=layer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+class TestMosaicGpuRowTiles(TestMosaicGpu):
+    """Two and four 64-row tiles per warpgroup (fewer where N does not divide), scales unfolded
+    and folded."""
+
+    CASES = TestMosaicGpu.CASES + (Case("q4_0", 8, 192, 1024, "bfloat16"),)
+
+    def matmul(self, x, w, case, layer=None):
+        tiles, fold = (2, False) if case.n % 1024 else (4, True)
+        tuning = matmul_mgpu.MosaicMatmulTuning(tile_k=128, row_tiles=tiles, fold_scales=fold)
+        return matmul_mgpu.qmatmul_mgpu(x, w, tuning, layer=layer)
+
+
 @pytest.mark.parametrize("fmt,m,n,k,dtype", [
     ("q4_1", 8, 256, 1024, jnp.bfloat16), ("q5_0", 8, 256, 1024, jnp.bfloat16), ("q4_k", 8, 256, 1024, jnp.bfloat16),
     ("q4_0", 65, 256, 1024, jnp.bfloat16), ("q4_0", 8, 96, 1024, jnp.bfloat16), ("q4_0", 8, 256, 1056, jnp.bfloat16),
@@ -127,7 +152,7 @@ def test_word_unpack_bit_arithmetic_and_x_order_give_the_reference_product():
 
 
 @pytest.mark.parametrize("kwargs", [dict(tile_k=32), dict(tile_k=384), dict(stages=0), dict(target_ctas=0),
-                                    dict(upcast_loads=False)])
+                                    dict(upcast_loads=False), dict(row_tiles=3), dict(row_tiles=0)])
 def test_tuning_validation(kwargs):
     with pytest.raises(ValueError):
         matmul_mgpu.MosaicMatmulTuning(**kwargs)
@@ -150,22 +175,35 @@ def test_steps_in_flight_fit_shared_memory():
     assert matmul_mgpu.stages_for("q8_0", 64, wide) < matmul_mgpu.stages_for("q8_0", 8, wide)
 
 
+def test_rows_per_warpgroup_divide_n():
+    two, four = matmul_mgpu.MosaicMatmulTuning(row_tiles=2), matmul_mgpu.MosaicMatmulTuning(row_tiles=4)
+    assert matmul_mgpu.rows_per_cta(4096, four) == 256
+    assert matmul_mgpu.rows_per_cta(4224, four) == 128  # 4224 = 33 x 128
+    assert matmul_mgpu.rows_per_cta(192, two) == 64
+    assert matmul_mgpu.split_for(4096, 11008, two) == 9  # 32 row blocks x 9 >= 264
+    assert matmul_mgpu.stage_bytes("q4_0", 8, 256, 128) == 8 * 256 * 2 + 128 * 128 + 128 * 8 * 2
+
+
 def test_split_reaches_the_target_grid():
     assert matmul_mgpu.split_for(22016, 4096) == 1
     assert matmul_mgpu.split_for(4096, 11008) == 5  # 64 row blocks x 5 >= 264
     assert matmul_mgpu.split_for(256, 256) == 1  # never more splits than K steps
 
 
-@pytest.mark.parametrize("fmt,m,n,k,stack,tile_k,word_unpack", [
-    ("q4_0", 8, 4096, 11008, 3, 256, True), ("q4_0", 1, 256, 1024, None, 256, True),
-    ("q4_0", 64, 512, 4096, 2, 256, True), ("q4_0", 8, 512, 4096, 2, 512, True), ("q4_0", 8, 512, 4096, 2, 64, True),
-    ("q8_0", 8, 4096, 11008, 3, 256, True), ("q8_0", 64, 512, 4096, 2, 512, True),
-    ("q4_0", 8, 512, 4096, 2, 256, False),
+@pytest.mark.parametrize("fmt,m,n,k,stack,tile_k,word_unpack,fold,tiles", [
+    ("q4_0", 8, 4096, 11008, 3, 256, True, False, 1), ("q4_0", 1, 256, 1024, None, 256, True, False, 1),
+    ("q4_0", 64, 512, 4096, 2, 256, True, False, 1), ("q4_0", 8, 512, 4096, 2, 512, True, False, 1),
+    ("q4_0", 8, 512, 4096, 2, 64, True, False, 1),
+    ("q8_0", 8, 4096, 11008, 3, 256, True, False, 1), ("q8_0", 64, 512, 4096, 2, 512, True, False, 1),
+    ("q4_0", 8, 512, 4096, 2, 256, False, False, 1),
+    ("q4_0", 8, 4096, 11008, 3, 256, True, True, 1), ("q8_0", 8, 512, 4096, 2, 256, True, True, 1),
+    ("q4_0", 8, 4096, 11008, 3, 128, True, False, 2), ("q4_0", 8, 4096, 4096, 3, 64, True, True, 4),
+    ("q8_0", 64, 512, 4096, 2, 128, True, False, 2), ("q4_0", 8, 192, 1024, None, 128, False, False, 2),
 ])
-def test_lowers_for_cuda(fmt, m, n, k, stack, tile_k, word_unpack):
+def test_lowers_for_cuda(fmt, m, n, k, stack, tile_k, word_unpack, fold, tiles):
     pytest.importorskip("absl")  # jax's Mosaic GPU imports it
     w = _spec(fmt, n, k, stack)
-    tuning = matmul_mgpu.MosaicMatmulTuning(tile_k, word_unpack=word_unpack)
+    tuning = matmul_mgpu.MosaicMatmulTuning(tile_k, word_unpack=word_unpack, fold_scales=fold, row_tiles=tiles)
     if stack:
         fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, tuning, layer=i)  # noqa: E731
     else:
