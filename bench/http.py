@@ -78,7 +78,7 @@ class ServerProcess:
         cmd = [
             sys.executable, "-m", "server", "--model", str(args.model), "--host", "127.0.0.1", "--port", str(self.port),
             "--slots", str(args.slots), "--max-queue", str(args.max_queue), "--max-context", str(args.max_context),
-            "--prefill-budget", str(args.prefill_budget), "--log-level", "warning",
+            "--prefill-budget", str(args.prefill_budget), "--log-level", "warning", *args.server_args.split(),
         ]
         log.info("starting %s (log %s)", " ".join(cmd), self.log_file.name)
         self.started = time.perf_counter()
@@ -293,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for /health")
     ap.add_argument("--no-engine", action="store_true", help="skip the engine-direct comparison")
+    ap.add_argument("--server-args", default="", help='more `python -m server` flags, e.g. "--switch-interval-ms 5"')
     ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
     ap.add_argument("--engine-direct", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json-out", type=pathlib.Path, help=argparse.SUPPRESS)
@@ -336,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": engine_run["device"]["gpu"] if engine_run else None,
         "jax": engine_run["device"]["jax"] if engine_run else None,
         "model": common.model_facts(args.model),
-        "server": {"url": args.url or "child process", "startup_s": startup_s, "health": health},
+        "server": {"url": args.url or "child process", "args": args.server_args, "startup_s": startup_s,
+                   "health": health},
         "settings": {"slots": args.slots, "max_queue": args.max_queue, "max_context": args.max_context,
                      "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "users": args.users,
                      "request": "POST /v1/completions, token-id prompt, stream, ignore_eos, logprobs 0, temperature 1"},
