@@ -71,15 +71,17 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m server` in a child process; its log goes to a temporary file."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, command: list[str] | None = None) -> None:
+        """`command`: another server command line, "{port}" standing for the port."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_file = tempfile.NamedTemporaryFile(prefix="pallas-serve-bench-", suffix=".log", delete=False)
         cmd = [
-            sys.executable, "-m", "server", "--model", str(args.model), "--host", "127.0.0.1", "--port", str(self.port),
+            sys.executable, "-m", "server", "--model", str(args.model), "--host", "127.0.0.1", "--port", "{port}",
             "--slots", str(args.slots), "--max-queue", str(args.max_queue), "--max-context", str(args.max_context),
             "--prefill-budget", str(args.prefill_budget), "--log-level", "warning", *args.server_args.split(),
-        ]
+        ] if command is None else command
+        cmd = [part.replace("{port}", str(self.port)) for part in cmd]
         log.info("starting %s (log %s)", " ".join(cmd), self.log_file.name)
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(cmd, cwd=common.ROOT, stdout=self.log_file, stderr=subprocess.STDOUT)
