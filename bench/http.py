@@ -30,6 +30,7 @@ import asyncio  # noqa: E402
 import contextlib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import shlex  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
@@ -79,7 +80,7 @@ class ServerProcess:
         cmd = [
             sys.executable, "-m", "server", "--model", str(args.model), "--host", "127.0.0.1", "--port", "{port}",
             "--slots", str(args.slots), "--max-queue", str(args.max_queue), "--max-context", str(args.max_context),
-            "--prefill-budget", str(args.prefill_budget), "--log-level", "warning", *args.server_args.split(),
+            "--prefill-budget", str(args.prefill_budget), "--log-level", "warning", *shlex.split(args.server_args),
         ] if command is None else command
         cmd = [part.replace("{port}", str(self.port)) for part in cmd]
         log.info("starting %s (log %s)", " ".join(cmd), self.log_file.name)
@@ -295,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for /health")
     ap.add_argument("--no-engine", action="store_true", help="skip the engine-direct comparison")
-    ap.add_argument("--server-args", default="", help='more `python -m server` flags, e.g. "--switch-interval-ms 5"')
+    ap.add_argument("--server-args", default="", help='more `python -m server` flags, e.g. "--decode-steps 4"')
     ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
     ap.add_argument("--engine-direct", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json-out", type=pathlib.Path, help=argparse.SUPPRESS)

@@ -17,8 +17,8 @@ thing, so the gaps between them say what costs:
     K step in elements (twice the variant's value: 128 -> 256), `num_stages` its steps in flight,
     `ctas` its target grid (`target_ctas`), `upcast=0` loads the codes in the wgmma layout
     rather than 32 bits per thread (`upcast_loads`), `words=0` converts the codes after moving them
-    to the wgmma layout rather than word by word in place (`word_unpack`), `fold=0` scales each
-    block's f32 result after the step's wgmmas rather than its bf16 codes before (`fold_scales`),
+    to the wgmma layout rather than word by word in place (`word_unpack`), `fold=1` scales each
+    block's bf16 codes before the wgmmas rather than its f32 result after them (`fold_scales`),
     `tiles` sets the 64-row tiles per warpgroup (`row_tiles`). Cut-down twins, for timing only (wrong
     results): `noxor=1` (with `words=0`) converts the q4_0 codes without centring them, `noscale=1` sums the
     blocks' results unscaled (no scale loads), `noconv=1` feeds constant codes to the wgmmas
@@ -235,8 +235,8 @@ def parse_variant(spec: str, tuning: mt.TritonMatmulTuning):
             extra[key] = changes.pop(key)
     if (extra.get("upcast") == 0 or extra.get("noxor")) and extra.get("words", 1):
         raise ValueError(f"{spec}: upcast=0 and noxor=1 are variants of the shuffle path: add words=0")
-    if extra.get("noscale") and extra.get("fold", 1):
-        raise ValueError(f"{spec}: noscale=1 cuts the scaling of the unfolded kernel: add fold=0")
+    if extra.get("noscale") and extra.get("fold"):
+        raise ValueError(f"{spec}: noscale=1 cuts the scaling of the unfolded kernel; it cannot take fold=1")
     return mode, layout == "tiled", dataclasses.replace(tuning, **changes), extra
 
 

@@ -5,7 +5,8 @@ attach to (Nsight Compute's `ncu`): no timing of its own.
         python3 bench/profile_matmul.py 22016x4096 [fold_scales=1] [row_tiles=2] [tile_k=128]
 
 Each `key=value` is a field of `pallas_kernels.matmul_mgpu.MosaicMatmulTuning` (ints; 0/1 for
-the booleans). Six calls on distinct matrices of a 16-deep stack (the first ones compile).
+the booleans). Six calls on distinct matrices of a 16-deep stack (the first one compiles: the
+layer index is traced).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 stand-in for the device, so that host-side changes can be measured on any machine.
 
     python bench/serving_overhead.py --model PATH.gguf [--step-ms 3.3] [--host-ms 0.3]
-        [--users 1,8] [--max-tokens 256] [--repeats 3] [--out DIR] [--server-args "..."]
+        [--users 1,8] [--max-tokens 256] [--repeats 3] [--out DIR]
 
 The stand-in (`DeviceQueueModel`) replaces the model runner only: like a GPU stream, each
 dispatched step starts when the previous one ends and takes `--step-ms` (plus
@@ -42,7 +42,6 @@ import platform  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -83,8 +82,7 @@ class DeviceQueueModel:
         self._step_s, self._prefill_s, self._host_s = step_s, prefill_s_per_token, host_s
         self._token_ids = token_ids
         self._rng = np.random.default_rng(seed)
-        self._lock = threading.Lock()
-        self._busy_until = 0.0
+        self._busy_until = 0.0  # when the last dispatched step ends (only the engine thread dispatches)
 
     def warmup(self) -> None:
         pass
@@ -99,10 +97,8 @@ class DeviceQueueModel:
         out.tokens[rows] = self._rng.choice(self._token_ids, size=len(rows))
         out.logprobs[rows] = -1.0
         cost = self._step_s + self._prefill_s * sum(len(c.tokens) for c in plan.prefills)
-        with self._lock:
-            start = max(time.perf_counter(), self._busy_until)
-            self._busy_until = start + cost
-            return _Pending(out, self._busy_until)
+        self._busy_until = max(time.perf_counter(), self._busy_until) + cost
+        return _Pending(out, self._busy_until)
 
 
 def build_engine(args: argparse.Namespace):
@@ -134,9 +130,9 @@ def serve(args: argparse.Namespace) -> int:
     from server.app import EngineHolder, create_app
     from server.config import ServerConfig
 
-    server_flags = argparse.Namespace(**vars(args))
     logging.basicConfig(level=logging.WARNING)
-    app = create_app(ServerConfig(model_name="stand-in", log_level="warning"), EngineHolder(), engine_factory=lambda: build_engine(server_flags))
+    config = ServerConfig(model_name="stand-in", log_level="warning")
+    app = create_app(config, EngineHolder(), engine_factory=lambda: build_engine(args))
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
     return 0
 
@@ -183,7 +179,7 @@ def _child_args(args: argparse.Namespace) -> list[str]:
 
 def run_http_once(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--serve", "--port", "{port}",
-           *_child_args(args), *args.server_args.split()]
+           *_child_args(args)]
     server = bench_http.ServerProcess(args, command=cmd)
     try:
         server.wait_healthy(120)
@@ -216,7 +212,6 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3, help="server / engine runs, alternating")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--server-args", default="", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -240,9 +235,11 @@ def main() -> int:
     for users in map(str, args.users):
         row = {}
         for side in ("http", "engine"):
-            for key in ("steady_tok_s", "itl_ms_p50", "itl_ms_p99", "ttft_ms_p50"):
+            for key in ("tok_s", "steady_tok_s", "itl_ms_p50", "itl_ms_p99", "ttft_ms_p50"):
                 row[f"{side}_{key}"] = statistics.median(r[users][key] for r in runs[side])
-        row["cost_pct"] = round(100 * (1 - row["http_steady_tok_s"] / row["engine_steady_tok_s"]), 2)
+        # as bench/http.py: over the wall time (first submit to last token, TTFT included) and in the steady state
+        row["cost_pct"] = round(100 * (1 - row["http_tok_s"] / row["engine_tok_s"]), 2)
+        row["steady_cost_pct"] = round(100 * (1 - row["http_steady_tok_s"] / row["engine_steady_tok_s"]), 2)
         summary[users] = row
     stamp = time.strftime("%Y%m%d-%H%M%S")
     result = {
@@ -254,11 +251,13 @@ def main() -> int:
     }
     path = common.result_path(args.out, "serving", stamp)
     common.write_json(path, result)
-    print("users  http tok/s  engine tok/s  cost %  http ITL p50/p99  engine ITL p50/p99  (medians of steady state)")
+    print("users  http/engine tok/s  cost %  steady http/engine tok/s  cost %  TTFT http/engine  ITL p50 http/engine"
+          "  (medians)")
     for users, row in summary.items():
-        print(f"{users:>5}  {row['http_steady_tok_s']:>10.1f}  {row['engine_steady_tok_s']:>12.1f}  {row['cost_pct']:>6.2f}"
-              f"  {row['http_itl_ms_p50']:>7.2f}/{row['http_itl_ms_p99']:<7.2f}"
-              f"  {row['engine_itl_ms_p50']:>8.2f}/{row['engine_itl_ms_p99']:<7.2f}")
+        print(f"{users:>5}  {row['http_tok_s']:>8.1f}/{row['engine_tok_s']:<8.1f} {row['cost_pct']:>6.2f}"
+              f"  {row['http_steady_tok_s']:>11.1f}/{row['engine_steady_tok_s']:<11.1f} {row['steady_cost_pct']:>6.2f}"
+              f"  {row['http_ttft_ms_p50']:>7.1f}/{row['engine_ttft_ms_p50']:<7.1f}"
+              f"  {row['http_itl_ms_p50']:>8.2f}/{row['engine_itl_ms_p50']:<8.2f}")
     print(f"wrote {path}")
     return 0
 

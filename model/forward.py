@@ -276,7 +276,7 @@ def decode(
     active = positions >= 0
     pos = jnp.where(active, positions, 0)
     write_pos = jnp.where(active, positions, s)  # out of range: dropped
-    rows = jnp.arange(b)
+    rows = jnp.arange(b)  # distinct and ascending: write_decode declares its indices sorted and unique
 
     def body(lp, c: KVCache, i, x):  # x [B, E]
         inv_freq, window = _layer_consts(cfg, params, i)

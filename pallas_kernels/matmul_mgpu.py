@@ -89,11 +89,13 @@ class MosaicMatmulTuning:
     # permuted to match; False moves the codes to the wgmma layout first (two warp shuffles per
     # word) and converts them there.
     word_unpack: bool = True
-    # Each block's scales multiply its bf16 codes before the wgmma (weights rounded to bf16,
-    # relative error <= 2^-9), so all of a warpgroup's wgmmas add into one accumulator carried
-    # across K steps and a step never waits for its own wgmmas (only for the previous step's,
-    # before that step's x is released); False keeps the codes exact, one accumulator per block,
-    # and scales the block's [64, M] f32 result after waiting for the step's wgmmas.
+    # Each block's scales multiply its bf16 codes before the wgmma (the scale and then the
+    # product rounded to bf16: a weight is off by up to about 2^-7 of itself), so all of a
+    # 64-row tile's wgmmas add into one accumulator carried across K steps and a step never
+    # waits for its own wgmmas (only for the previous step's, before that step's x is
+    # released); False keeps the codes exact, one accumulator per block, and scales the block's
+    # [64, M] f32 result after waiting for the step's wgmmas. Slower on the H200 (bench/results,
+    # sixth session).
     fold_scales: bool = False
     # 64-row tiles of the weight per warpgroup (fewer where N does not divide): they share each
     # step's x tile, so x is read from L2 once per 64 * row_tiles rows of weights rather than
@@ -153,7 +155,9 @@ def padded_rows(m: int) -> int:
 
 
 def rows_per_cta(n: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING) -> int:
-    """Weight rows per warpgroup: 64 * `tuning.row_tiles`, halved until they divide N."""
+    """Weight rows per warpgroup: 64 * `tuning.row_tiles`, halved until they divide N (a multiple of 64)."""
+    if n % BLOCK_N:
+        raise ValueError(f"N={n} is not a multiple of {BLOCK_N}")
     tiles = tuning.row_tiles
     while n % (BLOCK_N * tiles):
         tiles //= 2
@@ -165,8 +169,10 @@ def stage_bytes(fmt: str, m: int, tile_k: int, rows: int = BLOCK_N) -> int:
     return padded_rows(m) * tile_k * 2 + rows * tile_k * CODE_BITS[fmt] // 8 + rows * (tile_k // 32) * 2
 
 
-def stages_for(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, rows: int = BLOCK_N) -> int:
-    """Steps in flight: `tuning.stages`, or as many as fit beside the [rows, M] f32 output tile."""
+def stages_for(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, rows: int | None = None) -> int:
+    """Steps in flight: `tuning.stages`, or as many as fit beside the [rows, M] f32 output tile
+    (rows: `rows_per_cta(n, tuning)`; by default the most the tuning allows)."""
+    rows = BLOCK_N * tuning.row_tiles if rows is None else rows
     room = SMEM_BYTES - rows * padded_rows(m) * 4 - 1024  # barriers and alignment
     return min(tuning.stages, room // stage_bytes(fmt, m, tuning.tile_k, rows))
 

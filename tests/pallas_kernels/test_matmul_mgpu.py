@@ -60,13 +60,13 @@ class TestMosaicGpuShuffleUnpack(TestMosaicGpu):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-class TestMosaicGpuUnfoldedScales(TestMosaicGpu):
-    """Exact codes: one accumulator per block, scaled after the step's wait (`fold_scales=False`)."""
+class TestMosaicGpuFoldedScales(TestMosaicGpu):
+    """Scales folded into the bf16 codes, one accumulator carried across K steps (`fold_scales`)."""
 
     CASES = tuple(c for c in TestMosaicGpu.CASES if c.m == 8)
 
     def matmul(self, x, w, case, layer=None):
-        return matmul_mgpu.qmatmul_mgpu(x, w, matmul_mgpu.MosaicMatmulTuning(fold_scales=False), layer=layer)
+        return matmul_mgpu.qmatmul_mgpu(x, w, matmul_mgpu.MosaicMatmulTuning(fold_scales=True), layer=layer)
 
 
 @pytest.mark.gpu
@@ -180,6 +180,9 @@ def test_rows_per_warpgroup_divide_n():
     assert matmul_mgpu.rows_per_cta(4096, four) == 256
     assert matmul_mgpu.rows_per_cta(4224, four) == 128  # 4224 = 33 x 128
     assert matmul_mgpu.rows_per_cta(192, two) == 64
+    assert matmul_mgpu.stages_for("q4_0", 8, four) == matmul_mgpu.stages_for("q4_0", 8, four, 256)
+    with pytest.raises(ValueError):
+        matmul_mgpu.rows_per_cta(96, two)
     assert matmul_mgpu.split_for(4096, 11008, two) == 9  # 32 row blocks x 9 >= 264
     assert matmul_mgpu.stage_bytes("q4_0", 8, 256, 128) == 8 * 256 * 2 + 128 * 128 + 128 * 8 * 2
 
@@ -198,7 +201,7 @@ def test_split_reaches_the_target_grid():
     ("q4_0", 8, 512, 4096, 2, 256, False, False, 1),
     ("q4_0", 8, 4096, 11008, 3, 256, True, True, 1), ("q8_0", 8, 512, 4096, 2, 256, True, True, 1),
     ("q4_0", 8, 4096, 11008, 3, 128, True, False, 2), ("q4_0", 8, 4096, 4096, 3, 64, True, True, 4),
-    ("q8_0", 64, 512, 4096, 2, 128, True, False, 2), ("q4_0", 8, 192, 1024, None, 128, False, False, 2),
+    ("q8_0", 64, 512, 4096, 2, 128, True, False, 2), ("q4_0", 8, 256, 1024, None, 128, False, False, 2),
 ])
 def test_lowers_for_cuda(fmt, m, n, k, stack, tile_k, word_unpack, fold, tiles):
     pytest.importorskip("absl")  # jax's Mosaic GPU imports it
