@@ -15,7 +15,8 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if __package__ in (None, ""):  # run as a script: bench/ on sys.path would shadow the stdlib's `http`
+    sys.path[0] = str(ROOT)
 
 from model.config import EngineConfig  # noqa: E402
 from model.loader import load_model  # noqa: E402
