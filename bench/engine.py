@@ -44,7 +44,7 @@ from typing import Any, Sequence  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
-from model.config import EngineConfig, prefill_chunks_for  # noqa: E402
+from model.config import UNROLL_DECODE_LAYERS, EngineConfig, prefill_chunks_for  # noqa: E402
 from server.__main__ import parse_kernels, parse_sizes  # noqa: E402  (the server's flag parsers)
 from model.step_types import SamplingParams  # noqa: E402
 from scheduler.types import GenerationRequest, QueueFullError  # noqa: E402
@@ -442,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compiled prompt chunk sizes (server --prefill-chunks; default the server's)")
     ap.add_argument("--decode-steps", type=int, default=1, help="decode steps per dispatch (server --decode-steps)")
     ap.add_argument("--tensor-parallel", type=int, default=1, help="GPUs the model is sharded over (server --tensor-parallel)")
-    ap.add_argument("--unroll-decode-layers", default="auto", choices=("auto", "on", "off"),
+    ap.add_argument("--unroll-decode-layers", default="auto", choices=UNROLL_DECODE_LAYERS,
                     help="the decode program's layer loop (server --unroll-decode-layers)")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of the decode runs")
     ap.add_argument("--decode-tokens", type=int, default=256, help="max_tokens of the decode runs")

@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
-from model.config import EngineConfig  # noqa: E402
+from model.config import UNROLL_DECODE_LAYERS, EngineConfig  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.weights import params_nbytes  # noqa: E402
 
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="bfloat16")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--unroll-decode-layers", default="auto", choices=("auto", "on", "off"))
+    ap.add_argument("--unroll-decode-layers", default="auto", choices=UNROLL_DECODE_LAYERS)
     ap.add_argument("--matmul-warps", type=int, default=None,
                     help="a variant: this many warps in the Triton decode matmuls (M <= 64) instead of the default")
     args = ap.parse_args()

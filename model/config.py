@@ -194,6 +194,9 @@ def prefill_chunks_for(budget: int, sizes: tuple[int, ...] | None = None) -> tup
     return tuple(sorted({c for c in sizes if c <= budget} | {min(budget, max(sizes))}))
 
 
+UNROLL_DECODE_LAYERS = ("auto", "on", "off")  # EngineConfig.unroll_decode_layers
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     num_slots: int = 8
@@ -265,7 +268,7 @@ class EngineConfig:
             raise ValueError("context buckets must be distinct, ascending and end at max context")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"unknown compute dtype {self.compute_dtype!r}")
-        if self.unroll_decode_layers not in ("auto", "on", "off"):
+        if self.unroll_decode_layers not in UNROLL_DECODE_LAYERS:
             raise ValueError(f"unroll decode layers must be auto, on or off, got {self.unroll_decode_layers!r}")
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor parallel must be >= 1, got {self.tensor_parallel}")

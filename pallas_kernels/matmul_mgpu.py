@@ -42,8 +42,9 @@ per warp per 256-wide K step, the code conversion about half of them; issue slot
 at 2.5 warps per scheduler (122 registers and 55 KB of shared memory per CTA allow 4 CTAs per
 SM). Sharing x over more rows (`row_tiles`) and folding the scales were both slower on the H200.
 
-Exact up to f32 summation: the codes (4 or 8 bits) and bf16 x are exact in bf16, and their
-products are exact in the f32 accumulator. It takes bf16 x only (the GPU engine's activations);
+Exact up to f32 summation by default: the codes (4 or 8 bits) and bf16 x are exact in bf16, and
+their products are exact in the f32 accumulator (with `fold_scales`, each weight is rounded to
+bf16 first). It takes bf16 x only (the GPU engine's activations);
 f32 x is refused rather than rounded.
 
 bench/matmul_ablation.py (variant `mgpu_mma`) and bench/kernels.py (`--impls mosaic_gpu`) time it.
@@ -281,24 +282,26 @@ def _codes_bf16(c_smem, fmt: str, upcast_loads: bool, word_unpack: bool) -> jax.
     return codes.astype(jnp.bfloat16)
 
 
+def _block_scales(d_smem, b: int) -> jax.Array:
+    """Block b's 64 scales as f32, contiguous in the transposed plane: the row vector of its
+    [64, M] result (one per row, in the layout of a WGMMA row)."""
+    plgpu = _plgpu()
+    return plgpu.load(d_smem.at[b], (), layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
+
+
 def _scale_and_sum(acc: jax.Array, parts: list[jax.Array], d_smem) -> jax.Array:
     """acc + sum over the step's 32-blocks b of parts[b] [64, M] scaled by block b's 64 scales."""
-    plgpu = _plgpu()
     for b, part in enumerate(parts):
-        # block b's 64 scales, contiguous in the transposed plane: the row vector of its result
-        d = plgpu.load(d_smem.at[b], (), layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
-        acc = acc + part * lax.broadcast_in_dim(d, part.shape, [0])
+        acc = acc + part * lax.broadcast_in_dim(_block_scales(d_smem, b), part.shape, [0])
     return acc
 
 
 def _scaled_blocks(a: jax.Array, d_smem) -> list[jax.Array]:
     """The step's codes a [64, tile_k] (bf16, wgmma layout) as its 32-blocks [64, 32], each
-    multiplied by its 64 scales (the block's row of the transposed plane), rounded to bf16."""
-    plgpu = _plgpu()
+    multiplied by its 64 scales, rounded to bf16."""
     blocks = []
     for b in range(a.shape[1] // 32):
-        d = plgpu.load(d_smem.at[b], (), layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
-        d = d.astype(jnp.bfloat16)
+        d = _block_scales(d_smem, b).astype(jnp.bfloat16)
         blocks.append(a[:, 32 * b:32 * (b + 1)] * lax.broadcast_in_dim(d, (a.shape[0], 32), [0]))
     return blocks
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Sequence
 import uvicorn
 
 from model.chat_template import ChatTemplateError, load_template
-from model.config import EngineConfig, prefill_chunks_for
+from model.config import UNROLL_DECODE_LAYERS, EngineConfig, prefill_chunks_for
 from server.app import EngineHolder, create_app
 from server.config import LOG_LEVELS, ServerConfig
 from server.default_model import FILENAME as DEFAULT_MODEL_FILENAME
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", type=parse_kernels, default=(), help="force kernels: op=impl[,op=impl...]")
     p.add_argument("--decode-steps", type=int, default=1, metavar="N",
                    help="decode steps per device dispatch while no prompt is waiting (one lax.scan program)")
-    p.add_argument("--unroll-decode-layers", default="auto", choices=("auto", "on", "off"),
+    p.add_argument("--unroll-decode-layers", default="auto", choices=UNROLL_DECODE_LAYERS,
                    help="unroll the decode program's layer loop (auto: on GPU only)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="KV cache dtype (auto: float32 on CPU, bfloat16 on GPU)")
