@@ -19,7 +19,8 @@ thing, so the gaps between them say what costs:
     rather than 32 bits per thread (`upcast_loads`), `words=0` converts the codes after moving them
     to the wgmma layout rather than word by word in place (`word_unpack`), `fold=1` scales each
     block's bf16 codes before the wgmmas rather than its f32 result after them (`fold_scales`),
-    `tiles` sets the 64-row tiles per warpgroup (`row_tiles`). Cut-down twins, for timing only (wrong
+    `tiles` sets the 64-row tiles per warpgroup (`row_tiles`), `i8=1` rounds x to int8 per 32-block
+    and runs int8 wgmmas (`int8_x`). Cut-down twins, for timing only (wrong
     results): `noxor=1` (with `words=0`) converts the q4_0 codes without centring them, `noscale=1` sums the
     blocks' results unscaled (no scale loads), `noconv=1` feeds constant codes to the wgmmas
     (the codes still arrive in shared memory, unread). The runs of 2026-11-29 14:17 and
@@ -230,7 +231,7 @@ def parse_variant(spec: str, tuning: mt.TritonMatmulTuning):
         raise ValueError(f"unknown layout {layout!r}")
     changes = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in opts.split(",") if kv}
     extra = {key: bool(changes.pop(key)) for key in ("x_mask", "evict") if key in changes}
-    for key in ("ctas", "upcast", "words", "fold", "tiles", "noxor", "noscale", "noconv"):  # mgpu_mma: see the module docstring
+    for key in ("ctas", "upcast", "words", "fold", "tiles", "i8", "noxor", "noscale", "noconv"):  # mgpu_mma: see the module docstring
         if key in changes:
             extra[key] = changes.pop(key)
     if (extra.get("upcast") == 0 or extra.get("noxor")) and extra.get("words", 1):
@@ -282,7 +283,8 @@ def run_variant(mode, tiled, extra, x, w, tuning):
                                                 upcast_loads=bool(extra.get("upcast", matmul_mgpu.DEFAULT_TUNING.upcast_loads)),
                                                 word_unpack=bool(extra.get("words", matmul_mgpu.DEFAULT_TUNING.word_unpack)),
                                                 fold_scales=bool(extra.get("fold", matmul_mgpu.DEFAULT_TUNING.fold_scales)),
-                                                row_tiles=extra.get("tiles", matmul_mgpu.DEFAULT_TUNING.row_tiles))
+                                                row_tiles=extra.get("tiles", matmul_mgpu.DEFAULT_TUNING.row_tiles),
+                                                int8_x=bool(extra.get("i8", matmul_mgpu.DEFAULT_TUNING.int8_x)))
         return lambda l: matmul_mgpu.qmatmul_mgpu(x, w, mosaic, layer=l)
     if mode == "mgpu_stream":
         layers, n, half = w.planes["qs"].shape
@@ -358,12 +360,15 @@ def main() -> None:
             us = sorted(times[key])
             med = us[len(us) // 2]
             gbps = wbytes / (med * 1e-6) / 1e9
+            # the call's other kernels (x's permutation or int8 rounding, the split-K sum), per call
+            other = sum(sum(v) for nm, v in times.items() if nm != key) / len(us)
             row = {"n": n, "k": k, "m": args.m, "variant": spec, "kernel": key[:80], "us_median": med,
+                   "us_other_per_call": other,
                    "us_min": us[0], "calls": len(us), "gbps": gbps, "pct_copy": 100 * gbps / copy, "rel_err": err,
                    "tuning": str(tuning)}
             rows.append(row)
             print(f"{shape:>11} {spec:>24}: {med:7.1f} us (min {us[0]:.1f}, {len(us)} calls) {gbps:6.0f} GB/s "
-                  f"{row['pct_copy']:5.1f}% of copy  err {err}", flush=True)
+                  f"{row['pct_copy']:5.1f}% of copy  other {other:.1f} us  err {err}", flush=True)
     if args.out:
         path = common.result_path(args.out, "ablation", common.timestamp())
         common.write_json(path, {**common.device_info(), "copy_gbps": copy, "args": vars(args), "rows": rows})

@@ -41,6 +41,13 @@ issue, not memory. Nsight Compute on gate/up (22016 x 4096, M = 8) counts about 
 per warp per 256-wide K step, the code conversion about half of them; issue slots are 56% busy
 at 2.5 warps per scheduler (122 registers and 55 KB of shared memory per CTA allow 4 CTAs per
 SM). Sharing x over more rows (`row_tiles`) and folding the scales were both slower on the H200.
+Cutting the conversion did not free it either (seventh session): with x rounded to int8 and int8
+wgmmas (`int8_x`: a mask and a shift per 8 codes), the gate/up kernel ran 13% fewer instructions
+(9.58 M) at 50% issue-slot use and 37% of cycles with no eligible warp, and was 2-9% faster per
+call, but rounding x took separate XLA kernels (386 more per served step, +0.6 ms), so it is off.
+With about 2.6 warpgroups per SM (N / 64 of them, and K splits cost pipeline refills), each warp
+mostly waits: the latency of a step (TMA barrier, shared-memory loads, the wgmma wait) is what
+more warps or a persistent grid would have to hide.
 
 Exact up to f32 summation by default: the codes (4 or 8 bits) and bf16 x are exact in bf16, and
 their products are exact in the f32 accumulator (with `fold_scales`, each weight is rounded to
@@ -102,6 +109,13 @@ class MosaicMatmulTuning:
     # step's x tile, so x is read from L2 once per 64 * row_tiles rows of weights rather than
     # once per 64 (with 8 rows of x, x is half as many bytes as a 64-row tile of q4_0 codes).
     row_tiles: int = 1
+    # q4_0: x is rounded to int8 per 32-block (scale amax / 127, as llama.cpp's MMQ kernels and
+    # its CPU dot products do) and the codes meet it in int8 wgmmas (s32 accumulators): a word of
+    # 8 codes becomes the two s8 registers of the wgmma operand with a mask and a shift (no
+    # conversion to bf16, no x permutation; `_q4_0_words_to_s8`). Each block's integer result is
+    # scaled by d_w * d_x after the step's wait. Not exact: x's rounding moves a product by about
+    # 0.5% (relative norm error; bench/results, seventh session).
+    int8_x: bool = False
 
     def __post_init__(self) -> None:
         if self.row_tiles not in (1, 2, 4):
@@ -114,6 +128,9 @@ class MosaicMatmulTuning:
             raise ValueError(f"target_ctas must be an int >= 1, got {self.target_ctas!r}")
         if self.word_unpack and not self.upcast_loads:
             raise ValueError("word_unpack reads the codes 32 bits per thread: it needs upcast_loads")
+        if self.int8_x and (self.fold_scales or self.row_tiles != 1 or not self.upcast_loads or self.tile_k < 128):
+            # tile_k >= 128: a step's x factors [tile_k / 32, 8] f32 must fill a 128-byte copy
+            raise ValueError("int8_x takes one 64-row tile, unfolded scales, 32-bit code loads and tile_k >= 128")
 
 
 DEFAULT_TUNING = MosaicMatmulTuning()
@@ -142,6 +159,8 @@ def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatm
         raise NotImplementedError(f"mosaic_gpu matmul: N={n} is not a multiple of {BLOCK_N}")
     if k % tuning.tile_k:
         raise NotImplementedError(f"mosaic_gpu matmul: K={k} is not a multiple of the K step {tuning.tile_k}")
+    if tuning.int8_x and w.fmt != "q4_0":
+        raise NotImplementedError(f"mosaic_gpu matmul with int8 x takes q4_0, not {w.fmt}")
     if stages_for(w.fmt, m, tuning, rows_per_cta(n, tuning)) < 2:
         raise NotImplementedError(f"mosaic_gpu matmul: {m} rows with K steps of {tuning.tile_k} leave shared memory "
                                   "for fewer than 2 steps in flight")
@@ -165,9 +184,12 @@ def rows_per_cta(n: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING) -> int:
     return BLOCK_N * tiles
 
 
-def stage_bytes(fmt: str, m: int, tile_k: int, rows: int = BLOCK_N) -> int:
-    """Shared memory of one pipeline step: x [M, tile_k] bf16, codes [rows, tile_k], scales."""
-    return padded_rows(m) * tile_k * 2 + rows * tile_k * CODE_BITS[fmt] // 8 + rows * (tile_k // 32) * 2
+def stage_bytes(fmt: str, m: int, tile_k: int, rows: int = BLOCK_N, int8_x: bool = False) -> int:
+    """Shared memory of one pipeline step: x [M, tile_k] bf16, codes [rows, tile_k], scales. With
+    `int8_x`, x's two int8 copies take the bytes of the bf16 one, and its two f32 factors per block
+    and row come on top."""
+    extra = 2 * padded_rows(m) * (tile_k // 32) * 4 if int8_x else 0
+    return padded_rows(m) * tile_k * 2 + rows * tile_k * CODE_BITS[fmt] // 8 + rows * (tile_k // 32) * 2 + extra
 
 
 def stages_for(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, rows: int | None = None) -> int:
@@ -175,7 +197,7 @@ def stages_for(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, ro
     (rows: `rows_per_cta(n, tuning)`; by default the most the tuning allows)."""
     rows = BLOCK_N * tuning.row_tiles if rows is None else rows
     room = SMEM_BYTES - rows * padded_rows(m) * 4 - 1024  # barriers and alignment
-    return min(tuning.stages, room // stage_bytes(fmt, m, tuning.tile_k, rows))
+    return min(tuning.stages, room // stage_bytes(fmt, m, tuning.tile_k, rows, tuning.int8_x))
 
 
 def split_for(n: int, k: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING) -> int:
@@ -261,6 +283,73 @@ def _q4_0_words_bf16_op(codes: jax.Array) -> jax.Array:
         arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
         return_type=plgpu.ShapeDtypeStruct(codes.shape, jnp.bfloat16, plgpu.Layout.WGMMA),
     )(lambda ctx, words: _q4_0_words_to_bf16(words))(codes)
+
+
+# `_q4_0_words_to_s8`: a word's low nibbles (word & NIBBLE_BYTES_MASK) are weights 4c..4c+3 of the
+# block, its high ones ((word >> 4) & NIBBLE_BYTES_MASK) weights 4c+16..4c+19, one per byte.
+NIBBLE_BYTES_MASK = 0x0F0F0F0F
+Q4_0_OFFSET = 8  # q4_0 weight = d (q - 8): the s8 operand is q, the -8 goes to x's block sums
+
+
+def quantize_x_blocks(x2: jax.Array, m_pad: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """x [M, K] -> what `int8_x` reads: x rounded per 32-block to q = round(x * 127 / amax) (scale
+    dx = amax / 127, llama.cpp's q8_0 rounding), as two int8 copies [M_pad, K] holding the even
+    and the odd blocks (the other blocks zero: one 64-wide wgmma then yields a single block's
+    product), and per block and row dx and 8 * dx * sum(q) [K/32, M_pad] f32, so that block b of
+    q4_0 codes c (0..15) contributes d_w * (dx * (c . q) - 8 * dx * sum(q)) = d_w dx ((c - 8) . q)."""
+    m, k = x2.shape
+    xb = jnp.reshape(x2.astype(jnp.float32), (m, k // 32, 32))
+    amax = jnp.max(jnp.abs(xb), axis=-1)
+    dx = amax / 127.0
+    inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
+    q = jnp.round(xb * inv[..., None]).astype(jnp.int8)
+    cx = Q4_0_OFFSET * dx * jnp.sum(q.astype(jnp.int32), axis=-1).astype(jnp.float32)
+    even = (jnp.arange(k // 32) % 2 == 0)[None, :, None]
+    zero = jnp.zeros_like(q)
+    pad = ((0, m_pad - m), (0, 0))
+    xe, xo = (jnp.pad(jnp.reshape(jnp.where(sel, q, zero), (m, k)), pad) for sel in (even, ~even))
+    return xe, xo, jnp.pad(dx, pad).T, jnp.pad(cx, pad).T
+
+
+def _q4_0_words_to_s8(codes):
+    """Mosaic GPU code (inside `inline_mgpu`): q4_0 codes [64, tile_k] loaded in the
+    WGMMA_UPCAST_4X layout (per 32-block and row a thread holds bytes 4c..4c+3, c = lane % 4) ->
+    the codes q (0..15, not centred) as s8 [64, tile_k] in WGMMA_LAYOUT_8BIT, in natural column
+    order. That layout gives the thread columns 4c..4c+3 of each 16-column tile, four to a
+    register: for block b, tile 2b is the word's low nibbles (weights 4c..4c+3) and tile 2b + 1 its
+    high ones (weights 4c+16..4c+19), each a mask (and a shift) away, with no data exchanged
+    between threads."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith
+
+    i32 = ir.IntegerType.get_signless(32)
+    quad = ir.VectorType.get((4,), ir.IntegerType.get_signless(8))
+    mask = arith.constant(i32, NIBBLE_BYTES_MASK)
+    four = arith.constant(i32, 4)
+    blocks = codes.shape[1] // 32
+    have, want = codes.registers.shape, fa.WGMMA_LAYOUT_8BIT.registers_shape(codes.shape)
+    if (codes.layout != fa.WGMMA_LAYOUT_UPCAST_4X or len(have) != len(want) or len(have) < 2
+            or (have[1], want[1]) != (blocks, 2 * blocks) or have[:1] + have[2:] != want[:1] + want[2:]):
+        raise NotImplementedError("this jax's Mosaic GPU register layouts differ from the ones the q4_0 int8 "
+                                  "unpacking was written for; use MosaicMatmulTuning(int8_x=False)")
+    out = np.empty(want, dtype=object)
+    for idx, reg in np.ndenumerate(codes.registers):
+        word = mgpu_utils.bitcast(reg, i32)
+        out[(idx[0], 2 * idx[1], *idx[2:])] = mgpu_utils.bitcast(arith.andi(word, mask), quad)
+        out[(idx[0], 2 * idx[1] + 1, *idx[2:])] = mgpu_utils.bitcast(arith.andi(arith.shrui(word, four), mask), quad)
+    assert all(r is not None for r in out.flat)
+    return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=True)
+
+
+def _q4_0_words_s8_op(codes: jax.Array) -> jax.Array:
+    """`_q4_0_words_to_s8` as a Pallas op: int4 [64, n] in WGMMA_UPCAST_4X -> int8 in WGMMA_8BIT."""
+    plgpu = _plgpu()
+    return plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+        return_type=plgpu.ShapeDtypeStruct(codes.shape, jnp.int8, plgpu.Layout.WGMMA_8BIT),
+    )(lambda ctx, words: _q4_0_words_to_s8(words))(codes)
 
 
 def _codes_bf16(c_smem, fmt: str, upcast_loads: bool, word_unpack: bool) -> jax.Array:
@@ -387,6 +476,74 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: 
     plgpu.wait_smem_to_gmem(0)
 
 
+def _kernel_int8(layer_gmem, xe_gmem, xo_gmem, dx_gmem, cx_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, n: int,
+                 k: int, m: int, tile_k: int, steps: int, split: int, stages: int):
+    """`int8_x` (q4_0): xe_gmem, xo_gmem [M, K] int8, x's rounded values in its even and its odd
+    32-blocks (`quantize_x_blocks`); dx_gmem, cx_gmem [K/32, M] f32 its per-block factors; c_gmem
+    [L*N, K] int4 codes; d_gmem [L*K/32, N] f16 scales; o_gmem [split, N, M] f32 partial sums.
+    Per step, each 64-column chunk of s8 codes meets the even copy and then the odd copy of x's
+    chunk in two int8 wgmmas, so every 32-block lands in an accumulator of its own."""
+    plgpu = _plgpu()
+    nb = tile_k // 32
+    blk, sid = lax.axis_index("rows"), lax.axis_index("split")
+    layer = layer_gmem[0]
+    row0 = layer * n + blk * BLOCK_N
+    lo, hi = (sid * steps) // split, ((sid + 1) * steps) // split
+    a_swz = plgpu.find_swizzle(tile_k * 4, "lhs")
+    x_swz = 64  # bytes of one 64-wide int8 chunk: the K of one wgmma with s8 A in registers
+    column = plgpu.Layout.WGMMA.reduce(0)
+
+    def x_chunk(x_smem, j):
+        return plgpu.transpose_ref(x_smem.at[:, pl.ds(64 * j, 64)], (1, 0))
+
+    def body(idx, xe_smem, xo_smem, dx_smem, cx_smem, c_smem, d_smem, acc):
+        del idx
+        a = _q4_0_words_s8_op(plgpu.load(c_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X))  # [64, tile_k] s8
+
+        def scaled(acc, part, b):
+            dx = lax.broadcast_in_dim(plgpu.load(dx_smem.at[b], (), layout=column), part.shape, [1])
+            cx = lax.broadcast_in_dim(plgpu.load(cx_smem.at[b], (), layout=column), part.shape, [1])
+            dw = lax.broadcast_in_dim(_block_scales(d_smem, b), part.shape, [0])
+            return acc + (part.astype(jnp.float32) * dx - cx) * dw
+
+        def blockdots(*acc_refs):  # block b: chunk b // 2 against the copy of x that keeps b
+            for b, acc_ref in enumerate(acc_refs):
+                j = b // 2
+                plgpu.wgmma(acc_ref, a[:, 64 * j:64 * (j + 1)], x_chunk(xo_smem if b % 2 else xe_smem, j))
+            return [r[...] for r in acc_refs]
+
+        parts = pl.run_scoped(blockdots, *[plgpu.ACC((BLOCK_N, m), jnp.int32) for _ in range(nb)])
+        for b, part in enumerate(parts):
+            acc = scaled(acc, part, b)
+        return acc
+
+    def x_spec():
+        return plgpu.BlockSpec((m, tile_k), lambda j: (0, lo + j),
+                               transforms=(plgpu.TilingTransform((8, x_swz)), plgpu.SwizzleTransform(x_swz)))
+
+    def factor_spec():
+        return plgpu.BlockSpec((nb, m), lambda j: (lo + j, 0))
+
+    zero = plgpu.layout_cast(jnp.zeros((BLOCK_N, m), jnp.float32), plgpu.Layout.WGMMA)
+    acc = plgpu.emit_pipeline(
+        body,
+        grid=(steps,) if split == 1 else (hi - lo,),
+        in_specs=[
+            x_spec(), x_spec(), factor_spec(), factor_spec(),
+            plgpu.BlockSpec((BLOCK_N, tile_k), lambda j: (0, lo + j),
+                            transforms=(plgpu.TilingTransform((8, a_swz * 2)), plgpu.SwizzleTransform(a_swz))),
+            plgpu.BlockSpec((nb, BLOCK_N), lambda j: (lo + j, 0)),
+        ],
+        max_concurrent_steps=stages,
+        init_carry=zero,
+    )(xe_gmem, xo_gmem, dx_gmem, cx_gmem, c_gmem.at[pl.ds(row0, BLOCK_N)],
+      d_gmem.at[pl.ds(layer * (k // 32), k // 32), pl.ds(blk * BLOCK_N, BLOCK_N)])
+    o_smem[...] = acc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sid, pl.ds(blk * BLOCK_N, BLOCK_N)])
+    plgpu.wait_smem_to_gmem(0)
+
+
 def codes_of(w: QuantizedTensor) -> jax.Array:
     """The codes of every stacked matrix as [L*N, K] (free views): int4 for q4_0 (see
     `codes_view`), the int8 `qs` plane of q8_0 as it is."""
@@ -402,14 +559,27 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
     n, k = w.shape
     m = x2.shape[0]
     m_pad = padded_rows(m)
+    scales = jnp.reshape(w.planes["d"], (-1, n))  # [L*K/32, N]: a view, read in place
+    split = split_for(n, k, tuning)
+    if tuning.int8_x:
+        kernel = functools.partial(_kernel_int8, n=n, k=k, m=m_pad, tile_k=tuning.tile_k, steps=k // tuning.tile_k,
+                                   split=split, stages=stages_for(w.fmt, m, tuning, BLOCK_N))
+        partial = plgpu.kernel(
+            kernel,
+            out_type=jax.ShapeDtypeStruct((split, n, m_pad), jnp.float32),
+            grid=(n // BLOCK_N, split),
+            grid_names=("rows", "split"),
+            scratch_types=[plgpu.SMEM((BLOCK_N, m_pad), jnp.float32)],
+        )(layer_arr, *quantize_x_blocks(x2, m_pad), codes_of(w), scales)
+        out = partial[0] if split == 1 else jnp.sum(partial, axis=0)
+        return out[:, :m].T
     if w.fmt == "q4_0":
         xp = permute_x_words(x2) if tuning.word_unpack else permute_x(x2)
     else:
         xp = x2
     if m_pad != m:
         xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
-    scales = jnp.reshape(w.planes["d"], (-1, n))  # [L*K/32, N]: a view, read in place
-    split, rows = split_for(n, k, tuning), rows_per_cta(n, tuning)
+    rows = rows_per_cta(n, tuning)
     kernel = functools.partial(_kernel, fmt=w.fmt, n=n, k=k, m=m_pad, tile_k=tuning.tile_k, rows=rows,
                                steps=k // tuning.tile_k, split=split, stages=stages_for(w.fmt, m, tuning, rows),
                                upcast_loads=tuning.upcast_loads,

@@ -83,6 +83,26 @@ class TestMosaicGpuRowTiles(TestMosaicGpu):
         return matmul_mgpu.qmatmul_mgpu(x, w, tuning, layer=layer)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+class TestMosaicGpuInt8X(TestMosaicGpu):
+    """q4_0 with x rounded to int8 per 32-block and int8 wgmmas (`int8_x`): within the bf16
+    tolerance of the exact product, and equal to the exact product of the rounded x."""
+
+    CASES = tuple(c for c in TestMosaicGpu.CASES if c.fmt == "q4_0")
+    TUNING = matmul_mgpu.MosaicMatmulTuning(int8_x=True)
+
+    def matmul(self, x, w, case, layer=None):
+        return matmul_mgpu.qmatmul_mgpu(x, w, self.TUNING, layer=layer)
+
+    def test_exact_for_the_rounded_x(self, case):
+        rng = np.random.default_rng(int(np.random.SeedSequence().entropy % (1 << 63)))
+        w = random_weight(case.fmt, case.n, case.k, rng)
+        x = jnp.asarray(rng.standard_normal((case.m, case.k)), jnp.float32).astype(jnp.bfloat16)
+        y = np.asarray(self.matmul(x, w, case))
+        assert relative_error(y, qmatmul_reference(_rounded_x(x), w)) < 1e-5
+
+
 @pytest.mark.parametrize("fmt,m,n,k,dtype", [
     ("q4_1", 8, 256, 1024, jnp.bfloat16), ("q5_0", 8, 256, 1024, jnp.bfloat16), ("q4_k", 8, 256, 1024, jnp.bfloat16),
     ("q4_0", 65, 256, 1024, jnp.bfloat16), ("q4_0", 8, 96, 1024, jnp.bfloat16), ("q4_0", 8, 256, 1056, jnp.bfloat16),
@@ -91,6 +111,12 @@ class TestMosaicGpuRowTiles(TestMosaicGpu):
 def test_refuses_what_it_cannot_take(fmt, m, n, k, dtype):
     with pytest.raises(NotImplementedError):
         jax.eval_shape(matmul_mgpu.qmatmul_mgpu, jax.ShapeDtypeStruct((m, k), dtype), _spec(fmt, n, k))
+
+
+def test_int8_x_takes_q4_0_only():
+    with pytest.raises(NotImplementedError, match="int8 x"):
+        jax.eval_shape(lambda x, w: matmul_mgpu.qmatmul_mgpu(x, w, matmul_mgpu.MosaicMatmulTuning(int8_x=True)),
+                       jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16), _spec("q8_0", 256, 1024))
 
 
 def test_no_interpret_mode_and_gpu_only():
@@ -119,6 +145,45 @@ def test_code_views_and_x_order_give_the_reference_product(fmt):
     deq = jnp.reshape(jnp.reshape(codes.astype(jnp.float32), (n, k // 32, 32)) * d[:, :, None], (n, k))
     y = x_kernel.astype(jnp.float32) @ deq.T
     assert relative_error(y, qmatmul_reference(x, w)) < 1e-5
+
+
+def _rounded_x(x: jax.Array) -> jax.Array:
+    """x as `quantize_x_blocks` rounds it, in f32: q * amax / 127 per 32-block."""
+    m, k = x.shape
+    xe, xo, dx, _ = matmul_mgpu.quantize_x_blocks(x, m)
+    q = (xe.astype(jnp.float32) + xo.astype(jnp.float32)).reshape(m, k // 32, 32)
+    return (q * dx.T[:, :, None]).reshape(m, k)
+
+
+def test_int8_x_arithmetic_gives_the_product_of_the_rounded_x():
+    """`int8_x` restated per block in numpy: the s8 operand is the unsigned code (low nibbles =
+    weights 4c..4c+3, high = 4c+16..4c+19 of the word a thread loads, i.e. natural order), each
+    32-block meets exactly one of x's two int8 copies, and d_w * (dx * (c . q) - cx) sums to the
+    product of the rounded x; that x is within int8 rounding of the original."""
+    n, k, m = 64, 512, 5
+    w = random_weight("q4_0", n, k, np.random.default_rng(4))
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((m, k)), jnp.float32).astype(jnp.bfloat16)
+    xe, xo, dx, cx = (np.asarray(a) for a in matmul_mgpu.quantize_x_blocks(x, 8))
+    assert xe.dtype == np.int8 and xe.shape == (8, k) and dx.shape == cx.shape == (k // 32, 8)
+    assert not xe[m:].any() and not xo[m:].any()  # padding rows
+    nb = k // 32
+    blocks_e, blocks_o = xe.reshape(8, nb, 32), xo.reshape(8, nb, 32)
+    assert not blocks_e[:, 1::2].any() and not blocks_o[:, 0::2].any()
+    qs = np.asarray(w.planes["qs"]).reshape(n, nb, 4, 4)  # [row, block, lane c, byte]
+    words = qs.astype(np.uint32) @ (np.uint32(1) << (8 * np.arange(4, dtype=np.uint32)))
+    codes = np.zeros((n, nb, 32), np.int64)
+    for c in range(4):
+        for byte in range(4):
+            codes[:, :, 4 * c + byte] = (words[:, :, c] >> np.uint32(8 * byte)) & 0xF
+            codes[:, :, 16 + 4 * c + byte] = (words[:, :, c] >> np.uint32(8 * byte + 4)) & 0xF
+    d = np.asarray(w.planes["d"], np.float64).T  # [N, K/32]
+    y = np.zeros((8, n))
+    for b in range(nb):
+        xq = (blocks_e if b % 2 == 0 else blocks_o)[:, b].astype(np.int64)  # [8, 32]
+        dots = xq @ codes[:, b].T  # [8, N] integers
+        y += (dots * dx[b][:, None] - cx[b][:, None]) * d[:, b][None, :]
+    assert relative_error(jnp.asarray(y[:m]), qmatmul_reference(_rounded_x(x), w)) < 1e-5
+    assert 1e-4 < relative_error(jnp.asarray(y[:m]), qmatmul_reference(x, w)) < 1e-2
 
 
 def _bf16_halves(words: np.ndarray) -> np.ndarray:
@@ -152,7 +217,9 @@ def test_word_unpack_bit_arithmetic_and_x_order_give_the_reference_product():
 
 
 @pytest.mark.parametrize("kwargs", [dict(tile_k=32), dict(tile_k=384), dict(stages=0), dict(target_ctas=0),
-                                    dict(upcast_loads=False), dict(row_tiles=3), dict(row_tiles=0)])
+                                    dict(upcast_loads=False), dict(row_tiles=3), dict(row_tiles=0),
+                                    dict(int8_x=True, fold_scales=True), dict(int8_x=True, row_tiles=2),
+                                    dict(int8_x=True, tile_k=64)])
 def test_tuning_validation(kwargs):
     with pytest.raises(ValueError):
         matmul_mgpu.MosaicMatmulTuning(**kwargs)
@@ -202,11 +269,15 @@ def test_split_reaches_the_target_grid():
     ("q4_0", 8, 4096, 11008, 3, 256, True, True, 1), ("q8_0", 8, 512, 4096, 2, 256, True, True, 1),
     ("q4_0", 8, 4096, 11008, 3, 128, True, False, 2), ("q4_0", 8, 4096, 4096, 3, 64, True, True, 4),
     ("q8_0", 64, 512, 4096, 2, 128, True, False, 2), ("q4_0", 8, 256, 1024, None, 128, False, False, 2),
+    ("q4_0", 8, 4096, 11008, 3, 256, True, "int8", 1), ("q4_0", 1, 256, 1024, None, 128, True, "int8", 1),
+    ("q4_0", 64, 512, 4096, 2, 512, True, "int8", 1),
 ])
 def test_lowers_for_cuda(fmt, m, n, k, stack, tile_k, word_unpack, fold, tiles):
     pytest.importorskip("absl")  # jax's Mosaic GPU imports it
     w = _spec(fmt, n, k, stack)
-    tuning = matmul_mgpu.MosaicMatmulTuning(tile_k, word_unpack=word_unpack, fold_scales=fold, row_tiles=tiles)
+    # fold: True (folded scales), False, or "int8" (unfolded, x rounded to int8)
+    tuning = matmul_mgpu.MosaicMatmulTuning(tile_k, word_unpack=word_unpack, fold_scales=fold is True, row_tiles=tiles,
+                                            int8_x=fold == "int8")
     if stack:
         fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, tuning, layer=i)  # noqa: E731
     else:
