@@ -31,9 +31,12 @@ if __package__ in (None, ""):  # run as a script: bench/ on sys.path would shado
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import cProfile  # noqa: E402
+import io  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
+import pstats  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -60,7 +63,7 @@ USER_COUNTS = (1, 4, 8, 16, 32)
 
 def build_config(
     slots: int, max_context: int, kv_dtype: str = "float32", prefill_budget: int = 512, max_queue: int = 64,
-    decode_steps: int = 1, prefill_chunks: tuple[int, ...] | None = None,
+    decode_steps: int = 0, prefill_chunks: tuple[int, ...] | None = None,
     kernels: tuple[tuple[str, str], ...] = (), tensor_parallel: int = 1, unroll_decode_layers: str = "auto",
 ) -> EngineConfig:
     """The EngineConfig `python -m server` builds from the same flags."""
@@ -72,13 +75,17 @@ def build_config(
     )
 
 
-def start_engine(model_path: str | os.PathLike[str], config: EngineConfig):
-    """Builds, starts and waits for the engine; returns (engine, start-up seconds)."""
+def start_engine(model_path: str | os.PathLike[str], config: EngineConfig, profile: cProfile.Profile | None = None):
+    """Builds, starts and waits for the engine; returns (engine, start-up seconds). With `profile`,
+    the engine thread's loop runs under that profiler (host work per step, by function)."""
     from scheduler.loader import build_engine  # imports JAX
 
     t0 = time.perf_counter()
     engine = build_engine(model_path, config)
     t_load = time.perf_counter() - t0
+    if profile is not None:
+        loop = engine._run
+        engine._run = lambda: profile.runcall(loop)
     engine.start()
     if not engine.wait_ready():
         raise RuntimeError(f"the engine did not become ready: {engine.stats().error}")
@@ -312,7 +319,8 @@ def main_run(args: argparse.Namespace) -> int:
                          decode_steps=args.decode_steps, prefill_chunks=args.prefill_chunks,
                          kernels=args.kernels, tensor_parallel=args.tensor_parallel,
                          unroll_decode_layers=args.unroll_decode_layers)
-        engine, startup = start_engine(args.model, config)
+        profile = cProfile.Profile() if getattr(args, "profile_engine", False) else None
+        engine, startup = start_engine(args.model, config, profile)
         startup["cache_entries_before"] = entries
         timings = TimingLog()
         engine.add_observer(timings)
@@ -348,7 +356,7 @@ def main_run(args: argparse.Namespace) -> int:
         "engine_config": {"slots": config.num_slots, "max_context": int(engine_info["max_context"]),
                           "kv_dtype": config.kv_dtype, "prefill_budget": config.prefill_budget,
                           "prefill_chunks": list(config.prefill_chunks), "kernels": engine_info.get("kernels"),
-                          "decode_steps": config.decode_steps_per_dispatch,
+                          "decode_steps": config.decode_steps(info["platform"]),
                           "unroll_decode_layers": config.unroll_decode_layers,
                           "tensor_parallel": config.tensor_parallel},
         "settings": {"prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
@@ -372,6 +380,12 @@ def main_run(args: argparse.Namespace) -> int:
     }
     path = common.result_path(args.out, "engine", stamp)
     common.write_json(path, result)
+    if profile is not None:
+        text = io.StringIO()
+        stats = pstats.Stats(profile, stream=text)
+        stats.sort_stats("cumulative").print_stats(40)
+        stats.sort_stats("tottime").print_stats(25)
+        path.with_name(path.stem + "-profile.txt").write_text(text.getvalue())
     print_summary(result)
     print(f"wrote {path}")
     plot([result, *[json.loads(pathlib.Path(p).read_text()) for p in args.plot_with]], path.with_suffix(".png"))
@@ -440,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="force kernels, op=impl[,op=impl...] (server --kernels)")
     ap.add_argument("--prefill-chunks", type=parse_sizes, default=None,
                     help="compiled prompt chunk sizes (server --prefill-chunks; default the server's)")
-    ap.add_argument("--decode-steps", type=int, default=1, help="decode steps per dispatch (server --decode-steps)")
+    ap.add_argument("--decode-steps", type=int, default=0,
+                    help="decode steps per dispatch (server --decode-steps; 0 = auto: 2 on GPU, 1 on CPU)")
     ap.add_argument("--tensor-parallel", type=int, default=1, help="GPUs the model is sharded over (server --tensor-parallel)")
     ap.add_argument("--unroll-decode-layers", default="auto", choices=UNROLL_DECODE_LAYERS,
                     help="the decode program's layer loop (server --unroll-decode-layers)")
@@ -453,6 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--copy-mib", type=int, default=0, help="copy-bandwidth buffer (0: 4096 on GPU, 256 on CPU)")
     ap.add_argument("--cache-dir", type=pathlib.Path, help="persistent compilation cache (default: a fresh temp dir)")
     ap.add_argument("--no-cold-start", action="store_true", help="skip the cold start-up in a child process")
+    ap.add_argument("--profile-engine", action="store_true",
+                    help="run the engine thread under cProfile; writes engine-<date>-profile.txt beside the JSON")
     ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
     ap.add_argument("--plot-with", nargs="*", default=[], help="earlier engine-*.json results to draw beside this run")
     ap.add_argument("--plot-only", nargs="+", type=pathlib.Path, help="draw these engine-*.json results and exit")
