@@ -80,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help=f"require Authorization: Bearer KEY (also ${API_KEY_ENV})")
     p.add_argument("--chat-template", type=pathlib.Path, help="Jinja chat template replacing the GGUF's")
     p.add_argument("--kernels", type=parse_kernels, default=(), help="force kernels: op=impl[,op=impl...]")
-    p.add_argument("--decode-steps", type=int, default=1, metavar="N",
-                   help="decode steps per device dispatch while no prompt is waiting (one lax.scan program)")
+    p.add_argument("--decode-steps", type=int, default=0, metavar="N",
+                   help="decode steps per device dispatch while no prompt is waiting (one lax.scan program; "
+                        "0 = auto: 2 on GPU, 1 on CPU)")
     p.add_argument("--unroll-decode-layers", default="auto", choices=UNROLL_DECODE_LAYERS,
                    help="unroll the decode program's layer loop (auto: on GPU only)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),

@@ -43,6 +43,7 @@ def test_defaults() -> None:
     assert server.model_name.endswith(".gguf")
     assert engine.unroll_decode_layers == "auto"
     assert engine.unrolls_decode("gpu") and not engine.unrolls_decode("cpu")
+    assert (engine.decode_steps("gpu"), engine.decode_steps("cpu")) == (2, 1)  # 0: auto
 
 
 def test_flags(tmp_path: pathlib.Path) -> None:
@@ -53,7 +54,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
             "--model", str(tmp_path / "m.gguf"), "--host", "0.0.0.0", "--port", "0", "--slots", "4",
             "--max-queue", "0", "--prefill-budget", "256", "--max-context", "1024", "--timeout", "30",
             "--kernels", "attention=xla, matmul=triton", "--chat-template", str(template), "--log-level", "debug",
-            "--unroll-decode-layers", "off",
+            "--unroll-decode-layers", "off", "--decode-steps", "4",
         ]
     )  # fmt: skip
     engine, server = build_configs(args, {})
@@ -61,6 +62,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
     assert engine.prefill_chunks == (64, 128, 256) and engine.timeout_s == 30
     assert engine.kernels == (("attention", "xla"), ("matmul", "triton"))
     assert engine.unroll_decode_layers == "off" and not engine.unrolls_decode("gpu")
+    assert engine.decode_steps("gpu") == engine.decode_steps("cpu") == 4
     assert (server.model_name, server.host, server.port, server.log_level) == ("m.gguf", "0.0.0.0", 0, "debug")
     assert server.chat_template == "{{ messages[0]['content'] }}"
 
@@ -117,3 +119,8 @@ def test_distributed_flags_go_together() -> None:
                 ["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"]):
         with pytest.raises(ValueError):
             build_configs(build_parser().parse_args(bad), {})
+
+
+def test_decode_steps_below_zero_are_refused() -> None:
+    with pytest.raises(ValueError, match="decode steps"):
+        build_configs(build_parser().parse_args(["--decode-steps", "-1"]), {})
