@@ -231,6 +231,23 @@ def permute_x_words(x2: jax.Array) -> jax.Array:
     return jnp.reshape(jnp.swapaxes(jnp.reshape(x2, (m, k // 32, 16, 2)), 2, 3), (m, k))
 
 
+def _registers_for(codes, layout, per_block: int, fallback: str) -> np.ndarray:
+    """An empty register array of `layout` (Mosaic's WGMMA_LAYOUT or WGMMA_LAYOUT_8BIT) for the
+    operand made from `codes` (WGMMA_UPCAST_4X), each 32-block's word giving `per_block` registers.
+    The register indexing the word unpackings use is Mosaic's (private): this checks what they
+    rely on (both register arrays alike but for axis 1, which counts 32-column blocks in one and
+    `32 / per_block`-column tiles in the other) rather than place registers wrongly."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+    blocks = codes.shape[1] // 32
+    have, want = codes.registers.shape, layout.registers_shape(codes.shape)
+    if (codes.layout != fa.WGMMA_LAYOUT_UPCAST_4X or len(have) != len(want) or len(have) < 2
+            or (have[1], want[1]) != (blocks, per_block * blocks) or have[:1] + have[2:] != want[:1] + want[2:]):
+        raise NotImplementedError("this jax's Mosaic GPU register layouts differ from the ones the q4_0 word "
+                                  f"unpacking was written for; use MosaicMatmulTuning({fallback})")
+    return np.empty(want, dtype=object)
+
+
 def _q4_0_words_to_bf16(codes):
     """Mosaic GPU code (inside `inline_mgpu`): q4_0 codes [64, tile_k] loaded in the
     WGMMA_UPCAST_4X layout (each thread holds, per 32-block and row, one 32-bit word: bytes 4c..4c+3
@@ -254,16 +271,7 @@ def _q4_0_words_to_bf16(codes):
     exponent = arith.constant(i32, BF16_128_PAIR)
     offset = mgpu_utils.bitcast(arith.constant(i32, BF16_136_PAIR), pair)
     shifts = [None] + [arith.constant(i32, 4 * j) for j in range(1, 4)]
-    # The register indexing below is Mosaic's (private): check what it relies on (both register
-    # arrays alike but for axis 1, which counts 32-column blocks in one and 8-column tiles in the
-    # other) rather than place registers wrongly.
-    blocks = codes.shape[1] // 32
-    have, want = codes.registers.shape, fa.WGMMA_LAYOUT.registers_shape(codes.shape)
-    if (codes.layout != fa.WGMMA_LAYOUT_UPCAST_4X or len(have) != len(want) or len(have) < 2
-            or (have[1], want[1]) != (blocks, 4 * blocks) or have[:1] + have[2:] != want[:1] + want[2:]):
-        raise NotImplementedError("this jax's Mosaic GPU register layouts differ from the ones the q4_0 word "
-                                  "unpacking was written for; use MosaicMatmulTuning(word_unpack=False)")
-    out = np.empty(fa.WGMMA_LAYOUT.registers_shape(codes.shape), dtype=object)
+    out = _registers_for(codes, fa.WGMMA_LAYOUT, 4, "word_unpack=False")
     # register index (0, b, 0, 0, row half, 0...) of UPCAST_4X is block b's word; (0, t, ...) of
     # WGMMA is the pair of columns 8 t + 2 c, so block b's pair j is at t = 4 b + j
     for idx, reg in np.ndenumerate(codes.registers):
@@ -274,15 +282,6 @@ def _q4_0_words_to_bf16(codes):
             out[(idx[0], 4 * idx[1] + j, *idx[2:])] = arith.subf(mgpu_utils.bitcast(biased, pair), offset)
     assert all(r is not None for r in out.flat)
     return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
-
-
-def _q4_0_words_bf16_op(codes: jax.Array) -> jax.Array:
-    """`_q4_0_words_to_bf16` as a Pallas op: int4 [64, n] in WGMMA_UPCAST_4X -> bf16 in WGMMA."""
-    plgpu = _plgpu()
-    return plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
-        return_type=plgpu.ShapeDtypeStruct(codes.shape, jnp.bfloat16, plgpu.Layout.WGMMA),
-    )(lambda ctx, words: _q4_0_words_to_bf16(words))(codes)
 
 
 # `_q4_0_words_to_s8`: a word's low nibbles (word & NIBBLE_BYTES_MASK) are weights 4c..4c+3 of the
@@ -328,13 +327,7 @@ def _q4_0_words_to_s8(codes):
     quad = ir.VectorType.get((4,), ir.IntegerType.get_signless(8))
     mask = arith.constant(i32, NIBBLE_BYTES_MASK)
     four = arith.constant(i32, 4)
-    blocks = codes.shape[1] // 32
-    have, want = codes.registers.shape, fa.WGMMA_LAYOUT_8BIT.registers_shape(codes.shape)
-    if (codes.layout != fa.WGMMA_LAYOUT_UPCAST_4X or len(have) != len(want) or len(have) < 2
-            or (have[1], want[1]) != (blocks, 2 * blocks) or have[:1] + have[2:] != want[:1] + want[2:]):
-        raise NotImplementedError("this jax's Mosaic GPU register layouts differ from the ones the q4_0 int8 "
-                                  "unpacking was written for; use MosaicMatmulTuning(int8_x=False)")
-    out = np.empty(want, dtype=object)
+    out = _registers_for(codes, fa.WGMMA_LAYOUT_8BIT, 2, "int8_x=False")
     for idx, reg in np.ndenumerate(codes.registers):
         word = mgpu_utils.bitcast(reg, i32)
         out[(idx[0], 2 * idx[1], *idx[2:])] = mgpu_utils.bitcast(arith.andi(word, mask), quad)
@@ -343,13 +336,16 @@ def _q4_0_words_to_s8(codes):
     return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=True)
 
 
-def _q4_0_words_s8_op(codes: jax.Array) -> jax.Array:
-    """`_q4_0_words_to_s8` as a Pallas op: int4 [64, n] in WGMMA_UPCAST_4X -> int8 in WGMMA_8BIT."""
+def _words_op(c_smem, convert, dtype, layout: str) -> jax.Array:
+    """A step's q4_0 codes loaded from shared memory 32 bits per thread (WGMMA_UPCAST_4X) and turned
+    into the wgmma operand by `convert` (`_q4_0_words_to_bf16` or `_q4_0_words_to_s8`, Mosaic GPU
+    code inside `inline_mgpu`): `dtype` in Layout `layout`."""
     plgpu = _plgpu()
+    codes = plgpu.load(c_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
     return plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
-        return_type=plgpu.ShapeDtypeStruct(codes.shape, jnp.int8, plgpu.Layout.WGMMA_8BIT),
-    )(lambda ctx, words: _q4_0_words_to_s8(words))(codes)
+        return_type=plgpu.ShapeDtypeStruct(codes.shape, dtype, getattr(plgpu.Layout, layout)),
+    )(lambda ctx, words: convert(words))(codes)
 
 
 def _codes_bf16(c_smem, fmt: str, upcast_loads: bool, word_unpack: bool) -> jax.Array:
@@ -357,7 +353,7 @@ def _codes_bf16(c_smem, fmt: str, upcast_loads: bool, word_unpack: bool) -> jax.
     (for q4_0 with `word_unpack`, in the column order of `permute_x_words`)."""
     plgpu = _plgpu()
     if fmt == "q4_0" and word_unpack:
-        return _q4_0_words_bf16_op(plgpu.load(c_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X))
+        return _words_op(c_smem, _q4_0_words_to_bf16, jnp.bfloat16, "WGMMA")
     wgmma_layout = plgpu.Layout.WGMMA
     if upcast_loads:
         load_layout = plgpu.Layout.WGMMA_UPCAST_4X if CODE_BITS[fmt] == 4 else plgpu.Layout.WGMMA_UPCAST_2X
@@ -498,7 +494,7 @@ def _kernel_int8(layer_gmem, xe_gmem, xo_gmem, dx_gmem, cx_gmem, c_gmem, d_gmem,
 
     def body(idx, xe_smem, xo_smem, dx_smem, cx_smem, c_smem, d_smem, acc):
         del idx
-        a = _q4_0_words_s8_op(plgpu.load(c_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X))  # [64, tile_k] s8
+        a = _words_op(c_smem, _q4_0_words_to_s8, jnp.int8, "WGMMA_8BIT")  # [64, tile_k] s8
 
         def scaled(acc, part, b):
             dx = lax.broadcast_in_dim(plgpu.load(dx_smem.at[b], (), layout=column), part.shape, [1])
@@ -560,37 +556,32 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
     m = x2.shape[0]
     m_pad = padded_rows(m)
     scales = jnp.reshape(w.planes["d"], (-1, n))  # [L*K/32, N]: a view, read in place
-    split = split_for(n, k, tuning)
+    split, steps = split_for(n, k, tuning), k // tuning.tile_k
     if tuning.int8_x:
-        kernel = functools.partial(_kernel_int8, n=n, k=k, m=m_pad, tile_k=tuning.tile_k, steps=k // tuning.tile_k,
-                                   split=split, stages=stages_for(w.fmt, m, tuning, BLOCK_N))
-        partial = plgpu.kernel(
-            kernel,
-            out_type=jax.ShapeDtypeStruct((split, n, m_pad), jnp.float32),
-            grid=(n // BLOCK_N, split),
-            grid_names=("rows", "split"),
-            scratch_types=[plgpu.SMEM((BLOCK_N, m_pad), jnp.float32)],
-        )(layer_arr, *quantize_x_blocks(x2, m_pad), codes_of(w), scales)
-        out = partial[0] if split == 1 else jnp.sum(partial, axis=0)
-        return out[:, :m].T
-    if w.fmt == "q4_0":
-        xp = permute_x_words(x2) if tuning.word_unpack else permute_x(x2)
+        rows = BLOCK_N
+        kernel = functools.partial(_kernel_int8, n=n, k=k, m=m_pad, tile_k=tuning.tile_k, steps=steps, split=split,
+                                   stages=stages_for(w.fmt, m, tuning, rows))
+        x_inputs = quantize_x_blocks(x2, m_pad)
     else:
-        xp = x2
-    if m_pad != m:
-        xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
-    rows = rows_per_cta(n, tuning)
-    kernel = functools.partial(_kernel, fmt=w.fmt, n=n, k=k, m=m_pad, tile_k=tuning.tile_k, rows=rows,
-                               steps=k // tuning.tile_k, split=split, stages=stages_for(w.fmt, m, tuning, rows),
-                               upcast_loads=tuning.upcast_loads,
-                               word_unpack=tuning.word_unpack, fold_scales=tuning.fold_scales)
+        if w.fmt == "q4_0":
+            xp = permute_x_words(x2) if tuning.word_unpack else permute_x(x2)
+        else:
+            xp = x2
+        if m_pad != m:
+            xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
+        rows = rows_per_cta(n, tuning)
+        kernel = functools.partial(_kernel, fmt=w.fmt, n=n, k=k, m=m_pad, tile_k=tuning.tile_k, rows=rows,
+                                   steps=steps, split=split, stages=stages_for(w.fmt, m, tuning, rows),
+                                   upcast_loads=tuning.upcast_loads,
+                                   word_unpack=tuning.word_unpack, fold_scales=tuning.fold_scales)
+        x_inputs = (xp,)
     partial = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((split, n, m_pad), jnp.float32),
         grid=(n // rows, split),
         grid_names=("rows", "split"),
         scratch_types=[plgpu.SMEM((rows, m_pad), jnp.float32)],
-    )(layer_arr, xp, codes_of(w), scales)
+    )(layer_arr, *x_inputs, codes_of(w), scales)
     out = partial[0] if split == 1 else jnp.sum(partial, axis=0)
     return out[:, :m].T
 
