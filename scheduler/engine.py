@@ -13,7 +13,8 @@ inbox while it has nothing to run; otherwise each loop iteration:
   4. dispatches it to the `StepModel` (asynchronous: returns a `PendingStep` at once),
   5. processes step n-1's `StepOutput` while the device runs step n: accepts tokens,
      detokenizes, checks stop conditions and pushes `StreamEvent`s to each stream's asyncio
-     queue through `loop.call_soon_threadsafe` (JetStream's async_multifuture pattern),
+     queue through `loop.call_soon_threadsafe` (JetStream's async_multifuture pattern), one call
+     per event loop per step rather than per token,
   6. publishes `EngineStats` snapshots after the dispatch and after the processing (immutable
      objects swapped in whole: `stats()` reads them from any thread without a lock).
 
@@ -86,8 +87,9 @@ class _Shutdown:
 class RequestStream:
     """Async iterator of one request's `StreamEvent`s; the last one has `finish_reason` set.
 
-    Created by `Engine.submit` on the event-loop thread. The engine thread only calls `_push`,
-    which hops onto the loop with `call_soon_threadsafe`; everything else runs on the loop.
+    Created by `Engine.submit` on the event-loop thread. The engine thread hands events to the
+    loop with `call_soon_threadsafe`: a processed step's events for all of a loop's streams in one
+    call (`_deliver_all`), any other event alone (`_push`); everything else runs on the loop.
     """
 
     def __init__(self, request_id: str, seq: int, loop: asyncio.AbstractEventLoop, inbox: queue.Queue) -> None:
@@ -135,6 +137,12 @@ class RequestStream:
         self._events.put_nowait(event)
 
 
+def _deliver_all(items: list[tuple[RequestStream, StreamEvent]]) -> None:
+    """Loop thread: one step's events for the streams of this loop, in the order they were made."""
+    for stream, event in items:
+        stream._deliver(event)
+
+
 def _default_detokenizer(tokenizer: Any) -> Detokenizer:
     return IncrementalDetokenizer(tokenizer, skip_special=True)
 
@@ -175,6 +183,9 @@ class Engine:
         self._max_context = config.max_context
         self._max_top_logprobs = config.max_top_logprobs
         self._decode_steps: tuple[int, ...] = (1,)
+        # While a step's outputs are processed, its events wait here, by event loop, and go in one
+        # call_soon_threadsafe per loop (one wake-up of the loop per step, not one per token).
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, StreamEvent]]] | None = None
         self._is_stopping = False
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -511,8 +522,24 @@ class Engine:
     def _process(self, pending: PendingStep, rows: dict[int, RequestState]) -> None:
         # One output per decode step of the plan; a request that ends at one step ignores the rest.
         outs = pending.results() if hasattr(pending, "results") else [pending.result()]
-        for out in outs:
-            self._process_output(out, rows)
+        self._outbox = {}
+        try:
+            for out in outs:
+                self._process_output(out, rows)
+        finally:
+            outbox, self._outbox = self._outbox, None
+            for loop, items in outbox.items():
+                try:
+                    loop.call_soon_threadsafe(_deliver_all, items)
+                except RuntimeError:
+                    log.debug("event loop closed; %d events dropped", len(items))
+
+    def _send(self, stream: RequestStream, event: StreamEvent) -> None:
+        """Engine thread: to the step's outbox while a step is processed, else straight to the loop."""
+        if self._outbox is None:
+            stream._push(event)
+        else:
+            self._outbox.setdefault(stream._loop, []).append((stream, event))
 
     def _process_output(self, out: StepOutput, rows: dict[int, RequestState]) -> None:
         now = time.monotonic()
@@ -532,7 +559,7 @@ class Engine:
                 continue
             self._generation_tokens_total += 1
             if event.finish_reason is None:
-                state.stream._push(event)
+                self._send(state.stream, event)
             else:
                 self._close(state, event, now)
 
@@ -548,7 +575,7 @@ class Engine:
             self._waiting.remove(state)
         del self._requests[state.seq]
         self._capacity.release()
-        state.stream._push(event)
+        self._send(state.stream, event)
         log.debug("request %s finished: %s", state.request.request_id, event.finish_reason)
         timing = state.timing(event.finish_reason, now)
         for observer in self._observers:

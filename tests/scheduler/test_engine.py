@@ -147,6 +147,33 @@ def test_nine_requests_share_eight_slots(make_engine, fake_model_cls):
     assert max(len(p.decode_slots) + len({c.slot for c in p.prefills}) for p in model.plans) <= 8
 
 
+def test_a_steps_events_reach_the_loop_in_one_wake_up(make_engine, fake_model_cls):
+    """Eight streams on one loop: each processed step hands the loop one callback with every
+    stream's event (in order), not one per token; the texts are unchanged."""
+    engine, model = make_engine(fake_model_cls(decode_steps=(1, 2)))
+    wakeups = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        original = loop.call_soon_threadsafe
+
+        def counting(callback, *args, **kwargs):
+            if getattr(callback, "__name__", "") in ("_deliver", "_deliver_all"):  # the engine's hand-overs
+                wakeups.append(callback)
+            return original(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counting
+        streams = [engine.submit(req(chr(ord("A") + i), max_tokens=6, request_id=str(i))) for i in range(8)]
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    results = run(main())
+    for i, result in enumerate(results):
+        assert result.text == expected_text(chr(ord("A") + i), 6)
+    stepped = [p for p in model.plans if p.decode_slots or any(c.is_last for c in p.prefills)]
+    events = sum(len(r.events) for r in results)
+    assert len(wakeups) <= len(stepped) < events / 4
+
+
 def test_waiting_request_is_counted(make_engine, fake_model_cls):
     gate = threading.Event()
     engine, model = make_engine(fake_model_cls(num_slots=1, gate=gate), max_queue=4)
