@@ -236,10 +236,13 @@ def main() -> int:
         row = {}
         for side in ("http", "engine"):
             for key in ("tok_s", "steady_tok_s", "itl_ms_p50", "itl_ms_p99", "ttft_ms_p50"):
-                row[f"{side}_{key}"] = statistics.median(r[users][key] for r in runs[side])
+                # None where a run had no such span (e.g. no steady state: every token in one burst)
+                values = [r[users][key] for r in runs[side] if r[users][key] is not None]
+                row[f"{side}_{key}"] = statistics.median(values) if values else None
         # as bench/http.py: over the wall time (first submit to last token, TTFT included) and in the steady state
-        row["cost_pct"] = round(100 * (1 - row["http_tok_s"] / row["engine_tok_s"]), 2)
-        row["steady_cost_pct"] = round(100 * (1 - row["http_steady_tok_s"] / row["engine_steady_tok_s"]), 2)
+        for cost, key in (("cost_pct", "tok_s"), ("steady_cost_pct", "steady_tok_s")):
+            http, engine = row[f"http_{key}"], row[f"engine_{key}"]
+            row[cost] = round(100 * (1 - http / engine), 2) if http and engine else None
         summary[users] = row
     stamp = time.strftime("%Y%m%d-%H%M%S")
     result = {
@@ -253,11 +256,16 @@ def main() -> int:
     common.write_json(path, result)
     print("users  http/engine tok/s  cost %  steady http/engine tok/s  cost %  TTFT http/engine  ITL p50 http/engine"
           "  (medians)")
+    def fmt(value, spec: str) -> str:
+        return format(value, spec) if value is not None else format("-", spec.split(".")[0])  # width kept
+
     for users, row in summary.items():
-        print(f"{users:>5}  {row['http_tok_s']:>8.1f}/{row['engine_tok_s']:<8.1f} {row['cost_pct']:>6.2f}"
-              f"  {row['http_steady_tok_s']:>11.1f}/{row['engine_steady_tok_s']:<11.1f} {row['steady_cost_pct']:>6.2f}"
-              f"  {row['http_ttft_ms_p50']:>7.1f}/{row['engine_ttft_ms_p50']:<7.1f}"
-              f"  {row['http_itl_ms_p50']:>8.2f}/{row['engine_itl_ms_p50']:<8.2f}")
+        print(f"{users:>5}  {fmt(row['http_tok_s'], '>8.1f')}/{fmt(row['engine_tok_s'], '<8.1f')}"
+              f" {fmt(row['cost_pct'], '>6.2f')}"
+              f"  {fmt(row['http_steady_tok_s'], '>11.1f')}/{fmt(row['engine_steady_tok_s'], '<11.1f')}"
+              f" {fmt(row['steady_cost_pct'], '>6.2f')}"
+              f"  {fmt(row['http_ttft_ms_p50'], '>7.1f')}/{fmt(row['engine_ttft_ms_p50'], '<7.1f')}"
+              f"  {fmt(row['http_itl_ms_p50'], '>8.2f')}/{fmt(row['engine_itl_ms_p50'], '<8.2f')}")
     print(f"wrote {path}")
     return 0
 
