@@ -1,7 +1,9 @@
 """Where a served decode step's device time goes, kernel by kernel.
 
 Builds the engine's own decode program (model/runner.py, sampling included) on a GGUF, times it
-at 1 and `--slots` active slots, then records a few steps with `jax.profiler` and sums the GPU
+at 1 and `--slots` active slots (and the host time spent inside each call of the compiled
+program, `call_ms_*`: where it nears the step time, the host's launches are what bound the
+loop), then records a few steps with `jax.profiler` and sums the GPU
 kernels' durations by name (the trace's device tracks). It also counts, in the optimized HLO,
 the copies XLA makes of weight or cache slices (dynamic-slice fusions feeding the kernels),
 which are bytes a step moves beyond the weights and KV it must read.
@@ -117,13 +119,18 @@ def main() -> None:
             cache, state, o = prog(runner.params, cache, state, runner._samp, act)
         jax.block_until_ready(o)
         t = time.perf_counter()
+        calls = []  # host time inside each call: argument handling and launching the step's kernels
         for _ in range(args.steps):
+            c = time.perf_counter()
             cache, state, o = prog(runner.params, cache, state, runner._samp, act)
+            calls.append(time.perf_counter() - c)
         jax.block_until_ready(o)
         ms = (time.perf_counter() - t) / args.steps * 1e3
         report[f"step_ms_{n_active}_active"] = ms
+        report[f"call_ms_{n_active}_active"] = {"p50": 1e3 * float(np.median(calls)), "min": 1e3 * min(calls)}
         print(f"{n_active} active: {ms:.2f} ms per step = {n_active / ms * 1e3:.0f} tok/s; weights alone at "
-              f"3.5 TB/s: {weights / 3.5e9:.2f} ms", flush=True)
+              f"3.5 TB/s: {weights / 3.5e9:.2f} ms; host time in the call p50 {1e3 * np.median(calls):.2f} ms",
+              flush=True)
         with tempfile.TemporaryDirectory() as d:
             trace_steps = 5
             jax.profiler.start_trace(d)
