@@ -185,9 +185,8 @@ class ModelRunner:
         self._compiled: dict[tuple, Any] = {}
 
     def _pack(self):
-        return jax.tree_util.tree_map(
-            jnp.asarray, sampling.pack_sampling(self._slot_params, self.engine_cfg.max_logit_bias)
-        )
+        # one device_put for the whole pack (a jnp.asarray per leaf dispatches a primitive each)
+        return jax.device_put(sampling.pack_sampling(self._slot_params, self.engine_cfg.max_logit_bias))
 
     def _jitted(self, kind: str, attend: int, num_steps: int = 1):
         if kind == "decode" and num_steps > 1:
@@ -267,7 +266,7 @@ class ModelRunner:
             active[list(plan.decode_slots)] = True
             attend = self._bucket(int(self._positions[active].max()) + steps)
             self._cache, self._state, decode_out = self._program("decode", self.num_slots, attend, steps)(
-                self.params, self._cache, self._state, self._samp, jnp.asarray(active)
+                self.params, self._cache, self._state, self._samp, active
             )
             self._positions[active] += steps
         prefill_outs = [self._dispatch_prefill(chunk) for chunk in plan.prefills]
