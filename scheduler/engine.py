@@ -381,6 +381,7 @@ class Engine:
             "prefill_budget": self.config.prefill_budget,
             "max_queue": self.config.max_queue,
             "max_top_logprobs": self._max_top_logprobs,
+            "decode_steps_per_dispatch": max(self._decode_steps),  # the most, while no prompt waits
         }
         model_info = getattr(model, "info", None)
         if callable(model_info):

@@ -543,6 +543,7 @@ def test_several_decode_steps_per_dispatch(make_engine, fake_model_cls):
     assert result.text == "bcdefg"  # stopped by a stop string in the middle of a 4-step dispatch
     assert result.final.finish_reason == "stop"
     assert any(p.num_decode_steps == 4 for p in model.plans)
+    assert engine.info()["decode_steps_per_dispatch"] == 4  # shown on /health
     # max_tokens is never overrun: the tail runs one step at a time.
     engine2, model2 = make_engine(fake_model_cls(decode_steps=(1, 4)))
     result = run(collect_one(engine2, req("a", max_tokens=10)))
