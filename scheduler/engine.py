@@ -88,8 +88,8 @@ class RequestStream:
     """Async iterator of one request's `StreamEvent`s; the last one has `finish_reason` set.
 
     Created by `Engine.submit` on the event-loop thread. The engine thread hands events to the
-    loop with `call_soon_threadsafe`: a processed step's events for all of a loop's streams in one
-    call (`_deliver_all`), any other event alone (`_push`); everything else runs on the loop.
+    loop with `call_soon_threadsafe` (`_hand_over`): a processed step's events for all of a loop's
+    streams in one call, any other event alone (`_push`); everything else runs on the loop.
     """
 
     def __init__(self, request_id: str, seq: int, loop: asyncio.AbstractEventLoop, inbox: queue.Queue) -> None:
@@ -123,11 +123,8 @@ class RequestStream:
         self.cancel()
 
     def _push(self, event: StreamEvent) -> None:
-        """Engine thread: hands an event to the loop. A closed loop means the client is gone."""
-        try:
-            self._loop.call_soon_threadsafe(self._deliver, event)
-        except RuntimeError:
-            log.debug("request %s: event loop closed; event dropped", self.request_id)
+        """Engine thread: hands one event to the loop."""
+        _hand_over(self._loop, [(self, event)])
 
     def _deliver(self, event: StreamEvent) -> None:
         """Loop thread. Anything after the final event (a racing duplicate end) is dropped."""
@@ -138,9 +135,18 @@ class RequestStream:
 
 
 def _deliver_all(items: list[tuple[RequestStream, StreamEvent]]) -> None:
-    """Loop thread: one step's events for the streams of this loop, in the order they were made."""
+    """Loop thread: events for streams of this loop, in the order they were made."""
     for stream, event in items:
         stream._deliver(event)
+
+
+def _hand_over(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream, StreamEvent]]) -> None:
+    """Engine thread: events to their streams' loop in one wake-up. A closed loop means the
+    clients are gone: the events are dropped."""
+    try:
+        loop.call_soon_threadsafe(_deliver_all, items)
+    except RuntimeError:
+        log.debug("event loop closed; %d events dropped", len(items))
 
 
 def _default_detokenizer(tokenizer: Any) -> Detokenizer:
@@ -530,10 +536,7 @@ class Engine:
         finally:
             outbox, self._outbox = self._outbox, None
             for loop, items in outbox.items():
-                try:
-                    loop.call_soon_threadsafe(_deliver_all, items)
-                except RuntimeError:
-                    log.debug("event loop closed; %d events dropped", len(items))
+                _hand_over(loop, items)
 
     def _send(self, stream: RequestStream, event: StreamEvent) -> None:
         """Engine thread: to the step's outbox while a step is processed, else straight to the loop."""
