@@ -147,6 +147,14 @@ def test_code_views_and_x_order_give_the_reference_product(fmt):
     assert relative_error(y, qmatmul_reference(x, w)) < 1e-5
 
 
+def _lane_words(w: quant.QuantizedTensor) -> np.ndarray:
+    """The q4_0 qs plane as the 32-bit words the kernel's threads load: [N, K/32, lane c] uint32,
+    word c of a block = its bytes 4c..4c+3, little-endian."""
+    n, k = w.shape
+    qs = np.asarray(w.planes["qs"]).reshape(n, k // 32, 4, 4)  # [row, block, lane c, byte]
+    return qs.astype(np.uint32) @ (np.uint32(1) << (8 * np.arange(4, dtype=np.uint32)))
+
+
 def _rounded_x(x: jax.Array) -> jax.Array:
     """x as `quantize_x_blocks` rounds it, in f32: q * amax / 127 per 32-block."""
     m, k = x.shape
@@ -169,8 +177,7 @@ def test_int8_x_arithmetic_gives_the_product_of_the_rounded_x():
     nb = k // 32
     blocks_e, blocks_o = xe.reshape(8, nb, 32), xo.reshape(8, nb, 32)
     assert not blocks_e[:, 1::2].any() and not blocks_o[:, 0::2].any()
-    qs = np.asarray(w.planes["qs"]).reshape(n, nb, 4, 4)  # [row, block, lane c, byte]
-    words = qs.astype(np.uint32) @ (np.uint32(1) << (8 * np.arange(4, dtype=np.uint32)))
+    words = _lane_words(w)
     codes = np.zeros((n, nb, 32), np.int64)
     for c in range(4):
         for byte in range(4):
@@ -200,8 +207,7 @@ def test_word_unpack_bit_arithmetic_and_x_order_give_the_reference_product():
     n, k, m = 64, 512, 5
     w = random_weight("q4_0", n, k, np.random.default_rng(2))
     x = jnp.asarray(np.random.default_rng(3).standard_normal((m, k)), jnp.float32).astype(jnp.bfloat16)
-    qs = np.asarray(w.planes["qs"]).reshape(n, k // 32, 4, 4)  # [row, block, lane c, byte]
-    words = qs.astype(np.uint32) @ (np.uint32(1) << (8 * np.arange(4, dtype=np.uint32)))  # little-endian
+    words = _lane_words(w)
     a = np.zeros((n, k // 32, 32), np.float32)
     for j in range(4):
         nibbles = (words >> np.uint32(4 * j)) & np.uint32(matmul_mgpu.NIBBLE_PAIR_MASK)
