@@ -279,3 +279,19 @@ def device_trace_events(log_dir: str | os.PathLike[str]) -> list[dict] | None:
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu = {pid for pid, name in names.items() if "/device:GPU" in name}
     return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("pid") in gpu]
+
+
+def host_api_events(log_dir: str | os.PathLike[str]) -> list[dict]:
+    """The complete events of the newest `jax.profiler` trace under log_dir whose names are CUDA
+    driver or runtime calls (cu*/cuda*) made by the host: kernel launches, graph launches and
+    updates, synchronisations, copies. Empty when there is no trace or no such events."""
+    files = sorted(pathlib.Path(log_dir).rglob("*.trace.json.gz"))
+    if not files:
+        return []
+    with gzip.open(files[-1]) as f:
+        trace = json.load(f)
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in trace.get("traceEvents", [])
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {pid for pid, name in names.items() if "/device:GPU" in name}
+    return [e for e in trace.get("traceEvents", [])
+            if e.get("ph") == "X" and e.get("pid") not in gpu and str(e.get("name", "")).startswith("cu")]

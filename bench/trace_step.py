@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import pathlib
+import re
 import sys
 import tempfile
 import time
@@ -45,6 +47,9 @@ def summarize(log_dir: str, steps: int, top: int = 40) -> dict:
     by_name: dict[str, list[float]] = collections.defaultdict(list)
     for e in events:
         by_name[e["name"]].append(float(e.get("dur", 0.0)))
+    host: dict[str, list[float]] = collections.defaultdict(list)
+    for e in common.host_api_events(log_dir):
+        host[e["name"]].append(float(e.get("dur", 0.0)))
     total = sum(sum(v) for v in by_name.values())
     t0 = min(e["ts"] for e in events)
     t1 = max(e["ts"] + e.get("dur", 0.0) for e in events)
@@ -58,6 +63,11 @@ def summarize(log_dir: str, steps: int, top: int = 40) -> dict:
             {"name": n[:160], "us_per_step": sum(d) / steps, "calls_per_step": len(d) / steps,
              "share": sum(d) / total}
             for n, d in rows[:top]
+        ],
+        # The host's CUDA calls: launches one by one, graph launches, synchronisations.
+        "host_api": [
+            {"name": n[:80], "calls_per_step": len(d) / steps, "us_per_step": sum(d) / steps}
+            for n, d in sorted(host.items(), key=lambda kv: -sum(kv[1]))[:15]
         ],
     }
 
@@ -102,7 +112,9 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "decode_hlo.txt").write_text(hlo)
     ds = [ln for ln in hlo.splitlines() if "dynamic-slice" in ln and "fusion" in ln and "=" in ln]
-    print(f"HLO: {len(ds)} lines with dynamic-slice fusions, {hlo.count('custom-call(')} custom calls", flush=True)
+    print(f"HLO: {len(ds)} lines with dynamic-slice fusions, {hlo.count('custom-call(')} custom calls, "
+          f"{len(set(re.findall(r'command_buffer[.0-9]*', hlo)))} command-buffer computations; "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     for ln in ds[:30]:
         print("   ", ln.strip()[:220])
 
@@ -127,6 +139,7 @@ def main() -> None:
         jax.block_until_ready(o)
         ms = (time.perf_counter() - t) / args.steps * 1e3
         report[f"step_ms_{n_active}_active"] = ms
+        report["xla_flags"] = os.environ.get("XLA_FLAGS", "")
         report[f"call_ms_{n_active}_active"] = {"p50": 1e3 * float(np.median(calls)), "min": 1e3 * min(calls)}
         print(f"{n_active} active: {ms:.2f} ms per step = {n_active / ms * 1e3:.0f} tok/s; weights alone at "
               f"3.5 TB/s: {weights / 3.5e9:.2f} ms; host time in the call p50 {1e3 * np.median(calls):.2f} ms",
@@ -147,6 +160,8 @@ def main() -> None:
                   f"{summ['device_span_us_per_step']:.0f}; {summ['kernels_per_step']:.0f} kernels/step", flush=True)
             for r in summ["top"][:25]:
                 print(f"  {r['us_per_step']:9.1f} us {r['calls_per_step']:6.1f}x {100 * r['share']:5.1f}%  {r['name'][:110]}")
+            print("  host CUDA calls per step:", "; ".join(
+                f"{r['name']} {r['calls_per_step']:.1f}x {r['us_per_step']:.0f} us" for r in summ["host_api"]))
         runner._cache, runner._state = cache, state
     if out:
         (out / "trace_summary.json").write_text(json.dumps(report, indent=1))
