@@ -218,8 +218,9 @@ def _run_layers(params: Params, cache: KVCache, body: Callable, unroll: bool = F
     Stacked layers are scanned over the layer index alone: the matrices stay whole [L, N, K]
     stacks that the kernels read at the index (scanning over them as `xs` made XLA copy every
     layer's weights out of the stack each step, 25% of a decode step on the H200), and only the
-    small vectors (norms, biases) are sliced. `unroll` emits the scanned body once per layer
-    (constant layer indices, no while loop).
+    small vectors (norms, biases) are sliced. `unroll` emits the body once per layer with the
+    layer index a Python int: no while loop, and every index the kernels take is an HLO constant
+    (an unrolled scan's indices are slices of an iota, one small kernel per layer on the GPU).
     """
 
     def layer_params(i):
@@ -232,9 +233,14 @@ def _run_layers(params: Params, cache: KVCache, body: Callable, unroll: bool = F
         return (x, c), None
 
     def run(x):
-        if params.is_stacked:
+        if params.is_stacked and not unroll:
             n = cache.k.shape[0]
-            (x, c), _ = jax.lax.scan(step, (x, cache), jnp.arange(n), unroll=n if unroll else 1)
+            (x, c), _ = jax.lax.scan(step, (x, cache), jnp.arange(n))
+            return x, c
+        if params.is_stacked:
+            c = cache
+            for i in range(cache.k.shape[0]):
+                x, c = body({k: v if isinstance(v, QuantizedTensor) else v[i] for k, v in params.layers.items()}, c, i, x)
             return x, c
         c = cache
         for i, lp in enumerate(params.layers):
