@@ -20,7 +20,8 @@ thing, so the gaps between them say what costs:
     to the wgmma layout rather than word by word in place (`word_unpack`), `fold=1` scales each
     block's bf16 codes before the wgmmas rather than its f32 result after them (`fold_scales`),
     `tiles` sets the 64-row tiles per warpgroup (`row_tiles`), `i8=1` rounds x to int8 per 32-block
-    and runs int8 wgmmas (`int8_x`). Cut-down twins, for timing only (wrong
+    and runs int8 wgmmas (`int8_x`), `rowsout=0` writes the partial sums as [split, N, M] rather
+    than [split, M, N] (`rows_out`; either way the timed call returns [M, N]). Cut-down twins, for timing only (wrong
     results): `noxor=1` (with `words=0`) converts the q4_0 codes without centring them, `noscale=1` sums the
     blocks' results unscaled (no scale loads), `noconv=1` feeds constant codes to the wgmmas
     (the codes still arrive in shared memory, unread). The runs of 2026-11-29 14:17 and
@@ -231,7 +232,7 @@ def parse_variant(spec: str, tuning: mt.TritonMatmulTuning):
         raise ValueError(f"unknown layout {layout!r}")
     changes = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in opts.split(",") if kv}
     extra = {key: bool(changes.pop(key)) for key in ("x_mask", "evict") if key in changes}
-    for key in ("ctas", "upcast", "words", "fold", "tiles", "i8", "noxor", "noscale", "noconv"):  # mgpu_mma: see the module docstring
+    for key in ("ctas", "upcast", "words", "fold", "tiles", "i8", "rowsout", "noxor", "noscale", "noconv"):  # mgpu_mma: see the module docstring
         if key in changes:
             extra[key] = changes.pop(key)
     if (extra.get("upcast") == 0 or extra.get("noxor")) and extra.get("words", 1):
@@ -284,7 +285,8 @@ def run_variant(mode, tiled, extra, x, w, tuning):
                                                 word_unpack=bool(extra.get("words", matmul_mgpu.DEFAULT_TUNING.word_unpack)),
                                                 fold_scales=bool(extra.get("fold", matmul_mgpu.DEFAULT_TUNING.fold_scales)),
                                                 row_tiles=extra.get("tiles", matmul_mgpu.DEFAULT_TUNING.row_tiles),
-                                                int8_x=bool(extra.get("i8", matmul_mgpu.DEFAULT_TUNING.int8_x)))
+                                                int8_x=bool(extra.get("i8", matmul_mgpu.DEFAULT_TUNING.int8_x)),
+                                                rows_out=bool(extra.get("rowsout", matmul_mgpu.DEFAULT_TUNING.rows_out)))
         return lambda l: matmul_mgpu.qmatmul_mgpu(x, w, mosaic, layer=l)
     if mode == "mgpu_stream":
         layers, n, half = w.planes["qs"].shape

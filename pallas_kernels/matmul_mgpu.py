@@ -34,7 +34,7 @@ q4_0 without `word_unpack`, through Mosaic's int8 / int4 -> bf16 conversions), a
 meets x in one 64 x M x 32 wgmma (A from registers, x as the transposed B operand); the step's
 wgmmas are issued before one wait, and each block's [64, M] result is scaled by its scales and
 summed in f32 (or, with `fold_scales`, the scales multiply the bf16 codes and every block adds
-into one accumulator). Partial sums of the K splits [split, N, M] are added outside.
+into one accumulator). Partial sums of the K splits [split, M, N] are added outside.
 
 Where its time goes (bench/results/README.md, sixth session): the kernel is bound by instruction
 issue, not memory. Nsight Compute on gate/up (22016 x 4096, M = 8) counts about 500 instructions
@@ -116,6 +116,11 @@ class MosaicMatmulTuning:
     # scaled by d_w * d_x after the step's wait. Not exact: x's rounding moves a product by about
     # 0.5% (relative norm error; bench/results, seventh session).
     int8_x: bool = False
+    # The kernel writes its partial sums as [split, M, N] (each [64, M] accumulator stored
+    # through a transposed view of shared memory), so the result needs no transpose after the
+    # call and XLA can fuse the split-K sum into whatever reads the rows (the residual add and
+    # the next norm); False writes [split, N, M], transposed by XLA after the call.
+    rows_out: bool = True
 
     def __post_init__(self) -> None:
         if self.row_tiles not in (1, 2, 4):
@@ -391,9 +396,29 @@ def _scaled_blocks(a: jax.Array, d_smem) -> list[jax.Array]:
     return blocks
 
 
+def _store_out(accs, o_smem, o_gmem, sid, col0, rows_out: bool) -> None:
+    """Stores the [64, M] f32 accumulators of a CTA's row tiles at output columns col0... of
+    split `sid`: o_gmem [split, M, N] with o_smem [M, rows] when `rows_out` (each tile through a
+    transposed view), else o_gmem [split, N, M] with o_smem [rows, M]."""
+    plgpu = _plgpu()
+    for t, acc in enumerate(accs):
+        if rows_out:
+            # WGMMA_TRANSPOSED holds each thread's pairs down a column (one shuffle from WGMMA):
+            # contiguous in the transposed view, which a WGMMA-layout store cannot use
+            acc = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.transpose_ref(o_smem.at[:, pl.ds(BLOCK_N * t, BLOCK_N)], (1, 0))[...] = acc
+        else:
+            o_smem[pl.ds(BLOCK_N * t, BLOCK_N)] = acc
+    plgpu.commit_smem()
+    rows = BLOCK_N * len(accs)
+    dst = o_gmem.at[sid, :, pl.ds(col0, rows)] if rows_out else o_gmem.at[sid, pl.ds(col0, rows)]
+    plgpu.copy_smem_to_gmem(o_smem, dst)
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: int, k: int, m: int, tile_k: int,
             rows: int, steps: int, split: int, stages: int, upcast_loads: bool, word_unpack: bool,
-            fold_scales: bool):
+            fold_scales: bool, rows_out: bool):
     """layer_gmem [1] int32; x_gmem [M, K] bf16 (permuted for q4_0); c_gmem [L*N, K] codes (int4
     or int8); d_gmem [L*K/32, N] f16 scales (the transposed plane); o_gmem [split, N, M] f32
     partial sums; o_smem [rows, M]. Each warpgroup takes `rows` rows (64-row tiles t) of the
@@ -465,15 +490,11 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: 
     else:
         zero = plgpu.layout_cast(jnp.zeros((BLOCK_N, m), jnp.float32), wgmma_layout)
         accs = pipeline(body, init_carry=(zero,) * tiles)
-    for t, acc in enumerate(accs):
-        o_smem[pl.ds(BLOCK_N * t, BLOCK_N)] = acc
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sid, pl.ds(blk * rows, rows)])
-    plgpu.wait_smem_to_gmem(0)
+    _store_out(accs, o_smem, o_gmem, sid, blk * rows, rows_out)
 
 
 def _kernel_int8(layer_gmem, xe_gmem, xo_gmem, dx_gmem, cx_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, n: int,
-                 k: int, m: int, tile_k: int, steps: int, split: int, stages: int):
+                 k: int, m: int, tile_k: int, steps: int, split: int, stages: int, rows_out: bool):
     """`int8_x` (q4_0): xe_gmem, xo_gmem [M, K] int8, x's rounded values in its even and its odd
     32-blocks (`quantize_x_blocks`); dx_gmem, cx_gmem [K/32, M] f32 its per-block factors; c_gmem
     [L*N, K] int4 codes; d_gmem [L*K/32, N] f16 scales; o_gmem [split, N, M] f32 partial sums.
@@ -534,10 +555,7 @@ def _kernel_int8(layer_gmem, xe_gmem, xo_gmem, dx_gmem, cx_gmem, c_gmem, d_gmem,
         init_carry=zero,
     )(xe_gmem, xo_gmem, dx_gmem, cx_gmem, c_gmem.at[pl.ds(row0, BLOCK_N)],
       d_gmem.at[pl.ds(layer * (k // 32), k // 32), pl.ds(blk * BLOCK_N, BLOCK_N)])
-    o_smem[...] = acc
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[sid, pl.ds(blk * BLOCK_N, BLOCK_N)])
-    plgpu.wait_smem_to_gmem(0)
+    _store_out((acc,), o_smem, o_gmem, sid, blk * BLOCK_N, rows_out)
 
 
 def codes_of(w: QuantizedTensor) -> jax.Array:
@@ -560,7 +578,7 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
     if tuning.int8_x:
         rows = BLOCK_N
         kernel = functools.partial(_kernel_int8, n=n, k=k, m=m_pad, tile_k=tuning.tile_k, steps=steps, split=split,
-                                   stages=stages_for(w.fmt, m, tuning, rows))
+                                   stages=stages_for(w.fmt, m, tuning, rows), rows_out=tuning.rows_out)
         x_inputs = quantize_x_blocks(x2, m_pad)
     else:
         if w.fmt == "q4_0":
@@ -573,17 +591,19 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
         kernel = functools.partial(_kernel, fmt=w.fmt, n=n, k=k, m=m_pad, tile_k=tuning.tile_k, rows=rows,
                                    steps=steps, split=split, stages=stages_for(w.fmt, m, tuning, rows),
                                    upcast_loads=tuning.upcast_loads,
-                                   word_unpack=tuning.word_unpack, fold_scales=tuning.fold_scales)
+                                   word_unpack=tuning.word_unpack, fold_scales=tuning.fold_scales,
+                                   rows_out=tuning.rows_out)
         x_inputs = (xp,)
+    out_shape, smem_shape = ((split, m_pad, n), (m_pad, rows)) if tuning.rows_out else ((split, n, m_pad), (rows, m_pad))
     partial = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((split, n, m_pad), jnp.float32),
+        out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         grid=(n // rows, split),
         grid_names=("rows", "split"),
-        scratch_types=[plgpu.SMEM((rows, m_pad), jnp.float32)],
+        scratch_types=[plgpu.SMEM(smem_shape, jnp.float32)],
     )(layer_arr, *x_inputs, codes_of(w), scales)
     out = partial[0] if split == 1 else jnp.sum(partial, axis=0)
-    return out[:, :m].T
+    return out[:m] if tuning.rows_out else out[:, :m].T
 
 
 def qmatmul_mgpu(

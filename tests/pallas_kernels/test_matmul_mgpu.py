@@ -85,6 +85,16 @@ class TestMosaicGpuRowTiles(TestMosaicGpu):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+class TestMosaicGpuColumnsOut(TestMosaicGpu):
+    """Partial sums written as [split, N, M] and transposed after the call (`rows_out=False`),
+    the default path of sessions 4 to 7."""
+
+    def matmul(self, x, w, case, layer=None):
+        return matmul_mgpu.qmatmul_mgpu(x, w, matmul_mgpu.MosaicMatmulTuning(rows_out=False), layer=layer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 class TestMosaicGpuInt8X(TestMosaicGpu):
     """q4_0 with x rounded to int8 per 32-block and int8 wgmmas (`int8_x`): within the bf16
     tolerance of the exact product, and equal to the exact product of the rounded x."""
@@ -290,4 +300,20 @@ def test_lowers_for_cuda(fmt, m, n, k, stack, tile_k, word_unpack, fold, tiles):
         fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, tuning)  # noqa: E731
     lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((m, k), jnp.bfloat16), w,
                                 jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("rows_out", [True, False])
+@pytest.mark.parametrize("extra", [{}, dict(row_tiles=2, tile_k=128), dict(int8_x=True)])
+def test_either_output_order_lowers_for_cuda(rows_out, extra):
+    """The output written as [split, M, N] (through a transposed view of shared memory, from
+    the WGMMA_TRANSPOSED register layout) or as [split, N, M]; both give [M, N]."""
+    pytest.importorskip("absl")
+    w = _spec("q4_0", 4096, 11008, 3)
+    tuning = matmul_mgpu.MosaicMatmulTuning(rows_out=rows_out, **extra)
+    out = jax.eval_shape(lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, tuning, layer=i),
+                         jax.ShapeDtypeStruct((8, 11008), jnp.bfloat16), w, jax.ShapeDtypeStruct((), jnp.int32))
+    assert out.shape == (8, 4096)
+    lowered = jax.jit(lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, tuning, layer=i)).trace(
+        jax.ShapeDtypeStruct((8, 11008), jnp.bfloat16), w, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
