@@ -21,12 +21,15 @@ thing, so the gaps between them say what costs:
     block's bf16 codes before the wgmmas rather than its f32 result after them (`fold_scales`),
     `tiles` sets the 64-row tiles per warpgroup (`row_tiles`), `i8=1` rounds x to int8 per 32-block
     and runs int8 wgmmas (`int8_x`), `rowsout=0` writes the partial sums as [split, N, M] rather
-    than [split, M, N] (`rows_out`; either way the timed call returns [M, N]). Cut-down twins, for timing only (wrong
+    than [split, M, N] (`rows_out`; either way the timed call returns [M, N]), `mtile` sets the
+    rows of x per CTA beyond 64 rows (`m_tile`, with `fold=1`: the prefill regime). Cut-down twins, for timing only (wrong
     results): `noxor=1` (with `words=0`) converts the q4_0 codes without centring them, `noscale=1` sums the
     blocks' results unscaled (no scale loads), `noconv=1` feeds constant codes to the wgmmas
     (the codes still arrive in shared memory, unread). The runs of 2026-11-29 14:17 and
     14:19 used its first cut, written here, which read int4 codes and transposed scales
     repacked for it and took the layer as a compile-time constant.
+  * `dense`: XLA's dot of x with a bf16 weight of the shape (one matrix, dequantized once,
+    outside the timing): the bar for prefill rows (its kernel is the call's longest).
   * `mgpu_stream`: the planes streamed by TMA into shared memory by a Mosaic GPU kernel
     (`block_n` rows per CTA, `num_stages` steps in flight), nothing computed: the bar for `load`.
 
@@ -67,7 +70,7 @@ from pallas_kernels import matmul_triton as mt  # noqa: E402
 from pallas_kernels import quant  # noqa: E402
 from pallas_kernels.matmul import qmatmul_reference  # noqa: E402
 
-VARIANTS = ("full", "load", "decode", "mma", "mmabf", "prefetch", "mgpu_stream", "mgpu_mma")
+VARIANTS = ("full", "load", "decode", "mma", "mmabf", "prefetch", "mgpu_stream", "mgpu_mma", "dense")
 
 
 def random_q4_0_stack(key, layers: int, n: int, k: int) -> quant.QuantizedTensor:
@@ -232,7 +235,7 @@ def parse_variant(spec: str, tuning: mt.TritonMatmulTuning):
         raise ValueError(f"unknown layout {layout!r}")
     changes = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in opts.split(",") if kv}
     extra = {key: bool(changes.pop(key)) for key in ("x_mask", "evict") if key in changes}
-    for key in ("ctas", "upcast", "words", "fold", "tiles", "i8", "rowsout", "noxor", "noscale", "noconv"):  # mgpu_mma: see the module docstring
+    for key in ("ctas", "upcast", "words", "fold", "tiles", "i8", "rowsout", "mtile", "noxor", "noscale", "noconv"):  # mgpu_mma: see the module docstring
         if key in changes:
             extra[key] = changes.pop(key)
     if (extra.get("upcast") == 0 or extra.get("noxor")) and extra.get("words", 1):
@@ -286,7 +289,8 @@ def run_variant(mode, tiled, extra, x, w, tuning):
                                                 fold_scales=bool(extra.get("fold", matmul_mgpu.DEFAULT_TUNING.fold_scales)),
                                                 row_tiles=extra.get("tiles", matmul_mgpu.DEFAULT_TUNING.row_tiles),
                                                 int8_x=bool(extra.get("i8", matmul_mgpu.DEFAULT_TUNING.int8_x)),
-                                                rows_out=bool(extra.get("rowsout", matmul_mgpu.DEFAULT_TUNING.rows_out)))
+                                                rows_out=bool(extra.get("rowsout", matmul_mgpu.DEFAULT_TUNING.rows_out)),
+                                                m_tile=extra.get("mtile", matmul_mgpu.DEFAULT_TUNING.m_tile))
         return lambda l: matmul_mgpu.qmatmul_mgpu(x, w, mosaic, layer=l)
     if mode == "mgpu_stream":
         layers, n, half = w.planes["qs"].shape
@@ -296,6 +300,11 @@ def run_variant(mode, tiled, extra, x, w, tuning):
         return lambda l: fn(qs2, d2, layer=l, n=n, block_n=tuning.block_n, stages=tuning.num_stages)
     if mode == "full":
         return lambda l: mt.qmatmul_triton(x, w, tuning, layer=l)
+    if mode == "dense":
+        one = quant.QuantizedTensor({p: v[1] for p, v in w.planes.items()}, "q4_0", w.shape)
+        wd = jax.block_until_ready(quant.dequantize_reference(one).astype(jnp.bfloat16))  # [N, K]
+        dot = jax.jit(lambda x, wd: jnp.dot(x, wd.T, preferred_element_type=jnp.float32))
+        return lambda l: dot(x, wd)
     return lambda l: ablation_matmul(x, w, jnp.reshape(jnp.asarray(l, jnp.int32), (1,)), mode=mode, tuning=tuning,
                                      tiled=tiled, **extra)
 
@@ -342,7 +351,7 @@ def main() -> None:
                 print(f"{shape} {spec}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
                 rows.append({"n": n, "k": k, "variant": spec, "error": f"{type(e).__name__}: {e}"[:2000]})
                 continue
-            err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) if mode in ("full", "mma", "mmabf", "prefetch", "mgpu_mma") else None
+            err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) if mode in ("full", "mma", "mmabf", "prefetch", "mgpu_mma", "dense") else None
             for rep in range(2):  # warm
                 jax.block_until_ready([fn(l) for l in range(args.layers)])
             with tempfile.TemporaryDirectory() as d:
@@ -356,6 +365,8 @@ def main() -> None:
             pattern = {"full": "qmatmul_mma", "mgpu_stream": "mosaic_gpu", "mgpu_mma": "mosaic_gpu"}.get(
                 mode, "ablation_" + mode)
             key = next((nm for nm in times if pattern in nm), None)
+            if mode == "dense" and times:  # XLA's GEMM kernel (cuBLAS or its own): the longest
+                key = max(times, key=lambda nm: sum(times[nm]))
             if key is None:
                 print(f"{shape} {spec}: kernel not found in {list(times)[:8]}", flush=True)
                 continue
@@ -367,10 +378,12 @@ def main() -> None:
             row = {"n": n, "k": k, "m": args.m, "variant": spec, "kernel": key[:80], "us_median": med,
                    "us_other_per_call": other,
                    "us_min": us[0], "calls": len(us), "gbps": gbps, "pct_copy": 100 * gbps / copy, "rel_err": err,
+                   "tflops": 2 * args.m * n * k / (med * 1e-6) / 1e12,
                    "tuning": str(tuning)}
             rows.append(row)
             print(f"{shape:>11} {spec:>24}: {med:7.1f} us (min {us[0]:.1f}, {len(us)} calls) {gbps:6.0f} GB/s "
-                  f"{row['pct_copy']:5.1f}% of copy  other {other:.1f} us  err {err}", flush=True)
+                  f"{row['pct_copy']:5.1f}% of copy {row['tflops']:6.1f} TFLOP/s  other {other:.1f} us  err {err}",
+                  flush=True)
     if args.out:
         path = common.result_path(args.out, "ablation", common.timestamp())
         common.write_json(path, {**common.device_info(), "copy_gbps": copy, "args": vars(args), "rows": rows})

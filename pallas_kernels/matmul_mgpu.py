@@ -1,5 +1,7 @@
 """Quantized matmul as a Mosaic GPU kernel (Hopper: TMA, wgmma): implementation "mosaic_gpu" of op
-"matmul", for the decode regime (up to 64 rows of x) of Q4_0 and Q8_0 weights.
+"matmul", of Q4_0 and Q8_0 weights: the decode regime (up to 64 rows of x, `DEFAULT_TUNING`) and
+the prefill one (more rows, `PREFILL_TUNING`: folded scales, x in tiles of up to 256 rows on a
+grid axis, each tile the wgmma's N).
 
 It reads the planes `pallas_kernels.quant.repack` built, in place (no layout of its own):
 
@@ -74,7 +76,9 @@ from pallas_kernels.quant import QuantizedTensor, check_layer
 
 SUPPORTED_FORMATS = ("q4_0", "q8_0")
 CODE_BITS = {"q4_0": 4, "q8_0": 8}  # bits per code as the kernel views them
-MAX_ROWS = 64  # rows of x: decode; prefill (compute-bound) stays with the Triton kernel. Timed at 8.
+MAX_ROWS = 64  # rows of x in one tile of the decode kernel (unfolded scales: an accumulator per block)
+# Beyond MAX_ROWS (prefill), the folded-scale kernel runs x in tiles of `m_tile` rows (a grid axis;
+# one [64, m_tile] accumulator, carried across K steps); the unfolded one refuses.
 BLOCK_N = 64  # weight rows per warpgroup: the wgmma M
 
 
@@ -121,6 +125,9 @@ class MosaicMatmulTuning:
     # call and XLA can fuse the split-K sum into whatever reads the rows (the residual add and
     # the next norm); False writes [split, N, M], transposed by XLA after the call.
     rows_out: bool = True
+    # Rows of x per CTA when x has more than MAX_ROWS (with `fold_scales` only): the wgmma N,
+    # a multiple of 8 up to 256 (fewer rows of x run as one tile of their own size).
+    m_tile: int = 256
 
     def __post_init__(self) -> None:
         if self.row_tiles not in (1, 2, 4):
@@ -129,6 +136,8 @@ class MosaicMatmulTuning:
             raise ValueError(f"tile_k must be 64, 128, 256 or 512, got {self.tile_k!r}")
         if not isinstance(self.stages, int) or self.stages < 1:
             raise ValueError(f"stages must be an int >= 1, got {self.stages!r}")
+        if not isinstance(self.m_tile, int) or not 8 <= self.m_tile <= 256 or self.m_tile % 8:
+            raise ValueError(f"m_tile must be a multiple of 8 from 8 to 256, got {self.m_tile!r}")
         if not isinstance(self.target_ctas, int) or self.target_ctas < 1:
             raise ValueError(f"target_ctas must be an int >= 1, got {self.target_ctas!r}")
         if self.word_unpack and not self.upcast_loads:
@@ -139,6 +148,16 @@ class MosaicMatmulTuning:
 
 
 DEFAULT_TUNING = MosaicMatmulTuning()
+# More than MAX_ROWS rows of x (prefill chunks): folded scales, tiles of 256 rows of x, K steps of
+# 64. On the H200 at M = 512 (7B shapes, bench/results, eighth session): 410-475 TFLOP/s, 58-61%
+# of XLA's bf16 dot in the same run, against 263-291 for the Triton kernel; tiles of 128 rows
+# were 2-7% slower, K steps of 128 (3 stages) 30% slower.
+PREFILL_TUNING = MosaicMatmulTuning(tile_k=64, stages=4, fold_scales=True, m_tile=256)
+
+
+def default_tuning(m: int) -> MosaicMatmulTuning:
+    """The tuning for m rows of x: DEFAULT_TUNING for decode (up to MAX_ROWS), else PREFILL_TUNING."""
+    return DEFAULT_TUNING if m <= MAX_ROWS else PREFILL_TUNING
 
 
 def _plgpu():
@@ -158,15 +177,16 @@ def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatm
     m = math.prod(x.shape[:-1])
     if x.dtype != jnp.bfloat16:
         raise NotImplementedError(f"mosaic_gpu matmul takes bf16 x (the GPU engine's activations), not {x.dtype}")
-    if m > MAX_ROWS:
-        raise NotImplementedError(f"mosaic_gpu matmul is the decode kernel: at most {MAX_ROWS} rows of x, got {m}")
+    if m > MAX_ROWS and not tuning.fold_scales:
+        raise NotImplementedError(f"mosaic_gpu matmul with unfolded scales is the decode kernel: at most {MAX_ROWS} "
+                                  f"rows of x, got {m}")
     if n % BLOCK_N:
         raise NotImplementedError(f"mosaic_gpu matmul: N={n} is not a multiple of {BLOCK_N}")
     if k % tuning.tile_k:
         raise NotImplementedError(f"mosaic_gpu matmul: K={k} is not a multiple of the K step {tuning.tile_k}")
     if tuning.int8_x and w.fmt != "q4_0":
         raise NotImplementedError(f"mosaic_gpu matmul with int8 x takes q4_0, not {w.fmt}")
-    if stages_for(w.fmt, m, tuning, rows_per_cta(n, tuning)) < 2:
+    if stages_for(w.fmt, tile_rows(m, tuning), tuning, rows_per_cta(n, tuning)) < 2:
         raise NotImplementedError(f"mosaic_gpu matmul: {m} rows with K steps of {tuning.tile_k} leave shared memory "
                                   "for fewer than 2 steps in flight")
 
@@ -177,6 +197,12 @@ SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on the H100/H200
 def padded_rows(m: int) -> int:
     """Rows of x as the kernel runs them: a multiple of 8 (the wgmma N)."""
     return -(-m // 8) * 8
+
+
+def tile_rows(m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING) -> int:
+    """Rows of x per CTA: all of them (padded to 8) up to MAX_ROWS or up to `tuning.m_tile`,
+    else `tuning.m_tile`."""
+    return padded_rows(m) if m <= MAX_ROWS else min(tuning.m_tile, padded_rows(m))
 
 
 def rows_per_cta(n: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING) -> int:
@@ -205,9 +231,11 @@ def stages_for(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, ro
     return min(tuning.stages, room // stage_bytes(fmt, m, tuning.tile_k, rows, tuning.int8_x))
 
 
-def split_for(n: int, k: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING) -> int:
-    """K splits: the fewest giving `target_ctas` warpgroups, at most one per K step."""
-    return max(1, min(k // tuning.tile_k, -(-tuning.target_ctas // (n // rows_per_cta(n, tuning)))))
+def split_for(n: int, k: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, m_tiles: int = 1) -> int:
+    """K splits: the fewest giving `target_ctas` warpgroups (with `m_tiles` tiles of x's rows),
+    at most one per K step."""
+    ctas = (n // rows_per_cta(n, tuning)) * m_tiles
+    return max(1, min(k // tuning.tile_k, -(-tuning.target_ctas // ctas)))
 
 
 def permute_x(x2: jax.Array) -> jax.Array:
@@ -396,10 +424,10 @@ def _scaled_blocks(a: jax.Array, d_smem) -> list[jax.Array]:
     return blocks
 
 
-def _store_out(accs, o_smem, o_gmem, sid, col0, rows_out: bool) -> None:
-    """Stores the [64, M] f32 accumulators of a CTA's row tiles at output columns col0... of
-    split `sid`: o_gmem [split, M, N] with o_smem [M, rows] when `rows_out` (each tile through a
-    transposed view), else o_gmem [split, N, M] with o_smem [rows, M]."""
+def _store_out(accs, o_smem, o_gmem, sid, col0, rows_out: bool, x0, m: int) -> None:
+    """Stores the [64, m] f32 accumulators of a CTA's row tiles at output columns col0... and
+    rows x0... (of x) of split `sid`: o_gmem [split, M, N] with o_smem [m, rows] when `rows_out`
+    (each tile through a transposed view), else o_gmem [split, N, M] with o_smem [rows, m]."""
     plgpu = _plgpu()
     for t, acc in enumerate(accs):
         if rows_out:
@@ -411,14 +439,17 @@ def _store_out(accs, o_smem, o_gmem, sid, col0, rows_out: bool) -> None:
             o_smem[pl.ds(BLOCK_N * t, BLOCK_N)] = acc
     plgpu.commit_smem()
     rows = BLOCK_N * len(accs)
-    dst = o_gmem.at[sid, :, pl.ds(col0, rows)] if rows_out else o_gmem.at[sid, pl.ds(col0, rows)]
+    if rows_out:
+        dst = o_gmem.at[sid, pl.ds(x0, m), pl.ds(col0, rows)]
+    else:
+        dst = o_gmem.at[sid, pl.ds(col0, rows), pl.ds(x0, m)]
     plgpu.copy_smem_to_gmem(o_smem, dst)
     plgpu.wait_smem_to_gmem(0)
 
 
 def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: int, k: int, m: int, tile_k: int,
             rows: int, steps: int, split: int, stages: int, upcast_loads: bool, word_unpack: bool,
-            fold_scales: bool, rows_out: bool):
+            fold_scales: bool, rows_out: bool, m_tiles: int = 1):
     """layer_gmem [1] int32; x_gmem [M, K] bf16 (permuted for q4_0); c_gmem [L*N, K] codes (int4
     or int8); d_gmem [L*K/32, N] f16 scales (the transposed plane); o_gmem [split, N, M] f32
     partial sums; o_smem [rows, M]. Each warpgroup takes `rows` rows (64-row tiles t) of the
@@ -427,6 +458,7 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: 
     nb, tiles = tile_k // 32, rows // BLOCK_N
     bits = CODE_BITS[fmt]
     blk, sid = lax.axis_index("rows"), lax.axis_index("split")
+    x0 = lax.axis_index("mtile") * m if m_tiles > 1 else 0  # this CTA's rows of x
     layer = layer_gmem[0]
     row0 = layer * n + blk * rows
     lo, hi = (sid * steps) // split, ((sid + 1) * steps) // split
@@ -478,7 +510,7 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: 
             ],
             max_concurrent_steps=stages,
             **kwargs,
-        )(x_gmem, c_gmem.at[pl.ds(row0, rows)],
+        )(x_gmem.at[pl.ds(x0, m)], c_gmem.at[pl.ds(row0, rows)],
           d_gmem.at[pl.ds(layer * (k // 32), k // 32), pl.ds(blk * rows, rows)])
 
     if fold_scales:
@@ -490,7 +522,7 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: 
     else:
         zero = plgpu.layout_cast(jnp.zeros((BLOCK_N, m), jnp.float32), wgmma_layout)
         accs = pipeline(body, init_carry=(zero,) * tiles)
-    _store_out(accs, o_smem, o_gmem, sid, blk * rows, rows_out)
+    _store_out(accs, o_smem, o_gmem, sid, blk * rows, rows_out, x0, m)
 
 
 def _kernel_int8(layer_gmem, xe_gmem, xo_gmem, dx_gmem, cx_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, n: int,
@@ -555,7 +587,7 @@ def _kernel_int8(layer_gmem, xe_gmem, xo_gmem, dx_gmem, cx_gmem, c_gmem, d_gmem,
         init_carry=zero,
     )(xe_gmem, xo_gmem, dx_gmem, cx_gmem, c_gmem.at[pl.ds(row0, BLOCK_N)],
       d_gmem.at[pl.ds(layer * (k // 32), k // 32), pl.ds(blk * BLOCK_N, BLOCK_N)])
-    _store_out((acc,), o_smem, o_gmem, sid, blk * BLOCK_N, rows_out)
+    _store_out((acc,), o_smem, o_gmem, sid, blk * BLOCK_N, rows_out, 0, m)
 
 
 def codes_of(w: QuantizedTensor) -> jax.Array:
@@ -572,9 +604,11 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
     plgpu = _plgpu()
     n, k = w.shape
     m = x2.shape[0]
-    m_pad = padded_rows(m)
+    m_tile = tile_rows(m, tuning)
+    m_tiles = -(-m // m_tile)
+    m_pad = m_tile * m_tiles
     scales = jnp.reshape(w.planes["d"], (-1, n))  # [L*K/32, N]: a view, read in place
-    split, steps = split_for(n, k, tuning), k // tuning.tile_k
+    split, steps = split_for(n, k, tuning, m_tiles), k // tuning.tile_k
     if tuning.int8_x:
         rows = BLOCK_N
         kernel = functools.partial(_kernel_int8, n=n, k=k, m=m_pad, tile_k=tuning.tile_k, steps=steps, split=split,
@@ -588,18 +622,19 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
         if m_pad != m:
             xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
         rows = rows_per_cta(n, tuning)
-        kernel = functools.partial(_kernel, fmt=w.fmt, n=n, k=k, m=m_pad, tile_k=tuning.tile_k, rows=rows,
-                                   steps=steps, split=split, stages=stages_for(w.fmt, m, tuning, rows),
+        kernel = functools.partial(_kernel, fmt=w.fmt, n=n, k=k, m=m_tile, tile_k=tuning.tile_k, rows=rows,
+                                   steps=steps, split=split, stages=stages_for(w.fmt, m_tile, tuning, rows),
                                    upcast_loads=tuning.upcast_loads,
                                    word_unpack=tuning.word_unpack, fold_scales=tuning.fold_scales,
-                                   rows_out=tuning.rows_out)
+                                   rows_out=tuning.rows_out, m_tiles=m_tiles)
         x_inputs = (xp,)
-    out_shape, smem_shape = ((split, m_pad, n), (m_pad, rows)) if tuning.rows_out else ((split, n, m_pad), (rows, m_pad))
+    out_shape, smem_shape = ((split, m_pad, n), (m_tile, rows)) if tuning.rows_out else ((split, n, m_pad), (rows, m_tile))
+    grid, grid_names = ((n // rows, split, m_tiles), ("rows", "split", "mtile")) if m_tiles > 1 else ((n // rows, split), ("rows", "split"))
     partial = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
-        grid=(n // rows, split),
-        grid_names=("rows", "split"),
+        grid=grid,
+        grid_names=grid_names,
         scratch_types=[plgpu.SMEM(smem_shape, jnp.float32)],
     )(layer_arr, *x_inputs, codes_of(w), scales)
     out = partial[0] if split == 1 else jnp.sum(partial, axis=0)
@@ -614,13 +649,14 @@ def qmatmul_mgpu(
     layer: jax.Array | int | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # [..., N] f32
-    """x @ dequant(w).T through the Mosaic GPU decode kernel. Raises NotImplementedError for what it
-    does not take (formats other than q4_0 and q8_0, x not bf16, more than 64 rows of x, N not a
-    multiple of 64, K not a multiple of the tuning's K step, too many rows for shared memory,
-    interpret mode)."""
+    """x @ dequant(w).T through the Mosaic GPU kernel; without a tuning, `default_tuning` of x's
+    rows (decode up to 64, prefill beyond). Raises NotImplementedError for what it does not take
+    (formats other than q4_0 and q8_0, x not bf16, more than 64 rows of x with unfolded scales,
+    N not a multiple of 64, K not a multiple of the tuning's K step, too many rows for shared
+    memory, interpret mode)."""
     if interpret:
         raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
-    tuning = tuning or DEFAULT_TUNING
+    tuning = tuning or default_tuning(math.prod(x.shape[:-1]))
     _check_supported(x, w, layer, tuning)
     n, k = w.shape
     lead = x.shape[:-1]

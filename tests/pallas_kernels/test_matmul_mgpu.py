@@ -95,6 +95,25 @@ class TestMosaicGpuColumnsOut(TestMosaicGpu):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+class TestMosaicGpuPrefillRows(TestMosaicGpu):
+    """More than 64 rows of x (the prefill regime): folded scales, x in tiles of `m_tile` rows on
+    a grid axis (a last tile padded), in tiles of 128 and of 256."""
+
+    CASES = (
+        Case("q4_0", 200, 512, 4096, "bfloat16", stack=True),
+        Case("q4_0", 512, 4096, 11008, "bfloat16", stack=True),
+        Case("q8_0", 130, 1024, 2048, "bfloat16"),
+        Case("q8_0", 512, 4096, 4096, "bfloat16", stack=True),
+    )
+
+    def matmul(self, x, w, case, layer=None):
+        tuning = matmul_mgpu.MosaicMatmulTuning(fold_scales=True, m_tile=256 if case.m == 512 else 128,
+                                                tile_k=64 if case.m == 512 else 128)
+        return matmul_mgpu.qmatmul_mgpu(x, w, tuning, layer=layer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 class TestMosaicGpuInt8X(TestMosaicGpu):
     """q4_0 with x rounded to int8 per 32-block and int8 wgmmas (`int8_x`): within the bf16
     tolerance of the exact product, and equal to the exact product of the rounded x."""
@@ -115,7 +134,7 @@ class TestMosaicGpuInt8X(TestMosaicGpu):
 
 @pytest.mark.parametrize("fmt,m,n,k,dtype", [
     ("q4_1", 8, 256, 1024, jnp.bfloat16), ("q5_0", 8, 256, 1024, jnp.bfloat16), ("q4_k", 8, 256, 1024, jnp.bfloat16),
-    ("q4_0", 65, 256, 1024, jnp.bfloat16), ("q4_0", 8, 96, 1024, jnp.bfloat16), ("q4_0", 8, 256, 1056, jnp.bfloat16),
+    ("q4_0", 8, 96, 1024, jnp.bfloat16), ("q4_0", 8, 256, 1056, jnp.bfloat16),
     ("q4_0", 8, 256, 1024, jnp.float32),
 ])
 def test_refuses_what_it_cannot_take(fmt, m, n, k, dtype):
@@ -300,6 +319,26 @@ def test_lowers_for_cuda(fmt, m, n, k, stack, tile_k, word_unpack, fold, tiles):
         fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, tuning)  # noqa: E731
     lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((m, k), jnp.bfloat16), w,
                                 jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("m,m_tile", [(512, 128), (200, 128), (512, 256)])
+def test_prefill_rows_take_folded_scales_and_lower_for_cuda(m, m_tile):
+    """More than 64 rows: the folded-scale kernel tiles them (a grid axis), and without a tuning
+    they get PREFILL_TUNING; the unfolded decode tuning refuses them."""
+    pytest.importorskip("absl")
+    w = _spec("q4_0", 4096, 11008, 3)
+    x = jax.ShapeDtypeStruct((m, 11008), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="decode kernel"):
+        jax.eval_shape(lambda x, w: matmul_mgpu.qmatmul_mgpu(x, w, matmul_mgpu.DEFAULT_TUNING, layer=0), x, w)
+    assert jax.eval_shape(lambda x, w: matmul_mgpu.qmatmul_mgpu(x, w, layer=0), x, w).shape == (m, 4096)
+    assert matmul_mgpu.default_tuning(m) == matmul_mgpu.PREFILL_TUNING and matmul_mgpu.PREFILL_TUNING.fold_scales
+    assert matmul_mgpu.default_tuning(64) == matmul_mgpu.DEFAULT_TUNING
+    assert matmul_mgpu.tile_rows(m, matmul_mgpu.PREFILL_TUNING) == min(256, -(-m // 8) * 8)
+    tuning = matmul_mgpu.MosaicMatmulTuning(fold_scales=True, m_tile=m_tile, tile_k=64)
+    fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, tuning, layer=i)  # noqa: E731
+    assert jax.eval_shape(fn, x, w, jax.ShapeDtypeStruct((), jnp.int32)).shape == (m, 4096)
+    lowered = jax.jit(fn).trace(x, w, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
 
