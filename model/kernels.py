@@ -8,8 +8,8 @@ probed (traced, nothing compiled) on this model's own shapes, separately for dec
 with `NotImplementedError` is passed over for that format only; where no implementation takes
 every shape of a format, each shape gets its own (`matmul_decode[q4_0 4096x5504]: triton`
 beside `matmul_decode[q4_0 6144x4096]: mosaic_gpu`). Every choice is logged and
-shown on /health (e.g. `matmul_decode[q4_0]: mosaic_gpu`, `matmul[q4_0]: triton` for prefill,
-`matmul[q6_k]: reference`; `--kernels matmul_decode=...` forces the decode one alone); a chosen kernel
+shown on /health (e.g. `matmul_decode[q4_0]: mosaic_gpu`, `matmul[q4_0]: mosaic_gpu` for prefill,
+`matmul[q6_k]: triton`; `--kernels matmul_decode=...` forces the decode one alone); a chosen kernel
 that fails at run time raises, it never falls back.
 """
 
