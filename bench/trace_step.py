@@ -10,6 +10,10 @@ which are bytes a step moves beyond the weights and KV it must read.
 
     python3 bench/trace_step.py --model M.gguf [--slots 8] [--max-context 1024] [--position 200]
         [--out DIR]   # DIR gets trace_summary.json and decode_hlo.txt
+
+`--prefill T[,T...]` traces the prefill program of a T-token chunk instead (one slot, starting at
+`--position`, 0 for a fresh prompt: the engine's prefill step, sampling of the first token
+included); DIR then gets prefill<T>_hlo.txt and one report per T in trace_summary.json.
 """
 
 from __future__ import annotations
@@ -71,6 +75,60 @@ def summarize(log_dir: str, steps: int, top: int = 40) -> dict:
     }
 
 
+def trace_prefill(args, t: int, m, runner, out) -> dict:
+    attend = runner._bucket(args.position + t)
+    t0 = time.perf_counter()
+    example = runner._example_args("prefill", t)
+    prog = runner._jitted("prefill", attend).lower(*example).compile()
+    print(f"compiled prefill[{t}] attending {attend} in {time.perf_counter() - t0:.1f} s", flush=True)
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"prefill{t}_hlo.txt").write_text(prog.as_text())
+    i32 = jnp.int32
+    rest = (jnp.zeros((), i32), jnp.arange(t, dtype=i32) % 1000, jnp.asarray(args.position, i32),
+            jnp.asarray(t, i32), jnp.ones((), jnp.bool_))
+    cache, state = runner._cache, runner._state
+
+    def call(cache, state):
+        cache, state, *o = prog(runner.params, cache, state, runner._samp, *rest)
+        return cache, state, o
+
+    for _ in range(3):
+        cache, state, o = call(cache, state)
+    jax.block_until_ready(o)
+    t1, calls = time.perf_counter(), []
+    for _ in range(args.steps):
+        c = time.perf_counter()
+        cache, state, o = call(cache, state)
+        calls.append(time.perf_counter() - c)
+    jax.block_until_ready(o)
+    ms = (time.perf_counter() - t1) / args.steps * 1e3
+    weights = params_nbytes(m.params)
+    report = {"model": m.name, "weights_bytes": weights, "attend": attend, "prefill": t, "position": args.position,
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "step_ms": ms, "tok_s": t / ms * 1e3,
+              "call_ms": {"p50": 1e3 * float(np.median(calls)), "min": 1e3 * min(calls)}}
+    print(f"prefill[{t}] at {args.position}: {ms:.2f} ms per chunk = {t / ms * 1e3:.0f} tok/s; host time in the "
+          f"call p50 {1e3 * np.median(calls):.2f} ms", flush=True)
+    with tempfile.TemporaryDirectory() as d:
+        trace_steps = 3
+        jax.profiler.start_trace(d)
+        for _ in range(trace_steps):
+            cache, state, o = call(cache, state)
+        jax.block_until_ready(o)
+        jax.profiler.stop_trace()
+        summ = summarize(d, trace_steps)
+    report["trace"] = summ
+    if "error" in summ:
+        print("trace:", summ["error"], flush=True)
+    else:
+        print(f"  device busy {summ['device_busy_us_per_step']:.0f} us/chunk over a span of "
+              f"{summ['device_span_us_per_step']:.0f}; {summ['kernels_per_step']:.0f} kernels/chunk", flush=True)
+        for r in summ["top"][:25]:
+            print(f"  {r['us_per_step']:9.1f} us {r['calls_per_step']:6.1f}x {100 * r['share']:5.1f}%  {r['name'][:110]}")
+    runner._cache, runner._state = cache, state
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -80,6 +138,8 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="bfloat16")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--prefill", type=lambda v: [int(t) for t in v.split(",")], default=[],
+                    help="trace the prefill programs of these chunk sizes (comma list) instead")
     ap.add_argument("--unroll-decode-layers", default="auto", choices=UNROLL_DECODE_LAYERS)
     ap.add_argument("--matmul-warps", type=int, default=None,
                     help="a variant: this many warps in the Triton decode matmuls (M <= 64) instead of the default")
@@ -102,6 +162,11 @@ def main() -> None:
                         unroll_decode_layers=args.unroll_decode_layers)
     m = load_model(args.model, ecfg)
     runner = m.make_runner(ecfg)
+    if args.prefill:
+        reports = [trace_prefill(args, t, m, runner, out) for t in args.prefill]
+        if out:
+            (out / "trace_summary.json").write_text(json.dumps(reports, indent=1))
+        return
     attend = runner._bucket(args.position + 1)
     t0 = time.perf_counter()
     prog = runner._jitted("decode", attend).lower(*runner._example_args("decode", args.slots)).compile()
