@@ -92,8 +92,9 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, pa
 
     logits, cache = forward.prefill(cfg, kern, params, cache, slot, tokens, start, num_valid, attend)
     row_samp = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), samp)
+    # no conditionals: on the GPU this program's would run on the host and block the call
     tok, lp, top_ids, top_lps = sampling.sample(
-        logits[None], row_samp, row_mask[None], row_counts[None], row_step[None], num_top
+        logits[None], row_samp, row_mask[None], row_counts[None], row_step[None], num_top, skip_unused=False
     )
     tok = tok[0]
     row_counts = jnp.where(is_last, row_counts.at[tok].add(1), row_counts)

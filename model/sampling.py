@@ -171,6 +171,7 @@ def sample(
     output_counts: jax.Array,  # [B, V] int32: times each token was generated
     step_index: jax.Array,  # [B] int32: index of the token being sampled within its request
     num_top: int,  # static: number of top alternatives returned
+    skip_unused: bool = True,  # static: conditionals skip what no row needs (see below)
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Returns (tokens [B] int32, logprob [B] f32, top_ids [B, L] int32, top_logprobs [B, L] f32).
     Only rows whose `arrays.top_logprobs` is > 0 get alternatives (the others get the padding,
@@ -179,7 +180,18 @@ def sample(
     Logprobs are the log-softmax of the penalised logits, before temperature and truncation.
     Greedy rows (temperature 0) take exactly the argmax of the penalised logits. Sampled rows
     draw with the key fold_in(key(seed[b]), step_index[b]).
+
+    `skip_unused=False` computes the draw, the truncation sort and the top-k always, with the
+    same results: no conditionals. On the GPU, XLA runs a conditional inside a CUDA graph on the
+    device, but one it cannot capture (the prefill program's, after its layer loop) on the host,
+    which then waits for the device to reach it: the call blocks for the whole step. For the
+    prefill step's one row, the skipped work is small beside that.
     """
+
+    def cond(pred, true_fn, false_fn, operand):
+        if skip_unused:
+            return jax.lax.cond(pred, true_fn, false_fn, operand)
+        return true_fn(operand)  # each true branch below leaves the rows that did not ask as its false one
     logits = apply_penalties(logits.astype(jnp.float32), arrays, prompt_mask, output_counts)
     logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -190,7 +202,7 @@ def sample(
         scaled = logits / temperature[:, None]
         wants_sort = ~is_greedy & ((arrays.top_k > 0) | (arrays.top_p < 1.0))
         # The full-vocabulary sort (V up to 262k, every step) runs only when a row needs it.
-        scaled = jax.lax.cond(
+        scaled = cond(
             jnp.any(wants_sort),
             lambda x: _top_k_top_p(x, arrays.top_k, arrays.top_p, wants_sort),
             lambda x: x,
@@ -208,7 +220,7 @@ def sample(
         return jnp.where(is_greedy, greedy_tokens, sampled)
 
     # An all-greedy batch skips the random draw over the vocabulary altogether.
-    tokens = jax.lax.cond(jnp.all(is_greedy), lambda _: greedy_tokens, draw, None)
+    tokens = jax.lax.cond(jnp.all(is_greedy), lambda _: greedy_tokens, draw, None) if skip_unused else draw(None)
     token_logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     num_rows, vocab = logits.shape
     top_logprobs = jnp.full((num_rows, num_top), -jnp.inf, jnp.float32)
@@ -220,7 +232,7 @@ def sample(
         # row's outputs never depend on its neighbours).
         k = min(num_top, vocab)
         wants = arrays.top_logprobs > 0
-        values, ids = jax.lax.cond(
+        values, ids = cond(
             jnp.any(wants),
             lambda lp: tuple(jax.lax.top_k(lp, k)),
             lambda lp: (jnp.full((num_rows, k), -jnp.inf, lp.dtype), jnp.zeros((num_rows, k), jnp.int32)),

@@ -114,3 +114,13 @@ def test_unrolled_decode_layers_match_the_scanned_loop(smollm2, prompt_ids):
     outs += runner.dispatch(StepPlan(decode_slots=(0, 1), num_decode_steps=2)).results()
     multi = [[int(first[0].tokens[s])] + [int(o.tokens[s]) for o in outs] for s in range(2)]
     assert multi == [t[:5] for t in tokens["off"]]
+
+
+def test_prefill_programs_have_no_conditionals(smol_runner):
+    """The prefill step samples its one row without conditionals (`skip_unused=False`): on the
+    GPU, XLA runs a conditional outside a CUDA graph on the host, blocking the call until the
+    device reaches it (seen in bench/results/trace-20261130-000200-prefill.json). The decode
+    program keeps its conditionals, which its graph runs on the device."""
+    prefill = smol_runner._program("prefill", 64, 1024).as_text()
+    assert " conditional(" not in prefill
+    assert " conditional(" in smol_runner._program("decode", smol_runner.num_slots, 1024).as_text()

@@ -224,3 +224,30 @@ def test_update_counts():
     counts = sampling.update_counts(counts, jnp.array([1, 2, 3]), jnp.array([True, False, True]))
     counts = sampling.update_counts(counts, jnp.array([1, 2, 0]), jnp.array([True, True, True]))
     np.testing.assert_array_equal(np.asarray(counts), [[0, 2, 0, 0], [0, 0, 1, 0], [1, 0, 0, 1]])
+
+
+@pytest.mark.parametrize("num_top", [0, NUM_TOP])
+def test_without_conditionals_the_same_outputs(num_top):
+    """`skip_unused=False` (the prefill step's: no conditionals for XLA to run on the host) gives
+    exactly the outputs of the conditional form, for greedy, sampled, truncated and
+    logprob-asking rows side by side, and for an all-greedy batch; its program has no
+    conditional."""
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((4, 64)).astype(np.float32) * 3
+    mask, counts = rng.random((4, 64)) < 0.1, rng.integers(0, 3, (4, 64)).astype(np.int32)
+    steps = np.array([0, 3, 5, 1], np.int32)
+    batches = (
+        [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=3, top_logprobs=2),
+         SamplingParams(temperature=1.2, top_k=5, top_p=0.7, seed=4), SamplingParams(temperature=0.5, min_p=0.2, seed=5,
+                                                                                  repetition_penalty=1.3)],
+        [SamplingParams(temperature=0)] * 4,
+        [SamplingParams(temperature=0, top_logprobs=3)] + [SamplingParams(temperature=0)] * 3,
+    )
+    fns = {skip: jax.jit(functools.partial(sampling.sample, num_top=num_top, skip_unused=skip)) for skip in (True, False)}
+    for params in batches:
+        args = (logits, sampling.pack_sampling(params, 2), mask, counts, steps)
+        with_conds, without = (tuple(np.asarray(x) for x in fns[skip](*args)) for skip in (True, False))
+        for a, b in zip(with_conds, without):
+            np.testing.assert_array_equal(a, b)
+    assert "conditional(" in fns[True].lower(*args).compile().as_text()
+    assert "conditional(" not in fns[False].lower(*args).compile().as_text()
