@@ -11,6 +11,9 @@ which are bytes a step moves beyond the weights and KV it must read.
     python3 bench/trace_step.py --model M.gguf [--slots 8] [--max-context 1024] [--position 200]
         [--out DIR]   # DIR gets trace_summary.json and decode_hlo.txt
 
+`--decode-steps N` builds the engine's N-step decode program instead of the one-step one
+(step_ms stays per decode step; call_ms and the trace's per-"step" figures are per call).
+
 `--prefill T[,T...]` traces the prefill program of a T-token chunk instead (one slot, starting at
 `--position`, 0 for a fresh prompt: the engine's prefill step, sampling of the first token
 included); DIR then gets prefill<T>_hlo.txt and one report per T in trace_summary.json.
@@ -138,6 +141,8 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="bfloat16")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--decode-steps", type=int, default=1,
+                    help="decode steps per program (the engine's multi-step dispatch); times and trace are per call")
     ap.add_argument("--prefill", type=lambda v: [int(t) for t in v.split(",")], default=[],
                     help="trace the prefill programs of these chunk sizes (comma list) instead")
     ap.add_argument("--unroll-decode-layers", default="auto", choices=UNROLL_DECODE_LAYERS)
@@ -169,8 +174,9 @@ def main() -> None:
         return
     attend = runner._bucket(args.position + 1)
     t0 = time.perf_counter()
-    prog = runner._jitted("decode", attend).lower(*runner._example_args("decode", args.slots)).compile()
-    print(f"compiled decode[{args.slots}] attending {attend} in {time.perf_counter() - t0:.1f} s", flush=True)
+    prog = runner._jitted("decode", attend, args.decode_steps).lower(*runner._example_args("decode", args.slots)).compile()
+    print(f"compiled decode[{args.slots}] x{args.decode_steps} attending {attend} in {time.perf_counter() - t0:.1f} s",
+          flush=True)
     hlo = prog.as_text()
     if out:
         out.mkdir(parents=True, exist_ok=True)
@@ -184,7 +190,8 @@ def main() -> None:
         print("   ", ln.strip()[:220])
 
     weights = params_nbytes(m.params)
-    report = {"model": m.name, "weights_bytes": weights, "attend": attend, "slots": args.slots}
+    report = {"model": m.name, "weights_bytes": weights, "attend": attend, "slots": args.slots,
+              "decode_steps": args.decode_steps}
     for n_active in sorted({1, args.slots}):
         active = np.zeros((args.slots,), bool)
         active[:n_active] = True
@@ -202,12 +209,13 @@ def main() -> None:
             cache, state, o = prog(runner.params, cache, state, runner._samp, act)
             calls.append(time.perf_counter() - c)
         jax.block_until_ready(o)
-        ms = (time.perf_counter() - t) / args.steps * 1e3
+        ms = (time.perf_counter() - t) / args.steps / args.decode_steps * 1e3  # per decode step
         report[f"step_ms_{n_active}_active"] = ms
         report["xla_flags"] = os.environ.get("XLA_FLAGS", "")
         report[f"call_ms_{n_active}_active"] = {"p50": 1e3 * float(np.median(calls)), "min": 1e3 * min(calls)}
         print(f"{n_active} active: {ms:.2f} ms per step = {n_active / ms * 1e3:.0f} tok/s; weights alone at "
-              f"3.5 TB/s: {weights / 3.5e9:.2f} ms; host time in the call p50 {1e3 * np.median(calls):.2f} ms",
+              f"3.5 TB/s: {weights / 3.5e9:.2f} ms; host time in the call ({args.decode_steps} steps) p50 "
+              f"{1e3 * np.median(calls):.2f} ms",
               flush=True)
         with tempfile.TemporaryDirectory() as d:
             trace_steps = 5
