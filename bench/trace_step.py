@@ -78,6 +78,18 @@ def summarize(log_dir: str, steps: int, top: int = 40) -> dict:
     }
 
 
+def print_summary(summ: dict, unit: str) -> None:
+    if "error" in summ:
+        print("trace:", summ["error"], flush=True)
+        return
+    print(f"  device busy {summ['device_busy_us_per_step']:.0f} us/{unit} over a span of "
+          f"{summ['device_span_us_per_step']:.0f}; {summ['kernels_per_step']:.0f} kernels/{unit}", flush=True)
+    for r in summ["top"][:25]:
+        print(f"  {r['us_per_step']:9.1f} us {r['calls_per_step']:6.1f}x {100 * r['share']:5.1f}%  {r['name'][:110]}")
+    print(f"  host CUDA calls per {unit}:", "; ".join(
+        f"{r['name']} {r['calls_per_step']:.1f}x {r['us_per_step']:.0f} us" for r in summ["host_api"]), flush=True)
+
+
 def trace_prefill(args, t: int, m, runner, out) -> dict:
     attend = runner._bucket(args.position + t)
     t0 = time.perf_counter()
@@ -121,13 +133,7 @@ def trace_prefill(args, t: int, m, runner, out) -> dict:
         jax.profiler.stop_trace()
         summ = summarize(d, trace_steps)
     report["trace"] = summ
-    if "error" in summ:
-        print("trace:", summ["error"], flush=True)
-    else:
-        print(f"  device busy {summ['device_busy_us_per_step']:.0f} us/chunk over a span of "
-              f"{summ['device_span_us_per_step']:.0f}; {summ['kernels_per_step']:.0f} kernels/chunk", flush=True)
-        for r in summ["top"][:25]:
-            print(f"  {r['us_per_step']:9.1f} us {r['calls_per_step']:6.1f}x {100 * r['share']:5.1f}%  {r['name'][:110]}")
+    print_summary(summ, "chunk")
     runner._cache, runner._state = cache, state
     return report
 
@@ -226,15 +232,7 @@ def main() -> None:
             jax.profiler.stop_trace()
             summ = summarize(d, trace_steps)
         report[f"trace_{n_active}_active"] = summ
-        if "error" in summ:
-            print("trace:", summ["error"], flush=True)
-        else:
-            print(f"  device busy {summ['device_busy_us_per_step']:.0f} us/step over a span of "
-                  f"{summ['device_span_us_per_step']:.0f}; {summ['kernels_per_step']:.0f} kernels/step", flush=True)
-            for r in summ["top"][:25]:
-                print(f"  {r['us_per_step']:9.1f} us {r['calls_per_step']:6.1f}x {100 * r['share']:5.1f}%  {r['name'][:110]}")
-            print("  host CUDA calls per step:", "; ".join(
-                f"{r['name']} {r['calls_per_step']:.1f}x {r['us_per_step']:.0f} us" for r in summ["host_api"]))
+        print_summary(summ, "step")
         runner._cache, runner._state = cache, state
     if out:
         (out / "trace_summary.json").write_text(json.dumps(report, indent=1))
