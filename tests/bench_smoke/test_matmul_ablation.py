@@ -47,3 +47,19 @@ def test_parse_variant_rejects_unknown_modes(ablation):
         ablation.parse_variant("fast", base)
     with pytest.raises(ValueError):
         ablation.parse_variant("mma@rowmajor", base)
+
+
+def test_dense_bar_computes_the_product_and_mosaic_keys_parse(ablation):
+    """`dense` (the bf16 bar for prefill rows) is the product of the same weights; the Mosaic
+    variant's `mtile` and `rowsout` keys reach its tuning's extras."""
+    n, k, layers, m = 128, 1024, 2, 5
+    w = ablation.random_q4_0_stack(jax.random.key(0), layers, n, k)
+    x = jax.random.normal(jax.random.key(1), (m, k), jnp.float32).astype(jnp.bfloat16)
+    ref = qmatmul_reference(x, quant.QuantizedTensor({p: v[1] for p, v in w.planes.items()}, "q4_0", (n, k)))
+    base = mt.default_tuning("q4_0", m, n, k, jnp.bfloat16)
+    mode, tiled, tuning, extra = ablation.parse_variant("dense", base)
+    y = ablation.run_variant(mode, tiled, extra, x, w, tuning)(1)
+    assert y.shape == (m, n)
+    assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 1e-2
+    mode, _, _, extra = ablation.parse_variant("mgpu_mma:fold=1,mtile=128,rowsout=0,block_k=32", base)
+    assert mode == "mgpu_mma" and extra == {"fold": 1, "mtile": 128, "rowsout": 0}
