@@ -28,13 +28,14 @@ It reads the planes `pallas_kernels.quant.repack` built, in place (no layout of 
     along the row, since a column cannot be loaded in that layout) made the kernel 10-45%
     slower (bench/results/ablation-20261129-161337.json).
 
-One warpgroup per 64 rows of the weight (the wgmma M dimension; `row_tiles` 64-row tiles) and a
-split of K; a TMA pipeline (`emit_pipeline`, up to `stages` steps in flight, fewer where shared
-memory runs out) brings each step's x slice [M, tile_k], codes [rows, tile_k] and scales
-[tile_k/32, rows] into shared memory. The codes become bf16 in registers (wgmma layout; q8_0, and
+One warpgroup per 64 rows of the weight (the wgmma M dimension; `row_tiles` 64-row tiles), a
+split of K and a tile of x's rows (all of them in decode; up to `m_tile` each beyond MAX_ROWS);
+a TMA pipeline (`emit_pipeline`, up to `stages` steps in flight, fewer where shared memory runs
+out) brings each step's x slice [m, tile_k], codes [rows, tile_k] and scales [tile_k/32, rows]
+into shared memory. The codes become bf16 in registers (wgmma layout; q8_0, and
 q4_0 without `word_unpack`, through Mosaic's int8 / int4 -> bf16 conversions), and each 32-block
-meets x in one 64 x M x 32 wgmma (A from registers, x as the transposed B operand); the step's
-wgmmas are issued before one wait, and each block's [64, M] result is scaled by its scales and
+meets x in one 64 x m x 32 wgmma (A from registers, x as the transposed B operand); the step's
+wgmmas are issued before one wait, and each block's [64, m] result is scaled by its scales and
 summed in f32 (or, with `fold_scales`, the scales multiply the bf16 codes and every block adds
 into one accumulator). Partial sums of the K splits [split, M, N] are added outside.
 
@@ -148,10 +149,12 @@ class MosaicMatmulTuning:
 
 
 DEFAULT_TUNING = MosaicMatmulTuning()
-# More than MAX_ROWS rows of x (prefill chunks): folded scales, tiles of 256 rows of x, K steps of
-# 64. On the H200 at M = 512 (7B shapes, bench/results, eighth session): 410-475 TFLOP/s, 58-61%
-# of XLA's bf16 dot in the same run, against 263-291 for the Triton kernel; tiles of 128 rows
-# were 2-7% slower, K steps of 128 (3 stages) 30% slower.
+# More than MAX_ROWS rows of x (prefill chunks): folded scales, tiles of up to 256 rows of x, K
+# steps of 64. On the H200 at M = 512 (7B shapes, bench/results, eighth session), the kernel
+# alone: 410-475 TFLOP/s, 58-61% of XLA's bf16 dot in the same run, against 263-291 for the
+# Triton kernel's; the split-K sum and x's permutation add 6.5-18 us per call outside it (4096 x
+# 4096: 54 us in all, 46% of the dot). Tiles of 128 rows were 2-7% slower with K steps of 128 and
+# 22-28% slower with K steps of 64; tiles of 256 with K steps of 128 (3 stages), 30% slower.
 PREFILL_TUNING = MosaicMatmulTuning(tile_k=64, stages=4, fold_scales=True, m_tile=256)
 
 
@@ -200,9 +203,12 @@ def padded_rows(m: int) -> int:
 
 
 def tile_rows(m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING) -> int:
-    """Rows of x per CTA: all of them (padded to 8) up to MAX_ROWS or up to `tuning.m_tile`,
-    else `tuning.m_tile`."""
-    return padded_rows(m) if m <= MAX_ROWS else min(tuning.m_tile, padded_rows(m))
+    """Rows of x per CTA (a multiple of 8): all of them up to MAX_ROWS; beyond, the fewest tiles
+    of at most `tuning.m_tile` rows, balanced (300 rows: two tiles of 152, not 256 + 256)."""
+    if m <= MAX_ROWS:
+        return padded_rows(m)
+    tiles = -(-m // tuning.m_tile)
+    return padded_rows(-(-m // tiles))
 
 
 def rows_per_cta(n: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING) -> int:
@@ -224,8 +230,9 @@ def stage_bytes(fmt: str, m: int, tile_k: int, rows: int = BLOCK_N, int8_x: bool
 
 
 def stages_for(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, rows: int | None = None) -> int:
-    """Steps in flight: `tuning.stages`, or as many as fit beside the [rows, M] f32 output tile
-    (rows: `rows_per_cta(n, tuning)`; by default the most the tuning allows)."""
+    """Steps in flight: `tuning.stages`, or as many as fit beside the [rows, m] f32 output tile
+    (m: the CTA's rows of x, `tile_rows`; rows: `rows_per_cta(n, tuning)`, by default the most
+    the tuning allows)."""
     rows = BLOCK_N * tuning.row_tiles if rows is None else rows
     room = SMEM_BYTES - rows * padded_rows(m) * 4 - 1024  # barriers and alignment
     return min(tuning.stages, room // stage_bytes(fmt, m, tuning.tile_k, rows, tuning.int8_x))
@@ -450,10 +457,11 @@ def _store_out(accs, o_smem, o_gmem, sid, col0, rows_out: bool, x0, m: int) -> N
 def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: int, k: int, m: int, tile_k: int,
             rows: int, steps: int, split: int, stages: int, upcast_loads: bool, word_unpack: bool,
             fold_scales: bool, rows_out: bool, m_tiles: int = 1):
-    """layer_gmem [1] int32; x_gmem [M, K] bf16 (permuted for q4_0); c_gmem [L*N, K] codes (int4
-    or int8); d_gmem [L*K/32, N] f16 scales (the transposed plane); o_gmem [split, N, M] f32
-    partial sums; o_smem [rows, M]. Each warpgroup takes `rows` rows (64-row tiles t) of the
-    weight and one K split."""
+    """layer_gmem [1] int32; x_gmem [M_pad, K] bf16 (permuted for q4_0), of which this CTA takes
+    the m rows of its tile (grid axis "mtile" when m_tiles > 1); c_gmem [L*N, K] codes (int4 or
+    int8); d_gmem [L*K/32, N] f16 scales (the transposed plane); o_gmem [split, M_pad, N] f32
+    partial sums with o_smem [m, rows] (`rows_out`), else [split, N, M_pad] with [rows, m]. Each
+    warpgroup takes `rows` rows (64-row tiles t) of the weight, one K split and one tile of x."""
     plgpu = _plgpu()
     nb, tiles = tile_k // 32, rows // BLOCK_N
     bits = CODE_BITS[fmt]
@@ -529,7 +537,8 @@ def _kernel_int8(layer_gmem, xe_gmem, xo_gmem, dx_gmem, cx_gmem, c_gmem, d_gmem,
                  k: int, m: int, tile_k: int, steps: int, split: int, stages: int, rows_out: bool):
     """`int8_x` (q4_0): xe_gmem, xo_gmem [M, K] int8, x's rounded values in its even and its odd
     32-blocks (`quantize_x_blocks`); dx_gmem, cx_gmem [K/32, M] f32 its per-block factors; c_gmem
-    [L*N, K] int4 codes; d_gmem [L*K/32, N] f16 scales; o_gmem [split, N, M] f32 partial sums.
+    [L*N, K] int4 codes; d_gmem [L*K/32, N] f16 scales; o_gmem f32 partial sums as `_kernel`'s
+    (one tile of x: at most MAX_ROWS rows).
     Per step, each 64-column chunk of s8 codes meets the even copy and then the odd copy of x's
     chunk in two int8 wgmmas, so every 32-block lands in an accumulator of its own."""
     plgpu = _plgpu()

@@ -1,5 +1,5 @@
-"""The Mosaic GPU decode matmul (pallas_kernels/matmul_mgpu.py): the shared conformance checks on
-the GPU (marked `gpu`), and on the CPU its contract: what it refuses, that it registers above the
+"""The Mosaic GPU matmul (pallas_kernels/matmul_mgpu.py), decode and prefill rows: the shared
+conformance checks on the GPU (marked `gpu`), and on the CPU its contract: what it refuses, that it registers above the
 Triton kernel for the GPU only, its x permutation and int4 view of the codes (checked against the
 reference with plain jnp), and that the kernel lowers for CUDA (no GPU needed)."""
 
@@ -100,16 +100,20 @@ class TestMosaicGpuPrefillRows(TestMosaicGpu):
     a grid axis (a last tile padded), in tiles of 128 and of 256."""
 
     CASES = (
-        Case("q4_0", 200, 512, 4096, "bfloat16", stack=True),
-        Case("q4_0", 512, 4096, 11008, "bfloat16", stack=True),
-        Case("q8_0", 130, 1024, 2048, "bfloat16"),
+        Case("q4_0", 128, 4096, 4096, "bfloat16", stack=True),  # the engine's 128-token chunk: one tile
+        Case("q8_0", 100, 1024, 2048, "bfloat16"),  # one tile of 104
+        Case("q4_0", 200, 512, 4096, "bfloat16", stack=True),  # two tiles of 104 (m_tile 128)
+        Case("q4_0", 512, 4096, 11008, "bfloat16", stack=True),  # two tiles of 256
+        Case("q8_0", 130, 1024, 2048, "bfloat16"),  # two tiles of 72, written as [split, N, M]
         Case("q8_0", 512, 4096, 4096, "bfloat16", stack=True),
     )
+    TUNINGS = {  # (m, fmt) -> tuning; the others take PREFILL_TUNING (no tuning given)
+        (200, "q4_0"): matmul_mgpu.MosaicMatmulTuning(fold_scales=True, m_tile=128, tile_k=128),
+        (130, "q8_0"): matmul_mgpu.MosaicMatmulTuning(fold_scales=True, m_tile=128, tile_k=128, rows_out=False),
+    }
 
     def matmul(self, x, w, case, layer=None):
-        tuning = matmul_mgpu.MosaicMatmulTuning(fold_scales=True, m_tile=256 if case.m == 512 else 128,
-                                                tile_k=64 if case.m == 512 else 128)
-        return matmul_mgpu.qmatmul_mgpu(x, w, tuning, layer=layer)
+        return matmul_mgpu.qmatmul_mgpu(x, w, self.TUNINGS.get((case.m, case.fmt)), layer=layer)
 
 
 @pytest.mark.gpu
@@ -334,7 +338,8 @@ def test_prefill_rows_take_folded_scales_and_lower_for_cuda(m, m_tile):
     assert jax.eval_shape(lambda x, w: matmul_mgpu.qmatmul_mgpu(x, w, layer=0), x, w).shape == (m, 4096)
     assert matmul_mgpu.default_tuning(m) == matmul_mgpu.PREFILL_TUNING and matmul_mgpu.PREFILL_TUNING.fold_scales
     assert matmul_mgpu.default_tuning(64) == matmul_mgpu.DEFAULT_TUNING
-    assert matmul_mgpu.tile_rows(m, matmul_mgpu.PREFILL_TUNING) == min(256, -(-m // 8) * 8)
+    tiles = -(-m // 256)  # balanced tiles of at most 256 rows, padded to 8
+    assert matmul_mgpu.tile_rows(m, matmul_mgpu.PREFILL_TUNING) == -(-(-(-m // tiles)) // 8) * 8
     tuning = matmul_mgpu.MosaicMatmulTuning(fold_scales=True, m_tile=m_tile, tile_k=64)
     fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, tuning, layer=i)  # noqa: E731
     assert jax.eval_shape(fn, x, w, jax.ShapeDtypeStruct((), jnp.int32)).shape == (m, 4096)
@@ -356,3 +361,14 @@ def test_either_output_order_lowers_for_cuda(rows_out, extra):
     lowered = jax.jit(lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, tuning, layer=i)).trace(
         jax.ShapeDtypeStruct((8, 11008), jnp.bfloat16), w, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("m,m_tile,expected", [(65, 256, 72), (256, 256, 256), (260, 256, 136), (300, 256, 152),
+                                               (384, 256, 192), (512, 256, 256), (513, 256, 176), (200, 128, 104)])
+def test_tiles_of_x_rows_are_balanced(m, m_tile, expected):
+    """Beyond 64 rows, the fewest tiles of at most m_tile rows, evened out (padding under 8 rows
+    a tile), not full tiles and a mostly empty last one."""
+    tuning = matmul_mgpu.MosaicMatmulTuning(fold_scales=True, m_tile=m_tile)
+    rows = matmul_mgpu.tile_rows(m, tuning)
+    assert rows == expected and rows % 8 == 0 and rows <= m_tile
+    assert rows * -(-m // rows) - m < 8 * -(-m // rows)
