@@ -175,7 +175,8 @@ def sample(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Returns (tokens [B] int32, logprob [B] f32, top_ids [B, L] int32, top_logprobs [B, L] f32).
     Only rows whose `arrays.top_logprobs` is > 0 get alternatives (the others get the padding,
-    id 0 and -inf), and the top-k runs only in steps where some row asked.
+    id 0 and -inf), and the top-k runs only in steps where some row asked (always with
+    `skip_unused=False`).
 
     Logprobs are the log-softmax of the penalised logits, before temperature and truncation.
     Greedy rows (temperature 0) take exactly the argmax of the penalised logits. Sampled rows
@@ -191,7 +192,10 @@ def sample(
     def cond(pred, true_fn, false_fn, operand):
         if skip_unused:
             return jax.lax.cond(pred, true_fn, false_fn, operand)
-        return true_fn(operand)  # each true branch below leaves the rows that did not ask as its false one
+        # The true branch alone gives the same outputs: the truncation leaves the rows that did
+        # not ask unchanged, and the top-k's rows that did not ask are masked to the padding after.
+        return true_fn(operand)
+
     logits = apply_penalties(logits.astype(jnp.float32), arrays, prompt_mask, output_counts)
     logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -219,7 +223,9 @@ def sample(
         sampled = jax.vmap(row_draw)(arrays.seed, step_index, scaled).astype(jnp.int32)
         return jnp.where(is_greedy, greedy_tokens, sampled)
 
-    # An all-greedy batch skips the random draw over the vocabulary altogether.
+    # An all-greedy batch skips the random draw over the vocabulary altogether. (Its predicate is
+    # the other way round from `cond`'s: the draw, which keeps greedy rows' argmax, is the false
+    # branch here.)
     tokens = jax.lax.cond(jnp.all(is_greedy), lambda _: greedy_tokens, draw, None) if skip_unused else draw(None)
     token_logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     num_rows, vocab = logits.shape

@@ -242,6 +242,7 @@ def test_without_conditionals_the_same_outputs(num_top):
                                                                                   repetition_penalty=1.3)],
         [SamplingParams(temperature=0)] * 4,
         [SamplingParams(temperature=0, top_logprobs=3)] + [SamplingParams(temperature=0)] * 3,
+        [SamplingParams(temperature=0.8, seed=6), SamplingParams(temperature=0)] * 2,  # sampled, none truncated
     )
     fns = {skip: jax.jit(functools.partial(sampling.sample, num_top=num_top, skip_unused=skip)) for skip in (True, False)}
     for params in batches:
