@@ -240,7 +240,7 @@ def _run_layers(params: Params, cache: KVCache, body: Callable, unroll: bool = F
         if params.is_stacked:
             c = cache
             for i in range(cache.k.shape[0]):
-                x, c = body({k: v if isinstance(v, QuantizedTensor) else v[i] for k, v in params.layers.items()}, c, i, x)
+                x, c = body(layer_params(i), c, i, x)
             return x, c
         c = cache
         for i, lp in enumerate(params.layers):
