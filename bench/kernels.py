@@ -158,7 +158,7 @@ def triton_impls(fmt: str, m: int, n: int, k: int, x_dtype, interpret: bool, swe
     return out
 
 
-def mosaic_impls(sweep: bool) -> list[Impl]:
+def mosaic_impls(sweep: bool, m: int) -> list[Impl]:
     """The Mosaic GPU kernel at its default tuning for the rows of x (`default_tuning`: decode up
     to 64 rows, prefill beyond), and with --sweep the decode tuning's neighbours: CTAs per SM (K
     split), steps in flight, K step, the code loads and the q4_0 unpacking."""
@@ -166,13 +166,13 @@ def mosaic_impls(sweep: bool) -> list[Impl]:
 
     base = matmul_mgpu.DEFAULT_TUNING
     tunings = [("mosaic_gpu", None)]
-    if sweep:
+    if sweep and m <= matmul_mgpu.MAX_ROWS:  # the neighbours are decode tunings (unfolded scales)
         for tag, kw in [("ctas132", dict(target_ctas=132)), ("ctas396", dict(target_ctas=396)),
                         ("ctas528", dict(target_ctas=528)), ("stages6", dict(stages=6)),
                         ("tile512", dict(tile_k=512, stages=3)), ("wgmma_loads", dict(upcast_loads=False, word_unpack=False)),
                         ("shuffle_unpack", dict(word_unpack=False))]:
             tunings.append((f"mosaic_gpu:{tag}", dataclasses.replace(base, **kw)))
-    return [Impl(name, lambda x, w, t=t: matmul_mgpu.qmatmul_mgpu(x, w, t), str(t) if t else "default_tuning(m)")
+    return [Impl(name, lambda x, w, t=t: matmul_mgpu.qmatmul_mgpu(x, w, t), str(t or matmul_mgpu.default_tuning(m)))
             for name, t in tunings]
 
 
@@ -289,7 +289,7 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
             if name == "triton":
                 impls += triton_impls(fmt, m, n, k, x_dtype, args.interpret, args.sweep, args.grid)
             elif name == "mosaic_gpu":  # q4_0/q8_0 only; other cases report its NotImplementedError
-                impls += mosaic_impls(args.sweep)
+                impls += mosaic_impls(args.sweep, m)
             elif name == "reference":
                 impls.append(Impl("reference", qmatmul_reference, "xla dequant + dot (HIGHEST)"))
             elif name == "dense_bf16":

@@ -300,11 +300,13 @@ def run_variant(mode, tiled, extra, x, w, tuning):
         return lambda l: fn(qs2, d2, layer=l, n=n, block_n=tuning.block_n, stages=tuning.num_stages)
     if mode == "full":
         return lambda l: mt.qmatmul_triton(x, w, tuning, layer=l)
-    if mode == "dense":
-        one = quant.QuantizedTensor({p: v[1] for p, v in w.planes.items()}, "q4_0", w.shape)
-        wd = jax.block_until_ready(quant.dequantize_reference(one).astype(jnp.bfloat16))  # [N, K]
+    if mode == "dense":  # one bf16 matrix per layer, like the stacks the others read, past L2
+        layers = next(iter(w.planes.values())).shape[0]
+        wds = [jax.block_until_ready(quant.dequantize_reference(
+            quant.QuantizedTensor({p: v[l] for p, v in w.planes.items()}, "q4_0", w.shape)).astype(jnp.bfloat16))
+            for l in range(layers)]  # [N, K] each
         dot = jax.jit(lambda x, wd: jnp.dot(x, wd.T, preferred_element_type=jnp.float32))
-        return lambda l: dot(x, wd)
+        return lambda l: dot(x, wds[l])
     return lambda l: ablation_matmul(x, w, jnp.reshape(jnp.asarray(l, jnp.int32), (1,)), mode=mode, tuning=tuning,
                                      tiled=tiled, **extra)
 
@@ -372,7 +374,8 @@ def main() -> None:
                 continue
             us = sorted(times[key])
             med = us[len(us) // 2]
-            gbps = wbytes / (med * 1e-6) / 1e9
+            read = 2 * n * k if mode == "dense" else wbytes  # the dense dot reads bf16 weights
+            gbps = read / (med * 1e-6) / 1e9
             # the call's other kernels (x's permutation or int8 rounding, the split-K sum), per call
             other = sum(sum(v) for nm, v in times.items() if nm != key) / len(us)
             row = {"n": n, "k": k, "m": args.m, "variant": spec, "kernel": key[:80], "us_median": med,

@@ -70,7 +70,9 @@ def summarize(log_dir: str, steps: int, top: int = 40) -> dict:
              "share": sum(d) / total}
             for n, d in rows[:top]
         ],
-        # The host's CUDA calls: launches one by one, graph launches, synchronisations.
+        # The host's CUDA calls as the trace names them: graph launches (one per step when the
+        # step is one CUDA graph) and host functions. Kernels launched one by one and copies do
+        # not show here (the device events show the copies).
         "host_api": [
             {"name": n[:80], "calls_per_step": len(d) / steps, "us_per_step": sum(d) / steps}
             for n, d in sorted(host.items(), key=lambda kv: -sum(kv[1]))[:15]
@@ -188,8 +190,8 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "decode_hlo.txt").write_text(hlo)
     ds = [ln for ln in hlo.splitlines() if "dynamic-slice" in ln and "fusion" in ln and "=" in ln]
-    # (XLA's command buffers, CUDA graphs, do not show in this text: the host's CUDA calls in the
-    # trace below tell a graph launch per step from launches one by one)
+    # (XLA's command buffers, CUDA graphs, do not show in this text: the graph launches in the
+    # trace's host CUDA calls below do)
     print(f"HLO: {len(ds)} lines with dynamic-slice fusions, {hlo.count('custom-call(')} custom calls; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     for ln in ds[:30]:
@@ -197,7 +199,7 @@ def main() -> None:
 
     weights = params_nbytes(m.params)
     report = {"model": m.name, "weights_bytes": weights, "attend": attend, "slots": args.slots,
-              "decode_steps": args.decode_steps}
+              "decode_steps": args.decode_steps, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     for n_active in sorted({1, args.slots}):
         active = np.zeros((args.slots,), bool)
         active[:n_active] = True
@@ -217,7 +219,6 @@ def main() -> None:
         jax.block_until_ready(o)
         ms = (time.perf_counter() - t) / args.steps / args.decode_steps * 1e3  # per decode step
         report[f"step_ms_{n_active}_active"] = ms
-        report["xla_flags"] = os.environ.get("XLA_FLAGS", "")
         report[f"call_ms_{n_active}_active"] = {"p50": 1e3 * float(np.median(calls)), "min": 1e3 * min(calls)}
         print(f"{n_active} active: {ms:.2f} ms per step = {n_active / ms * 1e3:.0f} tok/s; weights alone at "
               f"3.5 TB/s: {weights / 3.5e9:.2f} ms; host time in the call ({args.decode_steps} steps) p50 "
@@ -232,7 +233,7 @@ def main() -> None:
             jax.profiler.stop_trace()
             summ = summarize(d, trace_steps)
         report[f"trace_{n_active}_active"] = summ
-        print_summary(summ, "step")
+        print_summary(summ, "step" if args.decode_steps == 1 else f"call ({args.decode_steps} steps)")
         runner._cache, runner._state = cache, state
     if out:
         (out / "trace_summary.json").write_text(json.dumps(report, indent=1))
