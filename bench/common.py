@@ -267,9 +267,11 @@ def model_facts(path: str | os.PathLike[str]) -> dict[str, Any]:
     return {"path": str(p), "name": p.name, "file_gib": round(p.stat().st_size / 2**30, 3)}
 
 
-def device_trace_events(log_dir: str | os.PathLike[str]) -> list[dict] | None:
-    """The complete events on the device tracks (process names with /device:GPU) of the newest
-    `jax.profiler` trace under log_dir; None when there is no trace file."""
+def trace_events(log_dir: str | os.PathLike[str]) -> tuple[list[dict], list[dict]] | None:
+    """The complete events of the newest `jax.profiler` trace under log_dir, read once, as (those
+    on the device tracks (process names with /device:GPU), the host's CUDA driver or runtime calls
+    (names cu*/cuda*: graph launches, host functions; kernels launched one by one do not show as
+    such)); None when there is no trace file."""
     files = sorted(pathlib.Path(log_dir).rglob("*.trace.json.gz"))
     if not files:
         return None
@@ -278,20 +280,12 @@ def device_trace_events(log_dir: str | os.PathLike[str]) -> list[dict] | None:
     names = {e["pid"]: e.get("args", {}).get("name", "") for e in trace.get("traceEvents", [])
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu = {pid for pid, name in names.items() if "/device:GPU" in name}
-    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("pid") in gpu]
+    complete = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    return ([e for e in complete if e.get("pid") in gpu],
+            [e for e in complete if e.get("pid") not in gpu and str(e.get("name", "")).startswith("cu")])
 
 
-def host_api_events(log_dir: str | os.PathLike[str]) -> list[dict]:
-    """The complete events of the newest `jax.profiler` trace under log_dir whose names are CUDA
-    driver or runtime calls (cu*/cuda*) made by the host: kernel launches, graph launches and
-    updates, synchronisations, copies. Empty when there is no trace or no such events."""
-    files = sorted(pathlib.Path(log_dir).rglob("*.trace.json.gz"))
-    if not files:
-        return []
-    with gzip.open(files[-1]) as f:
-        trace = json.load(f)
-    names = {e["pid"]: e.get("args", {}).get("name", "") for e in trace.get("traceEvents", [])
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu = {pid for pid, name in names.items() if "/device:GPU" in name}
-    return [e for e in trace.get("traceEvents", [])
-            if e.get("ph") == "X" and e.get("pid") not in gpu and str(e.get("name", "")).startswith("cu")]
+def device_trace_events(log_dir: str | os.PathLike[str]) -> list[dict] | None:
+    """The device events of `trace_events`; None when there is no trace file."""
+    events = trace_events(log_dir)
+    return None if events is None else events[0]

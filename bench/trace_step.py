@@ -45,16 +45,17 @@ from model.weights import params_nbytes  # noqa: E402
 
 
 def summarize(log_dir: str, steps: int, top: int = 40) -> dict:
-    events = common.device_trace_events(log_dir)
-    if events is None:
+    both = common.trace_events(log_dir)
+    if both is None:
         return {"error": f"no trace.json.gz under {log_dir}"}
+    events, host_calls = both
     if not events:
         return {"error": "the trace has no device events (no CUPTI?)"}
     by_name: dict[str, list[float]] = collections.defaultdict(list)
     for e in events:
         by_name[e["name"]].append(float(e.get("dur", 0.0)))
     host: dict[str, list[float]] = collections.defaultdict(list)
-    for e in common.host_api_events(log_dir):
+    for e in host_calls:
         host[e["name"]].append(float(e.get("dur", 0.0)))
     total = sum(sum(v) for v in by_name.values())
     t0 = min(e["ts"] for e in events)
