@@ -192,8 +192,9 @@ def sample(
     def cond(pred, true_fn, false_fn, operand):
         if skip_unused:
             return jax.lax.cond(pred, true_fn, false_fn, operand)
-        # The true branch alone gives the same outputs: the truncation leaves the rows that did
-        # not ask unchanged, and the top-k's rows that did not ask are masked to the padding after.
+        # The true branch alone gives the same outputs: the draw keeps greedy rows' argmax, the
+        # truncation leaves the rows that did not ask unchanged, and the top-k's rows that did
+        # not ask are masked to the padding after.
         return true_fn(operand)
 
     logits = apply_penalties(logits.astype(jnp.float32), arrays, prompt_mask, output_counts)
@@ -223,10 +224,8 @@ def sample(
         sampled = jax.vmap(row_draw)(arrays.seed, step_index, scaled).astype(jnp.int32)
         return jnp.where(is_greedy, greedy_tokens, sampled)
 
-    # An all-greedy batch skips the random draw over the vocabulary altogether. (Its predicate is
-    # the other way round from `cond`'s: the draw, which keeps greedy rows' argmax, is the false
-    # branch here.)
-    tokens = jax.lax.cond(jnp.all(is_greedy), lambda _: greedy_tokens, draw, None) if skip_unused else draw(None)
+    # An all-greedy batch skips the random draw over the vocabulary altogether.
+    tokens = cond(~jnp.all(is_greedy), draw, lambda _: greedy_tokens, None)
     token_logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     num_rows, vocab = logits.shape
     top_logprobs = jnp.full((num_rows, num_top), -jnp.inf, jnp.float32)
