@@ -620,8 +620,8 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
     split, steps = split_for(n, k, tuning, m_tiles), k // tuning.tile_k
     if tuning.int8_x:
         rows = BLOCK_N
-        kernel = functools.partial(_kernel_int8, n=n, k=k, m=m_pad, tile_k=tuning.tile_k, steps=steps, split=split,
-                                   stages=stages_for(w.fmt, m, tuning, rows), rows_out=tuning.rows_out)
+        kernel = functools.partial(_kernel_int8, n=n, k=k, m=m_tile, tile_k=tuning.tile_k, steps=steps, split=split,
+                                   stages=stages_for(w.fmt, m_tile, tuning, rows), rows_out=tuning.rows_out)
         x_inputs = quantize_x_blocks(x2, m_pad)
     else:
         if w.fmt == "q4_0":
@@ -637,8 +637,13 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
                                    word_unpack=tuning.word_unpack, fold_scales=tuning.fold_scales,
                                    rows_out=tuning.rows_out, m_tiles=m_tiles)
         x_inputs = (xp,)
-    out_shape, smem_shape = ((split, m_pad, n), (m_tile, rows)) if tuning.rows_out else ((split, n, m_pad), (rows, m_tile))
-    grid, grid_names = ((n // rows, split, m_tiles), ("rows", "split", "mtile")) if m_tiles > 1 else ((n // rows, split), ("rows", "split"))
+    if tuning.rows_out:
+        out_shape, smem_shape = (split, m_pad, n), (m_tile, rows)
+    else:
+        out_shape, smem_shape = (split, n, m_pad), (rows, m_tile)
+    grid, grid_names = (n // rows, split), ("rows", "split")
+    if m_tiles > 1:
+        grid, grid_names = (*grid, m_tiles), (*grid_names, "mtile")
     partial = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
