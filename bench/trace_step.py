@@ -93,6 +93,30 @@ def print_summary(summ: dict, unit: str) -> None:
         f"{r['name']} {r['calls_per_step']:.1f}x {r['us_per_step']:.0f} us" for r in summ["host_api"]), flush=True)
 
 
+def time_and_trace(call, cache, state, steps: int, trace_steps: int):
+    """Warms `call` ((cache, state) -> (cache, state, outputs)) up, times `steps` calls back to
+    back and traces `trace_steps` more; returns (cache, state, wall seconds per call, host seconds
+    inside each call, the trace's `summarize`)."""
+    for _ in range(3):
+        cache, state, o = call(cache, state)
+    jax.block_until_ready(o)
+    t, calls = time.perf_counter(), []  # host time inside each call: arguments, launches, any wait
+    for _ in range(steps):
+        c = time.perf_counter()
+        cache, state, o = call(cache, state)
+        calls.append(time.perf_counter() - c)
+    jax.block_until_ready(o)
+    per_call = (time.perf_counter() - t) / steps
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        for _ in range(trace_steps):
+            cache, state, o = call(cache, state)
+        jax.block_until_ready(o)
+        jax.profiler.stop_trace()
+        summ = summarize(d, trace_steps)
+    return cache, state, per_call, calls, summ
+
+
 def trace_prefill(args, t: int, m, runner, out) -> dict:
     attend = runner._bucket(args.position + t)
     t0 = time.perf_counter()
@@ -105,36 +129,19 @@ def trace_prefill(args, t: int, m, runner, out) -> dict:
     i32 = jnp.int32
     rest = (jnp.zeros((), i32), jnp.arange(t, dtype=i32) % 1000, jnp.asarray(args.position, i32),
             jnp.asarray(t, i32), jnp.ones((), jnp.bool_))
-    cache, state = runner._cache, runner._state
 
     def call(cache, state):
         cache, state, *o = prog(runner.params, cache, state, runner._samp, *rest)
         return cache, state, o
 
-    for _ in range(3):
-        cache, state, o = call(cache, state)
-    jax.block_until_ready(o)
-    t1, calls = time.perf_counter(), []
-    for _ in range(args.steps):
-        c = time.perf_counter()
-        cache, state, o = call(cache, state)
-        calls.append(time.perf_counter() - c)
-    jax.block_until_ready(o)
-    ms = (time.perf_counter() - t1) / args.steps * 1e3
+    cache, state, per_call, calls, summ = time_and_trace(call, runner._cache, runner._state, args.steps, 3)
+    ms = per_call * 1e3
     weights = params_nbytes(m.params)
     report = {"model": m.name, "weights_bytes": weights, "attend": attend, "prefill": t, "position": args.position,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "step_ms": ms, "tok_s": t / ms * 1e3,
               "call_ms": {"p50": 1e3 * float(np.median(calls)), "min": 1e3 * min(calls)}}
     print(f"prefill[{t}] at {args.position}: {ms:.2f} ms per chunk = {t / ms * 1e3:.0f} tok/s; host time in the "
           f"call p50 {1e3 * np.median(calls):.2f} ms", flush=True)
-    with tempfile.TemporaryDirectory() as d:
-        trace_steps = 3
-        jax.profiler.start_trace(d)
-        for _ in range(trace_steps):
-            cache, state, o = call(cache, state)
-        jax.block_until_ready(o)
-        jax.profiler.stop_trace()
-        summ = summarize(d, trace_steps)
     report["trace"] = summ
     print_summary(summ, "chunk")
     runner._cache, runner._state = cache, state
@@ -205,34 +212,19 @@ def main() -> None:
         active = np.zeros((args.slots,), bool)
         active[:n_active] = True
         runner._state.positions = jnp.full((args.slots,), args.position, jnp.int32)
-        st = (runner._cache, runner._state)
         act = jnp.asarray(active)
-        cache, state = st
-        for _ in range(3):
-            cache, state, o = prog(runner.params, cache, state, runner._samp, act)
-        jax.block_until_ready(o)
-        t = time.perf_counter()
-        calls = []  # host time inside each call: argument handling and launching the step's kernels
-        for _ in range(args.steps):
-            c = time.perf_counter()
-            cache, state, o = prog(runner.params, cache, state, runner._samp, act)
-            calls.append(time.perf_counter() - c)
-        jax.block_until_ready(o)
-        ms = (time.perf_counter() - t) / args.steps / args.decode_steps * 1e3  # per decode step
+
+        def call(cache, state):
+            return prog(runner.params, cache, state, runner._samp, act)
+
+        cache, state, per_call, calls, summ = time_and_trace(call, runner._cache, runner._state, args.steps, 5)
+        ms = per_call / args.decode_steps * 1e3  # per decode step
         report[f"step_ms_{n_active}_active"] = ms
         report[f"call_ms_{n_active}_active"] = {"p50": 1e3 * float(np.median(calls)), "min": 1e3 * min(calls)}
         print(f"{n_active} active: {ms:.2f} ms per step = {n_active / ms * 1e3:.0f} tok/s; weights alone at "
               f"3.5 TB/s: {weights / 3.5e9:.2f} ms; host time in the call ({args.decode_steps} steps) p50 "
               f"{1e3 * np.median(calls):.2f} ms",
               flush=True)
-        with tempfile.TemporaryDirectory() as d:
-            trace_steps = 5
-            jax.profiler.start_trace(d)
-            for _ in range(trace_steps):
-                cache, state, o = prog(runner.params, cache, state, runner._samp, act)
-            jax.block_until_ready(o)
-            jax.profiler.stop_trace()
-            summ = summarize(d, trace_steps)
         report[f"trace_{n_active}_active"] = summ
         print_summary(summ, "step" if args.decode_steps == 1 else f"call ({args.decode_steps} steps)")
         runner._cache, runner._state = cache, state
