@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with --num-processes and --process-id. Process 0 serves HTTP, the others follow it")
     p.add_argument("--num-processes", type=int, metavar="N", help="processes in the job (with --coordinator)")
     p.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1 (with --coordinator)")
+    p.add_argument("--switch-interval-ms", type=float, default=None, metavar="MS",
+                   help="Python's thread switch interval (sys.setswitchinterval): how long the event loop may "
+                        "hold the GIL while the engine thread waits for it (default: Python's, 5 ms)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.add_argument("--fetch-model", action="store_true", help="download the default model into the cache and exit")
     return p
@@ -238,6 +241,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.model is not None and not args.model.is_file():
         parser.error(f"--model: no such file {args.model}")
 
+    if args.switch_interval_ms is not None:
+        if not args.switch_interval_ms > 0:
+            parser.error("--switch-interval-ms must be > 0")
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     log.info("engine config: %s", dataclasses.asdict(engine_config))
     if args.coordinator is not None:
         devices = _join_processes(args)
