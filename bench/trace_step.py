@@ -9,14 +9,14 @@ the copies XLA makes of weight or cache slices (dynamic-slice fusions feeding th
 which are bytes a step moves beyond the weights and KV it must read.
 
     python3 bench/trace_step.py --model M.gguf [--slots 8] [--max-context 1024] [--position 200]
-        [--out DIR]   # DIR gets trace_summary.json and decode_hlo.txt
+        [--out DIR]   # DIR gets decode_summary.json and decode_hlo.txt
 
 `--decode-steps N` builds the engine's N-step decode program instead of the one-step one
 (step_ms stays per decode step; call_ms and the trace's per-"step" figures are per call).
 
 `--prefill T[,T...]` traces the prefill program of a T-token chunk instead (one slot, starting at
 `--position`, 0 for a fresh prompt: the engine's prefill step, sampling of the first token
-included); DIR then gets prefill<T>_hlo.txt and one report per T in trace_summary.json.
+included); DIR then gets prefill<T>_hlo.txt and one report per T in prefill_summary.json.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def summarize(log_dir: str, steps: int, top: int = 40) -> dict:
     t0 = min(e["ts"] for e in events)
     t1 = max(e["ts"] + e.get("dur", 0.0) for e in events)
     rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    ordered = sorted(events, key=lambda e: e["ts"])
     return {
         "steps": steps,
         "device_busy_us_per_step": total / steps,
@@ -78,6 +79,10 @@ def summarize(log_dir: str, steps: int, top: int = 40) -> dict:
             {"name": n[:80], "calls_per_step": len(d) / steps, "us_per_step": sum(d) / steps}
             for n, d in sorted(host.items(), key=lambda kv: -sum(kv[1]))[:15]
         ],
+        # The first step's kernels in the order they ran, with their microseconds: what sits
+        # between the big kernels (the candidates for fusing).
+        "sequence": [[e["name"][:60], round(float(e.get("dur", 0.0)), 2)]
+                     for e in ordered[: len(events) // steps]],
     }
 
 
@@ -186,7 +191,7 @@ def main() -> None:
     if args.prefill:
         reports = [trace_prefill(args, t, m, runner, out) for t in args.prefill]
         if out:
-            (out / "trace_summary.json").write_text(json.dumps(reports, indent=1))
+            (out / "prefill_summary.json").write_text(json.dumps(reports, indent=1))
         return
     attend = runner._bucket(args.position + 1)
     t0 = time.perf_counter()
@@ -229,7 +234,7 @@ def main() -> None:
         print_summary(summ, "step" if args.decode_steps == 1 else f"call ({args.decode_steps} steps)")
         runner._cache, runner._state = cache, state
     if out:
-        (out / "trace_summary.json").write_text(json.dumps(report, indent=1))
+        (out / "decode_summary.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
