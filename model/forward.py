@@ -70,12 +70,36 @@ class KVCache:
             self.v.at[layer, rows, positions].set(v.astype(self.v.dtype), **hints),
         )
 
-    def write_prefill(self, layer, slot, positions, k, v) -> "KVCache":
-        """k, v [T, K, D] at positions [T] of one slot; out-of-range positions are dropped."""
-        return KVCache(
-            self.k.at[layer, slot, positions].set(k.astype(self.k.dtype), mode="drop"),
-            self.v.at[layer, slot, positions].set(v.astype(self.v.dtype), mode="drop"),
-        )
+    def write_prefill(self, layer, slot, start, num_valid, k, v) -> "KVCache":
+        """k, v [T, K, D] (rows >= num_valid are padding) at positions [start, start + num_valid)
+        of one slot; the slot's other positions keep their values.
+
+        A window of T positions is read, blended and written back in place (a dynamic-slice and
+        a dynamic-update-slice at the same offset, which XLA fuses into one in-place kernel): a
+        scatter at per-token positions ran 10x below the copy rate on the GPU. The window starts
+        at `start`, or earlier where the chunk's padding would run past the cache's end (the
+        update slice would be clamped anyway); the chunk's rows are shifted into it to match.
+        """
+        t, s = k.shape[0], self.max_context
+        if t > s:  # a chunk size above the context: per-token positions, the padding dropped
+            pos = jnp.where(jnp.arange(t) < num_valid, start + jnp.arange(t), s)
+            return KVCache(
+                self.k.at[layer, slot, pos].set(k.astype(self.k.dtype), mode="drop"),
+                self.v.at[layer, slot, pos].set(v.astype(self.v.dtype), mode="drop"),
+            )
+        zero = jnp.zeros((), jnp.int32)
+        begin = jnp.minimum(start, s - t).astype(jnp.int32)
+        src = jnp.arange(t) - (start - begin)  # the chunk row that lands at each window row
+        is_new = ((src >= 0) & (src < num_valid))[:, None, None]
+        src = jnp.clip(src, 0, t - 1)
+        at = (jnp.asarray(layer, jnp.int32), jnp.asarray(slot, jnp.int32), begin, zero, zero)
+
+        def put(buf: jax.Array, new: jax.Array) -> jax.Array:
+            old = jax.lax.dynamic_slice(buf, at, (1, 1, t, *buf.shape[3:]))[0, 0]
+            window = jnp.where(is_new, new.astype(buf.dtype)[src], old)
+            return jax.lax.dynamic_update_slice(buf, window[None, None], at)
+
+        return KVCache(put(self.k, k), put(self.v, v))
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -311,13 +335,12 @@ def prefill(
     t = tokens.shape[0]
     s = cache.max_context
     pos = start_pos + jnp.arange(t)
-    write_pos = jnp.where(jnp.arange(t) < num_valid, pos, s)  # padding: dropped
 
     def body(lp, c: KVCache, i, x):  # x [T, E]
         inv_freq, window = _layer_consts(cfg, params, i)
         h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
         q, k, v = _qkv(cfg, kern, lp, i, h, pos, inv_freq)
-        c = c.write_prefill(i, slot, write_pos, k, v)
+        c = c.write_prefill(i, slot, start_pos, num_valid, k, v)
         attn = kern.attention_prefill(q, c.k, c.v, start_pos, cfg.scale, window, layer=i, slot=slot,
                                       span=attend or s)  # [T, H, D]
         return _attn_out_and_ffn(cfg, kern, lp, i, x, attn), c

@@ -77,3 +77,34 @@ def test_attention_prefill_and_decode(window):
     got = attention_decode_reference(qd.astype(np.float32), k.astype(np.float32), v.astype(np.float32), pos, 0.25, window)
     for b in range(2):
         assert rel(got[b], _attention(qd[b : b + 1], k[b], v[b], pos[b : b + 1], window, 0.25)[0]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "t, start, num_valid",
+    [(8, 0, 8), (8, 0, 3), (8, 5, 8), (8, 12, 4), (8, 14, 2), (8, 16, 0), (32, 0, 7), (40, 3, 5)],
+)
+def test_write_prefill_matches_a_scatter(t, start, num_valid):
+    """The windowed in-place write equals the plain per-position scatter with padding dropped:
+    positions [start, start + num_valid) take the chunk's rows and nothing else changes, also
+    where the window is moved back from the cache's end (start + t > S) and where the chunk is
+    larger than the cache (the scatter path)."""
+    import jax
+    import jax.numpy as jnp
+
+    from model.forward import KVCache
+
+    L, B, S, K, D = 3, 2, 16 if t <= 16 else 24, 2, 4  # t 32 and 40 > S: the scatter path
+    rng = np.random.default_rng(t * 100 + start * 10 + num_valid)
+    old_k = rng.standard_normal((L, B, S, K, D)).astype(np.float32)
+    old_v = rng.standard_normal((L, B, S, K, D)).astype(np.float32)
+    k = rng.standard_normal((t, K, D)).astype(np.float32)
+    v = rng.standard_normal((t, K, D)).astype(np.float32)
+    layer, slot = 1, 1
+    write = jax.jit(lambda c, lay, sl, st, n, k, v: c.write_prefill(lay, sl, st, n, k, v))
+    got = write(KVCache(jnp.asarray(old_k), jnp.asarray(old_v)), jnp.int32(layer), jnp.int32(slot),
+                jnp.int32(start), jnp.int32(num_valid), jnp.asarray(k), jnp.asarray(v))
+    want_k, want_v = old_k.copy(), old_v.copy()
+    want_k[layer, slot, start:start + num_valid] = k[:num_valid]
+    want_v[layer, slot, start:start + num_valid] = v[:num_valid]
+    np.testing.assert_array_equal(np.asarray(got.k), want_k)
+    np.testing.assert_array_equal(np.asarray(got.v), want_v)
