@@ -4,8 +4,9 @@ engine directly, and the difference: what the serving layer costs.
     python bench/http.py --model PATH [--url http://HOST:PORT] [--users 1,4,8,32] [--out DIR]
 
 Starts the server as a child process on a free port (or uses `--url`), waits for /health, and
-runs each concurrency level: N async httpx clients, each one streaming POST /v1/completions
-with a fixed token-id prompt, fixed max_tokens and ignore_eos. `logprobs: 0` makes every token
+runs each concurrency level `--repeats` times (the report gives each figure's median): N async
+httpx clients, each one streaming POST /v1/completions with a fixed token-id prompt, fixed
+max_tokens and ignore_eos. `logprobs: 0` makes every token
 its own SSE frame (a frame is otherwise skipped while text is held back), so frame arrival
 times are token times. The server starts with a small --max-queue (8) so that the 32-client
 level exercises 429s. Then the server is stopped and a child process runs the identical
@@ -172,10 +173,14 @@ async def run_http(url: str, args: argparse.Namespace, vocab: int) -> dict[str, 
         await http_request(client, url, "warmup", warm, 8, 0)
         for users in args.users:
             prompts = prompts_for(args.seed, users, args.prompt_len, vocab)
-            records = await asyncio.gather(*(
-                http_request(client, url, f"http-{users}-{i}", p, args.max_tokens, i) for i, p in enumerate(prompts)
-            ))
-            out[str(users)] = level_summary(records)
+            runs = []
+            for _ in range(args.repeats):
+                records = await asyncio.gather(*(
+                    http_request(client, url, f"http-{users}-{i}", p, args.max_tokens, i)
+                    for i, p in enumerate(prompts)
+                ))
+                runs.append(level_summary(records))
+            out[str(users)] = combine_runs(runs)
             log.info("http x%d: %s", users, out[str(users)])
     return out
 
@@ -189,6 +194,28 @@ def level_summary(records: list[common.StreamRecord]) -> dict[str, Any]:
     if summary["errors"]:
         summary["first_error"] = next(r.error for r in records if r.error)
     return summary
+
+
+# The figures of a level that are the median of its repeats; counts are summed.
+MEDIAN_KEYS = ("tok_s", "steady_tok_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")
+SUM_KEYS = ("requests", "rejected", "errors", "tokens", "usage_tokens")
+
+
+def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One level's repeats as one summary: the median of each timing figure (a single short burst
+    of 8 streams varied by several % from run to run), the sum of each count, and every run's
+    throughput and TTFT under "runs"."""
+    out = dict(runs[0])
+    for key in MEDIAN_KEYS:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        out[key] = round(float(np.median(values)), 3) if values else None
+    for key in SUM_KEYS:
+        if any(key in r for r in runs):
+            out[key] = sum(r.get(key) or 0 for r in runs)
+    out["finish_reasons"] = sorted({f for r in runs for f in r.get("finish_reasons", ())})
+    out["repeats"] = len(runs)
+    out["runs"] = [{k: r.get(k) for k in ("tok_s", "steady_tok_s", "ttft_ms_p50")} for r in runs]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,9 +237,12 @@ def engine_direct(args: argparse.Namespace) -> int:
         await bench_engine.run_batch(engine, [bench_engine.make_request("warmup", warm, 8, 0, logprobs=True)])
         for users in args.users:
             prompts = prompts_for(args.seed, users, args.prompt_len, vocab)
-            reqs = [bench_engine.make_request(f"engine-{users}-{i}", p, args.max_tokens, i, logprobs=True)
-                    for i, p in enumerate(prompts)]
-            out[str(users)] = level_summary(await bench_engine.run_batch(engine, reqs))
+            runs = []
+            for _ in range(args.repeats):
+                reqs = [bench_engine.make_request(f"engine-{users}-{i}", p, args.max_tokens, i, logprobs=True)
+                        for i, p in enumerate(prompts)]
+                runs.append(level_summary(await bench_engine.run_batch(engine, reqs)))
+            out[str(users)] = combine_runs(runs)
             log.info("engine x%d: %s", users, out[str(users)])
         return out
 
@@ -232,7 +262,7 @@ def run_engine_child(args: argparse.Namespace) -> dict[str, Any]:
             "--model", str(args.model), "--slots", str(args.slots), "--max-queue", str(args.max_queue),
             "--max-context", str(args.max_context), "--prefill-budget", str(args.prefill_budget),
             "--users", ",".join(map(str, args.users)), "--prompt-len", str(args.prompt_len),
-            "--max-tokens", str(args.max_tokens), "--seed", str(args.seed),
+            "--max-tokens", str(args.max_tokens), "--seed", str(args.seed), "--repeats", str(args.repeats),
         ]
         log.info("engine-direct run in a child process")
         subprocess.run(cmd, check=True, cwd=common.ROOT)
@@ -294,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each level, on both sides; the report gives the median of each figure")
     ap.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for /health")
     ap.add_argument("--no-engine", action="store_true", help="skip the engine-direct comparison")
     ap.add_argument("--server-args", default="", help='more `python -m server` flags, e.g. "--decode-steps 4"')
@@ -344,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                    "health": health},
         "settings": {"slots": args.slots, "max_queue": args.max_queue, "max_context": args.max_context,
                      "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "users": args.users,
+                     "repeats": args.repeats,
                      "request": "POST /v1/completions, token-id prompt, stream, ignore_eos, logprobs 0, temperature 1"},
         "http": http_levels,
         "engine": engine_levels,
