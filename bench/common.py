@@ -289,3 +289,32 @@ def device_trace_events(log_dir: str | os.PathLike[str]) -> list[dict] | None:
     """The device events of `trace_events`; None when there is no trace file."""
     events = trace_events(log_dir)
     return None if events is None else events[0]
+
+
+def idle_gaps(events: list[dict], top: int = 10, min_us: float = 20.0) -> dict[str, Any]:
+    """Where a device trace's span is idle: the gaps between the end of the work so far and the
+    next event (events overlap on several streams). Returns the span, the busy and idle
+    microseconds, the number and sum of gaps of at least `min_us`, and the `top` largest with
+    the kernels on either side."""
+    if not events:
+        return {"error": "no device events"}
+    ordered = sorted(events, key=lambda e: e["ts"])
+    start, end = ordered[0]["ts"], ordered[0]["ts"] + ordered[0].get("dur", 0.0)
+    last_name, gaps = ordered[0]["name"], []
+    for e in ordered[1:]:
+        if e["ts"] > end:
+            gaps.append((e["ts"] - end, last_name, e["name"]))
+        e_end = e["ts"] + e.get("dur", 0.0)
+        if e_end >= end:
+            end, last_name = e_end, e["name"]
+    span = end - start
+    idle = sum(g for g, _, _ in gaps)
+    big = [g for g in gaps if g[0] >= min_us]
+    return {
+        "span_us": round(span, 1),
+        "busy_us": round(span - idle, 1),
+        "idle_fraction": round(idle / span, 4) if span else None,
+        f"gaps_of_{min_us:g}us_or_more": {"count": len(big), "sum_us": round(sum(g for g, _, _ in big), 1)},
+        "largest": [{"us": round(g, 1), "after": a[:60], "before": b[:60]}
+                    for g, a, b in sorted(gaps, reverse=True)[:top]],
+    }

@@ -262,7 +262,28 @@ async def run_suite(engine, timings: TimingLog, args: argparse.Namespace, max_co
         log.info("decode x%d: %s", u, out["decode"][str(u)])
     out["join"] = await measure_join(engine, 3, args.join_len, args.repeats, rng, max_context)
     log.info("join: %s", out["join"])
+    if getattr(args, "trace_decode", False):
+        out["decode_trace"] = await trace_decode(engine, timings, users[-1], args, rng)
+        log.info("decode trace: %s", out["decode_trace"])
     return out
+
+
+async def trace_decode(engine, timings: TimingLog, users: int, args: argparse.Namespace,
+                       rng: np.random.Generator) -> dict[str, Any]:
+    """One more decode run of `users` streams (prompts included) under the JAX profiler, after the
+    measured ones: how much of the device's span is idle between the engine's programs, and where
+    (`common.idle_gaps`). The idle share is what the engine's host side leaves on the table."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            summary = await measure_decode(engine, timings, users, args.prompt_len, args.decode_tokens, rng)
+        finally:
+            jax.profiler.stop_trace()
+        events = common.device_trace_events(d)
+    gaps = common.idle_gaps(events) if events else {"error": "no device events in the trace"}
+    return {"users": users, "steady_tok_s_traced": summary.get("steady_tok_s"), **gaps}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,6 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-cold-start", action="store_true", help="skip the cold start-up in a child process")
     ap.add_argument("--profile-engine", action="store_true",
                     help="run the engine thread under cProfile; writes engine-<date>-profile.txt beside the JSON")
+    ap.add_argument("--trace-decode", action="store_true",
+                    help="after the measured runs, trace one more decode run of the most users and report the "
+                         "device's idle gaps between programs (details.decode_trace)")
     ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
     ap.add_argument("--plot-with", nargs="*", default=[], help="earlier engine-*.json results to draw beside this run")
     ap.add_argument("--plot-only", nargs="+", type=pathlib.Path, help="draw these engine-*.json results and exit")

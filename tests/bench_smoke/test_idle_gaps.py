@@ -1,0 +1,27 @@
+"""bench.common.idle_gaps: the idle time of a device trace's span, overlapping streams included."""
+
+from bench.common import idle_gaps
+
+
+def _ev(name, ts, dur):
+    return {"name": name, "ts": ts, "dur": dur}
+
+
+def test_idle_gaps_counts_only_time_no_event_covers():
+    events = [
+        _ev("a", 0.0, 10.0),
+        _ev("b", 5.0, 20.0),  # overlaps a (another stream): no gap, the work now ends at 25
+        _ev("c", 30.0, 5.0),  # 5 us idle after b
+        _ev("d", 100.0, 10.0),  # 65 us idle after c
+        _ev("e", 101.0, 2.0),  # inside d
+    ]
+    g = idle_gaps(events, top=2, min_us=20.0)
+    assert g["span_us"] == 110.0
+    assert g["busy_us"] == 40.0
+    assert g["idle_fraction"] == round(70.0 / 110.0, 4)
+    assert g["gaps_of_20us_or_more"] == {"count": 1, "sum_us": 65.0}
+    assert g["largest"] == [{"us": 65.0, "after": "c", "before": "d"}, {"us": 5.0, "after": "b", "before": "c"}]
+
+
+def test_idle_gaps_without_events():
+    assert "error" in idle_gaps([])
