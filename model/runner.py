@@ -10,6 +10,7 @@ run, so a shape miss is an error, never a silent recompile. Only the engine thre
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -215,20 +216,31 @@ class ModelRunner:
 
     def warmup(self) -> None:
         """Compiles every program the serving path can run: decode (once per decode-steps count)
-        and one prefill per chunk size, each for every context bucket."""
+        and one prefill per chunk size, each for every context bucket; on several threads where
+        `EngineConfig.compile_workers` allows (XLA compiles without holding the GIL)."""
         targets = [("decode", self.num_slots, k) for k in self.decode_steps]
         targets += [("prefill", t, 1) for t in self.prefill_chunks]
+        jobs = [(kind, size, steps, attend) for kind, size, steps in targets for attend in self.context_buckets]
+        workers = self.engine_cfg.compile_workers(jax.default_backend(), len(jobs))
+
+        def build(job):
+            kind, size, steps, attend = job
+            t0 = time.perf_counter()
+            compiled = self._jitted(kind, attend, steps).lower(*self._example_args(kind, size)).compile()
+            log.debug("compiled %s[%d]x%d attending %d in %.1f s", kind, size, steps, attend, time.perf_counter() - t0)
+            return (kind, size, attend, steps), compiled
+
         t_all = time.perf_counter()
-        for kind, size, steps in targets:
-            for attend in self.context_buckets:
-                t0 = time.perf_counter()
-                lowered = self._jitted(kind, attend, steps).lower(*self._example_args(kind, size))
-                self._compiled[(kind, size, attend, steps)] = lowered.compile()
-                log.debug("compiled %s[%d]x%d attending %d in %.1f s", kind, size, steps, attend, time.perf_counter() - t0)
+        if workers > 1:
+            with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
+                built = list(pool.map(build, jobs))
+        else:
+            built = [build(job) for job in jobs]
+        self._compiled.update(built)
         log.info(
-            "compiled %d step programs (decode[%d] x steps %s, prefill%s; context buckets %s) in %.1f s",
-            len(self._compiled), self.num_slots, list(self.decode_steps), list(self.prefill_chunks),
-            list(self.context_buckets), time.perf_counter() - t_all,
+            "compiled %d step programs (decode[%d] x steps %s, prefill%s; context buckets %s) in %.1f s on %d "
+            "thread(s)", len(self._compiled), self.num_slots, list(self.decode_steps), list(self.prefill_chunks),
+            list(self.context_buckets), time.perf_counter() - t_all, workers,
         )
 
     def _program(self, kind: str, size: int, attend: int, steps: int = 1):

@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "0 = auto: 2 on GPU, 1 on CPU)")
     p.add_argument("--unroll-decode-layers", default="auto", choices=UNROLL_DECODE_LAYERS,
                    help="unroll the decode program's layer loop (auto: on GPU only)")
+    p.add_argument("--compile-threads", type=int, default=0, metavar="N",
+                   help="threads compiling the step programs at start (0 = auto: one per core on CPU, 1 on GPU)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="KV cache dtype (auto: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--compile-cache", type=pathlib.Path, default=None,
@@ -159,6 +161,7 @@ def build_configs(args: argparse.Namespace, environ: dict[str, str] | os._Enviro
         kernels=args.kernels,
         kv_dtype=args.kv_dtype,
         tensor_parallel=args.tensor_parallel,
+        compile_threads=args.compile_threads,
         decode_steps_per_dispatch=args.decode_steps,
         unroll_decode_layers=args.unroll_decode_layers,
     )

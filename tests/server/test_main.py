@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -44,6 +45,9 @@ def test_defaults() -> None:
     assert engine.unroll_decode_layers == "auto"
     assert engine.unrolls_decode("gpu") and not engine.unrolls_decode("cpu")
     assert (engine.decode_steps("gpu"), engine.decode_steps("cpu")) == (2, 1)  # 0: auto
+    # 0: auto, one thread per core on the CPU (never more than programs), one on a GPU
+    assert engine.compile_threads == 0 and engine.compile_workers("gpu", 12) == 1
+    assert engine.compile_workers("cpu", 1000) == (os.cpu_count() or 1) and engine.compile_workers("cpu", 1) == 1
 
 
 def test_flags(tmp_path: pathlib.Path) -> None:
@@ -54,7 +58,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
             "--model", str(tmp_path / "m.gguf"), "--host", "0.0.0.0", "--port", "0", "--slots", "4",
             "--max-queue", "0", "--prefill-budget", "256", "--max-context", "1024", "--timeout", "30",
             "--kernels", "attention=xla, matmul=triton", "--chat-template", str(template), "--log-level", "debug",
-            "--unroll-decode-layers", "off", "--decode-steps", "4",
+            "--unroll-decode-layers", "off", "--decode-steps", "4", "--compile-threads", "3",
         ]
     )  # fmt: skip
     engine, server = build_configs(args, {})
@@ -63,6 +67,8 @@ def test_flags(tmp_path: pathlib.Path) -> None:
     assert engine.kernels == (("attention", "xla"), ("matmul", "triton"))
     assert engine.unroll_decode_layers == "off" and not engine.unrolls_decode("gpu")
     assert engine.decode_steps("gpu") == engine.decode_steps("cpu") == 4
+    assert engine.compile_workers("gpu", 12) == engine.compile_workers("cpu", 12) == 3
+    assert engine.compile_workers("gpu", 2) == 2
     assert (server.model_name, server.host, server.port, server.log_level) == ("m.gguf", "0.0.0.0", 0, "debug")
     assert server.chat_template == "{{ messages[0]['content'] }}"
 
@@ -76,7 +82,8 @@ def test_api_key_from_flag_or_environment() -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--slots", "0"], ["--max-context", "8"], ["--timeout", "0"], ["--port", "70000"], ["--max-queue", "-1"]],
+    [["--slots", "0"], ["--max-context", "8"], ["--timeout", "0"], ["--port", "70000"], ["--max-queue", "-1"],
+     ["--compile-threads", "-1"]],
 )
 def test_bad_values_raise_value_error(argv: list[str]) -> None:
     with pytest.raises(ValueError):
