@@ -110,10 +110,12 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, pa
 
 
 class _Pending:
-    def __init__(self, num_slots: int, num_top: int, decode_out: Any, prefill_outs: list[Any], num_steps: int = 1) -> None:
+    def __init__(self, num_slots: int, num_top: int, decode_out: Any, prefill_outs: list[Any], num_steps: int = 1,
+                 decode_slots: tuple[int, ...] = (), prefills: tuple[PrefillChunk, ...] = ()) -> None:
         self._num_slots, self._num_top = num_slots, num_top
         self._decode_out, self._prefill_outs = decode_out, prefill_outs
         self._num_steps = num_steps  # > 1: decode_out is stacked [num_steps, ...]
+        self._decode_slots, self._prefills = decode_slots, prefills  # the plan's, for parts()
         self._results: list[StepOutput] | None = None
 
     def _empty(self) -> StepOutput:
@@ -152,6 +154,28 @@ class _Pending:
 
     def result(self) -> StepOutput:
         return self.results()[0]
+
+    def parts(self):
+        """([StepOutput, ...], slots) as the device finishes them: the decode part (one output
+        per decode step of the program), then each chunk that ends its prompt, in the order they
+        were dispatched. Each part waits only for its own program, so a step's decode tokens
+        reach the host while its prompt chunks still run, and a first token while the chunks
+        after it run. Outputs are meaningful for their part's slots only."""
+        if self._results is not None or self._num_steps > 1 or not self._prefill_outs:
+            yield self.results(), self._decode_slots + tuple(c.slot for c in self._prefills if c.is_last)
+            return
+        if self._decode_out is not None:
+            out = self._empty()
+            self._fill_decode(out, jax.device_get(self._decode_out))
+            yield [out], self._decode_slots
+        for chunk, prefill_out in zip(self._prefills, self._prefill_outs):
+            if not chunk.is_last:
+                continue  # samples nothing: no wait
+            slot, tok, _, lp, top_ids, top_lps = jax.device_get(prefill_out)
+            out = self._empty()
+            out.tokens[slot], out.valid[slot], out.logprobs[slot] = tok, True, lp
+            out.top_ids[slot], out.top_logprobs[slot] = top_ids, top_lps
+            yield [out], (chunk.slot,)
 
 
 class ModelRunner:
@@ -283,7 +307,8 @@ class ModelRunner:
             )
             self._positions[active] += steps
         prefill_outs = [self._dispatch_prefill(chunk) for chunk in plan.prefills]
-        return _Pending(self.num_slots, self.max_top_logprobs, decode_out, prefill_outs, steps if decode_out is not None else 1)
+        return _Pending(self.num_slots, self.max_top_logprobs, decode_out, prefill_outs,
+                        steps if decode_out is not None else 1, plan.decode_slots, plan.prefills)
 
     def _dispatch_prefill(self, chunk: PrefillChunk):
         n = int(chunk.tokens.shape[0])

@@ -123,6 +123,10 @@ class StepOutput:
 
 
 class PendingStep(Protocol):
+    """A dispatched step. A runner may also offer `parts()`: ([StepOutput, ...], slots) pairs as
+    the device finishes them (the decode part, then each chunk that ends its prompt), each
+    output meaningful for its slots only; the engine then hands each part over at once."""
+
     def result(self) -> StepOutput: ...  # the (first) step's output
 
     def results(self) -> list[StepOutput]: ...  # one per decode step of the plan, in order

@@ -14,7 +14,9 @@ inbox while it has nothing to run; otherwise each loop iteration:
   5. processes step n-1's `StepOutput` while the device runs step n: accepts tokens,
      detokenizes, checks stop conditions and pushes `StreamEvent`s to each stream's asyncio
      queue through `loop.call_soon_threadsafe` (JetStream's async_multifuture pattern), one call
-     per event loop per step rather than per token,
+     per event loop per step rather than per token. A step the model hands over in parts
+     (`parts`: the decode part, then each prompt's first token, as the device finishes them)
+     is processed part by part, so its decode tokens do not wait for its prompt chunks,
   6. publishes `EngineStats` snapshots after the dispatch and after the processing (immutable
      objects swapped in whole: `stats()` reads them from any thread without a lock).
 
@@ -527,8 +529,24 @@ class Engine:
         return budget
 
     def _process(self, pending: PendingStep, rows: dict[int, RequestState]) -> None:
-        # One output per decode step of the plan; a request that ends at one step ignores the rest.
-        outs = pending.results() if hasattr(pending, "results") else [pending.result()]
+        # A part's outputs are one per decode step of the plan; a request that ends at one step
+        # ignores the rest. Each part's events reach the loop in one hand-over. Where the model
+        # hands a step over as the device finishes its parts (`parts`: the decode part, then
+        # each prompt's first token), a part does not wait for the step's last prompt chunk.
+        if hasattr(pending, "parts"):
+            parts = pending.parts()
+        else:
+            parts = [(pending.results() if hasattr(pending, "results") else [pending.result()], None)]
+        done: set[int] = set()
+        for outs, slots in parts:
+            part_rows = rows if slots is None else {s: rows[s] for s in slots if s in rows}
+            self._process_part(outs, part_rows)
+            done.update(part_rows)
+        missed = {s: state for s, state in rows.items() if s not in done}
+        if missed:  # rows no part covered: no token for them, as invalid rows of a whole output
+            self._process_part([StepOutput.empty(len(self._slots), self._model.max_top_logprobs)], missed)
+
+    def _process_part(self, outs: list[StepOutput], rows: dict[int, RequestState]) -> None:
         self._outbox = {}
         try:
             for out in outs:

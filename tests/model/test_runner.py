@@ -124,3 +124,27 @@ def test_prefill_programs_have_no_conditionals(smol_runner):
     prefill = smol_runner._program("prefill", 64, 1024).as_text()
     assert " conditional(" not in prefill
     assert " conditional(" in smol_runner._program("decode", smol_runner.num_slots, 1024).as_text()
+
+
+def test_parts_hand_over_the_steps_outputs_as_results_does(smol_runner, prompt_ids):
+    """`parts()` gives the decode part, then each prompt's first token (a chunk that does not
+    end its prompt gives nothing), with the same values `results()` copies at once."""
+    from model.step_types import PrefillChunk, SlotSetup, StepPlan
+
+    greedy = SamplingParams(temperature=0.0)
+    a, b = np.asarray(prompt_ids[2], np.int32), np.asarray(prompt_ids[7], np.int32)
+    smol_runner.dispatch(StepPlan(setups=(SlotSetup(0, greedy),), prefills=(PrefillChunk(0, a, 0, True),))).result()
+    half = len(b) // 2
+    pending = smol_runner.dispatch(StepPlan(
+        setups=(SlotSetup(3, greedy),), decode_slots=(0,),
+        prefills=(PrefillChunk(3, b[:half], 0, False), PrefillChunk(3, b[half:], half, True)),
+    ))
+    parts = list(pending.parts())
+    whole = pending.results()[0]
+    assert [slots for _, slots in parts] == [(0,), (3,)]
+    for outs, (slot,) in parts:
+        (out,) = outs
+        assert out.valid[slot] and int(out.tokens[slot]) == int(whole.tokens[slot])
+        assert out.logprobs[slot] == whole.logprobs[slot]
+        np.testing.assert_array_equal(out.top_ids[slot], whole.top_ids[slot])
+        assert out.valid.sum() == 1

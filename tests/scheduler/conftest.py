@@ -78,6 +78,28 @@ class _FakePending:
         return self.results()[0]
 
 
+class _FakePartsPending(_FakePending):
+    """Hands a step over in parts, as the runner does (`parts`): the decode part at once, then
+    each prompt's first token, which waits for `prefill_gate` (a prompt chunk still running)."""
+
+    def __init__(self, outputs: list[StepOutput], ready_at: float, gate: threading.Event | None, plan: StepPlan,
+                 prefill_gate: threading.Event | None) -> None:
+        super().__init__(outputs, ready_at, gate)
+        self._plan, self._prefill_gate = plan, prefill_gate
+
+    def parts(self):
+        outs = self.results()
+        if len(outs) > 1 or not self._plan.prefills:
+            yield outs, self._plan.decode_slots
+            return
+        yield outs, self._plan.decode_slots
+        for chunk in self._plan.prefills:
+            if chunk.is_last:
+                if self._prefill_gate is not None:
+                    self._prefill_gate.wait()
+                yield outs, (chunk.slot,)
+
+
 class FakeModel:
     def __init__(
         self,
@@ -90,6 +112,8 @@ class FakeModel:
         fail_at_step: int | None = None,
         gate: threading.Event | None = None,
         decode_steps: tuple[int, ...] = (1,),
+        parts: bool = False,
+        prefill_gate: threading.Event | None = None,
     ) -> None:
         self.num_slots = num_slots
         self.decode_steps = decode_steps
@@ -99,6 +123,8 @@ class FakeModel:
         self.step_delay = step_delay
         self.fail_at_step = fail_at_step
         self.gate = gate  # when set: results wait for it (a device that has not finished)
+        self.parts = parts  # hand steps over in parts (the runner's `parts`)
+        self.prefill_gate = prefill_gate  # with parts: a prompt's first token waits for it
         self.plans: list[StepPlan] = []
         self.is_warm = False
         self._last: list[int | None] = [None] * num_slots  # device-held next input token
@@ -134,6 +160,8 @@ class FakeModel:
             self._pos[chunk.slot] += n
             if chunk.is_last:
                 self._sample(out, chunk.slot, int(chunk.tokens[-1]))
+        if self.parts:
+            return _FakePartsPending(outs, time.monotonic() + self.step_delay, self.gate, plan, self.prefill_gate)
         return _FakePending(outs, time.monotonic() + self.step_delay, self.gate)
 
     def _sample(self, out: StepOutput, slot: int, last: int) -> None:

@@ -369,6 +369,48 @@ def test_long_prompt_does_not_stall_decodes(make_engine, fake_model_cls):
     assert all(0 in p.decode_slots for p in prefill_plans)
 
 
+def test_a_steps_decode_tokens_are_not_held_for_its_prompt_chunks(make_engine, fake_model_cls):
+    """With a model that hands steps over in parts, the running stream's token of the step that
+    also prefills a new prompt reaches it while that prompt's chunk is still running."""
+    prefill_gate = threading.Event()
+    prefill_gate.set()
+    engine, model = make_engine(fake_model_cls(parts=True, prefill_gate=prefill_gate))
+
+    async def main():
+        running = engine.submit(req("a", max_tokens=40, request_id="running"))
+        seen = [await running.__anext__(), await running.__anext__()]
+        prefill_gate.clear()  # the next prompt's chunk "runs" until the gate opens
+        joining = engine.submit(req("xy", max_tokens=2, request_id="joining"))
+        await asyncio.to_thread(wait_until, lambda: any(p.prefills for p in model.plans))
+        step = next(i for i, p in enumerate(model.plans) if p.prefills)
+        # the running stream's tokens through the joining prompt's step: one per step (its
+        # prompt's step included) up to that one
+        wanted = sum(0 in p.decode_slots or any(c.slot == 0 and c.is_last for c in p.prefills)
+                     for p in model.plans[: step + 1])
+        while sum(len(e.token_ids) for e in seen) < wanted:
+            seen.append(await running.__anext__())
+        assert not prefill_gate.is_set()  # got there with the prompt's chunk still running
+        prefill_gate.set()
+        rest = await collect(running)
+        return [t for e in seen for t in e.token_ids] + rest.tokens, await collect(joining)
+
+    tokens, joining = run(main())
+    assert tokens == [ord("a") + 1 + i for i in range(40)]
+    assert joining.tokens == [ord("y") + 1, ord("y") + 2]
+
+
+def test_parts_give_the_same_streams(make_engine, fake_model_cls):
+    """Handing steps over in parts changes when events reach the loop, not what they are."""
+
+    async def both(engine):
+        streams = [engine.submit(req(chr(97 + i) * (i + 1), max_tokens=6 + i, request_id=f"r{i}")) for i in range(10)]
+        return [(r.text, r.final.finish_reason) for r in await asyncio.gather(*(collect(s) for s in streams))]
+
+    whole, _ = make_engine(fake_model_cls())
+    parted, _ = make_engine(fake_model_cls(parts=True))
+    assert run(both(whole)) == run(both(parted))
+
+
 # ---- cancellation and deadlines ----
 
 
