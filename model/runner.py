@@ -256,8 +256,11 @@ class ModelRunner:
 
         t_all = time.perf_counter()
         if workers > 1:
-            with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
+            pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile")
+            try:
                 built = list(pool.map(build, jobs))
+            finally:  # a failed compile: the queued ones are dropped, not compiled first
+                pool.shutdown(wait=True, cancel_futures=True)
         else:
             built = [build(job) for job in jobs]
         self._compiled.update(built)

@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import math
 import os
 import pathlib
 import sys
@@ -245,8 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--model: no such file {args.model}")
 
     if args.switch_interval_ms is not None:
-        if not args.switch_interval_ms > 0:
-            parser.error("--switch-interval-ms must be > 0")
+        if not (math.isfinite(args.switch_interval_ms) and 0.001 <= args.switch_interval_ms <= 1000):
+            parser.error("--switch-interval-ms must be between 0.001 and 1000")  # Python rounds below 1 us to 0
         sys.setswitchinterval(args.switch_interval_ms / 1000)
     log.info("engine config: %s", dataclasses.asdict(engine_config))
     if args.coordinator is not None:

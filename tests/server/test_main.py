@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from model.config import MAX_AUTO_COMPILE_THREADS
 from server.__main__ import build_configs, build_parser, prefill_chunks_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -47,7 +48,8 @@ def test_defaults() -> None:
     assert (engine.decode_steps("gpu"), engine.decode_steps("cpu")) == (2, 1)  # 0: auto
     # 0: auto, one thread per core on the CPU (never more than programs), one on a GPU
     assert engine.compile_threads == 0 and engine.compile_workers("gpu", 12) == 1
-    assert engine.compile_workers("cpu", 1000) == (os.cpu_count() or 1) and engine.compile_workers("cpu", 1) == 1
+    cores = min(len(os.sched_getaffinity(0)), MAX_AUTO_COMPILE_THREADS)
+    assert engine.compile_workers("cpu", 1000) == cores and engine.compile_workers("cpu", 1) == 1
 
 
 def test_flags(tmp_path: pathlib.Path) -> None:
@@ -88,6 +90,14 @@ def test_api_key_from_flag_or_environment() -> None:
 def test_bad_values_raise_value_error(argv: list[str]) -> None:
     with pytest.raises(ValueError):
         build_configs(build_parser().parse_args(argv), {})
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "0.0001", "5000"])
+def test_switch_interval_out_of_range_exits(value: str) -> None:
+    from server.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["--switch-interval-ms", value])
 
 
 @pytest.mark.parametrize("argv", [["--kernels", "attention"], ["--kernels", "=xla"], ["--slots", "many"],
