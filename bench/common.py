@@ -318,3 +318,14 @@ def idle_gaps(events: list[dict], top: int = 10, min_us: float = 20.0) -> dict[s
         "largest": [{"us": round(g, 1), "after": a[:60], "before": b[:60]}
                     for g, a, b in sorted(gaps, reverse=True)[:top]],
     }
+
+
+def idle_gaps_by_device(events: list[dict], **kw: Any) -> dict[str, Any]:
+    """`idle_gaps` of each device's events (a trace's process per device: one device's work
+    would hide another's idle time); one device's report as it is."""
+    by_pid: dict[Any, list[dict]] = {}
+    for e in events:
+        by_pid.setdefault(e.get("pid"), []).append(e)
+    if len(by_pid) <= 1:
+        return idle_gaps(events, **kw)
+    return {"per_device": {str(pid): idle_gaps(evs, **kw) for pid, evs in sorted(by_pid.items(), key=lambda kv: str(kv[0]))}}

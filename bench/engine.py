@@ -172,16 +172,16 @@ async def run_batch(engine, requests: Sequence[GenerationRequest]) -> list[commo
 
 
 async def measure_decode(engine, timings: TimingLog, users: int, prompt_len: int, decode_tokens: int,
-                         rng: np.random.Generator) -> dict[str, Any]:
+                         rng: np.random.Generator, label: str = "decode") -> dict[str, Any]:
     vocab = engine.tokenizer.vocab_size
     reqs = [
-        make_request(f"decode-{users}-{i}", common.random_prompt(rng, prompt_len, vocab), decode_tokens, seed=i)
+        make_request(f"{label}-{users}-{i}", common.random_prompt(rng, prompt_len, vocab), decode_tokens, seed=i)
         for i in range(users)
     ]
     records = await run_batch(engine, reqs)
     summary = common.summarize(records)
-    await timings.wait_for(f"decode-{users}-", users)
-    itl = timings.itl(f"decode-{users}-")
+    await timings.wait_for(f"{label}-{users}-", users)
+    itl = timings.itl(f"{label}-{users}-")
     summary["engine_itl_ms_p50"] = common.ms(common.percentile(itl, 50))
     summary["engine_itl_ms_p99"] = common.ms(common.percentile(itl, 99))
     return summary
@@ -279,11 +279,12 @@ async def trace_decode(engine, timings: TimingLog, users: int, args: argparse.Na
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         try:
-            summary = await measure_decode(engine, timings, users, args.prompt_len, args.decode_tokens, rng)
+            summary = await measure_decode(engine, timings, users, args.prompt_len, args.decode_tokens, rng,
+                                           label="traced")  # its own request ids: its own timings
         finally:
             jax.profiler.stop_trace()
         events = common.device_trace_events(d)
-    gaps = common.idle_gaps(events) if events else {"error": "no device events in the trace"}
+    gaps = common.idle_gaps_by_device(events) if events else {"error": "no device events in the trace"}
     return {"users": users, "steady_tok_s_traced": summary.get("steady_tok_s"), **gaps}
 
 
@@ -383,7 +384,7 @@ def main_run(args: argparse.Namespace) -> int:
                           "prefill_chunks": list(config.prefill_chunks), "kernels": engine_info.get("kernels"),
                           "decode_steps": config.decode_steps(info["platform"]),
                           "unroll_decode_layers": config.unroll_decode_layers,
-                          "compile_threads": config.compile_workers(info["platform"], 1 << 30),  # auto resolved
+                          "compile_threads": config.compile_threads,  # 0: auto
                           "tensor_parallel": config.tensor_parallel},
         "settings": {"prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
                      "prefill_len": args.prefill_len, "join_len": args.join_len, "repeats": args.repeats,

@@ -213,6 +213,10 @@ def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if any(key in r for r in runs):
             out[key] = sum(r.get(key) or 0 for r in runs)
     out["finish_reasons"] = sorted({f for r in runs for f in r.get("finish_reasons", ())})
+    out.pop("first_error", None)
+    errors = [r["first_error"] for r in runs if r.get("first_error")]
+    if errors:
+        out["first_error"] = errors[0]
     out["repeats"] = len(runs)
     out["runs"] = [{k: r.get(k) for k in ("tok_s", "steady_tok_s", "ttft_ms_p50")} for r in runs]
     return out
@@ -337,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.repeats < 1:
+        build_parser().error("--repeats must be >= 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     if args.engine_direct:

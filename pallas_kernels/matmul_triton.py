@@ -465,8 +465,9 @@ def default_tuning(fmt: str, m: int, n: int, k: int, x_dtype) -> TritonMatmulTun
     split = next((d for d in range(least, steps + 1) if steps % d == 0 and (n // block_n) * d >= target), steps)
     # 2 warps for the wide 32-block matrices (fused gate/up and q/k/v of a 7B): 5-9% faster per
     # call in the served step (bench/trace_step.py --matmul-warps 2); no gain on the others. And
-    # for a Q6_K output head (a vocabulary's rows): 134 us against 167 us with 4 warps on the
-    # Llama-2-7B head, the best of 16 tunings (bench/results/kernels-2026-11-30-013938.md).
+    # for Q6_K matrices of 16k rows or more (output heads; also a Q6_K model's fused gate/up,
+    # not measured): 134 us against 167 us with 4 warps on the Llama-2-7B head at M = 8, the
+    # best of 16 tunings (bench/results/kernels-2026-11-30-013938.md).
     wide = (spec.unit == 32 and n >= 8192) or (fmt == "q6_k" and n >= 16384)
     warps = 2 if kernel == "mma" and wide else 4
     return TritonMatmulTuning(kernel, block_n=block_n, block_k=block_k, split_k=split, block_m=block_m,

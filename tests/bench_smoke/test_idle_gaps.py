@@ -25,3 +25,14 @@ def test_idle_gaps_counts_only_time_no_event_covers():
 
 def test_idle_gaps_without_events():
     assert "error" in idle_gaps([])
+
+
+def test_idle_gaps_by_device_keeps_devices_apart():
+    from bench.common import idle_gaps_by_device
+
+    a = [dict(_ev("a1", 0.0, 10.0), pid=1), dict(_ev("a2", 50.0, 10.0), pid=1)]  # 40 us idle
+    b = [dict(_ev("b1", 10.0, 40.0), pid=2)]  # would cover device 1's gap
+    g = idle_gaps_by_device(a + b)["per_device"]
+    assert g["1"]["busy_us"] == 20.0 and g["1"]["span_us"] == 60.0
+    assert g["2"]["busy_us"] == 40.0
+    assert idle_gaps_by_device(a) == idle_gaps(a)
