@@ -130,6 +130,14 @@ class _Pending:
         out.top_ids[active] = top_ids[active]
         out.top_logprobs[active] = top_lps[active]
 
+    @staticmethod
+    def _fill_prefill(out: StepOutput, prefill_out: Any) -> None:
+        """A chunk's sampled first token into `out` (host values; nothing where not is_last)."""
+        slot, tok, is_last, lp, top_ids, top_lps = prefill_out
+        if is_last:
+            out.tokens[slot], out.valid[slot], out.logprobs[slot] = tok, True, lp
+            out.top_ids[slot], out.top_logprobs[slot] = top_ids, top_lps
+
     def results(self) -> list[StepOutput]:
         if self._results is not None:
             return self._results
@@ -145,10 +153,8 @@ class _Pending:
         out = self._empty()
         if decode_out is not None:
             self._fill_decode(out, decode_out)
-        for slot, tok, is_last, lp, top_ids, top_lps in prefill_outs:
-            if is_last:
-                out.tokens[slot], out.valid[slot], out.logprobs[slot] = tok, True, lp
-                out.top_ids[slot], out.top_logprobs[slot] = top_ids, top_lps
+        for prefill_out in prefill_outs:
+            self._fill_prefill(out, prefill_out)
         self._results = [out]
         return self._results
 
@@ -171,10 +177,8 @@ class _Pending:
         for chunk, prefill_out in zip(self._prefills, self._prefill_outs):
             if not chunk.is_last:
                 continue  # samples nothing: no wait
-            slot, tok, _, lp, top_ids, top_lps = jax.device_get(prefill_out)
             out = self._empty()
-            out.tokens[slot], out.valid[slot], out.logprobs[slot] = tok, True, lp
-            out.top_ids[slot], out.top_logprobs[slot] = top_ids, top_lps
+            self._fill_prefill(out, jax.device_get(prefill_out))
             yield [out], (chunk.slot,)
 
 
