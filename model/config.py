@@ -241,9 +241,10 @@ class EngineConfig:
     # compile), "auto" unrolls on GPU only. Prefill always scans (its step is long).
     unroll_decode_layers: str = "auto"
     # Threads compiling the step programs at start (0 = auto: one per usable core on the CPU, up
-    # to 8, and 1 on a GPU). The CPU compiles them concurrently (SmolLM2, 10 programs on 2 cores: 22.1 s against
-    # 25.6 s one by one). A GPU stays at one until measured there: XLA's autotuner times kernels
-    # on the device while it compiles, which concurrent compiles would disturb.
+    # to 8, and 1 on a GPU). The CPU compiles them concurrently (SmolLM2, 10 programs on 2
+    # cores: 22.1 s against 25.6 s one by one). A GPU stays at one until measured there: XLA's
+    # autotuner times kernels on the device while it compiles, which concurrent compiles would
+    # disturb.
     compile_threads: int = 0
 
     def compile_workers(self, backend: str, programs: int) -> int:

@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unroll-decode-layers", default="auto", choices=UNROLL_DECODE_LAYERS,
                    help="unroll the decode program's layer loop (auto: on GPU only)")
     p.add_argument("--compile-threads", type=int, default=0, metavar="N",
-                   help="threads compiling the step programs at start (0 = auto: one per core on CPU, 1 on GPU)")
+                   help="threads compiling the step programs at start (0 = auto: one per usable core on CPU, "
+                        "at most 8; 1 on GPU)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="KV cache dtype (auto: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--compile-cache", type=pathlib.Path, default=None,

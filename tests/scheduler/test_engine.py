@@ -411,6 +411,36 @@ def test_parts_give_the_same_streams(make_engine, fake_model_cls):
     assert run(both(whole)) == run(both(parted))
 
 
+def test_a_row_no_part_covers_ends_its_request_with_an_error(make_engine, fake_model_cls):
+    """A model whose parts leave out a slot it was asked for: that request ends with an error
+    (no token was sampled for it), as an invalid row of a whole output does; the engine goes on."""
+
+    class Dropping(fake_model_cls):
+        def dispatch(self, plan):
+            pending = super().dispatch(plan)
+            whole = pending.parts
+
+            def parts():
+                for outs, slots in whole():
+                    kept = tuple(s for s in slots if s != 1)
+                    if kept:
+                        yield outs, kept
+
+            pending.parts = parts
+            return pending
+
+    engine, _ = make_engine(Dropping(parts=True))
+
+    async def both():
+        first = engine.submit(req("a", max_tokens=3, request_id="first"))  # slot 0
+        second = engine.submit(req("b", max_tokens=3, request_id="second"))  # slot 1: left out
+        return await collect(first), await collect(second)
+
+    first, second = run(both())
+    assert first.tokens == [ord("a") + 1, ord("a") + 2, ord("a") + 3]
+    assert second.final.finish_reason == "error" and "no token" in second.final.error
+
+
 # ---- cancellation and deadlines ----
 
 
