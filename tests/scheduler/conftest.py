@@ -80,23 +80,29 @@ class _FakePending:
 
 class _FakePartsPending(_FakePending):
     """Hands a step over in parts, as the runner does (`parts`): the decode part at once, then
-    each prompt's first token, which waits for `prefill_gate` (a prompt chunk still running)."""
+    each prompt's first token, which waits for `prefill_gate` (a prompt chunk still running).
+    The whole step (`results`) waits for it too, as a device's whole step would."""
 
     def __init__(self, outputs: list[StepOutput], ready_at: float, gate: threading.Event | None, plan: StepPlan,
                  prefill_gate: threading.Event | None) -> None:
         super().__init__(outputs, ready_at, gate)
         self._plan, self._prefill_gate = plan, prefill_gate
 
+    def _wait_for_prefill(self) -> None:
+        if self._prefill_gate is not None and any(c.is_last for c in self._plan.prefills):
+            self._prefill_gate.wait()
+
+    def results(self) -> list[StepOutput]:
+        outs = super().results()
+        self._wait_for_prefill()
+        return outs
+
     def parts(self):
-        outs = self.results()
-        if len(outs) > 1 or not self._plan.prefills:
-            yield outs, self._plan.decode_slots
-            return
+        outs = super().results()
         yield outs, self._plan.decode_slots
         for chunk in self._plan.prefills:
             if chunk.is_last:
-                if self._prefill_gate is not None:
-                    self._prefill_gate.wait()
+                self._wait_for_prefill()
                 yield outs, (chunk.slot,)
 
 

@@ -374,15 +374,19 @@ def test_a_steps_decode_tokens_are_not_held_for_its_prompt_chunks(make_engine, f
     also prefills a new prompt reaches it while that prompt's chunk is still running."""
     prefill_gate = threading.Event()
     prefill_gate.set()
-    engine, model = make_engine(fake_model_cls(parts=True, prefill_gate=prefill_gate))
+    # 5 ms steps: the running stream is still running when the other prompt joins (slot 1)
+    engine, model = make_engine(fake_model_cls(parts=True, prefill_gate=prefill_gate, step_delay=0.005))
 
     async def main():
-        running = engine.submit(req("a", max_tokens=40, request_id="running"))
+        running = engine.submit(req("a", max_tokens=150, request_id="running"))  # 0.75 s of steps
         seen = [await running.__anext__(), await running.__anext__()]
         prefill_gate.clear()  # the next prompt's chunk "runs" until the gate opens
         joining = engine.submit(req("xy", max_tokens=2, request_id="joining"))
-        await asyncio.to_thread(wait_until, lambda: any(p.prefills for p in model.plans))
-        step = next(i for i, p in enumerate(model.plans) if p.prefills)
+        def joins(plan) -> bool:  # the joining prompt's step
+            return any(c.slot == 1 for c in plan.prefills)
+
+        await asyncio.to_thread(wait_until, lambda: any(joins(p) for p in model.plans))
+        step = next(i for i, p in enumerate(model.plans) if joins(p))
         # the running stream's tokens through the joining prompt's step: one per step (its
         # prompt's step included) up to that one
         wanted = sum(0 in p.decode_slots or any(c.slot == 0 and c.is_last for c in p.prefills)
@@ -395,7 +399,7 @@ def test_a_steps_decode_tokens_are_not_held_for_its_prompt_chunks(make_engine, f
         return [t for e in seen for t in e.token_ids] + rest.tokens, await collect(joining)
 
     tokens, joining = run(main())
-    assert tokens == [ord("a") + 1 + i for i in range(40)]
+    assert tokens == [ord("a") + 1 + i for i in range(150)]  # 98..247: below EOS (256)
     assert joining.tokens == [ord("y") + 1, ord("y") + 2]
 
 
