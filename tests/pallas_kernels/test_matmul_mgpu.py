@@ -48,6 +48,7 @@ class TestMosaicGpu(MatmulConformance):
 
 
 @pytest.mark.gpu
+@pytest.mark.variant
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 class TestMosaicGpuShuffleUnpack(TestMosaicGpu):
     """q4_0 through the other conversion (codes moved to the wgmma layout by warp shuffles)."""
@@ -59,6 +60,7 @@ class TestMosaicGpuShuffleUnpack(TestMosaicGpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.variant
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 class TestMosaicGpuFoldedScales(TestMosaicGpu):
     """Scales folded into the bf16 codes, one accumulator carried across K steps (`fold_scales`)."""
@@ -70,6 +72,7 @@ class TestMosaicGpuFoldedScales(TestMosaicGpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.variant
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 class TestMosaicGpuRowTiles(TestMosaicGpu):
     """Two and four 64-row tiles per warpgroup (fewer where N does not divide), scales unfolded
@@ -84,6 +87,7 @@ class TestMosaicGpuRowTiles(TestMosaicGpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.variant
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 class TestMosaicGpuColumnsOut(TestMosaicGpu):
     """Partial sums written as [split, N, M] and transposed after the call (`rows_out=False`),
@@ -117,6 +121,7 @@ class TestMosaicGpuPrefillRows(TestMosaicGpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.variant
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 class TestMosaicGpuInt8X(TestMosaicGpu):
     """q4_0 with x rounded to int8 per 32-block and int8 wgmmas (`int8_x`): within the bf16
