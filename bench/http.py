@@ -6,9 +6,8 @@ engine directly, and the difference: what the serving layer costs.
 Starts the server as a child process on a free port (or uses `--url`), waits for /health, and
 runs each concurrency level `--repeats` times (the report gives each figure's median): N async
 httpx clients, each one streaming POST /v1/completions with a fixed token-id prompt, fixed
-max_tokens and ignore_eos. `logprobs: 0` makes every token
-its own SSE frame (a frame is otherwise skipped while text is held back), so frame arrival
-times are token times. The server starts with a small --max-queue (8) so that the 32-client
+max_tokens and ignore_eos. `logprobs: 0` makes every token its own SSE frame (a frame is
+otherwise skipped while text is held back), so frame arrival times are token times. The server starts with a small --max-queue (8) so that the 32-client
 level exercises 429s. Then the server is stopped and a child process runs the identical
 requests through `Engine.submit` (bench/engine.py's helpers, same engine config), so the two
 never share the device. Reports throughput (generated tok/s over the wall time and in the
@@ -163,7 +162,8 @@ async def http_request(client, url: str, label: str, prompt: tuple[int, ...], ma
     return record
 
 
-async def run_http(url: str, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+async def run_http(url: str, args: argparse.Namespace, vocab: int, repeats: int) -> dict[str, Any]:
+    """Each level of `args.users`, `repeats` times over one client: `combine_runs` per level."""
     import httpx
 
     out = {}
@@ -174,7 +174,7 @@ async def run_http(url: str, args: argparse.Namespace, vocab: int) -> dict[str, 
         for users in args.users:
             prompts = prompts_for(args.seed, users, args.prompt_len, vocab)
             runs = []
-            for _ in range(args.repeats):
+            for _ in range(repeats):
                 records = await asyncio.gather(*(
                     http_request(client, url, f"http-{users}-{i}", p, args.max_tokens, i)
                     for i, p in enumerate(prompts)
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             health = server.wait_healthy(args.startup_timeout)
             startup_s = round(time.perf_counter() - server.started, 2)
             log.info("server healthy after %.1f s", startup_s)
-        http_levels = asyncio.run(run_http(url, args, vocab))
+        http_levels = asyncio.run(run_http(url, args, vocab, args.repeats))
     finally:
         if server is not None:
             server.stop()

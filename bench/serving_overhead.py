@@ -39,7 +39,6 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -183,7 +182,7 @@ def run_http_once(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     server = bench_http.ServerProcess(args, command=cmd)
     try:
         server.wait_healthy(120)
-        return asyncio.run(bench_http.run_http(server.url, args, vocab))
+        return asyncio.run(bench_http.run_http(server.url, args, vocab, repeats=1))  # --repeats alternates runs
     finally:
         server.stop()
 
@@ -235,10 +234,11 @@ def main() -> int:
     for users in map(str, args.users):
         row = {}
         for side in ("http", "engine"):
+            # medians over the runs; None where no run had such a span (no steady state: every
+            # token in one burst)
+            median = bench_http.combine_runs([r[users] for r in runs[side]])
             for key in ("tok_s", "steady_tok_s", "itl_ms_p50", "itl_ms_p99", "ttft_ms_p50"):
-                # None where a run had no such span (e.g. no steady state: every token in one burst)
-                values = [r[users][key] for r in runs[side] if r[users][key] is not None]
-                row[f"{side}_{key}"] = statistics.median(values) if values else None
+                row[f"{side}_{key}"] = median[key]
         # as bench/http.py: over the wall time (first submit to last token, TTFT included) and in the steady state
         for cost, key in (("cost_pct", "tok_s"), ("steady_cost_pct", "steady_tok_s")):
             http, engine = row[f"http_{key}"], row[f"engine_{key}"]

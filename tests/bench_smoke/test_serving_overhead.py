@@ -34,11 +34,12 @@ def test_steps_queue_back_to_back_and_sample_every_row():
 
 def test_script_runs_both_sides(smollm2_path, tmp_path):
     subprocess.run([sys.executable, str(SCRIPT), "--model", str(smollm2_path), "--step-ms", "1", "--host-ms", "0.1",
-                    "--users", "1,3", "--max-tokens", "12", "--prompt-len", "16", "--repeats", "1",
+                    "--users", "1,3", "--max-tokens", "12", "--prompt-len", "16", "--repeats", "2",
                     "--out", str(tmp_path)], check=True, timeout=300)
     (path,) = tmp_path.glob("serving-*.json")
     result = json.loads(path.read_text())
     for side in ("http", "engine"):
-        (run,) = result["runs"][side]
-        assert {users: (level["tokens"], level["errors"]) for users, level in run.items()} == {"1": (12, 0), "3": (36, 0)}
+        assert len(result["runs"][side]) == 2  # --repeats alternates whole runs; each run each level once
+        for run in result["runs"][side]:
+            assert {users: (level["tokens"], level["errors"]) for users, level in run.items()} == {"1": (12, 0), "3": (36, 0)}
     assert set(result["median"]) == {"1", "3"}
