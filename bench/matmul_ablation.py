@@ -22,10 +22,11 @@ thing, so the gaps between them say what costs:
     `tiles` sets the 64-row tiles per warpgroup (`row_tiles`), `i8=1` rounds x to int8 per 32-block
     and runs int8 wgmmas (`int8_x`), `rowsout=0` writes the partial sums as [split, N, M] rather
     than [split, M, N] (`rows_out`; either way the timed call returns [M, N]), `mtile` sets the
-    rows of x per CTA beyond 64 rows (`m_tile`, with `fold=1`: the prefill regime). Cut-down twins, for timing only (wrong
-    results): `noxor=1` (with `words=0`) converts the q4_0 codes without centring them, `noscale=1` sums the
-    blocks' results unscaled (no scale loads), `noconv=1` feeds constant codes to the wgmmas
-    (the codes still arrive in shared memory, unread). The runs of 2026-11-29 14:17 and
+    rows of x per CTA beyond 64 rows (`m_tile`, with `fold=1`: the prefill regime). Cut-down
+    twins, for timing only (wrong results): `noxor=1` (with `words=0`) converts the q4_0 codes
+    without centring them, `noscale=1` sums the blocks' results unscaled (no scale loads),
+    `noconv=1` feeds constant codes to the wgmmas (the codes still arrive in shared memory,
+    unread). The runs of 2026-11-29 14:17 and
     14:19 used its first cut, written here, which read int4 codes and transposed scales
     repacked for it and took the layer as a compile-time constant.
   * `dense`: XLA's dot of x with a bf16 weight of the shape (one matrix, dequantized once,
@@ -303,7 +304,7 @@ def run_variant(mode, tiled, extra, x, w, tuning):
     if mode == "dense":  # one bf16 matrix per layer, like the stacks the others read, past L2
         layers = next(iter(w.planes.values())).shape[0]
         wds = [jax.block_until_ready(quant.dequantize_reference(
-            quant.QuantizedTensor({p: v[l] for p, v in w.planes.items()}, "q4_0", w.shape)).astype(jnp.bfloat16))
+            quant.QuantizedTensor({p: v[l] for p, v in w.planes.items()}, w.fmt, w.shape)).astype(jnp.bfloat16))
             for l in range(layers)]  # [N, K] each
         dot = jax.jit(lambda x, wd: jnp.dot(x, wd.T, preferred_element_type=jnp.float32))
         return lambda l: dot(x, wds[l])
