@@ -16,6 +16,10 @@ Timing: each measured call is one jitted program that runs the op on `copies` di
 buffers in a row (enough to exceed the L2 cache, at most --max-copies), so host dispatch is
 paid once per program and the cache is read from HBM; us = median program time / copies.
 `--sweep` then times a grid of kernel configurations on a few shapes (rows carry "config").
+`--sweep-decode llama2-7b:8:200,...` times decode configurations alone at engine-like
+positions (B rows at that position, attending over the runner's context bucket of it; bytes
+count the visible keys): where the main plan's full-length rows favour long pipelines, a decode
+step at a few hundred keys is bound by each program's latency.
 
 Writes `attention-<date>.json` ({"meta": ..., "rows": [...]}) to --out (default
 bench/results) and prints a table last.
@@ -34,6 +38,7 @@ import dataclasses  # noqa: E402
 import itertools  # noqa: E402
 import logging  # noqa: E402
 import statistics  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
@@ -144,19 +149,22 @@ class Bench:
         self.copy_gbps = common.copy_bandwidth_gb_s(self.plan.copy_bytes)
         log.info("copy bandwidth %.0f GB/s (%d MiB buffer)", self.copy_gbps, self.plan.copy_bytes >> 20)
 
-    def decode_inputs(self, b, s, h, k, d, copies):
-        self.reseed(b, s, h, k, d)
+    def decode_inputs(self, b, s, h, k, d, copies, pos):
+        self.reseed(b, s, h, k, d, pos)
         q = self.normal((b, h, d))
         kvs = [(self.normal((b, s, k, d)), self.normal((b, s, k, d))) for _ in range(copies)]
-        positions = self.jnp.full((b,), s - 1, self.jnp.int32)  # full length: keys 0..S-1 visible
+        positions = self.jnp.full((b,), pos, self.jnp.int32)  # keys 0..pos visible
         return q, kvs, positions
 
-    def run_decode(self, model, b, s, impls=("triton", "reference"), config=None, extra=None) -> None:
+    def run_decode(self, model, b, s, impls=("triton", "reference"), config=None, extra=None,
+                   pos: int | None = None) -> None:
+        """B rows at position `pos` (default S - 1: every key visible) attending over [0, S)."""
         jax = self.jax
         h, k, d = (MODELS | TINY_MODELS)[model]
-        nbytes = b * s * k * d * 2 * 2  # K and V, bf16, every position visible
-        copies = self.num_copies(nbytes)
-        q, kvs, positions = self.decode_inputs(b, s, h, k, d, copies)
+        pos = s - 1 if pos is None else pos
+        nbytes = b * (pos + 1) * k * d * 2 * 2  # K and V, bf16, of the visible positions
+        copies = self.num_copies(b * s * k * d * 2 * 2)
+        q, kvs, positions = self.decode_inputs(b, s, h, k, d, copies, pos)
         scale = d ** -0.5
         outs, first_row = {}, len(self.rows)
         for impl in impls:
@@ -167,19 +175,20 @@ class Bench:
                 outs[impl] = np.asarray(one(q, *kvs[0], positions))
                 if impl == "triton" and "reference" not in impls:
                     ref_fn = jax.jit(self.attention.attention_decode_reference, static_argnums=4)
-                    outs["reference"] = self.reference_out(("decode", b, s, h, k, d),
+                    outs["reference"] = self.reference_out(("decode", b, s, h, k, d, pos),
                                                            lambda: ref_fn(q, *kvs[0], positions, scale, 0))
                 seconds = time_program(lambda: many(q, kvs, positions), self.reps) / copies
+                device = self.device_time(lambda: many(q, kvs, positions), copies) if self.args.device_time else {}
             except Exception as e:  # noqa: BLE001 - a failed config is a result row, not the end of the run
                 log.error("decode %s %s b=%d s=%d failed: %s", impl, model, b, s, e)
-                self.rows.append(self.row("attention_decode", impl, model, b, s, h, k, d, error=str(e)[:300],
-                                          **(extra or {})))
+                self.rows.append(self.row("attention_decode", impl, model, b, s, h, k, d, pos=pos,
+                                          error=str(e)[:300], **(extra or {})))
                 continue
             gbps = nbytes / seconds / 1e9
             self.rows.append(self.row(
-                "attention_decode", impl, model, b, s, h, k, d, us=seconds * 1e6, gbps=gbps,
+                "attention_decode", impl, model, b, s, h, k, d, pos=pos, us=seconds * 1e6, gbps=gbps,
                 pct_hbm=100 * gbps / self.copy_gbps if self.copy_gbps else None,
-                tflops=4 * b * h * s * d / seconds / 1e12, copies=copies, **(extra or {}),
+                tflops=4 * b * h * (pos + 1) * d / seconds / 1e12, copies=copies, **device, **(extra or {}),
             ))
         self.fill_rel_err(first_row, outs)
         self.on_rows(self.rows)
@@ -220,6 +229,26 @@ class Bench:
         self.fill_rel_err(first_row, outs)
         self.on_rows(self.rows)
 
+    def device_time(self, fn: Callable[[], Any], copies: int) -> dict[str, Any]:
+        """Device time of one op call from a profiler trace of `reps` calls of fn (a program of
+        `copies` op calls): the sum of the kernels' durations per op call (launch gaps and the
+        host's dispatch excluded, which the wall time of a short call is mostly made of), the
+        kernels per call and the longest kernel's name."""
+        with tempfile.TemporaryDirectory() as d:
+            self.jax.profiler.start_trace(d)
+            for _ in range(self.reps):
+                self.jax.block_until_ready(fn())
+            self.jax.profiler.stop_trace()
+            events = common.device_trace_events(d)
+        if not events:
+            return {"device_error": "no device events in the trace"}
+        calls = self.reps * copies
+        by_name: dict[str, float] = {}
+        for e in events:
+            by_name[e["name"]] = by_name.get(e["name"], 0.0) + float(e.get("dur", 0.0))
+        return {"device_us": sum(by_name.values()) / calls, "kernels_per_call": len(events) / calls,
+                "device_split_us": {n[:60]: round(t / calls, 2) for n, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:4]}}
+
     def reference_out(self, key: tuple, compute: Callable[[], Any]) -> np.ndarray:
         if key not in self.reference_outs:
             self.reference_outs[key] = np.asarray(compute())
@@ -251,6 +280,19 @@ class Bench:
             log.info("prefill %s t=%d start=%d", model, t, start)
             self.run_prefill(model, t, start, impls)
 
+    def run_decode_sweep(self, shapes: list[tuple[str, int, int]]) -> None:
+        """Decode configurations at engine-like positions: (model, B, position) rows attending
+        over the context bucket of that position (`bucket`), as a decode step of the runner
+        does; the default config first."""
+        cfg_cls = self.triton.DecodeAttentionConfig
+        grid = [self.triton.DEFAULT_DECODE_CONFIG]
+        grid += [cfg_cls(block_s=bs, num_warps=w, num_stages=st, num_splits=sp)
+                 for bs, w, st, sp in itertools.product((32, 64), (2, 4), (3,), (1, 2, 4, 8))]
+        for (model, b, pos), cfg in itertools.product(shapes, grid):
+            s = bucket(pos + 1)
+            log.info("sweep decode %s b=%d pos=%d s=%d %s", model, b, pos, s, cfg)
+            self.run_decode(model, b, s, ("triton",), config=cfg, extra={"config": dataclasses.asdict(cfg)}, pos=pos)
+
     def run_sweep(self) -> None:
         """Kernel configurations on a few shapes; the default config is included in each grid."""
         cfg_cls = self.triton.DecodeAttentionConfig
@@ -260,7 +302,7 @@ class Bench:
             decode_shapes = [("llama3-8b", 8, 4096), ("llama2-7b", 32, 4096), ("llama3-8b", 1, 4096)]
             decode_grid = [cfg_cls(block_s=bs, num_warps=w, num_stages=st)
                            for bs, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
-            decode_grid += [cfg_cls(target_programs=tp) for tp in (256, 512, 2048, 4096)]
+            decode_grid += [cfg_cls(target_programs=tp) for tp in (128, 512, 1024, 2048)]
         for (model, b, s), cfg in itertools.product(decode_shapes, decode_grid):
             log.info("sweep decode %s b=%d s=%d %s", model, b, s, cfg)
             self.run_decode(model, b, s, ("triton",), config=cfg, extra={"config": dataclasses.asdict(cfg)})
@@ -290,14 +332,26 @@ def print_table(rows: list[dict[str, Any]], copy_gbps: float | None, device: dic
     print(head)
     print("-" * len(head))
     for r in rows:
-        ts = f"{r['t']}@{r['start']}" if "t" in r else "-"
+        ts = f"{r['t']}@{r['start']}" if "t" in r else (f"@{r['pos']}" if r.get("pos") is not None else "-")
         cfg = r.get("config")
         cfg_s = ",".join(f"{k}={v}" for k, v in cfg.items() if v is not None) if cfg else ""
         if r.get("error"):
             cfg_s = f"FAILED: {r['error'][:80]} {cfg_s}"
+        if r.get("device_us") is not None:
+            cfg_s = f"device {r['device_us']:.2f} us, {r['kernels_per_call']:.0f} kernels; {cfg_s}"
         print(f"{r['op'].removeprefix('attention_'):8} {r['impl']:9} {r['model']:10} {r['b']:>3} {r['s']:>5} "
               f"{ts:>9} {fmt(r['us'], '10.1f')} {fmt(r['gbps'], '7.0f')} {fmt(r['pct_hbm'], '6.1f')} "
               f"{fmt(r['tflops'], '8.2f')} {fmt(r['rel_err'], '8.1e')}  {cfg_s}")
+
+
+def parse_decode_shapes(text: str) -> list[tuple[str, int, int]]:
+    shapes = []
+    for item in text.split(","):
+        model, b, pos = item.split(":")
+        if model not in MODELS | TINY_MODELS:
+            raise argparse.ArgumentTypeError(f"unknown model {model!r}; one of {sorted(MODELS | TINY_MODELS)}")
+        shapes.append((model, int(b), int(pos)))
+    return shapes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -307,6 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tiny", action="store_true", help="small shapes (the CPU smoke test)")
     ap.add_argument("--sweep", action="store_true", help="also time a grid of kernel configurations")
     ap.add_argument("--sweep-only", action="store_true", help="only the configuration sweep")
+    ap.add_argument("--sweep-decode", type=parse_decode_shapes, default=[],
+                    help="only a decode configuration sweep at MODEL:B:POSITION[,...] (e.g. llama2-7b:8:200)")
+    ap.add_argument("--device-time", action="store_true",
+                    help="decode rows also get device_us: kernel time per call from a profiler trace")
     ap.add_argument("--triton-only", action="store_true", help="skip the reference rows")
     ap.add_argument("--reps", type=int, default=0, help="timed repetitions per program (0: plan default)")
     ap.add_argument("--max-copies", type=int, default=16, help="most K/V buffers per timed program")
@@ -331,9 +389,11 @@ def main(argv: list[str] | None = None) -> int:
             "tiny": args.tiny, "reps": bench.reps, "stamp": stamp}
     # Rewritten after every shape, so a run cut short still leaves its rows.
     bench.on_rows = lambda rows: common.write_json(path, {"meta": meta, "rows": rows})
-    if not args.sweep_only:
+    if args.sweep_decode:
+        bench.run_decode_sweep(args.sweep_decode)
+    elif not args.sweep_only:
         bench.run_main()
-    if args.sweep or args.sweep_only:
+    if (args.sweep or args.sweep_only) and not args.sweep_decode:
         bench.run_sweep()
     common.write_json(path, {"meta": meta, "rows": bench.rows})
     print(f"wrote {path}")
