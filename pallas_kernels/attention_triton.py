@@ -13,8 +13,10 @@ Decode is flash decoding (split-K): one program per (slot row, kv head, split of
 [block_s, D] tiles of K and V of its kv head once for all G = H / K query heads of that head
 (the G queries padded to >= 16 rows, the smallest Triton dot), keeps an online softmax in f32
 and writes a partial (max, sum, unnormalised output); a small jnp step merges the splits (with
-one split the kernel writes the final output itself). The number of splits is static, chosen
-from B, K and S so that about `target_programs` programs run. Each program loops only over the
+one split the kernel writes the final output itself). The number of splits is static
+(`DecodeAttentionConfig.plan`), chosen from B, K and S so that about `target_programs`
+programs run: one where B x K programs are that many already (the engine's 8 slots of a 7B's
+32 kv heads). Each program loops only over the
 tiles that hold visible keys of its row, bounded by the row's position (and window) read from
 the positions array, so short and inactive rows read nothing past their last key.
 
@@ -76,16 +78,32 @@ def _check_launch(num_warps: int | None, num_stages: int | None) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """What one decode call runs: keys per tile, splits of S per (row, kv head), warps."""
+
+    block_s: int
+    num_splits: int
+    num_warps: int
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeAttentionConfig:
-    # Keys per tile. None: a 16 KiB K tile (64 keys at D = 128 in bf16, 32 in f32), >= 16.
+    # Keys per tile. None: a 16 KiB K tile (64 keys at D = 128 in bf16, 32 in f32), >= 16;
+    # an 8 KiB one for one query per kv head in a single split (see `plan`).
     block_s: int | None = None
-    # Splits of S per (row, kv head). None: enough for about `target_programs` programs, each
-    # split at least `min_split_keys` keys, so one row at long context still fills the GPU
-    # while large batches do not pay for partials they do not need.
+    # Splits of S per (row, kv head). None: enough for about `target_programs` programs (one
+    # split where the rows and kv heads alone give that many), each split at least
+    # `min_split_keys` keys.
     num_splits: int | None = None
-    target_programs: int = 1024
+    # On the H200 (bench/results, tenth session; kernel time from a profiler trace), 8 rows x 32
+    # kv heads (Llama-2-7B, 256 programs) ran fastest in one split at every length tried (200,
+    # 1000 and 4000 keys): 10.1 against 14.8 us at 200 keys with 4 splits and their merge, 120.6
+    # against 131.4 at 4000; 8 rows x 8 kv heads at 4000 keys: 4 splits 35.2 us, 16 splits
+    # (the earlier target of 1024 programs) 40.3, one 54.7.
+    target_programs: int = 256
     min_split_keys: int = 128
-    num_warps: int = 4
+    # None: 4, or 2 with the 8 KiB tile of one query per kv head in one split.
+    num_warps: int | None = None
     num_stages: int = 3
 
     def __post_init__(self) -> None:
@@ -98,19 +116,27 @@ class DecodeAttentionConfig:
             raise ValueError(f"min_split_keys must be >= 1, got {self.min_split_keys}")
         _check_launch(self.num_warps, self.num_stages)
 
-    def tile(self, head_dim: int, itemsize: int) -> int:
-        return self.block_s or max(_MIN_DOT, 16384 // (head_dim * itemsize))
-
-    def splits(self, num_rows: int, num_kv_heads: int, num_tiles: int, block_s: int) -> int:
-        """Splits actually used: never more than tiles, and none left empty by rounding."""
+    def plan(self, num_rows: int, num_kv_heads: int, groups: int, head_dim: int, itemsize: int,
+             span: int) -> DecodePlan:
+        """The tile, splits and warps of a call over `span` keys. One query per kv head (G = 1,
+        the query rows padded 16x for the dot) in a single split takes half-size tiles and 2
+        warps: 10.1 against 11.2 us at 8 x 32 programs and 200 keys on the H200, 33.4 against
+        33.6 at 1000; with G = 4 the full tile and 4 warps were faster (6.3 against 7.1 us)."""
+        one_split = self.num_splits == 1 or (
+            self.num_splits is None and num_rows * num_kv_heads >= self.target_programs)
+        small = one_split and groups == 1
+        block_s = self.block_s or max(_MIN_DOT, (8192 if small else 16384) // (head_dim * itemsize))
+        num_tiles = -(-span // block_s)
         if self.num_splits is not None:
             wanted = self.num_splits
         else:
             wanted = -(-self.target_programs // (num_rows * num_kv_heads))
             wanted = min(wanted, max(1, (num_tiles * block_s) // self.min_split_keys))
+        # never more splits than tiles, and none left empty by rounding
         wanted = max(1, min(wanted, num_tiles))
         per_split = -(-num_tiles // wanted)
-        return -(-num_tiles // per_split)
+        num_warps = self.num_warps or (2 if small else 4)
+        return DecodePlan(block_s, -(-num_tiles // per_split), num_warps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,9 +357,9 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, *, config, int
     s_max, kh, g = k_cache.shape[2], k_cache.shape[3], h // k_cache.shape[3]
     s = span
     g_pad = max(_MIN_DOT, 1 << (g - 1).bit_length())
-    block_s = config.tile(d, k_cache.dtype.itemsize)
+    plan = config.plan(b, kh, g, d, k_cache.dtype.itemsize, s)
+    block_s, num_splits = plan.block_s, plan.num_splits
     num_tiles = -(-s // block_s)
-    num_splits = config.splits(b, kh, num_tiles, block_s)
     tiles_per_split = -(-num_tiles // num_splits)
     scale_arr, win_arr = _scalar_inputs(scale, window, static_scale, static_window)
 
@@ -377,7 +403,7 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, *, config, int
         ],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_TritonParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        compiler_params=_TritonParams(num_warps=plan.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="attention_decode",
     )(positions.astype(jnp.int32), win_arr, scale_arr, layer, q, k_cache, v_cache)

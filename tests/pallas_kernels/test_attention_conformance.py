@@ -168,7 +168,8 @@ class DecodeConformance:
         read one would return NaN (0 * NaN in the probability-weighted sum of V)."""
         rng, seed = fresh_rng()
         q, k, v, positions = self.inputs(case, rng)
-        tile = case.config.tile(case.d, jnp.dtype(case.dtype).itemsize)
+        tile = case.config.plan(case.b, case.k, case.h // case.k, case.d, jnp.dtype(case.dtype).itemsize,
+                                case.s).block_s
         s_idx = np.arange(case.s)
         for window in case.windows:
             poison = np.zeros((case.b, case.s), bool)
@@ -280,6 +281,8 @@ class TestDecodeInterpret(DecodeConformance):
                    config=DecodeAttentionConfig(block_s=32, num_splits=2)),
         DecodeCase(3, 64, 8, 1, 256, jnp.bfloat16, windows=(9,), is_window_static=True,
                    config=DecodeAttentionConfig(block_s=16)),
+        # the auto plan's one split with half tiles and 2 warps (G = 1, rows x kv heads >= 8)
+        DecodeCase(3, 100, 4, 4, 64, jnp.float32, windows=(0, 7), config=DecodeAttentionConfig(target_programs=8)),
     )
 
 
@@ -319,6 +322,7 @@ class TestDecodeGpu(DecodeConformance):
         DecodeCase(4, 4096, 8, 8, 128, jnp.bfloat16, is_window_static=True,
                    config=DecodeAttentionConfig(num_splits=7)),
         DecodeCase(32, 1024, 32, 8, 128, jnp.bfloat16, is_window_static=True),  # one split
+        DecodeCase(8, 1024, 32, 32, 128, jnp.bfloat16, windows=(0, 100)),  # the engine's 8 slots of a 7B: half tiles
     )
 
 
@@ -395,10 +399,27 @@ def test_config_validation(make):
 
 def test_decode_splits_cover_every_tile():
     cfg = DecodeAttentionConfig()
-    for b, k, tiles in [(1, 8, 64), (32, 32, 64), (3, 2, 7), (1, 1, 1)]:
-        splits = cfg.splits(b, k, tiles, 64)
-        per = -(-tiles // splits)
-        assert 1 <= splits <= tiles and (splits - 1) * per < tiles <= splits * per
+    for b, k, g, span in [(1, 8, 4, 4096), (32, 32, 1, 4096), (3, 2, 2, 7 * 64 - 5), (1, 1, 1, 64), (8, 8, 4, 512)]:
+        plan = cfg.plan(b, k, g, 128, 2, span)
+        tiles = -(-span // plan.block_s)
+        per = -(-tiles // plan.num_splits)
+        assert 1 <= plan.num_splits <= tiles and (plan.num_splits - 1) * per < tiles <= plan.num_splits * per
+
+
+def test_decode_plan_choices():
+    """One split once rows x kv heads reach `target_programs`, with the half tile and 2 warps
+    for one query per kv head; fewer programs split S; explicit fields win."""
+    cfg = DecodeAttentionConfig()
+    assert cfg.plan(8, 32, 1, 128, 2, 512) == attention_triton.DecodePlan(32, 1, 2)  # Llama-2-7B, 8 slots
+    assert cfg.plan(8, 32, 1, 128, 2, 4096).num_splits == 1
+    assert cfg.plan(8, 32, 4, 128, 2, 512) == attention_triton.DecodePlan(64, 1, 4)  # G = 4: full tile
+    assert cfg.plan(8, 8, 4, 128, 2, 4096) == attention_triton.DecodePlan(64, 4, 4)  # 64 programs: 4 splits
+    assert cfg.plan(1, 32, 1, 128, 2, 4096) == attention_triton.DecodePlan(64, 8, 4)
+    assert cfg.plan(1, 32, 1, 128, 2, 512) == attention_triton.DecodePlan(64, 4, 4)  # >= 128 keys per split
+    assert DecodeAttentionConfig(num_splits=2).plan(8, 32, 1, 128, 2, 512) == attention_triton.DecodePlan(64, 2, 4)
+    assert DecodeAttentionConfig(block_s=16, num_warps=8).plan(8, 32, 1, 128, 2, 512) == \
+        attention_triton.DecodePlan(16, 1, 8)
+    assert DecodeAttentionConfig(target_programs=1024).plan(8, 32, 1, 128, 2, 512).num_splits == 4
 
 
 @pytest.mark.parametrize("kv_dtype, d, s, g", [(jnp.bfloat16, 128, 4096, 4), (jnp.float32, 64, 1000, 3),
