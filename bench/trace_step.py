@@ -42,6 +42,7 @@ from bench import common  # noqa: E402
 from model.config import UNROLL_DECODE_LAYERS, EngineConfig  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.weights import params_nbytes  # noqa: E402
+from server.__main__ import parse_kernels  # noqa: E402  (the server's flag parser)
 
 
 def summarize(log_dir: str, steps: int, top: int = 40) -> dict:
@@ -167,6 +168,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=lambda v: [int(t) for t in v.split(",")], default=[],
                     help="trace the prefill programs of these chunk sizes (comma list) instead")
     ap.add_argument("--unroll-decode-layers", default="auto", choices=UNROLL_DECODE_LAYERS)
+    ap.add_argument("--kernels", type=parse_kernels, default=(),
+                    help="force kernels, as the server's --kernels (e.g. add_norm=reference: the unfused decode)")
     ap.add_argument("--matmul-warps", type=int, default=None,
                     help="a variant: this many warps in the Triton decode matmuls (M <= 64) instead of the default")
     args = ap.parse_args()
@@ -185,7 +188,7 @@ def main() -> None:
     out = pathlib.Path(args.out) if args.out else None
 
     ecfg = EngineConfig(num_slots=args.slots, max_context=args.max_context, kv_dtype=args.kv_dtype,
-                        unroll_decode_layers=args.unroll_decode_layers)
+                        unroll_decode_layers=args.unroll_decode_layers, kernels=args.kernels)
     m = load_model(args.model, ecfg)
     runner = m.make_runner(ecfg)
     if args.prefill:

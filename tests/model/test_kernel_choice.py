@@ -99,3 +99,37 @@ def test_a_shape_the_first_kernel_refuses_gets_its_own_choice(tiny_tp_path, with
 def test_unknown_forced_op_is_an_error(tiny_tp_path):
     with pytest.raises(ValueError, match="unknown ops"):
         _loaded(tiny_tp_path, kernels=(("matmul_prefill", "reference"),))
+
+
+def test_the_decode_fusion_is_off_with_the_reference_and_on_with_a_kernel(tiny_tp_path, with_decode_only):
+    """add_norm chosen as the reference (the default: the Triton kernel ranks below it) leaves
+    the forward pass unfused; a kernel above it turns the fusion on, with the matmuls' partial
+    sums ([1, M, N] from an implementation without `parts`) and x orders ("natural" without
+    `input_order`) bound alongside."""
+    loaded, _ = _loaded(tiny_tp_path)
+    assert loaded.kernel_names["add_norm"] == "reference" and loaded.kernels.add_norm is None
+    assert loaded.kernels.matmul_parts is None and loaded.kernels.matmul_order is None
+    with pytest.raises(ValueError, match="not available"):
+        _loaded(tiny_tp_path, kernels=(("add_norm", "triton"),))  # no GPU here
+
+    from pallas_kernels import norm
+
+    impls, chosen = registry._REGISTRY._impls["add_norm"], registry._REGISTRY._chosen
+    saved, saved_chosen = list(impls), dict(chosen)
+    registry.register("add_norm", "test_fused", norm.add_norm_reference, priority=1000)
+    try:
+        loaded, _ = _loaded(tiny_tp_path)
+    finally:
+        impls[:] = saved
+        chosen.clear()
+        chosen.update(saved_chosen)
+    kern = loaded.kernels
+    assert loaded.kernel_names["add_norm"] == "test_fused" and kern.add_norm is norm.add_norm_reference
+    w = loaded.params.layers["wo"]
+    x = jnp.ones((8, w.shape[1]), jnp.float32)
+    parts = kern.matmul_parts(x, w, 0)
+    assert parts.shape == (1, 8, w.shape[0])
+    np.testing.assert_array_equal(np.asarray(parts[0]), np.asarray(kern.matmul(x, w, 0)))
+    assert kern.matmul_order(w, 8) == "natural"
+    with pytest.raises(ValueError, match="words"):
+        kern.matmul(x, w, 0, None, x_order="words")

@@ -377,3 +377,41 @@ def test_tiles_of_x_rows_are_balanced(m, m_tile, expected):
     rows = matmul_mgpu.tile_rows(m, tuning)
     assert rows == expected and rows % 8 == 0 and rows <= m_tile
     assert rows * -(-m // rows) - m < 8 * -(-m // rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt,n,k", [("q4_0", 4096, 11008), ("q4_0", 12288, 4096), ("q8_0", 4096, 4096)])
+def test_parts_and_words_order_give_the_product(fmt, n, k):
+    """`qmatmul_mgpu_parts` sums to `qmatmul_mgpu`'s result; x handed over in the words order
+    (`input_order`) gives the result of natural x."""
+    rng = np.random.default_rng(n + k)
+    w = jax.tree_util.tree_map(lambda *p: jnp.stack(p), *[random_weight(fmt, n, k, rng) for _ in range(2)])
+    x = jnp.asarray(rng.standard_normal((8, k)), jnp.bfloat16)
+    full = matmul_mgpu.qmatmul_mgpu(x, w, layer=1)
+    parts = matmul_mgpu.qmatmul_mgpu_parts(x, w, layer=1)
+    assert parts.shape == (matmul_mgpu.split_for(n, k), 8, n)
+    np.testing.assert_allclose(np.asarray(jnp.sum(parts, axis=0)), np.asarray(full), rtol=1e-5, atol=1e-4)
+    if matmul_mgpu.input_order(w, 8) == "words":
+        got = matmul_mgpu.qmatmul_mgpu(matmul_mgpu.permute_x_words(x), w, layer=1, x_order="words")
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(full))
+
+
+def test_input_order_and_parts_contract():
+    """The words order is q4_0's with word unpacking (decode and prefill tunings); x in it is
+    refused elsewhere; the partial sums come as [split, M, N] and lower for CUDA."""
+    pytest.importorskip("absl")
+    q4, q8 = _spec("q4_0", 4096, 11008, 3), _spec("q8_0", 4096, 4096, 3)
+    assert matmul_mgpu.input_order(q4, 8) == "words" and matmul_mgpu.input_order(q4, 512) == "words"
+    assert matmul_mgpu.input_order(q8, 8) == "natural"
+    assert matmul_mgpu.input_order(q4, 8, matmul_mgpu.MosaicMatmulTuning(word_unpack=False)) == "natural"
+    x8 = jax.ShapeDtypeStruct((8, 4096), jnp.bfloat16)
+    with pytest.raises(ValueError, match="words order"):
+        jax.eval_shape(lambda x, w: matmul_mgpu.qmatmul_mgpu(x, w, layer=0, x_order="words"), x8, q8)
+    assert matmul_mgpu.qmatmul_mgpu.parts is matmul_mgpu.qmatmul_mgpu_parts
+    x = jax.ShapeDtypeStruct((8, 11008), jnp.bfloat16)
+    fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu_parts(x, w, layer=i, x_order="words")  # noqa: E731
+    out = jax.eval_shape(fn, x, q4, jax.ShapeDtypeStruct((), jnp.int32))
+    assert out.shape == (matmul_mgpu.split_for(4096, 11008), 8, 4096) == (5, 8, 4096)
+    lowered = jax.jit(fn).trace(x, q4, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
