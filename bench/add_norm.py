@@ -4,8 +4,10 @@ the norm with the permutation), kernel time per call from a profiler trace.
 
     python3 bench/add_norm.py [--rows 8] [--embed 4096] [--parts 1,4,5] [--warps 1,2,4,8,16] [--out DIR]
 
-Each variant runs in one jitted program 32 times on distinct inputs (so XLA neither merges nor
-caches the calls); us = the sum of the program's kernel durations / 32. Writes
+Each variant runs in one jitted program 32 times on distinct input arrays (so XLA neither merges
+nor caches the calls, and hands each call its own buffers); us = the sum of the program's kernel
+durations / 32. (The first version sliced one stacked input per call, and the Triton kernel's
+figures in `addnorm-20261130-040119.json` include those slices' copy kernels: 3 kernels a call.) Writes
 `addnorm-<date>.json` to --out (default bench/results).
 """
 
@@ -62,8 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     key = jax.random.key(0)
     rows = []
     for p in args.parts:
-        xs = jax.random.normal(key, (CALLS, m, e), jnp.float32)
-        parts = jax.random.normal(jax.random.fold_in(key, 1), (CALLS, p, m, e), jnp.float32)
+        # one array per call: a slice of a larger array handed to the Pallas call would be a
+        # copy kernel of its own (the weights stay one [CALLS, E] stack read at a layer, as the
+        # engine's norm weights are)
+        xs = [jax.random.normal(jax.random.fold_in(key, 10 + i), (m, e), jnp.float32) for i in range(CALLS)]
+        parts = [jax.random.normal(jax.random.fold_in(key, 100 + i), (p, m, e), jnp.float32) for i in range(CALLS)]
         w = jax.random.normal(jax.random.fold_in(key, 2), (CALLS, e), jnp.float32)
         variants = {"xla": norm.add_norm_reference}
         variants |= {f"triton-w{n}": functools.partial(norm.add_norm_triton, num_warps=n) for n in args.warps}

@@ -362,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sweep", action="store_true", help="also time a grid of kernel configurations")
     ap.add_argument("--sweep-only", action="store_true", help="only the configuration sweep")
     ap.add_argument("--sweep-decode", type=parse_decode_shapes, default=[],
-                    help="only a decode configuration sweep at MODEL:B:POSITION[,...] (e.g. llama2-7b:8:200)")
+                    help="only a decode configuration sweep at MODEL:B:POSITION[,...] (e.g. llama2-7b:8:200); "
+                         "the main plan and --sweep are skipped")
     ap.add_argument("--device-time", action="store_true",
                     help="decode rows also get device_us: kernel time per call from a profiler trace")
     ap.add_argument("--triton-only", action="store_true", help="skip the reference rows")

@@ -189,7 +189,7 @@ def choose_kernels(
             raise KeyError(f"no matmul was chosen for a {w.fmt} matrix {list(w.shape)}: not a shape of this model")
         return fn
 
-    def order_kwargs(fn, w: QuantizedTensor, m: int, x_order: str) -> dict:
+    def order_kwargs(w: QuantizedTensor, m: int, x_order: str) -> dict:
         if x_order == "natural":
             return {}
         if matmul_order(w, m) != x_order:
@@ -201,7 +201,7 @@ def choose_kernels(
         del split  # one device: nothing is split (model/sharding.py wraps this for tensor parallelism)
         m = math.prod(x.shape[:-1])
         fn = chosen_matmul(w, m)
-        return fn(x.astype(act_dtype), w, layer=layer, **order_kwargs(fn, w, m, x_order))
+        return fn(x.astype(act_dtype), w, layer=layer, **order_kwargs(w, m, x_order))
 
     def matmul_parts(x: jax.Array, w: QuantizedTensor, layer=None, x_order: str = "natural") -> jax.Array:
         """[P, ..., N]: the chosen matmul's K-split partial sums where it offers them, else [1, ..., N]."""
@@ -209,8 +209,8 @@ def choose_kernels(
         fn = chosen_matmul(w, m)
         parts = getattr(fn, "parts", None)
         if parts is None:
-            return fn(x.astype(act_dtype), w, layer=layer, **order_kwargs(fn, w, m, x_order))[None]
-        return parts(x.astype(act_dtype), w, layer=layer, **order_kwargs(fn, w, m, x_order))
+            return fn(x.astype(act_dtype), w, layer=layer, **order_kwargs(w, m, x_order))[None]
+        return parts(x.astype(act_dtype), w, layer=layer, **order_kwargs(w, m, x_order))
 
     def matmul_order(w: QuantizedTensor, m: int) -> str:
         order = getattr(chosen_matmul(w, m), "input_order", None)
@@ -225,6 +225,11 @@ def choose_kernels(
         jax.ShapeDtypeStruct((e,), f32), cfg.rms_eps, "natural",
     )])
     fused = names["add_norm"] != "reference"
+    if fused and tp > 1:  # model/sharding.py runs each op per device; the fused forward pass is one device's
+        if "add_norm" in forced:
+            raise ValueError(f"--kernels add_norm={forced['add_norm']}: the fused decode runs on one device, not "
+                             f"under tensor parallelism ({tp})")
+        fused, names["add_norm"] = False, "reference (tensor parallel)"
     return Kernels(matmul=matmul, embed=embed_fn, attention_decode=dec_fn, attention_prefill=pre_fn,
                    add_norm=add_norm_fn if fused else None, matmul_parts=matmul_parts if fused else None,
                    matmul_order=matmul_order if fused else None), names

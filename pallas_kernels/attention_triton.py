@@ -135,7 +135,7 @@ class DecodeAttentionConfig:
         # never more splits than tiles, and none left empty by rounding
         wanted = max(1, min(wanted, num_tiles))
         per_split = -(-num_tiles // wanted)
-        num_warps = self.num_warps or (2 if small else 4)
+        num_warps = self.num_warps or (2 if small and self.block_s is None else 4)
         return DecodePlan(block_s, -(-num_tiles // per_split), num_warps)
 
 

@@ -1,7 +1,8 @@
 """The decode step's fused residual add + norm (`forward._decode_fused`, `Kernels.add_norm`) gives
 the logits and cache of the plain composition: with the reference op, with the Triton kernel in
-Pallas interpret mode, with K-split partial sums, and with x handed to the matmuls in the
-"words" column order they ask for. tiny-tp (qwen2: q/k/v biases; E 256, 2 layers, q8_0)."""
+Pallas interpret mode, with K-split partial sums, with x handed to the matmuls in the "words"
+column order they ask for, for stacked layers, a list of them and a tied head. tiny-tp (qwen2:
+q/k/v biases; E 256, 2 layers, q8_0) with random norm weights."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from model import forward
 from model.config import ModelConfig
 from model.forward import Kernels, KVCache
 from model.gguf_file import GGUFFile
-from model.weights import load_params
-from pallas_kernels import norm
+from model.weights import Params, load_params
+from pallas_kernels import norm, quant
 from pallas_kernels.attention import attention_decode_reference, attention_prefill_reference
 from pallas_kernels.matmul import embed_reference, qmatmul_reference
 
@@ -31,9 +32,27 @@ def _from_words(x: jax.Array) -> jax.Array:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_tp_path):
+    """tiny-tp with random norm weights (the file's are all ones, which would hide a norm read
+    from the wrong layer or the wrong norm)."""
     gf = GGUFFile(tiny_tp_path)
     cfg = ModelConfig.from_gguf_metadata(gf.metadata, frozenset(gf.tensors))
-    return cfg, load_params(gf, cfg)
+    params = load_params(gf, cfg)
+    assert params.is_stacked
+    rng = np.random.default_rng(3)
+
+    def rand(a):
+        return jnp.asarray(1.0 + 0.5 * rng.standard_normal(a.shape), a.dtype)
+
+    layers = dict(params.layers, attn_norm=rand(params.layers["attn_norm"]), ffn_norm=rand(params.layers["ffn_norm"]))
+    return cfg, dataclasses.replace(params, layers=layers, output_norm=rand(params.output_norm))
+
+
+def _unstacked(params: Params) -> Params:
+    """The same weights as a list of per-layer dicts (what a model with non-uniform layers loads)."""
+    n = params.layers["attn_norm"].shape[0]
+    layers = [{k: quant.layer_of(v, i) if isinstance(v, quant.QuantizedTensor) else v[i]
+               for k, v in params.layers.items()} for i in range(n)]
+    return dataclasses.replace(params, layers=layers, is_stacked=False)
 
 
 class Fakes:
@@ -79,9 +98,14 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("add_norm", ["reference", "triton-interpret"])
-def test_fused_decode_matches_the_composition(tiny, add_norm):
+@pytest.mark.parametrize("add_norm, layers", [("reference", "stacked"), ("triton-interpret", "stacked"),
+                                              ("triton-interpret", "list"), ("reference", "tied head")])
+def test_fused_decode_matches_the_composition(tiny, add_norm, layers):
     cfg, params = tiny
+    if layers == "list":
+        params = _unstacked(params)
+    elif layers == "tied head":  # the output head read from the embedding table
+        params = dataclasses.replace(params, output=None)
     fakes = Fakes(cfg.vocab_size)
     plain = Kernels(fakes.matmul, embed_reference, attention_decode_reference, attention_prefill_reference)
     op = norm.add_norm_reference if add_norm == "reference" else functools.partial(norm.add_norm_triton,

@@ -133,3 +133,27 @@ def test_the_decode_fusion_is_off_with_the_reference_and_on_with_a_kernel(tiny_t
     assert kern.matmul_order(w, 8) == "natural"
     with pytest.raises(ValueError, match="words"):
         kern.matmul(x, w, 0, None, x_order="words")
+
+
+def test_the_decode_fusion_stays_off_under_tensor_parallelism(tiny_tp_path):
+    """model/sharding.py runs each op per device: a fused add_norm chosen anyway is dropped (and
+    named so), and one forced is an error."""
+    from model.kernels import choose_kernels
+    from pallas_kernels import norm
+
+    loaded, cfg = _loaded(tiny_tp_path)
+    tp2 = dataclasses.replace(cfg, tensor_parallel=2)
+    impls, chosen = registry._REGISTRY._impls["add_norm"], registry._REGISTRY._chosen
+    saved, saved_chosen = list(impls), dict(chosen)
+    registry.register("add_norm", "test_fused", norm.add_norm_reference, priority=1000)
+    try:
+        kern, names = choose_kernels({}, loaded.config, loaded.params, tp2)
+        assert kern.add_norm is None and names["add_norm"] == "reference (tensor parallel)"
+        with pytest.raises(ValueError, match="tensor parallelism"):
+            choose_kernels({"add_norm": "test_fused"}, loaded.config, loaded.params, tp2)
+        kern, names = choose_kernels({}, loaded.config, loaded.params, cfg)
+        assert kern.add_norm is norm.add_norm_reference and names["add_norm"] == "test_fused"
+    finally:
+        impls[:] = saved
+        chosen.clear()
+        chosen.update(saved_chosen)

@@ -420,6 +420,8 @@ def test_decode_plan_choices():
     assert DecodeAttentionConfig(block_s=16, num_warps=8).plan(8, 32, 1, 128, 2, 512) == \
         attention_triton.DecodePlan(16, 1, 8)
     assert DecodeAttentionConfig(target_programs=1024).plan(8, 32, 1, 128, 2, 512).num_splits == 4
+    # an explicit tile keeps the 4 warps measured with it
+    assert DecodeAttentionConfig(block_s=64).plan(8, 32, 1, 128, 2, 512) == attention_triton.DecodePlan(64, 1, 4)
 
 
 @pytest.mark.parametrize("kv_dtype, d, s, g", [(jnp.bfloat16, 128, 4096, 4), (jnp.float32, 64, 1000, 3),
