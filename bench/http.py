@@ -10,7 +10,9 @@ max_tokens and ignore_eos. `logprobs: 0` makes every token its own SSE frame (a 
 otherwise skipped while text is held back), so frame arrival times are token times. The server starts with a small --max-queue (8) so that the 32-client
 level exercises 429s. Then the server is stopped and a child process runs the identical
 requests through `Engine.submit` (bench/engine.py's helpers, same engine config), so the two
-never share the device. Reports throughput (generated tok/s over the wall time and in the
+never share the device; it loads its step programs from the server's persistent compilation
+cache (`--compile-cache`) rather than compiling them again (on the H200 a cold compile is about
+100 s per side). Reports throughput (generated tok/s over the wall time and in the
 steady state), TTFT and inter-token latency p50/p99, 429 counts, and the serving layer's cost
 in %. Writes bench/results/http-<date>.json and prints a table.
 
@@ -80,7 +82,8 @@ class ServerProcess:
         cmd = [
             sys.executable, "-m", "server", "--model", str(args.model), "--host", "127.0.0.1", "--port", "{port}",
             "--slots", str(args.slots), "--max-queue", str(args.max_queue), "--max-context", str(args.max_context),
-            "--prefill-budget", str(args.prefill_budget), "--log-level", "warning", *shlex.split(args.server_args),
+            "--prefill-budget", str(args.prefill_budget), "--log-level", "warning",
+            *(["--compile-cache", args.compile_cache] if args.compile_cache else []), *shlex.split(args.server_args),
         ] if command is None else command
         cmd = [part.replace("{port}", str(self.port)) for part in cmd]
         log.info("starting %s (log %s)", " ".join(cmd), self.log_file.name)
@@ -232,6 +235,8 @@ def engine_direct(args: argparse.Namespace) -> int:
     # "auto", as the server's --kv-dtype default: f32 on the CPU, bf16 on a GPU (an f32 cache here
     # made the H200 engine run slower than the server it is compared with)
     config = bench_engine.build_config(args.slots, args.max_context, "auto", args.prefill_budget, args.max_queue)
+    if args.compile_cache:  # the server's cache: its programs, compiled once, serve this side too
+        common.enable_compilation_cache(args.compile_cache)
     engine, startup = bench_engine.start_engine(args.model, config)
     vocab = engine.tokenizer.vocab_size
 
@@ -267,6 +272,7 @@ def run_engine_child(args: argparse.Namespace) -> dict[str, Any]:
             "--max-context", str(args.max_context), "--prefill-budget", str(args.prefill_budget),
             "--users", ",".join(map(str, args.users)), "--prompt-len", str(args.prompt_len),
             "--max-tokens", str(args.max_tokens), "--seed", str(args.seed), "--repeats", str(args.repeats),
+            "--compile-cache", args.compile_cache or "",
         ]
         log.info("engine-direct run in a child process")
         subprocess.run(cmd, check=True, cwd=common.ROOT)
@@ -332,6 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="runs of each level, on both sides; the report gives the median of each figure")
     ap.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for /health")
     ap.add_argument("--no-engine", action="store_true", help="skip the engine-direct comparison")
+    ap.add_argument("--compile-cache", default=None,
+                    help="persistent compilation cache of both sides (default: the server's own, so the engine "
+                         "side loads the programs the server compiled; '': the engine side compiles its own, the server "
+                         "keeps its default)")
     ap.add_argument("--server-args", default="", help='more `python -m server` flags, e.g. "--decode-steps 4"')
     ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
     ap.add_argument("--engine-direct", action="store_true", help=argparse.SUPPRESS)
@@ -345,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error("--repeats must be >= 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    if args.compile_cache is None:
+        from server.default_model import cache_dir  # no JAX in this process
+
+        args.compile_cache = str(cache_dir() / "jax-compile-cache")  # the server's default
     if args.engine_direct:
         return engine_direct(args)
     stamp = common.timestamp()
@@ -382,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                    "health": health},
         "settings": {"slots": args.slots, "max_queue": args.max_queue, "max_context": args.max_context,
                      "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "users": args.users,
-                     "repeats": args.repeats,
+                     "repeats": args.repeats, "compile_cache": args.compile_cache or None,
                      "request": "POST /v1/completions, token-id prompt, stream, ignore_eos, logprobs 0, temperature 1"},
         "http": http_levels,
         "engine": engine_levels,
