@@ -169,7 +169,7 @@ def main() -> None:
                     help="trace the prefill programs of these chunk sizes (comma list) instead")
     ap.add_argument("--unroll-decode-layers", default="auto", choices=UNROLL_DECODE_LAYERS)
     ap.add_argument("--kernels", type=parse_kernels, default=(),
-                    help="force kernels, as the server's --kernels (e.g. add_norm=triton: the fused decode)")
+                    help="force kernels, as the server's --kernels (e.g. attention_decode=reference)")
     ap.add_argument("--matmul-warps", type=int, default=None,
                     help="a variant: this many warps in the Triton decode matmuls (M <= 64) instead of the default")
     args = ap.parse_args()

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 
 from model.config import ModelConfig
 from model.weights import Params
-from pallas_kernels.norm import to_order
 from pallas_kernels.quant import QuantizedTensor
 
 
@@ -38,14 +37,6 @@ class Kernels:
     # [0, span): a slice of it passed to a kernel would be a copy every layer.
     attention_decode: Callable
     attention_prefill: Callable
-    # Decode fusions (None: the plain composition). `add_norm` (x [M, E] f32, parts [P, M, E],
-    # w [E] or [L, E] with `layer=`, eps, order) -> (x + sum(parts), rms_norm of it in `order`;
-    # pallas_kernels/norm.py);
-    # `matmul_parts` (x, w, layer, x_order) -> [P, M, N] partial sums of the matmul;
-    # `matmul_order` (w, m) -> the x column order the matmul of m rows takes as is (`x_order`).
-    add_norm: Callable | None = None
-    matmul_parts: Callable | None = None
-    matmul_order: Callable | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -173,13 +164,10 @@ def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return jax.nn.silu(x)
 
 
-def _mm(kern: Kernels, x: jax.Array, w: QuantizedTensor, layer, split: str, x_order: str = "natural") -> jax.Array:
+def _mm(kern: Kernels, x: jax.Array, w: QuantizedTensor, layer, split: str) -> jax.Array:
     """x @ w.T; a stacked w (the scanned layers) is read at `layer` by the kernel itself.
     split: "column" (output features split under tensor parallelism), "row" (input features) or
-    "vocab" (the output head: split like "column", its logits gathered whole on every device).
-    x_order: the column order x comes in ("natural", or the matmul's own `Kernels.matmul_order`)."""
-    if x_order != "natural":
-        return kern.matmul(x, w, layer if w.stack_shape else None, split, x_order=x_order)
+    "vocab" (the output head: split like "column", its logits gathered whole on every device)."""
     return kern.matmul(x, w, layer if w.stack_shape else None, split)
 
 
@@ -191,17 +179,16 @@ def _split_cols(y: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
     return out
 
 
-def _qkv(cfg: ModelConfig, kern: Kernels, lp: dict, layer, h: jax.Array, pos: jax.Array, inv_freq: jax.Array,
-         x_order: str = "natural"):
-    """h [M, E] normed hidden (in `x_order`), pos [M] -> q [M, H, D], k/v [M, K, D] (roped)."""
+def _qkv(cfg: ModelConfig, kern: Kernels, lp: dict, layer, h: jax.Array, pos: jax.Array, inv_freq: jax.Array):
+    """h [M, E] normed hidden, pos [M] -> q [M, H, D], k/v [M, K, D] (roped)."""
     m = h.shape[0]
     if "wqkv" in lp:  # fused at load (model/weights.py): one read of x, one kernel
         kv_dim = cfg.num_kv_heads * cfg.head_dim
-        q, k, v = _split_cols(_mm(kern, h, lp["wqkv"], layer, "column", x_order), (cfg.q_dim, kv_dim, kv_dim))
+        q, k, v = _split_cols(_mm(kern, h, lp["wqkv"], layer, "column"), (cfg.q_dim, kv_dim, kv_dim))
     else:
-        q = _mm(kern, h, lp["wq"], layer, "column", x_order)
-        k = _mm(kern, h, lp["wk"], layer, "column", x_order)
-        v = _mm(kern, h, lp["wv"], layer, "column", x_order)
+        q = _mm(kern, h, lp["wq"], layer, "column")
+        k = _mm(kern, h, lp["wk"], layer, "column")
+        v = _mm(kern, h, lp["wv"], layer, "column")
     if "bq" in lp:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(m, cfg.num_heads, cfg.head_dim)
@@ -224,19 +211,14 @@ def _attn_out_and_ffn(cfg: ModelConfig, kern: Kernels, lp: dict, layer, x: jax.A
     return _ffn(cfg, kern, lp, layer, x + out)
 
 
-def _gate_up(cfg: ModelConfig, kern: Kernels, lp: dict, layer, h: jax.Array, x_order: str = "natural") -> jax.Array:
-    """act(gate) * up of the normed h [M, E] (in `x_order`) -> [M, F]."""
-    if "w_gate_up" in lp:  # fused at load
-        gate, up = _split_cols(_mm(kern, h, lp["w_gate_up"], layer, "column", x_order), (cfg.ffn_dim, cfg.ffn_dim))
-    else:
-        gate = _mm(kern, h, lp["w_gate"], layer, "column", x_order)
-        up = _mm(kern, h, lp["w_up"], layer, "column", x_order)
-    return _act(cfg, gate) * up
-
-
 def _ffn(cfg: ModelConfig, kern: Kernels, lp: dict, layer, x: jax.Array) -> jax.Array:
     h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
-    out = _mm(kern, _gate_up(cfg, kern, lp, layer, h), lp["w_down"], layer, "row")
+    if "w_gate_up" in lp:  # fused at load
+        gate, up = _split_cols(_mm(kern, h, lp["w_gate_up"], layer, "column"), (cfg.ffn_dim, cfg.ffn_dim))
+    else:
+        gate = _mm(kern, h, lp["w_gate"], layer, "column")
+        up = _mm(kern, h, lp["w_up"], layer, "column")
+    out = _mm(kern, _act(cfg, gate) * up, lp["w_down"], layer, "row")
     if "post_ffn_norm" in lp:
         out = rms_norm(out, lp["post_ffn_norm"], cfg.rms_eps)
     return x + out
@@ -297,17 +279,12 @@ def _embed(cfg: ModelConfig, kern: Kernels, params: Params, tokens: jax.Array) -
     return x * cfg.embed_scale if cfg.embed_scale != 1.0 else x
 
 
-def _head_weight(params: Params) -> QuantizedTensor:
-    return params.output if params.output is not None else params.embed
-
-
-def _logits(cfg: ModelConfig, kern: Kernels, params: Params, x: jax.Array, normed: bool = False,
-            x_order: str = "natural") -> jax.Array:
-    """The output head of x [M, E] (already through the output norm, in `x_order`, if `normed`)."""
-    h = x if normed else rms_norm(x, params.output_norm, cfg.rms_eps)
+def _logits(cfg: ModelConfig, kern: Kernels, params: Params, x: jax.Array) -> jax.Array:
+    h = rms_norm(x, params.output_norm, cfg.rms_eps)
+    w = params.output if params.output is not None else params.embed
     # vocab-parallel head; its logits are gathered once, so that sampling runs whole on every
     # device instead of XLA spreading a dozen small collectives through the sort and reductions
-    logits = _mm(kern, h, _head_weight(params), None, "vocab", x_order)
+    logits = _mm(kern, h, w, None, "vocab")
     if cfg.final_logit_softcap:
         c = cfg.final_logit_softcap
         logits = jnp.tanh(logits / c) * c
@@ -339,80 +316,9 @@ def decode(
         attn = kern.attention_decode(q, c.k, c.v, pos, cfg.scale, window, layer=i, span=attend or s)  # [B, H, D]
         return _attn_out_and_ffn(cfg, kern, lp, i, x, attn), c
 
-    if _fuses_decode(kern, params, unroll):
-        return _decode_fused(cfg, kern, params, cache, tokens, pos, write_pos, rows, attend)
     x = _embed(cfg, kern, params, tokens)
     x, cache = _run_layers(params, cache, body, unroll)(x)
     return _logits(cfg, kern, params, x), cache
-
-
-def _fuses_decode(kern: Kernels, params: Params, unroll: bool) -> bool:
-    """Whether decode runs `_decode_fused`: the kernels offer the fusions, the layers are Python
-    ints (an unrolled stack or a list: each layer's next norm and x order are static), and no
-    layer normalises a block's output before its residual add (gemma3's post norms)."""
-    if kern.add_norm is None or kern.matmul_parts is None or kern.matmul_order is None:
-        return False
-    if params.is_stacked and not unroll:
-        return False
-    layers = [params.layers] if isinstance(params.layers, dict) else params.layers
-    return not any("post_attn_norm" in lp or "post_ffn_norm" in lp for lp in layers)
-
-
-def _decode_fused(cfg: ModelConfig, kern: Kernels, params: Params, cache: KVCache, tokens, pos, write_pos, rows,
-                  attend) -> tuple[jax.Array, KVCache]:
-    """`decode` with each residual add and the norm after it in one kernel (`Kernels.add_norm`),
-    fed the K-split partial sums of the output projection or the down projection
-    (`Kernels.matmul_parts`), and its output already in the column order the next matmul reads
-    (`Kernels.matmul_order`: the Mosaic q4_0 kernel's word order), so that neither the split sum
-    nor that permutation is a kernel of its own. Layer i ends with layer i + 1's attention norm
-    (the last with the output norm); the layer loop is unrolled."""
-    b, s = tokens.shape[0], cache.max_context
-    eps = cfg.rms_eps
-    num_layers = cache.k.shape[0]
-    stacked = params.is_stacked
-
-    def lp_of(i: int) -> dict:
-        if not stacked:
-            return params.layers[i]
-        return {k: v if isinstance(v, QuantizedTensor) else v[i] for k, v in params.layers.items()}
-
-    def norm_of(name: str, i: int) -> tuple[jax.Array, int | None]:
-        """Layer i's norm weight as the fused kernel reads it: a stack [L, E] and the layer (a
-        row sliced out of the stack would be a copy per call), or a layer's own [E]."""
-        return (params.layers[name], i) if stacked else (params.layers[i][name], None)
-
-    def order_of(ws: list[QuantizedTensor]) -> str:
-        orders = {kern.matmul_order(w, b) for w in ws}
-        return orders.pop() if len(orders) == 1 else "natural"  # the matmuls permute natural x themselves
-
-    def qkv_order(lp: dict) -> str:
-        return order_of([lp["wqkv"]] if "wqkv" in lp else [lp["wq"], lp["wk"], lp["wv"]])
-
-    def ffn_order(lp: dict) -> str:
-        return order_of([lp["w_gate_up"]] if "w_gate_up" in lp else [lp["w_gate"], lp["w_up"]])
-
-    x = _embed(cfg, kern, params, tokens)
-    lp = lp_of(0)
-    h = to_order(rms_norm(x, lp["attn_norm"], eps), qkv_order(lp))
-    head_order = order_of([_head_weight(params)])
-    for i in range(num_layers):
-        layer = i if stacked else None
-        inv_freq, window = _layer_consts(cfg, params, i)
-        q, k, v = _qkv(cfg, kern, lp, layer, h, pos, inv_freq, qkv_order(lp))
-        cache = cache.write_decode(i, rows, write_pos, k, v)
-        attn = kern.attention_decode(q, cache.k, cache.v, pos, cfg.scale, window, layer=i, span=attend or s)
-        parts = kern.matmul_parts(attn.reshape(b, cfg.q_dim), lp["wo"], layer)
-        order = ffn_order(lp)
-        norm_w, norm_layer = norm_of("ffn_norm", i)
-        x, h = kern.add_norm(x, parts, norm_w, eps, order, layer=norm_layer)
-        parts = kern.matmul_parts(_gate_up(cfg, kern, lp, layer, h, order), lp["w_down"], layer)
-        if i + 1 < num_layers:
-            lp = lp_of(i + 1)
-            (norm_w, norm_layer), order = norm_of("attn_norm", i + 1), qkv_order(lp)
-        else:
-            norm_w, norm_layer, order = params.output_norm, None, head_order
-        x, h = kern.add_norm(x, parts, norm_w, eps, order, layer=norm_layer)
-    return _logits(cfg, kern, params, h, normed=True, x_order=head_order), cache
 
 
 def prefill(

@@ -28,7 +28,6 @@ import pallas_kernels.attention_triton  # noqa: F401
 import pallas_kernels.matmul  # noqa: F401
 import pallas_kernels.matmul_mgpu  # noqa: F401
 import pallas_kernels.matmul_triton  # noqa: F401
-import pallas_kernels.norm  # noqa: F401
 from model.config import EngineConfig, ModelConfig
 from model import sharding
 from model.forward import Kernels
@@ -40,7 +39,7 @@ log = logging.getLogger(__name__)
 
 # "matmul_decode" forces only the decode regime's matmul; "matmul" forces prefill, and decode too
 # unless "matmul_decode" is given.
-OPS = ("matmul", "matmul_decode", "embed", "attention_decode", "attention_prefill", "add_norm")
+OPS = ("matmul", "matmul_decode", "embed", "attention_decode", "attention_prefill")
 
 
 def _spec(x: Any) -> jax.ShapeDtypeStruct:
@@ -182,54 +181,12 @@ def choose_kernels(
         jax.ShapeDtypeStruct((max(s, t), kh, d), kv), jax.ShapeDtypeStruct((), jnp.int32), cfg.scale, window,
     )])
 
-    def chosen_matmul(w: QuantizedTensor, m: int):
-        fns = decode_fns if m <= decode_rows else prefill_fns
+    def matmul(x: jax.Array, w: QuantizedTensor, layer=None, split: str | None = None) -> jax.Array:
+        del split  # one device: nothing is split (model/sharding.py wraps this for tensor parallelism)
+        fns = decode_fns if math.prod(x.shape[:-1]) <= decode_rows else prefill_fns
         fn = fns.get((w.fmt, *w.shape)) or fns.get(w.fmt)
         if fn is None:
             raise KeyError(f"no matmul was chosen for a {w.fmt} matrix {list(w.shape)}: not a shape of this model")
-        return fn
+        return fn(x.astype(act_dtype), w, layer=layer)
 
-    def order_kwargs(w: QuantizedTensor, m: int, x_order: str) -> dict:
-        if x_order == "natural":
-            return {}
-        if matmul_order(w, m) != x_order:
-            raise ValueError(f"the matmul chosen for {w.fmt} {list(w.shape)} does not take x in the {x_order} order")
-        return {"x_order": x_order}
-
-    def matmul(x: jax.Array, w: QuantizedTensor, layer=None, split: str | None = None,
-               x_order: str = "natural") -> jax.Array:
-        del split  # one device: nothing is split (model/sharding.py wraps this for tensor parallelism)
-        m = math.prod(x.shape[:-1])
-        fn = chosen_matmul(w, m)
-        return fn(x.astype(act_dtype), w, layer=layer, **order_kwargs(w, m, x_order))
-
-    def matmul_parts(x: jax.Array, w: QuantizedTensor, layer=None, x_order: str = "natural") -> jax.Array:
-        """[P, ..., N]: the chosen matmul's K-split partial sums where it offers them, else [1, ..., N]."""
-        m = math.prod(x.shape[:-1])
-        fn = chosen_matmul(w, m)
-        parts = getattr(fn, "parts", None)
-        if parts is None:
-            return fn(x.astype(act_dtype), w, layer=layer, **order_kwargs(w, m, x_order))[None]
-        return parts(x.astype(act_dtype), w, layer=layer, **order_kwargs(w, m, x_order))
-
-    def matmul_order(w: QuantizedTensor, m: int) -> str:
-        order = getattr(chosen_matmul(w, m), "input_order", None)
-        return "natural" if order is None else order(w, m)
-
-    # The residual add and norm fused between a decode step's matmuls (forward._decode_fused): a
-    # kernel of its own or nothing; with the reference (the default: the Triton kernel ranks below
-    # it, pallas_kernels/norm.py) the forward pass keeps its plain composition.
-    e = cfg.embed_dim
-    add_norm_fn, names["add_norm"] = _choose("add_norm", forced.get("add_norm"), [(
-        jax.ShapeDtypeStruct((decode_rows, e), f32), jax.ShapeDtypeStruct((2, decode_rows, e), f32),
-        jax.ShapeDtypeStruct((e,), f32), cfg.rms_eps, "natural",
-    )])
-    fused = names["add_norm"] != "reference"
-    if fused and tp > 1:  # model/sharding.py runs each op per device; the fused forward pass is one device's
-        if "add_norm" in forced:
-            raise ValueError(f"--kernels add_norm={forced['add_norm']}: the fused decode runs on one device, not "
-                             f"under tensor parallelism ({tp})")
-        fused, names["add_norm"] = False, "reference (tensor parallel)"
-    return Kernels(matmul=matmul, embed=embed_fn, attention_decode=dec_fn, attention_prefill=pre_fn,
-                   add_norm=add_norm_fn if fused else None, matmul_parts=matmul_parts if fused else None,
-                   matmul_order=matmul_order if fused else None), names
+    return Kernels(matmul=matmul, embed=embed_fn, attention_decode=dec_fn, attention_prefill=pre_fn), names

@@ -608,9 +608,8 @@ def codes_of(w: QuantizedTensor) -> jax.Array:
     return jnp.reshape(w.planes["qs"], (-1, k))
 
 
-@functools.partial(jax.jit, static_argnames=("tuning", "x_order", "parts"))
-def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning: MosaicMatmulTuning,
-                 x_order: str = "natural", parts: bool = False) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("tuning",))
+def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning: MosaicMatmulTuning) -> jax.Array:
     plgpu = _plgpu()
     n, k = w.shape
     m = x2.shape[0]
@@ -625,9 +624,7 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
                                    stages=stages_for(w.fmt, m_tile, tuning, rows), rows_out=tuning.rows_out)
         x_inputs = quantize_x_blocks(x2, m_pad)
     else:
-        if w.fmt == "q4_0" and x_order == "words":
-            xp = x2  # already in the word unpacking's order (`input_order`)
-        elif w.fmt == "q4_0":
+        if w.fmt == "q4_0":
             xp = permute_x_words(x2) if tuning.word_unpack else permute_x(x2)
         else:
             xp = x2
@@ -654,37 +651,8 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
         grid_names=grid_names,
         scratch_types=[plgpu.SMEM(smem_shape, jnp.float32)],
     )(layer_arr, *x_inputs, codes_of(w), scales)
-    if parts:  # [split, m, n]: the sum left to the caller (pallas_kernels/norm.py fuses it)
-        return partial[:, :m] if tuning.rows_out else jnp.swapaxes(partial[:, :, :m], 1, 2)
     out = partial[0] if split == 1 else jnp.sum(partial, axis=0)
     return out[:m] if tuning.rows_out else out[:, :m].T
-
-
-def input_order(w: QuantizedTensor, m: int, tuning: MosaicMatmulTuning | None = None) -> str:
-    """The column order of x this kernel reads as it is, for m rows of x and weight w: "words"
-    for q4_0 with `word_unpack` (`permute_x_words`; the kernel permutes natural x itself, and
-    takes x already in that order with `x_order="words"`), else "natural"."""
-    tuning = tuning or default_tuning(m)
-    return "words" if w.fmt == "q4_0" and tuning.word_unpack and not tuning.int8_x else "natural"
-
-
-def _call(x, w, tuning, layer, interpret, x_order, parts):
-    if interpret:
-        raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
-    tuning = tuning or default_tuning(math.prod(x.shape[:-1]))
-    _check_supported(x, w, layer, tuning)
-    if x_order not in ("natural", "words"):
-        raise ValueError(f"x_order must be 'natural' or 'words', got {x_order!r}")
-    if x_order == "words" and input_order(w, math.prod(x.shape[:-1]), tuning) != "words":
-        raise ValueError(f"x in the words order is for q4_0 with word_unpack; not {w.fmt} with {tuning}")
-    n, k = w.shape
-    lead = x.shape[:-1]
-    x2 = jnp.reshape(x, (-1, k))
-    if x2.shape[0] == 0:
-        return jnp.zeros((1, *lead, n) if parts else (*lead, n), jnp.float32)
-    layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
-    out = _qmatmul_jit(x2, w, layer_arr, tuning, x_order, parts)
-    return jnp.reshape(out, (out.shape[0], *lead, n) if parts else (*lead, n))
 
 
 def qmatmul_mgpu(
@@ -694,34 +662,23 @@ def qmatmul_mgpu(
     *,
     layer: jax.Array | int | None = None,
     interpret: bool = False,
-    x_order: str = "natural",  # "words": x is already in `input_order` (q4_0 with word_unpack)
 ) -> jax.Array:  # [..., N] f32
     """x @ dequant(w).T through the Mosaic GPU kernel; without a tuning, `default_tuning` of x's
     rows (decode up to 64, prefill beyond). Raises NotImplementedError for what it does not take
     (formats other than q4_0 and q8_0, x not bf16, more than 64 rows of x with unfolded scales,
     N not a multiple of 64, K not a multiple of the tuning's K step, too many rows for shared
     memory, interpret mode)."""
-    return _call(x, w, tuning, layer, interpret, x_order, parts=False)
-
-
-def qmatmul_mgpu_parts(
-    x: jax.Array,
-    w: QuantizedTensor,
-    tuning: MosaicMatmulTuning | None = None,
-    *,
-    layer: jax.Array | int | None = None,
-    interpret: bool = False,
-    x_order: str = "natural",
-) -> jax.Array:  # [P, ..., N] f32
-    """`qmatmul_mgpu` without the sum of its K splits: the P partial sums (P = 1 when K is not
-    split), for a consumer that fuses the sum (`pallas_kernels.norm`)."""
-    return _call(x, w, tuning, layer, interpret, x_order, parts=True)
-
-
-# What model/kernels.py looks for beside an implementation of "matmul": its partial sums and the
-# x order it reads without permuting.
-qmatmul_mgpu.parts = qmatmul_mgpu_parts
-qmatmul_mgpu.input_order = input_order
+    if interpret:
+        raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
+    tuning = tuning or default_tuning(math.prod(x.shape[:-1]))
+    _check_supported(x, w, layer, tuning)
+    n, k = w.shape
+    lead = x.shape[:-1]
+    x2 = jnp.reshape(x, (-1, k))
+    if x2.shape[0] == 0:
+        return jnp.zeros((*lead, n), jnp.float32)
+    layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    return jnp.reshape(_qmatmul_jit(x2, w, layer_arr, tuning), (*lead, n))
 
 
 def _is_available() -> bool:
