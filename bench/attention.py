@@ -16,8 +16,9 @@ Timing: each measured call is one jitted program that runs the op on `copies` di
 buffers in a row (enough to exceed the L2 cache, at most --max-copies), so host dispatch is
 paid once per program and the cache is read from HBM; us = median program time / copies.
 `--sweep` then times a grid of kernel configurations on a few shapes (rows carry "config").
-`--sweep-decode llama2-7b:8:200,...` times decode configurations alone at engine-like
-positions (B rows at that position, attending over the runner's context bucket of it; bytes
+`--sweep-decode llama2-7b:8:200,llama2-7b:8:200:1,...` times decode configurations alone at
+engine-like positions (B rows at that position, or only the first ACTIVE of them and the rest at
+position 0 as the runner's inactive slots, attending over the runner's context bucket; bytes
 count the visible keys): where the main plan's full-length rows favour long pipelines, a decode
 step at a few hundred keys is bound by each program's latency.
 
@@ -149,22 +150,27 @@ class Bench:
         self.copy_gbps = common.copy_bandwidth_gb_s(self.plan.copy_bytes)
         log.info("copy bandwidth %.0f GB/s (%d MiB buffer)", self.copy_gbps, self.plan.copy_bytes >> 20)
 
-    def decode_inputs(self, b, s, h, k, d, copies, pos):
-        self.reseed(b, s, h, k, d, pos)
+    def decode_inputs(self, b, s, h, k, d, copies, pos, active):
+        self.reseed(b, s, h, k, d, pos, active)
         q = self.normal((b, h, d))
         kvs = [(self.normal((b, s, k, d)), self.normal((b, s, k, d))) for _ in range(copies)]
-        positions = self.jnp.full((b,), pos, self.jnp.int32)  # keys 0..pos visible
+        # keys 0..pos visible in the first `active` rows; the others at position 0, as the
+        # model's decode step passes its inactive slots
+        positions = self.jnp.where(self.jnp.arange(b) < active, pos, 0).astype(self.jnp.int32)
         return q, kvs, positions
 
     def run_decode(self, model, b, s, impls=("triton", "reference"), config=None, extra=None,
-                   pos: int | None = None) -> None:
-        """B rows at position `pos` (default S - 1: every key visible) attending over [0, S)."""
+                   pos: int | None = None, active: int | None = None) -> None:
+        """B rows attending over [0, S): the first `active` (default all) at position `pos`
+        (default S - 1: every key visible), the rest at position 0 (one key)."""
         jax = self.jax
         h, k, d = (MODELS | TINY_MODELS)[model]
         pos = s - 1 if pos is None else pos
-        nbytes = b * (pos + 1) * k * d * 2 * 2  # K and V, bf16, of the visible positions
+        active = b if active is None else active
+        # K and V, bf16, of the visible positions
+        nbytes = (active * (pos + 1) + (b - active)) * k * d * 2 * 2
         copies = self.num_copies(b * s * k * d * 2 * 2)
-        q, kvs, positions = self.decode_inputs(b, s, h, k, d, copies, pos)
+        q, kvs, positions = self.decode_inputs(b, s, h, k, d, copies, pos, active)
         scale = d ** -0.5
         outs, first_row = {}, len(self.rows)
         for impl in impls:
@@ -175,20 +181,20 @@ class Bench:
                 outs[impl] = np.asarray(one(q, *kvs[0], positions))
                 if impl == "triton" and "reference" not in impls:
                     ref_fn = jax.jit(self.attention.attention_decode_reference, static_argnums=4)
-                    outs["reference"] = self.reference_out(("decode", b, s, h, k, d, pos),
+                    outs["reference"] = self.reference_out(("decode", b, s, h, k, d, pos, active),
                                                            lambda: ref_fn(q, *kvs[0], positions, scale, 0))
                 seconds = time_program(lambda: many(q, kvs, positions), self.reps) / copies
                 device = self.device_time(lambda: many(q, kvs, positions), copies) if self.args.device_time else {}
             except Exception as e:  # noqa: BLE001 - a failed config is a result row, not the end of the run
                 log.error("decode %s %s b=%d s=%d failed: %s", impl, model, b, s, e)
-                self.rows.append(self.row("attention_decode", impl, model, b, s, h, k, d, pos=pos,
+                self.rows.append(self.row("attention_decode", impl, model, b, s, h, k, d, pos=pos, active=active,
                                           error=str(e)[:300], **(extra or {})))
                 continue
             gbps = nbytes / seconds / 1e9
             self.rows.append(self.row(
-                "attention_decode", impl, model, b, s, h, k, d, pos=pos, us=seconds * 1e6, gbps=gbps,
-                pct_hbm=100 * gbps / self.copy_gbps if self.copy_gbps else None,
-                tflops=4 * b * h * (pos + 1) * d / seconds / 1e12, copies=copies, **device, **(extra or {}),
+                "attention_decode", impl, model, b, s, h, k, d, pos=pos, active=active, us=seconds * 1e6,
+                gbps=gbps, pct_hbm=100 * gbps / self.copy_gbps if self.copy_gbps else None,
+                tflops=4 * h * d * (active * (pos + 1) + b - active) / seconds / 1e12, copies=copies, **device, **(extra or {}),
             ))
         self.fill_rel_err(first_row, outs)
         self.on_rows(self.rows)
@@ -280,18 +286,22 @@ class Bench:
             log.info("prefill %s t=%d start=%d", model, t, start)
             self.run_prefill(model, t, start, impls)
 
-    def run_decode_sweep(self, shapes: list[tuple[str, int, int]]) -> None:
-        """Decode configurations at engine-like positions: (model, B, position) rows attending
-        over the context bucket of that position (`bucket`), as a decode step of the runner
-        does; the default config first."""
+    def run_decode_sweep(self, shapes: list[tuple[str, int, int, int]]) -> None:
+        """Decode configurations at engine-like positions: (model, B, position, active) rows
+        attending over the context bucket of that position (`bucket`), as a decode step of the
+        runner does (its inactive slots at position 0); the default config first."""
         cfg_cls = self.triton.DecodeAttentionConfig
-        grid = [self.triton.DEFAULT_DECODE_CONFIG]
-        grid += [cfg_cls(block_s=bs, num_warps=w, num_stages=st, num_splits=sp)
-                 for bs, w, st, sp in itertools.product((32, 64), (2, 4), (3,), (1, 2, 4, 8))]
-        for (model, b, pos), cfg in itertools.product(shapes, grid):
+        if self.args.decode_configs:
+            grid = [cfg_cls(**fields) for fields in self.args.decode_configs]
+        else:
+            grid = [self.triton.DEFAULT_DECODE_CONFIG]
+            grid += [cfg_cls(block_s=bs, num_warps=w, num_stages=st, num_splits=sp)
+                     for bs, w, st, sp in itertools.product((32, 64, 128), (2, 4), (3,), (1, 4, 8))]
+        for (model, b, pos, active), cfg in itertools.product(shapes, grid):
             s = bucket(pos + 1)
-            log.info("sweep decode %s b=%d pos=%d s=%d %s", model, b, pos, s, cfg)
-            self.run_decode(model, b, s, ("triton",), config=cfg, extra={"config": dataclasses.asdict(cfg)}, pos=pos)
+            log.info("sweep decode %s b=%d pos=%d active=%d s=%d %s", model, b, pos, active, s, cfg)
+            self.run_decode(model, b, s, ("triton",), config=cfg, extra={"config": dataclasses.asdict(cfg)},
+                            pos=pos, active=active)
 
     def run_sweep(self) -> None:
         """Kernel configurations on a few shapes; the default config is included in each grid."""
@@ -332,7 +342,9 @@ def print_table(rows: list[dict[str, Any]], copy_gbps: float | None, device: dic
     print(head)
     print("-" * len(head))
     for r in rows:
-        ts = f"{r['t']}@{r['start']}" if "t" in r else (f"@{r['pos']}" if r.get("pos") is not None else "-")
+        ts = f"{r['t']}@{r['start']}" if "t" in r else (
+            f"@{r['pos']}" + (f"x{r['active']}" if r.get("active") not in (None, r["b"]) else "")
+            if r.get("pos") is not None else "-")
         cfg = r.get("config")
         cfg_s = ",".join(f"{k}={v}" for k, v in cfg.items() if v is not None) if cfg else ""
         if r.get("error"):
@@ -344,14 +356,36 @@ def print_table(rows: list[dict[str, Any]], copy_gbps: float | None, device: dic
               f"{fmt(r['tflops'], '8.2f')} {fmt(r['rel_err'], '8.1e')}  {cfg_s}")
 
 
-def parse_decode_shapes(text: str) -> list[tuple[str, int, int]]:
+def parse_decode_shapes(text: str) -> list[tuple[str, int, int, int]]:
+    """MODEL:B:POS[:ACTIVE],...: B rows, the first ACTIVE (default B) at POS, the rest at 0."""
     shapes = []
     for item in text.split(","):
-        model, b, pos = item.split(":")
+        parts = item.split(":")
+        if len(parts) not in (3, 4):
+            raise argparse.ArgumentTypeError(f"want MODEL:B:POS[:ACTIVE], got {item!r}")
+        model, b, pos = parts[0], int(parts[1]), int(parts[2])
+        active = int(parts[3]) if len(parts) == 4 else b
         if model not in MODELS | TINY_MODELS:
             raise argparse.ArgumentTypeError(f"unknown model {model!r}; one of {sorted(MODELS | TINY_MODELS)}")
-        shapes.append((model, int(b), int(pos)))
+        if not 1 <= active <= b:
+            raise argparse.ArgumentTypeError(f"active rows {active} outside [1, {b}] in {item!r}")
+        shapes.append((model, b, pos, active))
     return shapes
+
+
+def parse_configs(text: str) -> list[dict[str, int]]:
+    """'default;num_splits=1;block_s=32,num_splits=8' -> [{}, {"num_splits": 1}, {...}]."""
+    configs = []
+    for item in text.split(";"):
+        fields: dict[str, int] = {}
+        if item.strip() != "default":
+            for pair in item.split(","):
+                key, _, value = pair.partition("=")
+                if not value:
+                    raise argparse.ArgumentTypeError(f"want FIELD=INT in {item!r}, got {pair!r}")
+                fields[key.strip()] = int(value)
+        configs.append(fields)
+    return configs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -362,8 +396,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sweep", action="store_true", help="also time a grid of kernel configurations")
     ap.add_argument("--sweep-only", action="store_true", help="only the configuration sweep")
     ap.add_argument("--sweep-decode", type=parse_decode_shapes, default=[],
-                    help="only a decode configuration sweep at MODEL:B:POSITION[,...] (e.g. llama2-7b:8:200); "
+                    help="only a decode configuration sweep at MODEL:B:POSITION[:ACTIVE][,...] (e.g. llama2-7b:8:200:1); "
                          "the main plan and --sweep are skipped")
+    ap.add_argument("--decode-configs", type=parse_configs, default=None,
+                    help="--sweep-decode times these configurations instead of its grid: ';'-separated, each "
+                         "'default' or DecodeAttentionConfig fields (e.g. 'default;num_splits=1;block_s=32,num_splits=8')")
     ap.add_argument("--device-time", action="store_true",
                     help="decode rows also get device_us: kernel time per call from a profiler trace")
     ap.add_argument("--triton-only", action="store_true", help="skip the reference rows")
