@@ -11,6 +11,10 @@ which are bytes a step moves beyond the weights and KV it must read.
     python3 bench/trace_step.py --model M.gguf [--slots 8] [--max-context 1024] [--position 200]
         [--out DIR]   # DIR gets decode_summary.json and decode_hlo.txt
 
+Where the decode attention has a plan for few busy slots at that position's context bucket (the
+Triton kernel from 1024 keys), one busy slot runs that program, as the runner would, and the
+program planned for all slots is timed at one busy slot as well (`*_1_active_all_rows_plan`).
+
 `--decode-steps N` builds the engine's N-step decode program instead of the one-step one
 (step_ms stays per decode step; call_ms and the trace's per-"step" figures are per call).
 
@@ -197,10 +201,19 @@ def main() -> None:
             (out / "prefill_summary.json").write_text(json.dumps(reports, indent=1))
         return
     attend = runner._bucket(args.position + 1)
-    t0 = time.perf_counter()
-    prog = runner._jitted("decode", attend, args.decode_steps).lower(*runner._example_args("decode", args.slots)).compile()
-    print(f"compiled decode[{args.slots}] x{args.decode_steps} attending {attend} in {time.perf_counter() - t0:.1f} s",
-          flush=True)
+    few_limit = runner.kernels.decode_few_rows_limit(attend)
+
+    def build(few_rows: bool):
+        t0 = time.perf_counter()
+        prog = runner._jitted("decode", attend, args.decode_steps, few_rows).lower(
+            *runner._example_args("decode", args.slots)).compile()
+        print(f"compiled decode[{args.slots}] x{args.decode_steps} attending {attend}"
+              f"{' for few busy rows' if few_rows else ''} in {time.perf_counter() - t0:.1f} s", flush=True)
+        return prog
+
+    prog = build(False)
+    # the program the runner runs with few slots busy, where the attention has a plan for them
+    few_prog = build(True) if few_limit else None
     hlo = prog.as_text()
     if out:
         out.mkdir(parents=True, exist_ok=True)
@@ -215,25 +228,32 @@ def main() -> None:
 
     weights = params_nbytes(m.params)
     report = {"model": m.name, "weights_bytes": weights, "attend": attend, "slots": args.slots,
-              "decode_steps": args.decode_steps, "xla_flags": os.environ.get("XLA_FLAGS", "")}
-    for n_active in sorted({1, args.slots}):
+              "position": args.position, "decode_steps": args.decode_steps, "few_rows_limit": few_limit,
+              "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    # (busy slots, the program, the report's key): the runner's choice at 1 and all slots busy;
+    # where it runs the few-rows program for one, the all-rows program at one busy slot as well
+    runs = [(n, few_prog if few_prog is not None and n <= few_limit else prog, f"{n}_active")
+            for n in sorted({1, args.slots})]
+    if few_prog is not None:
+        runs.append((1, prog, "1_active_all_rows_plan"))
+    for n_active, program, key in runs:
         active = np.zeros((args.slots,), bool)
         active[:n_active] = True
         runner._state.positions = jnp.full((args.slots,), args.position, jnp.int32)
         act = jnp.asarray(active)
 
-        def call(cache, state):
-            return prog(runner.params, cache, state, runner._samp, act)
+        def call(cache, state, program=program):
+            return program(runner.params, cache, state, runner._samp, act)
 
         cache, state, per_call, calls, summ = time_and_trace(call, runner._cache, runner._state, args.steps, 5)
         ms = per_call / args.decode_steps * 1e3  # per decode step
-        report[f"step_ms_{n_active}_active"] = ms
-        report[f"call_ms_{n_active}_active"] = {"p50": 1e3 * float(np.median(calls)), "min": 1e3 * min(calls)}
-        print(f"{n_active} active: {ms:.2f} ms per step = {n_active / ms * 1e3:.0f} tok/s; weights alone at "
+        report[f"step_ms_{key}"] = ms
+        report[f"call_ms_{key}"] = {"p50": 1e3 * float(np.median(calls)), "min": 1e3 * min(calls)}
+        print(f"{key}: {ms:.2f} ms per step = {n_active / ms * 1e3:.0f} tok/s; weights alone at "
               f"3.5 TB/s: {weights / 3.5e9:.2f} ms; host time in the call ({args.decode_steps} steps) p50 "
               f"{1e3 * np.median(calls):.2f} ms",
               flush=True)
-        report[f"trace_{n_active}_active"] = summ
+        report[f"trace_{key}"] = summ
         print_summary(summ, "step" if args.decode_steps == 1 else f"call ({args.decode_steps} steps)")
         runner._cache, runner._state = cache, state
     if out:

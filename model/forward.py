@@ -37,6 +37,10 @@ class Kernels:
     # [0, span): a slice of it passed to a kernel would be a copy every layer.
     attention_decode: Callable
     attention_prefill: Callable
+    # span -> the most busy rows for which decode should call attention_decode(...,
+    # few_rows=True), a plan made for a lone row (pallas_kernels/attention_triton.py); 0: never
+    # (the implementation has no such plan). The runner compiles those programs as well.
+    decode_few_rows_limit: Callable[[int], int] = lambda span: 0
 
 
 @jax.tree_util.register_dataclass
@@ -300,6 +304,7 @@ def decode(
     positions: jax.Array,  # [B] int32; rows with position < 0 are inactive (nothing written)
     attend: int | None = None,  # static: attention reads cache positions [0, attend); > every position
     unroll: bool = False,  # static: unroll the layer loop (EngineConfig.unroll_decode_layers)
+    few_rows: bool = False,  # static: attention planned for few busy rows (Kernels.decode_few_rows_limit)
 ) -> tuple[jax.Array, KVCache]:  # logits [B, V] f32
     b = tokens.shape[0]
     s = cache.max_context
@@ -307,13 +312,15 @@ def decode(
     pos = jnp.where(active, positions, 0)
     write_pos = jnp.where(active, positions, s)  # out of range: dropped
     rows = jnp.arange(b)  # distinct and ascending: write_decode declares its indices sorted and unique
+    few = {"few_rows": True} if few_rows else {}  # only implementations with such a plan take it
 
     def body(lp, c: KVCache, i, x):  # x [B, E]
         inv_freq, window = _layer_consts(cfg, params, i)
         h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
         q, k, v = _qkv(cfg, kern, lp, i, h, pos, inv_freq)
         c = c.write_decode(i, rows, write_pos, k, v)
-        attn = kern.attention_decode(q, c.k, c.v, pos, cfg.scale, window, layer=i, span=attend or s)  # [B, H, D]
+        attn = kern.attention_decode(q, c.k, c.v, pos, cfg.scale, window, layer=i, span=attend or s,
+                                     **few)  # [B, H, D]
         return _attn_out_and_ffn(cfg, kern, lp, i, x, attn), c
 
     x = _embed(cfg, kern, params, tokens)

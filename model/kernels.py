@@ -175,6 +175,7 @@ def choose_kernels(
         jax.ShapeDtypeStruct((b, h, d), f32), jax.ShapeDtypeStruct((b, s, kh, d), kv),
         jax.ShapeDtypeStruct((b, s, kh, d), kv), jax.ShapeDtypeStruct((b,), jnp.int32), cfg.scale, window,
     )])
+    few_rows_limit = _few_rows_limit(dec_fn, b, kh, h // kh, d, kv.itemsize, engine_cfg.attention_buckets)
     t = engine_cfg.prefill_chunks[-1]
     pre_fn, names["attention_prefill"] = _choose("attention_prefill", forced.get("attention_prefill"), [(
         jax.ShapeDtypeStruct((t, h, d), f32), jax.ShapeDtypeStruct((max(s, t), kh, d), kv),
@@ -189,4 +190,18 @@ def choose_kernels(
             raise KeyError(f"no matmul was chosen for a {w.fmt} matrix {list(w.shape)}: not a shape of this model")
         return fn(x.astype(act_dtype), w, layer=layer)
 
-    return Kernels(matmul=matmul, embed=embed_fn, attention_decode=dec_fn, attention_prefill=pre_fn), names
+    return Kernels(matmul=matmul, embed=embed_fn, attention_decode=dec_fn, attention_prefill=pre_fn,
+                   decode_few_rows_limit=few_rows_limit), names
+
+
+def _few_rows_limit(dec_fn, num_rows: int, kv_heads: int, groups: int, head_dim: int, itemsize: int,
+                    buckets: tuple[int, ...]):
+    """span -> the most busy rows for which the chosen decode attention runs its plan for few
+    rows (`few_rows_limit` on the implementation, per context bucket; 0 without one), logged."""
+    impl_limit = getattr(dec_fn, "few_rows_limit", None)
+    limits = {span: impl_limit(num_rows, kv_heads, groups, head_dim, itemsize, span) if impl_limit else 0
+              for span in buckets}
+    if any(limits.values()):
+        log.info("decode attention: a plan for few busy rows (up to %s) at context buckets %s",
+                 max(limits.values()), [s for s, n in limits.items() if n])
+    return lambda span: limits.get(span, 0)

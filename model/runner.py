@@ -52,9 +52,9 @@ class SlotState:
 
 
 def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, params, cache, st: SlotState, samp, active,
-                 *, unroll: bool = False):
+                 *, unroll: bool = False, few_rows: bool = False):
     positions = jnp.where(active, st.positions, -1)
-    logits, cache = forward.decode(cfg, kern, params, cache, st.tokens, positions, attend, unroll)
+    logits, cache = forward.decode(cfg, kern, params, cache, st.tokens, positions, attend, unroll, few_rows)
     samp = sampling.for_rows(samp, active)  # inactive rows' outputs are discarded: no draw, sort or top-k for them
     tok, lp, top_ids, top_lps = sampling.sample(logits, samp, st.prompt_mask, st.counts, st.step_index, num_top)
     inc = active.astype(jnp.int32)
@@ -69,12 +69,13 @@ def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, par
 
 
 def _multi_decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, num_steps: int, params, cache, st: SlotState, samp, active,
-                       *, unroll: bool = False):
+                       *, unroll: bool = False, few_rows: bool = False):
     """num_steps decode steps in one program; outputs stacked on a leading [num_steps] axis."""
 
     def one(carry, _):
         cache, st = carry
-        cache, st, out = _decode_step(cfg, kern, num_top, attend, params, cache, st, samp, active, unroll=unroll)
+        cache, st, out = _decode_step(cfg, kern, num_top, attend, params, cache, st, samp, active, unroll=unroll,
+                                      few_rows=few_rows)
         return (cache, st), out
 
     (cache, st), outs = jax.lax.scan(one, (cache, st), None, length=num_steps)
@@ -218,14 +219,14 @@ class ModelRunner:
         # one device_put for the whole pack (a jnp.asarray per leaf dispatches a primitive each)
         return jax.device_put(sampling.pack_sampling(self._slot_params, self.engine_cfg.max_logit_bias))
 
-    def _jitted(self, kind: str, attend: int, num_steps: int = 1):
+    def _jitted(self, kind: str, attend: int, num_steps: int = 1, few_rows: bool = False):
         if kind == "decode" and num_steps > 1:
             fn = functools.partial(_multi_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend, num_steps,
-                                   unroll=self._unroll_decode)
+                                   unroll=self._unroll_decode, few_rows=few_rows)
             return jax.jit(fn, donate_argnums=(1, 2))
         if kind == "decode":
             fn = functools.partial(_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend,
-                                   unroll=self._unroll_decode)
+                                   unroll=self._unroll_decode, few_rows=few_rows)
         else:
             fn = functools.partial(_prefill_step, self.cfg, self.kernels, self.max_top_logprobs, attend)
         if self._mesh is None:
@@ -248,15 +249,19 @@ class ModelRunner:
         `EngineConfig.compile_workers` allows (XLA compiles without holding the GIL)."""
         targets = [("decode", self.num_slots, k) for k in self.decode_steps]
         targets += [("prefill", t, 1) for t in self.prefill_chunks]
-        jobs = [(kind, size, steps, attend) for kind, size, steps in targets for attend in self.context_buckets]
+        jobs = [(kind, size, steps, attend, False) for kind, size, steps in targets for attend in self.context_buckets]
+        # decode with attention planned for few busy rows, where the kernels have such a plan
+        jobs += [("decode", self.num_slots, steps, attend, True) for steps in self.decode_steps
+                 for attend in self.context_buckets if self.kernels.decode_few_rows_limit(attend)]
         workers = self.engine_cfg.compile_workers(jax.default_backend(), len(jobs))
 
         def build(job):
-            kind, size, steps, attend = job
+            kind, size, steps, attend, few_rows = job
             t0 = time.perf_counter()
-            compiled = self._jitted(kind, attend, steps).lower(*self._example_args(kind, size)).compile()
-            log.debug("compiled %s[%d]x%d attending %d in %.1f s", kind, size, steps, attend, time.perf_counter() - t0)
-            return (kind, size, attend, steps), compiled
+            compiled = self._jitted(kind, attend, steps, few_rows).lower(*self._example_args(kind, size)).compile()
+            log.debug("compiled %s[%d]x%d attending %d%s in %.1f s", kind, size, steps, attend,
+                      " (few rows)" if few_rows else "", time.perf_counter() - t0)
+            return (kind, size, attend, steps, few_rows), compiled
 
         t_all = time.perf_counter()
         if workers > 1:
@@ -274,12 +279,13 @@ class ModelRunner:
             list(self.context_buckets), time.perf_counter() - t_all, workers,
         )
 
-    def _program(self, kind: str, size: int, attend: int, steps: int = 1):
+    def _program(self, kind: str, size: int, attend: int, steps: int = 1, few_rows: bool = False):
         try:
-            return self._compiled[(kind, size, attend, steps)]
+            return self._compiled[(kind, size, attend, steps, few_rows)]
         except KeyError:
             raise RuntimeError(
-                f"no compiled program for {kind}[{size}] x{steps} attending {attend}: call warmup() first"
+                f"no compiled program for {kind}[{size}] x{steps} attending {attend}"
+                f"{' for few rows' if few_rows else ''}: call warmup() first"
             ) from None
 
     def _bucket(self, end: int) -> int:
@@ -309,7 +315,8 @@ class ModelRunner:
             active = np.zeros((self.num_slots,), bool)
             active[list(plan.decode_slots)] = True
             attend = self._bucket(int(self._positions[active].max()) + steps)
-            self._cache, self._state, decode_out = self._program("decode", self.num_slots, attend, steps)(
+            few_rows = len(plan.decode_slots) <= self.kernels.decode_few_rows_limit(attend)
+            self._cache, self._state, decode_out = self._program("decode", self.num_slots, attend, steps, few_rows)(
                 self.params, self._cache, self._state, self._samp, active
             )
             self._positions[active] += steps

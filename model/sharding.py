@@ -245,13 +245,13 @@ def shard_kernels(kern: Kernels, mesh: Mesh) -> Kernels:
 
     heads = P(None, TP_AXIS, None)  # q [B or T, H, D] and outputs: query heads split
 
-    def attention_decode(q, k_cache, v_cache, positions, scale, window=0, *, layer=None, span=None):
+    def attention_decode(q, k_cache, v_cache, positions, scale, window=0, *, layer=None, span=None, **plan):
         cache = CACHE_SPEC if k_cache.ndim == 5 else P(None, None, TP_AXIS, None)
         args, specs, rebuild = scalars(window, layer)
 
         def local(q, k, v, pos, *ops):
             window_, layer_ = rebuild(ops)
-            return kern.attention_decode(q, k, v, pos, scale, window_, layer=layer_, span=span)
+            return kern.attention_decode(q, k, v, pos, scale, window_, layer=layer_, span=span, **plan)
 
         return smap(local, (heads, cache, cache, P(), *specs), heads)(q, k_cache, v_cache, positions, *args)
 
@@ -266,4 +266,4 @@ def shard_kernels(kern: Kernels, mesh: Mesh) -> Kernels:
         return smap(local, (heads, cache, cache, *specs), heads)(q, k_cache, v_cache, *args)
 
     return Kernels(matmul=matmul, embed=kern.embed, attention_decode=attention_decode,
-                   attention_prefill=attention_prefill)
+                   attention_prefill=attention_prefill, decode_few_rows_limit=kern.decode_few_rows_limit)

@@ -9,16 +9,19 @@ plain [B, S, K, D] (decode) or [S, K, D] (one slot, prefill) cache is a stack of
 start_pos and the sliding window are traced int32 values. Outputs are f32, as the references'
 are.
 
-Decode is flash decoding (split-K): one program per (slot row, kv head, split of S) loads
-[block_s, D] tiles of K and V of its kv head once for all G = H / K query heads of that head
-(the G queries padded to >= 16 rows, the smallest Triton dot), keeps an online softmax in f32
-and writes a partial (max, sum, unnormalised output); a small jnp step merges the splits (with
-one split the kernel writes the final output itself). The number of splits is static
-(`DecodeAttentionConfig.plan`), chosen from B, K and S so that about `target_programs`
-programs run: one where B x K programs are that many already (the engine's 8 slots of a 7B's
-32 kv heads). Each program loops only over the
-tiles that hold visible keys of its row, bounded by the row's position (and window) read from
-the positions array, so short and inactive rows read nothing past their last key.
+Decode is flash decoding (split-K): one program per (slot row, kv head, split) loads [block_s,
+D] tiles of K and V of its kv head once for all G = H / K query heads of that head (the G
+queries padded to >= 16 rows, the smallest Triton dot), keeps an online softmax in f32 and
+writes a partial (max, sum, unnormalised output); an elementwise jnp step merges the splits
+(one small XLA kernel; with one split the kernel writes the final output itself). The grid's
+splits are static (`DecodeAttentionConfig.plan`: enough to fill about `target_programs`
+programs with all B rows, or with a lone row under `few_rows`, the plan the engine runs when
+few of its slots are busy), but how a row's visible tiles are shared among them is decided in
+the kernel from the positions: a row takes splits in proportion to its share of all rows'
+tiles, so a batch of equally long rows takes them evenly and a lone long row beside idle slots
+spreads over many. Splits left without tiles write an empty partial and end. Each program loops
+only over tiles that hold visible keys of its row, bounded by the row's position (and window)
+read from the positions array, so short and inactive rows read nothing past their last key.
 
 Prefill is flash attention: one program per (block of queries, query head) loops over key
 tiles up to the causal limit of its last query (and from the window start of its first),
@@ -79,7 +82,8 @@ def _check_launch(num_warps: int | None, num_stages: int | None) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class DecodePlan:
-    """What one decode call runs: keys per tile, splits of S per (row, kv head), warps."""
+    """What one decode call runs: keys per tile, the most splits of a row's keys per (row, kv
+    head) (the grid's third axis; how many a row uses is decided in the kernel), warps."""
 
     block_s: int
     num_splits: int
@@ -88,21 +92,26 @@ class DecodePlan:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeAttentionConfig:
-    # Keys per tile. None: a 16 KiB K tile (64 keys at D = 128 in bf16, 32 in f32), >= 16;
-    # an 8 KiB one for one query per kv head in a single split (see `plan`).
+    # Keys per tile. None: an 8 KiB K tile (32 keys at D = 128 in bf16) for one query per kv
+    # head (G = 1), a 16 KiB one otherwise (64 keys at D = 128 in bf16, 32 in f32); >= 16.
     block_s: int | None = None
-    # Splits of S per (row, kv head). None: enough for about `target_programs` programs (one
-    # split where the rows and kv heads alone give that many), each split at least
-    # `min_split_keys` keys.
+    # The most splits of a row's visible keys (the grid's third axis). None: enough for about
+    # `target_programs` programs over the rows the call is planned for (all B, or one with
+    # `few_rows`; see `plan`), at most `max_splits`, each at least `min_split_keys` keys. Inside
+    # the kernel each row takes a share of them by its length against the whole batch's (see
+    # `_decode_kernel`).
     num_splits: int | None = None
-    # On the H200 (bench/results, tenth session; kernel time from a profiler trace), 8 rows x 32
-    # kv heads (Llama-2-7B, 256 programs) ran fastest in one split at every length tried (200,
-    # 1000 and 4000 keys): 10.1 against 14.8 us at 200 keys with 4 splits and their merge, 120.6
-    # against 131.4 at 4000; 8 rows x 8 kv heads at 4000 keys: 4 splits 35.2 us, 16 splits
-    # (the earlier target of 1024 programs) 40.3, one 54.7.
+    # On the H200 (bench/results, tenth and eleventh sessions; kernel time from profiler
+    # traces): 8 busy rows x 32 kv heads (Llama-2-7B, 256 programs) ran fastest in one split at
+    # every length tried (200, 1000 and 4000 keys), and any second split, even an idle one,
+    # cost: 32.8 against 36.5 us at 1000 keys with 2 splits of which each row used one, 10.0
+    # against 11.0 at 200. One busy row of the 8 took 23.7 us at 1000 keys in one split and
+    # 12.1 sharing 8; at 4000 keys 89.6 against 28.9 sharing 8. Hence two plans: the engine
+    # runs the one made for a lone row (`few_rows`) when few slots are busy.
     target_programs: int = 256
     min_split_keys: int = 128
-    # None: 4, or 2 with the 8 KiB tile of one query per kv head in one split.
+    max_splits: int = 16
+    # None: 2 with the 8 KiB tile of one query per kv head, else 4.
     num_warps: int | None = None
     num_stages: int = 3
 
@@ -114,29 +123,45 @@ class DecodeAttentionConfig:
             raise ValueError(f"target_programs must be >= 1, got {self.target_programs}")
         if self.min_split_keys < 1:
             raise ValueError(f"min_split_keys must be >= 1, got {self.min_split_keys}")
+        if self.max_splits < 1:
+            raise ValueError(f"max_splits must be >= 1, got {self.max_splits}")
         _check_launch(self.num_warps, self.num_stages)
 
     def plan(self, num_rows: int, num_kv_heads: int, groups: int, head_dim: int, itemsize: int,
              span: int) -> DecodePlan:
-        """The tile, splits and warps of a call over `span` keys. One query per kv head (G = 1,
-        the query rows padded 16x for the dot) in a single split takes half-size tiles and 2
-        warps: 10.1 against 11.2 us at 8 x 32 programs and 200 keys on the H200, 33.4 against
-        33.6 at 1000; with G = 4 the full tile and 4 warps were faster (6.3 against 7.1 us)."""
-        one_split = self.num_splits == 1 or (
-            self.num_splits is None and num_rows * num_kv_heads >= self.target_programs)
-        small = one_split and groups == 1
+        """The tile, the most splits and the warps of a call over `span` keys, planned for
+        `num_rows` busy rows. One query per kv head (G = 1, the query rows padded 16x for the
+        dot) takes half-size tiles and 2 warps: 10.1 against 11.2 us at 8 x 32 programs and
+        200 keys on the H200, 10.9 against 12.1 for one busy row at 1000 keys in 8 splits;
+        with G = 4 the full tile and 4 warps were faster (6.3 against 7.1 us)."""
+        small = groups == 1
         block_s = self.block_s or max(_MIN_DOT, (8192 if small else 16384) // (head_dim * itemsize))
         num_tiles = -(-span // block_s)
         if self.num_splits is not None:
-            wanted = self.num_splits
+            splits = self.num_splits
         else:
-            wanted = -(-self.target_programs // (num_rows * num_kv_heads))
-            wanted = min(wanted, max(1, (num_tiles * block_s) // self.min_split_keys))
-        # never more splits than tiles, and none left empty by rounding
-        wanted = max(1, min(wanted, num_tiles))
-        per_split = -(-num_tiles // wanted)
+            splits = min(self.max_splits, -(-self.target_programs // (num_rows * num_kv_heads)),
+                         max(1, (num_tiles * block_s) // self.min_split_keys))
         num_warps = self.num_warps or (2 if small and self.block_s is None else 4)
-        return DecodePlan(block_s, -(-num_tiles // per_split), num_warps)
+        return DecodePlan(block_s, max(1, min(splits, num_tiles)), num_warps)
+
+    def few_rows_limit(self, num_rows: int, num_kv_heads: int, groups: int, head_dim: int, itemsize: int,
+                       span: int) -> int:
+        """The most busy rows of `num_rows` for which the plan made for a lone row (`few_rows`)
+        should run instead of the plan for all of them: a quarter of the rows (at least one),
+        where the span holds 8 splits' worth of keys and the lone row's plan splits further;
+        else 0. At a span of 512 one busy row of 8 ran faster unsplit (7.0 against 8.6 us
+        with the merge, 200 keys, H200)."""
+        if span < 8 * self.min_split_keys:
+            return 0
+        if self.plan(1, num_kv_heads, groups, head_dim, itemsize, span) == \
+                self.plan(num_rows, num_kv_heads, groups, head_dim, itemsize, span):
+            return 0
+        return max(1, num_rows // 4)
+
+    def min_split_tiles(self, block_s: int) -> int:
+        """The fewest tiles a split of a row takes (while the row has that many)."""
+        return max(1, -(-self.min_split_keys // block_s))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +298,7 @@ def _online_softmax_step(carry, s, visible, v, precision):
 
 def _decode_kernel(
     pos_ref,  # [B] int32, whole array
+    work_ref,  # [1] int32: the tiles all rows hold up to their positions (windows aside)
     win_ref,  # [1] int32
     scale_ref,  # [1] f32: scale * log2(e)
     layer_ref,  # [1] int32: the layer of the cache stack to read
@@ -281,7 +307,9 @@ def _decode_kernel(
     v_ref,  # [L, S, D]
     *out_refs,  # one split: o_ref [H, D] f32; else acc_ref [G_pad, D], m_ref [G_pad], l_ref [G_pad] f32
     block_s: int,
-    tiles_per_split: int,
+    num_splits: int,
+    target_rows: int,
+    min_tiles: int,
     num_keys: int,
     num_groups: int,
     g_pad: int,
@@ -296,10 +324,18 @@ def _decode_kernel(
     if has_window:
         win = win_ref[0]
         first_key = jnp.where(win > 0, lax.max(pos - win + 1, 0), 0)
-    split_lo = split * tiles_per_split
     # Only tiles holding visible keys of this row: nothing past its position is read.
-    lo = lax.max(lax.div(first_key, block_s), split_lo)
-    hi = lax.min(lax.div(last_key, block_s) + 1, split_lo + tiles_per_split)
+    lo = lax.div(first_key, block_s)
+    hi = lax.div(last_key, block_s) + 1
+    if num_splits > 1:
+        # This row's share of the splits: its tiles against all rows' (`work`), scaled so that
+        # `target_rows` rows' worth of programs run; at least `min_tiles` tiles per split.
+        n = hi - lo
+        wanted = lax.div(n * target_rows + work_ref[0] - 1, work_ref[0])
+        wanted = lax.max(lax.min(wanted, num_splits), 1)
+        per = lax.max(lax.div(n + wanted - 1, wanted), min_tiles)
+        lo = lo + split * per
+        hi = lax.min(hi, lo + per)
 
     # The G queries of this kv head, padded to g_pad rows (zeros) for the dot.
     d = q_ref.shape[1]
@@ -349,24 +385,32 @@ def _decode_kernel(
     l_ref[...] = l
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "static_scale", "static_window", "span"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "static_scale", "static_window", "span",
+                                             "few_rows"))
 def _decode(q, k_cache, v_cache, positions, scale, window, layer, *, config, interpret, static_scale, static_window,
-            span):
+            span, few_rows):
     """k_cache, v_cache [L, B, S_max, K, D]; keys [0, span) of layer `layer` are attended."""
     b, h, d = q.shape
     s_max, kh, g = k_cache.shape[2], k_cache.shape[3], h // k_cache.shape[3]
     s = span
     g_pad = max(_MIN_DOT, 1 << (g - 1).bit_length())
-    plan = config.plan(b, kh, g, d, k_cache.dtype.itemsize, s)
+    plan = config.plan(1 if few_rows else b, kh, g, d, k_cache.dtype.itemsize, s)
     block_s, num_splits = plan.block_s, plan.num_splits
     num_tiles = -(-s // block_s)
-    tiles_per_split = -(-num_tiles // num_splits)
     scale_arr, win_arr = _scalar_inputs(scale, window, static_scale, static_window)
+    if num_splits > 1:
+        # The tiles all rows hold up to their positions: the same for every layer of a step,
+        # so XLA computes it once.
+        work = jnp.sum(lax.div(jnp.clip(positions.astype(jnp.int32), 0, s - 1), block_s) + 1, keepdims=True)
+    else:
+        work = np.ones((1,), np.int32)
 
     kernel = functools.partial(
         _decode_kernel,
         block_s=block_s,
-        tiles_per_split=tiles_per_split,
+        num_splits=num_splits,
+        target_rows=-(-config.target_programs // kh),
+        min_tiles=config.min_split_tiles(block_s),
         num_keys=s,
         num_groups=g,
         g_pad=g_pad,
@@ -397,6 +441,7 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, *, config, int
             pl.BlockSpec((1,), lambda i, j, p: (0,)),
             pl.BlockSpec((1,), lambda i, j, p: (0,)),
             pl.BlockSpec((1,), lambda i, j, p: (0,)),
+            pl.BlockSpec((1,), lambda i, j, p: (0,)),
             pl.BlockSpec((None, h, d), lambda i, j, p: (i, 0, 0)),
             kv_spec,
             kv_spec,
@@ -406,15 +451,28 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, *, config, int
         compiler_params=_TritonParams(num_warps=plan.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="attention_decode",
-    )(positions.astype(jnp.int32), win_arr, scale_arr, layer, q, k_cache, v_cache)
+    )(positions.astype(jnp.int32), work.astype(jnp.int32), win_arr, scale_arr, layer, q, k_cache, v_cache)
     if num_splits == 1:
         return outs[0]
-    # Merge the splits; a split with no visible key has m = _NEG, l = 0: weight 0.
-    acc, m, l = (x[:, :, :, :g] for x in outs)  # [splits, B, K, G(, D)]
-    m_all = jnp.max(m, axis=0)
-    w = jnp.exp2(m - m_all[None])
-    out = jnp.sum(acc * w[..., None], axis=0) / jnp.sum(l * w, axis=0)[..., None]
-    return out.reshape(b, h, d)
+    return _merge_splits(*(x[:, :, :, :g] for x in outs)).reshape(b, h, d)
+
+
+def _merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+    """acc [P, ...rows, D], m / l [P, ...rows] partials of P splits -> [...rows, D]. A split with
+    no visible key has acc = 0, m = _NEG, l = 0: weight 0. Written split by split with
+    elementwise ops only: XLA makes it one loop kernel, where reductions over the split axis
+    ran as two at 8 splits on the H200 (bench/results, eleventh session). It stays a kernel of
+    its own in the engine's step (XLA does not fuse it into the cast and reordering before the
+    output projection)."""
+    m_all = m[0]
+    for i in range(1, m.shape[0]):
+        m_all = jnp.maximum(m_all, m[i])
+    num, den = 0.0, 0.0
+    for i in range(m.shape[0]):
+        w = jnp.exp2(m[i] - m_all)
+        num = num + acc[i] * w[..., None]
+        den = den + l[i] * w
+    return num / den[..., None]
 
 
 def _layer_arr(layer) -> jax.Array:
@@ -439,11 +497,13 @@ def attention_decode_triton(
     *,
     layer: jax.Array | int | None = None,  # the layer of a stacked cache (may be traced): read in place
     span: int | None = None,  # static: only cache positions [0, span) are attended (default S)
+    few_rows: bool = False,  # static: plan for a lone busy row (`DecodeAttentionConfig.few_rows_limit`)
     config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
     interpret: bool = False,
 ) -> jax.Array:  # [B, H, D] f32
     """Same contract as `attention_decode_reference`. Positions must lie in [0, span); a
-    position past it attends to the whole span, as the reference does."""
+    position past it attends to the whole span, as the reference does. `few_rows` changes
+    only the speed: the output is the same for any rows."""
     want = 4 if layer is None else 5
     if q.ndim != 3 or k_cache.ndim != want or positions.shape != (q.shape[0],) or k_cache.shape[-4] != q.shape[0]:
         raise ValueError(
@@ -456,8 +516,18 @@ def attention_decode_triton(
     return _decode(
         q, k_cache, v_cache, positions, scale, window, _layer_arr(layer),
         config=config, interpret=interpret, static_scale=_static_scale(scale), static_window=_static_window(window),
-        span=_span(span, s),
+        span=_span(span, s), few_rows=few_rows,
     )
+
+
+def _few_rows_limit(num_rows: int, num_kv_heads: int, groups: int, head_dim: int, itemsize: int, span: int) -> int:
+    return DEFAULT_DECODE_CONFIG.few_rows_limit(num_rows, num_kv_heads, groups, head_dim, itemsize, span)
+
+
+# The optional protocol of a decode attention implementation whose speed depends on how many
+# rows are busy (model/kernels.py reads it): the most busy rows for which its `few_rows=True`
+# call should run; 0: no such call.
+attention_decode_triton.few_rows_limit = _few_rows_limit
 
 
 # ---------------------------------------------------------------------------------------------

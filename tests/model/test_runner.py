@@ -148,3 +148,46 @@ def test_parts_hand_over_the_steps_outputs_as_results_does(smol_runner, prompt_i
         assert out.logprobs[slot] == whole.logprobs[slot]
         np.testing.assert_array_equal(out.top_ids[slot], whole.top_ids[slot])
         assert out.valid.sum() == 1
+
+
+def test_few_busy_slots_run_the_decode_programs_planned_for_them(smollm2, prompt_ids):
+    """Where the decode attention has a plan for few busy rows (the Triton kernel on the GPU:
+    `Kernels.decode_few_rows_limit`), warm-up compiles a decode program with it for each context
+    bucket that has one, and a step with at most that many decoding slots runs it; the tokens
+    are those of the other program. Here the CPU's reference attention stands in, recording the
+    plan it was traced with."""
+    from pallas_kernels.attention import attention_decode_reference
+    from tests.model.conftest import SMOL_ENGINE
+
+    traced = []
+
+    def attention(*args, few_rows=False, **kwargs):
+        traced.append(few_rows)
+        return attention_decode_reference(*args, **kwargs)
+
+    cfg = dataclasses.replace(SMOL_ENGINE, num_slots=2, max_context=1024, context_buckets=(512, 1024))
+    runner = smollm2.make_runner(cfg)
+    assert runner.kernels.decode_few_rows_limit(1024) == 0  # the reference has no such plan
+    runner.kernels = dataclasses.replace(runner.kernels, attention_decode=attention,
+                                         decode_few_rows_limit=lambda span: 1 if span == 1024 else 0)
+    runner.warmup()
+    decode_keys = {key for key in runner._compiled if key[0] == "decode"}
+    assert decode_keys == {("decode", 2, 512, 1, False), ("decode", 2, 1024, 1, False), ("decode", 2, 1024, 1, True)}
+    assert True in traced and False in traced
+
+    ran = []
+    program = runner._program
+
+    def spy(kind, size, attend, steps=1, few_rows=False):
+        if kind == "decode":
+            ran.append((attend, few_rows))
+        return program(kind, size, attend, steps, few_rows)
+
+    runner._program = spy
+    long_prompt = prompt_ids[7] * 40  # > 512 tokens: decode attends over the 1024 bucket
+    alone = generate(runner, [long_prompt], 4)
+    assert ran and all(r == (1024, True) for r in ran)
+    ran.clear()
+    together = generate(runner, [long_prompt, prompt_ids[1]], 4)
+    assert ran and all(r == (1024, False) for r in ran)  # two busy slots: the plan for all
+    assert together[0] == alone[0]

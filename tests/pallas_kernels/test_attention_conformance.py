@@ -58,11 +58,12 @@ class DecodeCase:
     windows: tuple[int, ...] = (0,)
     is_window_static: bool = False
     config: DecodeAttentionConfig = attention_triton.DEFAULT_DECODE_CONFIG
+    few_rows: bool = False  # the plan made for a lone busy row
 
     def __str__(self) -> str:
         kind = "static" if self.is_window_static else "traced"
         return (f"b{self.b}-s{self.s}-h{self.h}-k{self.k}-d{self.d}-{jnp.dtype(self.dtype).name}"
-                f"-win{'_'.join(map(str, self.windows))}{kind}")
+                f"-win{'_'.join(map(str, self.windows))}{kind}{'-few' if self.few_rows else ''}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +86,10 @@ class PrefillCase:
 
 
 # Windows passed as jit arguments: traced inside the kernels' wrappers.
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def _decode_traced_window(q, k, v, positions, window, *, config, interpret):
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "few_rows"))
+def _decode_traced_window(q, k, v, positions, window, *, config, interpret, few_rows):
     return attention_triton.attention_decode_triton(
-        q, k, v, positions, q.shape[-1] ** -0.5, window, config=config, interpret=interpret)
+        q, k, v, positions, q.shape[-1] ** -0.5, window, config=config, interpret=interpret, few_rows=few_rows)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -141,9 +142,10 @@ class DecodeConformance:
     def run(self, case: DecodeCase, q, k, v, positions, window):
         if case.is_window_static:
             return attention_triton.attention_decode_triton(
-                q, k, v, positions, case.d ** -0.5, window, config=case.config, interpret=self.interpret)
+                q, k, v, positions, case.d ** -0.5, window, config=case.config, interpret=self.interpret,
+                few_rows=case.few_rows)
         return _decode_traced_window(q, k, v, positions, jnp.int32(window), config=case.config,
-                                     interpret=self.interpret)
+                                     interpret=self.interpret, few_rows=case.few_rows)
 
     def inputs(self, case: DecodeCase, rng):
         q = normal(rng, (case.b, case.h, case.d), case.dtype)
@@ -168,8 +170,8 @@ class DecodeConformance:
         read one would return NaN (0 * NaN in the probability-weighted sum of V)."""
         rng, seed = fresh_rng()
         q, k, v, positions = self.inputs(case, rng)
-        tile = case.config.plan(case.b, case.k, case.h // case.k, case.d, jnp.dtype(case.dtype).itemsize,
-                                case.s).block_s
+        tile = case.config.plan(1 if case.few_rows else case.b, case.k, case.h // case.k, case.d,
+                                jnp.dtype(case.dtype).itemsize, case.s).block_s
         s_idx = np.arange(case.s)
         for window in case.windows:
             poison = np.zeros((case.b, case.s), bool)
@@ -190,7 +192,7 @@ class DecodeConformance:
         ks, vs = (stack_layers(a, 1, 24, rng, 1) for a in (k, v))
         run = jax.jit(lambda q, k, v, p, layer: attention_triton.attention_decode_triton(
             q, k, v, p, case.d ** -0.5, case.windows[0], layer=layer, span=case.s, config=case.config,
-            interpret=self.interpret))
+            interpret=self.interpret, few_rows=case.few_rows))
         out = run(q, ks, vs, positions, jnp.int32(1))
         ref = decode_reference(q, k, v, positions, case.windows[0])
         assert_rel_close(out, ref, TOL[jnp.dtype(case.dtype)], f"seed {seed}")
@@ -281,8 +283,15 @@ class TestDecodeInterpret(DecodeConformance):
                    config=DecodeAttentionConfig(block_s=32, num_splits=2)),
         DecodeCase(3, 64, 8, 1, 256, jnp.bfloat16, windows=(9,), is_window_static=True,
                    config=DecodeAttentionConfig(block_s=16)),
-        # the auto plan's one split with half tiles and 2 warps (G = 1, rows x kv heads >= 8)
+        # the auto plan's one split with half tiles and 2 warps (G = 1, kv heads x 2 >= 8)
         DecodeCase(3, 100, 4, 4, 64, jnp.float32, windows=(0, 7), config=DecodeAttentionConfig(target_programs=8)),
+        # up to 8 splits of >= 16 keys: a row takes them by its share of all rows' tiles (a
+        # target of 4 rows' worth: 1 to 4 splits here), so rows of random lengths differ
+        DecodeCase(3, 128, 4, 2, 32, jnp.float32, windows=(0, 20),
+                   config=DecodeAttentionConfig(block_s=16, min_split_keys=16, num_splits=8, target_programs=8)),
+        # the plan for a lone busy row: 1 split for all 4 rows, 4 for one (2 kv heads x 4 = 8)
+        DecodeCase(4, 128, 4, 2, 32, jnp.float32, windows=(0, 20),
+                   config=DecodeAttentionConfig(block_s=16, min_split_keys=16, target_programs=8), few_rows=True),
     )
 
 
@@ -323,6 +332,8 @@ class TestDecodeGpu(DecodeConformance):
                    config=DecodeAttentionConfig(num_splits=7)),
         DecodeCase(32, 1024, 32, 8, 128, jnp.bfloat16, is_window_static=True),  # one split
         DecodeCase(8, 1024, 32, 32, 128, jnp.bfloat16, windows=(0, 100)),  # the engine's 8 slots of a 7B: half tiles
+        DecodeCase(8, 4096, 32, 32, 128, jnp.bfloat16, is_window_static=True, few_rows=True),  # ... few busy: 8 splits
+        DecodeCase(8, 2048, 32, 8, 128, jnp.bfloat16, windows=(0, 300), few_rows=True),  # Llama-3-8B: 16 splits
     )
 
 
@@ -386,6 +397,7 @@ def test_rejects_input_it_cannot_take(k_shape, dtype, reason):
         lambda: DecodeAttentionConfig(block_s=48),
         lambda: DecodeAttentionConfig(block_s=8),
         lambda: DecodeAttentionConfig(num_splits=0),
+        lambda: DecodeAttentionConfig(max_splits=0),
         lambda: DecodeAttentionConfig(num_warps=3),
         lambda: DecodeAttentionConfig(num_stages=0),
         lambda: PrefillAttentionConfig(block_t=100),
@@ -397,31 +409,42 @@ def test_config_validation(make):
         make()
 
 
-def test_decode_splits_cover_every_tile():
-    cfg = DecodeAttentionConfig()
-    for b, k, g, span in [(1, 8, 4, 4096), (32, 32, 1, 4096), (3, 2, 2, 7 * 64 - 5), (1, 1, 1, 64), (8, 8, 4, 512)]:
-        plan = cfg.plan(b, k, g, 128, 2, span)
-        tiles = -(-span // plan.block_s)
-        per = -(-tiles // plan.num_splits)
-        assert 1 <= plan.num_splits <= tiles and (plan.num_splits - 1) * per < tiles <= plan.num_splits * per
-
-
 def test_decode_plan_choices():
-    """One split once rows x kv heads reach `target_programs`, with the half tile and 2 warps
-    for one query per kv head; fewer programs split S; explicit fields win."""
+    """Enough splits for the rows planned for (all, or one) to fill `target_programs` programs,
+    at most `max_splits`, each of at least `min_split_keys` keys: one split once rows x kv heads
+    reach the target; the half tile and 2 warps for one query per kv head; explicit fields win."""
     cfg = DecodeAttentionConfig()
-    assert cfg.plan(8, 32, 1, 128, 2, 512) == attention_triton.DecodePlan(32, 1, 2)  # Llama-2-7B, 8 slots
-    assert cfg.plan(8, 32, 1, 128, 2, 4096).num_splits == 1
-    assert cfg.plan(8, 32, 4, 128, 2, 512) == attention_triton.DecodePlan(64, 1, 4)  # G = 4: full tile
-    assert cfg.plan(8, 8, 4, 128, 2, 4096) == attention_triton.DecodePlan(64, 4, 4)  # 64 programs: 4 splits
-    assert cfg.plan(1, 32, 1, 128, 2, 4096) == attention_triton.DecodePlan(64, 8, 4)
-    assert cfg.plan(1, 32, 1, 128, 2, 512) == attention_triton.DecodePlan(64, 4, 4)  # >= 128 keys per split
-    assert DecodeAttentionConfig(num_splits=2).plan(8, 32, 1, 128, 2, 512) == attention_triton.DecodePlan(64, 2, 4)
-    assert DecodeAttentionConfig(block_s=16, num_warps=8).plan(8, 32, 1, 128, 2, 512) == \
-        attention_triton.DecodePlan(16, 1, 8)
+    plan = attention_triton.DecodePlan
+    assert cfg.plan(8, 32, 1, 128, 2, 512) == plan(32, 1, 2)  # Llama-2-7B, 8 slots
+    assert cfg.plan(8, 32, 1, 128, 2, 4096) == plan(32, 1, 2)
+    assert cfg.plan(1, 32, 1, 128, 2, 4096) == plan(32, 8, 2)  # a lone row: 32 kv heads x 8 = 256
+    assert cfg.plan(1, 32, 1, 128, 2, 512) == plan(32, 4, 2)  # >= 128 keys per split
+    assert cfg.plan(8, 32, 4, 128, 2, 512) == plan(64, 1, 4)  # G = 4: full tile
+    assert cfg.plan(8, 8, 4, 128, 2, 4096) == plan(64, 4, 4)  # Llama-3-8B: 64 programs, 4 splits
+    assert cfg.plan(1, 8, 4, 128, 2, 4096) == plan(64, 16, 4)  # a lone row: max_splits
+    assert cfg.plan(1, 8, 4, 128, 2, 100) == plan(64, 1, 4)  # fewer keys than a split's
+    assert DecodeAttentionConfig(num_splits=2).plan(8, 32, 1, 128, 2, 512) == plan(32, 2, 2)
+    assert DecodeAttentionConfig(num_splits=64).plan(8, 32, 1, 128, 2, 512).num_splits == 16  # never more than tiles
+    assert DecodeAttentionConfig(max_splits=2).plan(1, 8, 4, 128, 2, 4096).num_splits == 2
+    assert DecodeAttentionConfig(block_s=16, num_warps=8).plan(8, 32, 1, 128, 2, 512) == plan(16, 1, 8)
     assert DecodeAttentionConfig(target_programs=1024).plan(8, 32, 1, 128, 2, 512).num_splits == 4
     # an explicit tile keeps the 4 warps measured with it
-    assert DecodeAttentionConfig(block_s=64).plan(8, 32, 1, 128, 2, 512) == attention_triton.DecodePlan(64, 1, 4)
+    assert DecodeAttentionConfig(block_s=64).plan(8, 32, 1, 128, 2, 512) == plan(64, 1, 4)
+
+
+def test_decode_few_rows_limit():
+    """The plan for a lone row runs for up to a quarter of the slots, from a span of 8 splits'
+    keys (1024), and only where it splits further than the plan for all rows."""
+    cfg = DecodeAttentionConfig()
+    assert cfg.few_rows_limit(8, 32, 1, 128, 2, 512) == 0  # too short: one split ran faster
+    assert cfg.few_rows_limit(8, 32, 1, 128, 2, 1024) == 2
+    assert cfg.few_rows_limit(8, 32, 1, 128, 2, 4096) == 2
+    assert cfg.few_rows_limit(8, 8, 4, 128, 2, 4096) == 2  # Llama-3-8B: 16 splits against 4
+    assert cfg.few_rows_limit(3, 32, 1, 128, 2, 4096) == 1
+    assert cfg.few_rows_limit(1, 32, 1, 128, 2, 4096) == 0  # one slot: the same plan
+    assert DecodeAttentionConfig(num_splits=4).few_rows_limit(8, 32, 1, 128, 2, 4096) == 0
+    limit = attention_triton.attention_decode_triton.few_rows_limit  # the protocol model/kernels.py reads
+    assert limit(8, 32, 1, 128, 2, 2048) == cfg.few_rows_limit(8, 32, 1, 128, 2, 2048)
 
 
 @pytest.mark.parametrize("kv_dtype, d, s, g", [(jnp.bfloat16, 128, 4096, 4), (jnp.float32, 64, 1000, 3),
@@ -432,8 +455,10 @@ def test_lowers_to_triton_for_cuda(kv_dtype, d, s, g):
     k_heads = 2
     kv = jax.ShapeDtypeStruct((3, s, k_heads, d), kv_dtype)
     i32 = jax.ShapeDtypeStruct((), jnp.int32)
-    for config in (DecodeAttentionConfig(), DecodeAttentionConfig(num_splits=1)):
-        fn = lambda q, k, v, p, w, c=config: attention_triton.attention_decode_triton(q, k, v, p, 0.1, w, config=c)
+    for config, few in ((DecodeAttentionConfig(), False), (DecodeAttentionConfig(num_splits=1), False),
+                        (DecodeAttentionConfig(), True)):
+        fn = lambda q, k, v, p, w, c=config, f=few: attention_triton.attention_decode_triton(  # noqa: E731
+            q, k, v, p, 0.1, w, config=c, few_rows=f)
         lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((3, g * k_heads, d), jnp.bfloat16), kv, kv,
                                     jax.ShapeDtypeStruct((3,), jnp.int32), i32).lower(lowering_platforms=("cuda",))
         assert "triton" in lowered.as_text()
