@@ -250,8 +250,10 @@ class ModelRunner:
         targets = [("decode", self.num_slots, k) for k in self.decode_steps]
         targets += [("prefill", t, 1) for t in self.prefill_chunks]
         jobs = [(kind, size, steps, attend, False) for kind, size, steps in targets for attend in self.context_buckets]
-        # decode with attention planned for few busy rows, where the kernels have such a plan
-        jobs += [("decode", self.num_slots, steps, attend, True) for steps in self.decode_steps
+        # decode with attention planned for few busy rows, where the kernels have such a plan: in
+        # the steady state's program only (the most steps per dispatch), each costing a compile
+        # (about 10 s on the H200)
+        jobs += [("decode", self.num_slots, self.decode_steps[-1], attend, True)
                  for attend in self.context_buckets if self.kernels.decode_few_rows_limit(attend)]
         workers = self.engine_cfg.compile_workers(jax.default_backend(), len(jobs))
 
@@ -315,7 +317,8 @@ class ModelRunner:
             active = np.zeros((self.num_slots,), bool)
             active[list(plan.decode_slots)] = True
             attend = self._bucket(int(self._positions[active].max()) + steps)
-            few_rows = len(plan.decode_slots) <= self.kernels.decode_few_rows_limit(attend)
+            few_rows = (steps == self.decode_steps[-1]
+                        and len(plan.decode_slots) <= self.kernels.decode_few_rows_limit(attend))
             self._cache, self._state, decode_out = self._program("decode", self.num_slots, attend, steps, few_rows)(
                 self.params, self._cache, self._state, self._samp, active
             )

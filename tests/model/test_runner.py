@@ -152,10 +152,11 @@ def test_parts_hand_over_the_steps_outputs_as_results_does(smol_runner, prompt_i
 
 def test_few_busy_slots_run_the_decode_programs_planned_for_them(smollm2, prompt_ids):
     """Where the decode attention has a plan for few busy rows (the Triton kernel on the GPU:
-    `Kernels.decode_few_rows_limit`), warm-up compiles a decode program with it for each context
-    bucket that has one, and a step with at most that many decoding slots runs it; the tokens
-    are those of the other program. Here the CPU's reference attention stands in, recording the
-    plan it was traced with."""
+    `Kernels.decode_few_rows_limit`), warm-up compiles the steady-state decode program (the most
+    steps per dispatch) with it for each context bucket that has one, and such a step with at
+    most that many decoding slots runs it; the tokens are those of the other programs. Here the
+    CPU's reference attention stands in, recording the plan it was traced with."""
+    from model.step_types import PrefillChunk, SlotSetup, StepPlan
     from pallas_kernels.attention import attention_decode_reference
     from tests.model.conftest import SMOL_ENGINE
 
@@ -165,14 +166,16 @@ def test_few_busy_slots_run_the_decode_programs_planned_for_them(smollm2, prompt
         traced.append(few_rows)
         return attention_decode_reference(*args, **kwargs)
 
-    cfg = dataclasses.replace(SMOL_ENGINE, num_slots=2, max_context=1024, context_buckets=(512, 1024))
+    cfg = dataclasses.replace(SMOL_ENGINE, num_slots=2, max_context=1024, context_buckets=(512, 1024),
+                              decode_steps_per_dispatch=2)
     runner = smollm2.make_runner(cfg)
     assert runner.kernels.decode_few_rows_limit(1024) == 0  # the reference has no such plan
     runner.kernels = dataclasses.replace(runner.kernels, attention_decode=attention,
                                          decode_few_rows_limit=lambda span: 1 if span == 1024 else 0)
     runner.warmup()
     decode_keys = {key for key in runner._compiled if key[0] == "decode"}
-    assert decode_keys == {("decode", 2, 512, 1, False), ("decode", 2, 1024, 1, False), ("decode", 2, 1024, 1, True)}
+    assert decode_keys == {("decode", 2, attend, steps, False) for attend in (512, 1024) for steps in (1, 2)} | {
+        ("decode", 2, 1024, 2, True)}
     assert True in traced and False in traced
 
     ran = []
@@ -185,9 +188,17 @@ def test_few_busy_slots_run_the_decode_programs_planned_for_them(smollm2, prompt
 
     runner._program = spy
     long_prompt = prompt_ids[7] * 40  # > 512 tokens: decode attends over the 1024 bucket
-    alone = generate(runner, [long_prompt], 4)
-    assert ran and all(r == (1024, True) for r in ran)
+    alone = generate(runner, [long_prompt], 5)  # one decode step per dispatch: the plan for all
+    assert ran and all(r == (1024, False) for r in ran)
+    setups = (SlotSetup(0, SamplingParams(temperature=0.0)),)
+    first = runner.dispatch(StepPlan(setups=setups, prefills=tuple(
+        PrefillChunk(0, np.asarray(long_prompt[i:i + 512], np.int32), i, i + 512 >= len(long_prompt))
+        for i in range(0, len(long_prompt), 512)))).result()
     ran.clear()
-    together = generate(runner, [long_prompt, prompt_ids[1]], 4)
-    assert ran and all(r == (1024, False) for r in ran)  # two busy slots: the plan for all
-    assert together[0] == alone[0]
+    outs = runner.dispatch(StepPlan(decode_slots=(0,), num_decode_steps=2)).results()
+    outs += runner.dispatch(StepPlan(decode_slots=(0,), num_decode_steps=2)).results()
+    assert ran == [(1024, True)] * 2  # the steady-state program with one busy slot: the plan for few
+    assert [int(first.tokens[0])] + [int(o.tokens[0]) for o in outs] == alone[0]
+    ran.clear()
+    runner.dispatch(StepPlan(decode_slots=(0, 1), num_decode_steps=2)).results()  # (slot 1: no prompt, no matter)
+    assert ran == [(1024, False)]  # two busy slots: the plan for all
