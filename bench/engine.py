@@ -65,7 +65,7 @@ def build_config(
     slots: int, max_context: int, kv_dtype: str = "float32", prefill_budget: int = 512, max_queue: int = 64,
     decode_steps: int = 0, prefill_chunks: tuple[int, ...] | None = None,
     kernels: tuple[tuple[str, str], ...] = (), tensor_parallel: int = 1, unroll_decode_layers: str = "auto",
-    compile_threads: int = 0,
+    compile_threads: int = 0, few_rows_attention: bool = False,
 ) -> EngineConfig:
     """The EngineConfig `python -m server` builds from the same flags."""
     chunks = prefill_chunks_for(prefill_budget, prefill_chunks)
@@ -73,6 +73,7 @@ def build_config(
         num_slots=slots, max_context=max_context, prefill_budget=prefill_budget, prefill_chunks=chunks,
         max_queue=max_queue, kv_dtype=kv_dtype, decode_steps_per_dispatch=decode_steps,
         unroll_decode_layers=unroll_decode_layers, compile_threads=compile_threads,
+        few_rows_attention=few_rows_attention,
     )
 
 
@@ -298,6 +299,7 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         "--kv-dtype", args.kv_dtype, "--prefill-budget", str(args.prefill_budget),
         "--decode-steps", str(args.decode_steps), "--unroll-decode-layers", args.unroll_decode_layers,
         "--compile-threads", str(args.compile_threads),
+        *(["--few-rows-attention"] if args.few_rows_attention else []),
         *(["--prefill-chunks", ",".join(map(str, args.prefill_chunks))] if args.prefill_chunks else []),
         *(["--kernels", ",".join(f"{op}={impl}" for op, impl in args.kernels)] if args.kernels else []),
     ]
@@ -319,7 +321,8 @@ def startup_only(args: argparse.Namespace) -> int:
     engine, startup = start_engine(args.model, build_config(args.slots, args.max_context, args.kv_dtype, args.prefill_budget,
                          decode_steps=args.decode_steps, prefill_chunks=args.prefill_chunks,
                          kernels=args.kernels, tensor_parallel=args.tensor_parallel,
-                         unroll_decode_layers=args.unroll_decode_layers, compile_threads=args.compile_threads))
+                         unroll_decode_layers=args.unroll_decode_layers, compile_threads=args.compile_threads,
+                         few_rows_attention=args.few_rows_attention))
     startup["cache_entries_before"] = entries
     startup["cache_entries_after"] = len(os.listdir(args.cache_dir))
     engine.shutdown(60)
@@ -344,7 +347,8 @@ def main_run(args: argparse.Namespace) -> int:
         config = build_config(args.slots, args.max_context, args.kv_dtype, args.prefill_budget,
                          decode_steps=args.decode_steps, prefill_chunks=args.prefill_chunks,
                          kernels=args.kernels, tensor_parallel=args.tensor_parallel,
-                         unroll_decode_layers=args.unroll_decode_layers, compile_threads=args.compile_threads)
+                         unroll_decode_layers=args.unroll_decode_layers, compile_threads=args.compile_threads,
+                         few_rows_attention=args.few_rows_attention)
         profile = cProfile.Profile() if getattr(args, "profile_engine", False) else None
         engine, startup = start_engine(args.model, config, profile)
         startup["cache_entries_before"] = entries
@@ -385,6 +389,7 @@ def main_run(args: argparse.Namespace) -> int:
                           "decode_steps": config.decode_steps(info["platform"]),
                           "unroll_decode_layers": config.unroll_decode_layers,
                           "compile_threads": config.compile_threads,  # 0: auto
+                          "few_rows_attention": config.few_rows_attention,
                           "tensor_parallel": config.tensor_parallel},
         "settings": {"prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
                      "prefill_len": args.prefill_len, "join_len": args.join_len, "repeats": args.repeats,
@@ -488,6 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="threads compiling the step programs (server --compile-threads; 0 = auto)")
     ap.add_argument("--unroll-decode-layers", default="auto", choices=UNROLL_DECODE_LAYERS,
                     help="the decode program's layer loop (server --unroll-decode-layers)")
+    ap.add_argument("--few-rows-attention", action="store_true",
+                    help="decode attention planned for few busy slots (server --few-rows-attention)")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of the decode runs")
     ap.add_argument("--decode-tokens", type=int, default=256, help="max_tokens of the decode runs")
     ap.add_argument("--prefill-len", type=int, default=512)

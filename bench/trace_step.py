@@ -11,8 +11,8 @@ which are bytes a step moves beyond the weights and KV it must read.
     python3 bench/trace_step.py --model M.gguf [--slots 8] [--max-context 1024] [--position 200]
         [--out DIR]   # DIR gets decode_summary.json and decode_hlo.txt
 
-Where the decode attention has a plan for few busy slots at that position's context bucket (the
-Triton kernel from 1024 keys), one busy slot runs the program built with it (the runner builds it
+With `--few-rows-attention`, where the decode attention has a plan for few busy slots at that
+position's context bucket (the Triton kernel from 1024 keys), one busy slot runs the program built with it (the runner builds it
 for its steady-state program, the most decode steps per dispatch; here for `--decode-steps`), and
 the program planned for all slots is timed at one busy slot as well (`*_1_active_all_rows_plan`).
 
@@ -175,6 +175,8 @@ def main() -> None:
     ap.add_argument("--unroll-decode-layers", default="auto", choices=UNROLL_DECODE_LAYERS)
     ap.add_argument("--kernels", type=parse_kernels, default=(),
                     help="force kernels, as the server's --kernels (e.g. attention_decode=reference)")
+    ap.add_argument("--few-rows-attention", action="store_true",
+                    help="the decode attention's plan for few busy slots (server --few-rows-attention)")
     ap.add_argument("--matmul-warps", type=int, default=None,
                     help="a variant: this many warps in the Triton decode matmuls (M <= 64) instead of the default")
     args = ap.parse_args()
@@ -193,7 +195,8 @@ def main() -> None:
     out = pathlib.Path(args.out) if args.out else None
 
     ecfg = EngineConfig(num_slots=args.slots, max_context=args.max_context, kv_dtype=args.kv_dtype,
-                        unroll_decode_layers=args.unroll_decode_layers, kernels=args.kernels)
+                        unroll_decode_layers=args.unroll_decode_layers, kernels=args.kernels,
+                        few_rows_attention=args.few_rows_attention)
     m = load_model(args.model, ecfg)
     runner = m.make_runner(ecfg)
     if args.prefill:

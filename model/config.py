@@ -246,6 +246,13 @@ class EngineConfig:
     # autotuner times kernels on the device while it compiles, which concurrent compiles would
     # disturb.
     compile_threads: int = 0
+    # Decode attention planned for few busy slots (where the chosen kernel has such a plan: the
+    # Triton one from 1024-key context buckets), run when at most a quarter of the slots decode:
+    # it spreads a lone long row over many programs (H200, 7B Q4_0, 1,500-token prompt: 1 user
+    # 307 against 258 tok/s), but it divides a row's keys by the other rows' lengths as well,
+    # so a request's tokens may then differ in rare near-ties with what else runs. Off: the
+    # engine stays batch-invariant. Costs a compile per context bucket that has it.
+    few_rows_attention: bool = False
 
     def compile_workers(self, backend: str, programs: int) -> int:
         """Threads to compile `programs` programs on `backend`, "auto" (0) resolved: on the CPU

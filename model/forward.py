@@ -39,8 +39,9 @@ class Kernels:
     attention_prefill: Callable
     # span -> the most busy rows for which decode should call attention_decode(...,
     # few_rows=True), a plan made for a lone row (pallas_kernels/attention_triton.py); 0: never
-    # (the implementation has no such plan). The runner compiles its steady-state decode
-    # program (the most steps per dispatch) with that plan as well.
+    # (the engine did not opt in, EngineConfig.few_rows_attention, or the implementation has no
+    # such plan). The runner compiles its steady-state decode program (the most steps per
+    # dispatch) with that plan as well.
     decode_few_rows_limit: Callable[[int], int] = lambda span: 0
 
 

@@ -175,7 +175,8 @@ def choose_kernels(
         jax.ShapeDtypeStruct((b, h, d), f32), jax.ShapeDtypeStruct((b, s, kh, d), kv),
         jax.ShapeDtypeStruct((b, s, kh, d), kv), jax.ShapeDtypeStruct((b,), jnp.int32), cfg.scale, window,
     )])
-    few_rows_limit = _few_rows_limit(dec_fn, b, kh, h // kh, d, kv.itemsize, engine_cfg.attention_buckets)
+    few_rows_limit = _few_rows_limit(dec_fn if engine_cfg.few_rows_attention else None, b, kh, h // kh, d,
+                                     kv.itemsize, engine_cfg.attention_buckets)
     t = engine_cfg.prefill_chunks[-1]
     pre_fn, names["attention_prefill"] = _choose("attention_prefill", forced.get("attention_prefill"), [(
         jax.ShapeDtypeStruct((t, h, d), f32), jax.ShapeDtypeStruct((max(s, t), kh, d), kv),
@@ -197,7 +198,8 @@ def choose_kernels(
 def _few_rows_limit(dec_fn, num_rows: int, kv_heads: int, groups: int, head_dim: int, itemsize: int,
                     buckets: tuple[int, ...]):
     """span -> the most busy rows for which the chosen decode attention runs its plan for few
-    rows (`few_rows_limit` on the implementation, per context bucket; 0 without one), logged."""
+    rows (`few_rows_limit` on the implementation, per context bucket; 0 without one, or with
+    dec_fn None: not opted in), logged."""
     impl_limit = getattr(dec_fn, "few_rows_limit", None)
     limits = {span: impl_limit(num_rows, kv_heads, groups, head_dim, itemsize, span) if impl_limit else 0
               for span in buckets}

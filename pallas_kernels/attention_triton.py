@@ -15,13 +15,15 @@ queries padded to >= 16 rows, the smallest Triton dot), keeps an online softmax 
 writes a partial (max, sum, unnormalised output); an elementwise jnp step merges the splits
 (one small XLA kernel; with one split the kernel writes the final output itself). The grid's
 splits are static (`DecodeAttentionConfig.plan`: enough to fill about `target_programs`
-programs with all B rows, or with a lone row under `few_rows`, the plan the engine runs when
-few of its slots are busy), but how a row's visible tiles are shared among them is decided in
-the kernel from the positions: a row takes splits in proportion to its share of all rows'
-tiles, so a batch of equally long rows takes them evenly and a lone long row beside idle slots
-spreads over many. Splits left without tiles write an empty partial and end. Each program loops
-only over tiles that hold visible keys of its row, bounded by the row's position (and window)
-read from the positions array, so short and inactive rows read nothing past their last key.
+programs with all B rows). By default a row's tiles are divided among them by its own length
+alone, never by the span (the context bucket) or the other rows, so a row's output does not
+depend on what else is in the batch (the engine's batch invariance). Under `few_rows` (opt-in:
+the engine's `few_rows_attention`) the plan is made for a lone busy row and each row takes
+splits in proportion to its share of all rows' tiles, so a lone long row beside idle slots
+spreads over many programs; that output depends on the other rows in f32 rounding. Splits left
+without tiles write an empty partial and end. Each program loops only over tiles that hold
+visible keys of its row, bounded by the row's position (and window) read from the positions
+array, so short and inactive rows read nothing past their last key.
 
 Prefill is flash attention: one program per (block of queries, query head) loops over key
 tiles up to the causal limit of its last query (and from the window start of its first),
@@ -83,11 +85,13 @@ def _check_launch(num_warps: int | None, num_stages: int | None) -> None:
 @dataclasses.dataclass(frozen=True)
 class DecodePlan:
     """What one decode call runs: keys per tile, the most splits of a row's keys per (row, kv
-    head) (the grid's third axis; how many a row uses is decided in the kernel), warps."""
+    head) (the grid's third axis), warps, and how a row takes its splits: by its own length
+    (batch-invariant) or by its share of all rows' tiles (`by_share`, the few-rows plan)."""
 
     block_s: int
     num_splits: int
     num_warps: int
+    by_share: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,17 +101,15 @@ class DecodeAttentionConfig:
     block_s: int | None = None
     # The most splits of a row's visible keys (the grid's third axis). None: enough for about
     # `target_programs` programs over the rows the call is planned for (all B, or one with
-    # `few_rows`; see `plan`), at most `max_splits`, each at least `min_split_keys` keys. Inside
-    # the kernel each row takes a share of them by its length against the whole batch's (see
-    # `_decode_kernel`).
+    # `few_rows`; see `plan`), at most `max_splits`. A row uses as many as its length allows at
+    # `min_split_keys` keys or more each.
     num_splits: int | None = None
     # On the H200 (bench/results, tenth and eleventh sessions; kernel time from profiler
     # traces): 8 busy rows x 32 kv heads (Llama-2-7B, 256 programs) ran fastest in one split at
     # every length tried (200, 1000 and 4000 keys), and any second split, even an idle one,
     # cost: 32.8 against 36.5 us at 1000 keys with 2 splits of which each row used one, 10.0
     # against 11.0 at 200. One busy row of the 8 took 23.7 us at 1000 keys in one split and
-    # 12.1 sharing 8; at 4000 keys 89.6 against 28.9 sharing 8. Hence two plans: the engine
-    # runs the one made for a lone row (`few_rows`) when few slots are busy.
+    # 12.1 sharing 8; at 4000 keys 89.6 against 28.9 sharing 8: the few-rows plan.
     target_programs: int = 256
     min_split_keys: int = 128
     max_splits: int = 16
@@ -127,40 +129,45 @@ class DecodeAttentionConfig:
             raise ValueError(f"max_splits must be >= 1, got {self.max_splits}")
         _check_launch(self.num_warps, self.num_stages)
 
-    def plan(self, num_rows: int, num_kv_heads: int, groups: int, head_dim: int, itemsize: int,
-             span: int) -> DecodePlan:
-        """The tile, the most splits and the warps of a call over `span` keys, planned for
-        `num_rows` busy rows. One query per kv head (G = 1, the query rows padded 16x for the
-        dot) takes half-size tiles and 2 warps: 10.1 against 11.2 us at 8 x 32 programs and
-        200 keys on the H200, 10.9 against 12.1 for one busy row at 1000 keys in 8 splits;
-        with G = 4 the full tile and 4 warps were faster (6.3 against 7.1 us)."""
+    def plan(self, num_rows: int, num_kv_heads: int, groups: int, head_dim: int, itemsize: int, span: int,
+             few_rows: bool = False) -> DecodePlan:
+        """The tile, the most splits and the warps of a call over `span` keys of `num_rows`
+        rows; `few_rows`: planned for a lone busy row, rows sharing the splits by length. The
+        default plan does not depend on the span, so that a row's splits (and with them its
+        output's rounding) are the same in every context bucket. One query per kv head (G = 1,
+        the query rows padded 16x for the dot) takes half-size tiles and 2 warps: 10.1 against
+        11.2 us at 8 x 32 programs and 200 keys on the H200, 10.9 against 12.1 for one busy row
+        at 1000 keys in 8 splits; with G = 4 the full tile and 4 warps were faster (6.3 against
+        7.1 us)."""
         small = groups == 1
         block_s = self.block_s or max(_MIN_DOT, (8192 if small else 16384) // (head_dim * itemsize))
-        num_tiles = -(-span // block_s)
+        rows = 1 if few_rows else num_rows
         if self.num_splits is not None:
             splits = self.num_splits
         else:
-            splits = min(self.max_splits, -(-self.target_programs // (num_rows * num_kv_heads)),
-                         max(1, (num_tiles * block_s) // self.min_split_keys))
+            splits = min(self.max_splits, -(-self.target_programs // (rows * num_kv_heads)))
+        if few_rows:  # no more splits than the span holds at min_split_keys each
+            num_tiles = -(-span // block_s)
+            splits = min(splits, max(1, (num_tiles * block_s) // self.min_split_keys), num_tiles)
         num_warps = self.num_warps or (2 if small and self.block_s is None else 4)
-        return DecodePlan(block_s, max(1, min(splits, num_tiles)), num_warps)
+        return DecodePlan(block_s, max(1, splits), num_warps, by_share=few_rows)
 
     def few_rows_limit(self, num_rows: int, num_kv_heads: int, groups: int, head_dim: int, itemsize: int,
                        span: int) -> int:
-        """The most busy rows of `num_rows` for which the plan made for a lone row (`few_rows`)
-        should run instead of the plan for all of them: a quarter of the rows (at least one),
-        where the span holds 8 splits' worth of keys and the lone row's plan splits further;
-        else 0. At a span of 512 one busy row of 8 ran faster unsplit (7.0 against 8.6 us
-        with the merge, 200 keys, H200)."""
+        """The most busy rows of `num_rows` for which the few-rows plan should run instead of
+        the plan for all of them, where an engine opts in: a quarter of the rows (at least
+        one), where the span holds 8 splits' worth of keys and the lone row's plan splits
+        further; else 0. At a span of 512 one busy row of 8 ran faster unsplit (7.0 against
+        8.6 us with the merge, 200 keys, H200)."""
         if span < 8 * self.min_split_keys:
             return 0
-        if self.plan(1, num_kv_heads, groups, head_dim, itemsize, span) == \
-                self.plan(num_rows, num_kv_heads, groups, head_dim, itemsize, span):
+        few = self.plan(num_rows, num_kv_heads, groups, head_dim, itemsize, span, few_rows=True)
+        if few.num_splits <= self.plan(num_rows, num_kv_heads, groups, head_dim, itemsize, span).num_splits:
             return 0
         return max(1, num_rows // 4)
 
     def min_split_tiles(self, block_s: int) -> int:
-        """The fewest tiles a split of a row takes (while the row has that many)."""
+        """The fewest tiles a split of a row takes while the row has that many."""
         return max(1, -(-self.min_split_keys // block_s))
 
 
@@ -308,6 +315,7 @@ def _decode_kernel(
     *out_refs,  # one split: o_ref [H, D] f32; else acc_ref [G_pad, D], m_ref [G_pad], l_ref [G_pad] f32
     block_s: int,
     num_splits: int,
+    by_share: bool,
     target_rows: int,
     min_tiles: int,
     num_keys: int,
@@ -328,11 +336,14 @@ def _decode_kernel(
     lo = lax.div(first_key, block_s)
     hi = lax.div(last_key, block_s) + 1
     if num_splits > 1:
-        # This row's share of the splits: its tiles against all rows' (`work`), scaled so that
-        # `target_rows` rows' worth of programs run; at least `min_tiles` tiles per split.
         n = hi - lo
-        wanted = lax.div(n * target_rows + work_ref[0] - 1, work_ref[0])
-        wanted = lax.max(lax.min(wanted, num_splits), 1)
+        wanted = num_splits
+        if by_share:
+            # This row's share of the splits: its tiles against all rows' (`work`), scaled so
+            # that `target_rows` rows' worth of programs run.
+            wanted = lax.div(n * target_rows + work_ref[0] - 1, work_ref[0])
+            wanted = lax.max(lax.min(wanted, num_splits), 1)
+        # consecutive runs of `per` tiles, at least `min_tiles` (the last run may be shorter)
         per = lax.max(lax.div(n + wanted - 1, wanted), min_tiles)
         lo = lo + split * per
         hi = lax.min(hi, lo + per)
@@ -394,13 +405,13 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, *, config, int
     s_max, kh, g = k_cache.shape[2], k_cache.shape[3], h // k_cache.shape[3]
     s = span
     g_pad = max(_MIN_DOT, 1 << (g - 1).bit_length())
-    plan = config.plan(1 if few_rows else b, kh, g, d, k_cache.dtype.itemsize, s)
+    plan = config.plan(b, kh, g, d, k_cache.dtype.itemsize, s, few_rows=few_rows)
     block_s, num_splits = plan.block_s, plan.num_splits
     num_tiles = -(-s // block_s)
     scale_arr, win_arr = _scalar_inputs(scale, window, static_scale, static_window)
-    if num_splits > 1:
-        # The tiles all rows hold up to their positions: the same for every layer of a step,
-        # so XLA computes it once.
+    if num_splits > 1 and plan.by_share:
+        # The tiles all rows hold up to their positions: the same for every layer of a step
+        # (XLA computed it once per step in the H200's traces).
         work = jnp.sum(lax.div(jnp.clip(positions.astype(jnp.int32), 0, s - 1), block_s) + 1, keepdims=True)
     else:
         work = np.ones((1,), np.int32)
@@ -409,6 +420,7 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, *, config, int
         _decode_kernel,
         block_s=block_s,
         num_splits=num_splits,
+        by_share=plan.by_share,
         target_rows=-(-config.target_programs // kh),
         min_tiles=config.min_split_tiles(block_s),
         num_keys=s,
@@ -502,8 +514,10 @@ def attention_decode_triton(
     interpret: bool = False,
 ) -> jax.Array:  # [B, H, D] f32
     """Same contract as `attention_decode_reference`. Positions must lie in [0, span); a
-    position past it attends to the whole span, as the reference does. `few_rows` changes
-    only the speed: the output is the same for any rows."""
+    position past it attends to the whole span, as the reference does. By default a row's
+    output is bitwise the same whatever the other rows and the span; with `few_rows` it is
+    the same within f32 rounding (the splits, and so the order of the sums, follow the other
+    rows)."""
     want = 4 if layer is None else 5
     if q.ndim != 3 or k_cache.ndim != want or positions.shape != (q.shape[0],) or k_cache.shape[-4] != q.shape[0]:
         raise ValueError(

@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-threads", type=int, default=0, metavar="N",
                    help="threads compiling the step programs at start (0 = auto: one per usable core on CPU, "
                         "at most 8; 1 on GPU)")
+    p.add_argument("--few-rows-attention", action="store_true",
+                   help="decode attention planned for 1-2 busy slots at 1024+ tokens of context: faster for a lone "
+                        "long-context user, but a request's tokens may then differ in rare near-ties with what else "
+                        "runs (not batch-invariant)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="KV cache dtype (auto: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--compile-cache", type=pathlib.Path, default=None,
@@ -166,6 +170,7 @@ def build_configs(args: argparse.Namespace, environ: dict[str, str] | os._Enviro
         compile_threads=args.compile_threads,
         decode_steps_per_dispatch=args.decode_steps,
         unroll_decode_layers=args.unroll_decode_layers,
+        few_rows_attention=args.few_rows_attention,
     )
     model_name = args.model.name if args.model is not None else DEFAULT_MODEL_FILENAME
     server_config = ServerConfig(

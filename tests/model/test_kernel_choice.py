@@ -99,3 +99,29 @@ def test_a_shape_the_first_kernel_refuses_gets_its_own_choice(tiny_tp_path, with
 def test_unknown_forced_op_is_an_error(tiny_tp_path):
     with pytest.raises(ValueError, match="unknown ops"):
         _loaded(tiny_tp_path, kernels=(("matmul_prefill", "reference"),))
+
+
+def test_the_few_rows_attention_plan_is_opt_in(tiny_tp_path):
+    """A decode attention with a plan for few busy rows (a `few_rows_limit` attribute, as the
+    Triton kernel has) gets it used only under EngineConfig.few_rows_attention: otherwise the
+    engine stays batch-invariant (model/config.py)."""
+    from pallas_kernels.attention import attention_decode_reference
+
+    def with_plan(*args, few_rows=False, **kwargs):
+        return attention_decode_reference(*args, **kwargs)
+
+    with_plan.few_rows_limit = lambda rows, kv_heads, groups, head_dim, itemsize, span: rows // 4 if span >= 64 else 0
+    impls, chosen = registry._REGISTRY._impls["attention_decode"], registry._REGISTRY._chosen
+    saved, saved_chosen = list(impls), dict(chosen)
+    registry.register("attention_decode", "with_plan", with_plan, priority=1000)
+    try:
+        loaded, _ = _loaded(tiny_tp_path)
+        assert loaded.kernel_names["attention_decode"] == "with_plan"
+        assert loaded.kernels.decode_few_rows_limit(64) == 0
+        loaded, _ = _loaded(tiny_tp_path, few_rows_attention=True)
+        assert loaded.kernels.decode_few_rows_limit(64) == 2  # 8 slots // 4
+        assert loaded.kernels.decode_few_rows_limit(32) == 0  # not a bucket of this engine
+    finally:
+        impls[:] = saved
+        chosen.clear()
+        chosen.update(saved_chosen)

@@ -151,11 +151,12 @@ def test_parts_hand_over_the_steps_outputs_as_results_does(smol_runner, prompt_i
 
 
 def test_few_busy_slots_run_the_decode_programs_planned_for_them(smollm2, prompt_ids):
-    """Where the decode attention has a plan for few busy rows (the Triton kernel on the GPU:
-    `Kernels.decode_few_rows_limit`), warm-up compiles the steady-state decode program (the most
-    steps per dispatch) with it for each context bucket that has one, and such a step with at
-    most that many decoding slots runs it; the tokens are those of the other programs. Here the
-    CPU's reference attention stands in, recording the plan it was traced with."""
+    """Where the decode attention has a plan for few busy rows and the engine opted in (the Triton
+    kernel on the GPU with `--few-rows-attention`: `Kernels.decode_few_rows_limit`), warm-up
+    compiles the steady-state decode program (the most steps per dispatch) with it for each
+    context bucket that has one, and such a step with at most that many decoding slots runs it;
+    the tokens are those of the other programs. Here the CPU's reference attention stands in,
+    recording the plan it was traced with."""
     from model.step_types import PrefillChunk, SlotSetup, StepPlan
     from pallas_kernels.attention import attention_decode_reference
     from tests.model.conftest import SMOL_ENGINE
@@ -169,7 +170,7 @@ def test_few_busy_slots_run_the_decode_programs_planned_for_them(smollm2, prompt
     cfg = dataclasses.replace(SMOL_ENGINE, num_slots=2, max_context=1024, context_buckets=(512, 1024),
                               decode_steps_per_dispatch=2)
     runner = smollm2.make_runner(cfg)
-    assert runner.kernels.decode_few_rows_limit(1024) == 0  # the reference has no such plan
+    assert runner.kernels.decode_few_rows_limit(1024) == 0  # not opted in (nor has the reference such a plan)
     runner.kernels = dataclasses.replace(runner.kernels, attention_decode=attention,
                                          decode_few_rows_limit=lambda span: 1 if span == 1024 else 0)
     runner.warmup()

@@ -59,11 +59,13 @@ class DecodeCase:
     is_window_static: bool = False
     config: DecodeAttentionConfig = attention_triton.DEFAULT_DECODE_CONFIG
     few_rows: bool = False  # the plan made for a lone busy row
+    lone_row: bool = False  # row 0 at the cache's end, every other row at position 0 (idle slots)
 
     def __str__(self) -> str:
         kind = "static" if self.is_window_static else "traced"
         return (f"b{self.b}-s{self.s}-h{self.h}-k{self.k}-d{self.d}-{jnp.dtype(self.dtype).name}"
-                f"-win{'_'.join(map(str, self.windows))}{kind}{'-few' if self.few_rows else ''}")
+                f"-win{'_'.join(map(str, self.windows))}{kind}{'-few' if self.few_rows else ''}"
+                f"{'-lone' if self.lone_row else ''}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +155,9 @@ class DecodeConformance:
         v = normal(rng, (case.b, case.s, case.k, case.d), case.dtype)
         positions = rng.integers(0, case.s, case.b)
         positions[0], positions[-1] = 0, case.s - 1
+        if case.lone_row:
+            positions[:] = 0
+            positions[0] = case.s - 1
         return q, k, v, jnp.asarray(positions, jnp.int32)
 
     def test_matches_reference(self, case: DecodeCase):
@@ -170,8 +175,8 @@ class DecodeConformance:
         read one would return NaN (0 * NaN in the probability-weighted sum of V)."""
         rng, seed = fresh_rng()
         q, k, v, positions = self.inputs(case, rng)
-        tile = case.config.plan(1 if case.few_rows else case.b, case.k, case.h // case.k, case.d,
-                                jnp.dtype(case.dtype).itemsize, case.s).block_s
+        tile = case.config.plan(case.b, case.k, case.h // case.k, case.d, jnp.dtype(case.dtype).itemsize, case.s,
+                                few_rows=case.few_rows).block_s
         s_idx = np.arange(case.s)
         for window in case.windows:
             poison = np.zeros((case.b, case.s), bool)
@@ -278,20 +283,24 @@ class TestDecodeInterpret(DecodeConformance):
     decode_cases = (
         DecodeCase(4, 64, 4, 4, 64, jnp.float32, windows=(0, 1, 5), config=DecodeAttentionConfig(block_s=16)),
         DecodeCase(3, 100, 6, 2, 32, jnp.float32, windows=(0, 7, 40),
-                   config=DecodeAttentionConfig(block_s=16, num_splits=3)),
+                   config=DecodeAttentionConfig(block_s=16, num_splits=3, min_split_keys=16)),
         DecodeCase(4, 128, 8, 2, 128, jnp.bfloat16, windows=(0,), is_window_static=True,
-                   config=DecodeAttentionConfig(block_s=32, num_splits=2)),
+                   config=DecodeAttentionConfig(block_s=32, num_splits=2, min_split_keys=32)),
         DecodeCase(3, 64, 8, 1, 256, jnp.bfloat16, windows=(9,), is_window_static=True,
                    config=DecodeAttentionConfig(block_s=16)),
         # the auto plan's one split with half tiles and 2 warps (G = 1, kv heads x 2 >= 8)
         DecodeCase(3, 100, 4, 4, 64, jnp.float32, windows=(0, 7), config=DecodeAttentionConfig(target_programs=8)),
-        # up to 8 splits of >= 16 keys: a row takes them by its share of all rows' tiles (a
-        # target of 4 rows' worth: 1 to 4 splits here), so rows of random lengths differ
+        # up to 8 splits of >= 16 keys, as many as each row's own length allows
         DecodeCase(3, 128, 4, 2, 32, jnp.float32, windows=(0, 20),
-                   config=DecodeAttentionConfig(block_s=16, min_split_keys=16, num_splits=8, target_programs=8)),
-        # the plan for a lone busy row: 1 split for all 4 rows, 4 for one (2 kv heads x 4 = 8)
+                   config=DecodeAttentionConfig(block_s=16, min_split_keys=16, num_splits=8)),
+        # the plan for a lone busy row (1 split for all 4 rows, up to 4 for one: 2 kv heads x
+        # 4 = 8), rows taking them by their share of all rows' tiles: random rows, and one long
+        # row beside idle ones (it takes all 4)
         DecodeCase(4, 128, 4, 2, 32, jnp.float32, windows=(0, 20),
                    config=DecodeAttentionConfig(block_s=16, min_split_keys=16, target_programs=8), few_rows=True),
+        DecodeCase(4, 128, 4, 2, 32, jnp.float32, windows=(0, 20),
+                   config=DecodeAttentionConfig(block_s=16, min_split_keys=16, target_programs=8), few_rows=True,
+                   lone_row=True),
     )
 
 
@@ -332,7 +341,8 @@ class TestDecodeGpu(DecodeConformance):
                    config=DecodeAttentionConfig(num_splits=7)),
         DecodeCase(32, 1024, 32, 8, 128, jnp.bfloat16, is_window_static=True),  # one split
         DecodeCase(8, 1024, 32, 32, 128, jnp.bfloat16, windows=(0, 100)),  # the engine's 8 slots of a 7B: half tiles
-        DecodeCase(8, 4096, 32, 32, 128, jnp.bfloat16, is_window_static=True, few_rows=True),  # ... few busy: 8 splits
+        DecodeCase(8, 4096, 32, 32, 128, jnp.bfloat16, is_window_static=True, few_rows=True,
+                   lone_row=True),  # ... one busy: 8 splits
         DecodeCase(8, 2048, 32, 8, 128, jnp.bfloat16, windows=(0, 300), few_rows=True),  # Llama-3-8B: 16 splits
     )
 
@@ -410,21 +420,26 @@ def test_config_validation(make):
 
 
 def test_decode_plan_choices():
-    """Enough splits for the rows planned for (all, or one) to fill `target_programs` programs,
-    at most `max_splits`, each of at least `min_split_keys` keys: one split once rows x kv heads
-    reach the target; the half tile and 2 warps for one query per kv head; explicit fields win."""
+    """Enough splits to fill `target_programs` programs with all rows (the span plays no part,
+    so a row splits alike in every context bucket), at most `max_splits`: one split once rows x
+    kv heads reach the target; the few-rows plan fills them with one row, no more than the span
+    holds at `min_split_keys` each; the half tile and 2 warps for one query per kv head;
+    explicit fields win."""
     cfg = DecodeAttentionConfig()
     plan = attention_triton.DecodePlan
     assert cfg.plan(8, 32, 1, 128, 2, 512) == plan(32, 1, 2)  # Llama-2-7B, 8 slots
     assert cfg.plan(8, 32, 1, 128, 2, 4096) == plan(32, 1, 2)
-    assert cfg.plan(1, 32, 1, 128, 2, 4096) == plan(32, 8, 2)  # a lone row: 32 kv heads x 8 = 256
-    assert cfg.plan(1, 32, 1, 128, 2, 512) == plan(32, 4, 2)  # >= 128 keys per split
+    assert cfg.plan(1, 32, 1, 128, 2, 4096) == plan(32, 8, 2)  # one row: 32 kv heads x 8 = 256
+    assert cfg.plan(1, 32, 1, 128, 2, 512) == plan(32, 8, 2)  # whatever the span
     assert cfg.plan(8, 32, 4, 128, 2, 512) == plan(64, 1, 4)  # G = 4: full tile
     assert cfg.plan(8, 8, 4, 128, 2, 4096) == plan(64, 4, 4)  # Llama-3-8B: 64 programs, 4 splits
-    assert cfg.plan(1, 8, 4, 128, 2, 4096) == plan(64, 16, 4)  # a lone row: max_splits
-    assert cfg.plan(1, 8, 4, 128, 2, 100) == plan(64, 1, 4)  # fewer keys than a split's
+    assert cfg.plan(1, 8, 4, 128, 2, 4096) == plan(64, 16, 4)  # max_splits
+    few = functools.partial(cfg.plan, few_rows=True)
+    assert few(8, 32, 1, 128, 2, 4096) == plan(32, 8, 2, by_share=True)  # planned for one busy row
+    assert few(8, 32, 1, 128, 2, 512) == plan(32, 4, 2, by_share=True)  # >= 128 keys per split
+    assert few(8, 8, 4, 128, 2, 4096) == plan(64, 16, 4, by_share=True)
+    assert few(8, 8, 4, 128, 2, 100) == plan(64, 1, 4, by_share=True)  # fewer keys than a split's
     assert DecodeAttentionConfig(num_splits=2).plan(8, 32, 1, 128, 2, 512) == plan(32, 2, 2)
-    assert DecodeAttentionConfig(num_splits=64).plan(8, 32, 1, 128, 2, 512).num_splits == 16  # never more than tiles
     assert DecodeAttentionConfig(max_splits=2).plan(1, 8, 4, 128, 2, 4096).num_splits == 2
     assert DecodeAttentionConfig(block_s=16, num_warps=8).plan(8, 32, 1, 128, 2, 512) == plan(16, 1, 8)
     assert DecodeAttentionConfig(target_programs=1024).plan(8, 32, 1, 128, 2, 512).num_splits == 4
@@ -445,6 +460,24 @@ def test_decode_few_rows_limit():
     assert DecodeAttentionConfig(num_splits=4).few_rows_limit(8, 32, 1, 128, 2, 4096) == 0
     limit = attention_triton.attention_decode_triton.few_rows_limit  # the protocol model/kernels.py reads
     assert limit(8, 32, 1, 128, 2, 2048) == cfg.few_rows_limit(8, 32, 1, 128, 2, 2048)
+
+
+def test_decode_row_output_does_not_depend_on_the_other_rows_or_the_span():
+    """The engine's batch invariance on the GPU rests on this: by default a row's splits follow
+    its own length only, so its output is bitwise the same whatever the other rows' positions
+    and whatever context bucket (span) the step attends over. (Interpret mode on the CPU: the
+    same split structure and order of sums as the GPU program, not its float unit.)"""
+    rng, seed = fresh_rng()
+    b, s, h, kh, d = 4, 256, 4, 2, 32
+    q = normal(rng, (b, h, d), jnp.float32)
+    k, v = (stack_layers(normal(rng, (b, s, kh, d), jnp.float32), 0, 0, rng, 1) for _ in range(2))
+    cfg = DecodeAttentionConfig(block_s=16, min_split_keys=16, num_splits=4, target_programs=8)
+    run = jax.jit(lambda p, span: attention_triton.attention_decode_triton(
+        q, k, v, p, d ** -0.5, 0, layer=0, span=span, config=cfg, interpret=True), static_argnums=1)
+    first = np.asarray(run(jnp.asarray([150, 0, 0, 0], jnp.int32), 256))[0]
+    for others, span in (((255, 17, 90), 256), ((3, 3, 3), 256), ((0, 0, 0), 160), ((100, 159, 0), 160)):
+        out = np.asarray(run(jnp.asarray([150, *others], jnp.int32), span))[0]
+        np.testing.assert_array_equal(out, first, err_msg=f"seed {seed}, others {others}, span {span}")
 
 
 @pytest.mark.parametrize("kv_dtype, d, s, g", [(jnp.bfloat16, 128, 4096, 4), (jnp.float32, 64, 1000, 3),
