@@ -298,7 +298,7 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         "--model", str(args.model), "--slots", str(args.slots), "--max-context", str(args.max_context),
         "--kv-dtype", args.kv_dtype, "--prefill-budget", str(args.prefill_budget),
         "--decode-steps", str(args.decode_steps), "--unroll-decode-layers", args.unroll_decode_layers,
-        "--compile-threads", str(args.compile_threads),
+        "--compile-threads", str(args.compile_threads), "--tensor-parallel", str(args.tensor_parallel),
         *(["--few-rows-attention"] if args.few_rows_attention else []),
         *(["--prefill-chunks", ",".join(map(str, args.prefill_chunks))] if args.prefill_chunks else []),
         *(["--kernels", ",".join(f"{op}={impl}" for op, impl in args.kernels)] if args.kernels else []),

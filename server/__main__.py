@@ -90,9 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threads compiling the step programs at start (0 = auto: one per usable core on CPU, "
                         "at most 8; 1 on GPU)")
     p.add_argument("--few-rows-attention", action="store_true",
-                   help="decode attention planned for 1-2 busy slots at 1024+ tokens of context: faster for a lone "
-                        "long-context user, but a request's tokens may then differ in rare near-ties with what else "
-                        "runs (not batch-invariant)")
+                   help="decode attention planned for few busy slots (a quarter of --slots or fewer) at 1024+ tokens "
+                        "of context: faster for a lone long-context user, but a request's tokens may then differ in rare "
+                        "near-ties with what else runs (not batch-invariant)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="KV cache dtype (auto: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--compile-cache", type=pathlib.Path, default=None,
