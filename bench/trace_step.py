@@ -12,9 +12,10 @@ which are bytes a step moves beyond the weights and KV it must read.
         [--out DIR]   # DIR gets decode_summary.json and decode_hlo.txt
 
 With `--few-rows-attention`, where the decode attention has a plan for few busy slots at that
-position's context bucket (the Triton kernel from 1024 keys), one busy slot runs the program built with it (the runner builds it
-for its steady-state program, the most decode steps per dispatch; here for `--decode-steps`), and
-the program planned for all slots is timed at one busy slot as well (`*_1_active_all_rows_plan`).
+position's context bucket (the Triton kernel from 1024 keys), one busy slot runs the program
+built with it (the runner builds it for its steady-state program, the most decode steps per
+dispatch; here for `--decode-steps`), and the program planned for all slots is timed at one busy
+slot as well (`*_1_active_all_rows_plan`).
 
 `--decode-steps N` builds the engine's N-step decode program instead of the one-step one
 (step_ms stays per decode step; call_ms and the trace's per-"step" figures are per call).

@@ -250,11 +250,8 @@ class ModelRunner:
         targets = [("decode", self.num_slots, k) for k in self.decode_steps]
         targets += [("prefill", t, 1) for t in self.prefill_chunks]
         jobs = [(kind, size, steps, attend, False) for kind, size, steps in targets for attend in self.context_buckets]
-        # decode with attention planned for few busy rows, where the kernels have such a plan: in
-        # the steady state's program only (the most steps per dispatch), each costing a compile
-        # (about 10 s on the H200)
-        jobs += [("decode", self.num_slots, self.decode_steps[-1], attend, True)
-                 for attend in self.context_buckets if self.kernels.decode_few_rows_limit(attend)]
+        jobs += [("decode", self.num_slots, steps, attend, True) for steps in self.decode_steps
+                 for attend in self.context_buckets if self._few_rows_limit(attend, steps)]
         workers = self.engine_cfg.compile_workers(jax.default_backend(), len(jobs))
 
         def build(job):
@@ -280,6 +277,13 @@ class ModelRunner:
             "thread(s)", len(self._compiled), self.num_slots, list(self.decode_steps), list(self.prefill_chunks),
             list(self.context_buckets), time.perf_counter() - t_all, workers,
         )
+
+    def _few_rows_limit(self, attend: int, steps: int) -> int:
+        """The most busy slots for which decode runs its program with attention planned for few
+        busy rows (Kernels.decode_few_rows_limit; 0: no such program). Only the steady state's
+        program (the most steps per dispatch) has one: each costs a compile (about 10 s on the
+        H200)."""
+        return self.kernels.decode_few_rows_limit(attend) if steps == self.decode_steps[-1] else 0
 
     def _program(self, kind: str, size: int, attend: int, steps: int = 1, few_rows: bool = False):
         try:
@@ -317,8 +321,7 @@ class ModelRunner:
             active = np.zeros((self.num_slots,), bool)
             active[list(plan.decode_slots)] = True
             attend = self._bucket(int(self._positions[active].max()) + steps)
-            few_rows = (steps == self.decode_steps[-1]
-                        and len(plan.decode_slots) <= self.kernels.decode_few_rows_limit(attend))
+            few_rows = len(plan.decode_slots) <= self._few_rows_limit(attend, steps)
             self._cache, self._state, decode_out = self._program("decode", self.num_slots, attend, steps, few_rows)(
                 self.params, self._cache, self._state, self._samp, active
             )
