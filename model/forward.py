@@ -43,6 +43,10 @@ class Kernels:
     # such plan). The runner compiles its steady-state decode program (the most steps per
     # dispatch) with that plan as well.
     decode_few_rows_limit: Callable[[int], int] = lambda span: 0
+    # attention_decode takes the step's cache write: attention_decode(..., write=(new_k, new_v,
+    # write_pos)) -> (out, k_cache, v_cache), in one kernel where the write would otherwise be
+    # two scatters of its own (pallas_kernels/attention_triton.py); False: write_decode first.
+    decode_writes_cache: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -320,9 +324,15 @@ def decode(
         inv_freq, window = _layer_consts(cfg, params, i)
         h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
         q, k, v = _qkv(cfg, kern, lp, i, h, pos, inv_freq)
-        c = c.write_decode(i, rows, write_pos, k, v)
-        attn = kern.attention_decode(q, c.k, c.v, pos, cfg.scale, window, layer=i, span=attend or s,
-                                     **few)  # [B, H, D]
+        if kern.decode_writes_cache:
+            new_kv = (k.astype(c.k.dtype), v.astype(c.v.dtype), write_pos)
+            attn, ck, cv = kern.attention_decode(q, c.k, c.v, pos, cfg.scale, window, layer=i, span=attend or s,
+                                                 write=new_kv, **few)
+            c = KVCache(ck, cv)
+        else:
+            c = c.write_decode(i, rows, write_pos, k, v)
+            attn = kern.attention_decode(q, c.k, c.v, pos, cfg.scale, window, layer=i, span=attend or s,
+                                         **few)  # [B, H, D]
         return _attn_out_and_ffn(cfg, kern, lp, i, x, attn), c
 
     x = _embed(cfg, kern, params, tokens)

@@ -192,7 +192,8 @@ def choose_kernels(
         return fn(x.astype(act_dtype), w, layer=layer)
 
     return Kernels(matmul=matmul, embed=embed_fn, attention_decode=dec_fn, attention_prefill=pre_fn,
-                   decode_few_rows_limit=few_rows_limit), names
+                   decode_few_rows_limit=few_rows_limit,
+                   decode_writes_cache=bool(getattr(dec_fn, "writes_cache", False))), names
 
 
 def _few_rows_limit(dec_fn, num_rows: int, kv_heads: int, groups: int, head_dim: int, itemsize: int,

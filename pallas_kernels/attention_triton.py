@@ -312,7 +312,13 @@ def _decode_kernel(
     q_ref,  # [H, D] this row's queries (all heads)
     k_ref,  # [L, S, D] this row's keys of this kv head, every layer (read in place)
     v_ref,  # [L, S, D]
-    *out_refs,  # one split: o_ref [H, D] f32; else acc_ref [G_pad, D], m_ref [G_pad], l_ref [G_pad] f32
+    # with `writes`: wpos_ref [B] int32 (where each row's new key goes; outside [0, S): nowhere),
+    # new_k_ref, new_v_ref [D] (this row's new key and value of this kv head, in the cache's
+    # dtype); then the outputs: one split: o_ref [H, D] f32; else acc_ref [G_pad, D], m_ref
+    # [G_pad], l_ref [G_pad] f32; with `writes`, then k_out_ref, v_out_ref [L, S, D] (the caches,
+    # aliased to k_ref and v_ref)
+    *refs,
+    writes: bool,
     block_s: int,
     num_splits: int,
     by_share: bool,
@@ -324,6 +330,10 @@ def _decode_kernel(
     has_window: bool,
     is_ragged: bool,
 ):
+    if writes:
+        wpos_ref, new_k_ref, new_v_ref, *out_refs, k_out_ref, v_out_ref = refs
+    else:
+        out_refs = refs
     row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     pos = pos_ref[row]
@@ -335,6 +345,7 @@ def _decode_kernel(
     # Only tiles holding visible keys of this row: nothing past its position is read.
     lo = lax.div(first_key, block_s)
     hi = lax.div(last_key, block_s) + 1
+    last_tile = hi - 1  # the split that attends it writes the row's new key
     if num_splits > 1:
         n = hi - lo
         wanted = num_splits
@@ -360,17 +371,25 @@ def _decode_kernel(
     q = _scale_q(q, scale_ref, k_ref.dtype)  # [G_pad, D]
     precision = _dot_precision(k_ref.dtype)
     s_max = k_ref.shape[1]  # the cache's extent; attention reads [0, num_keys) of it
+    if writes:
+        wpos = wpos_ref[row]
+        new_k, new_v = new_k_ref[...], new_v_ref[...]  # [D]
 
     def body(t, carry):
         start = pl.multiple_of(t * block_s, block_s)
         keys = start + jnp.arange(block_s, dtype=jnp.int32)
         k = _load_tile(k_ref, start, block_s, s_max, is_ragged, (layer,))  # [block_s, D]
+        if writes:  # the new key and value stand in for what the cache holds at wpos
+            is_new = jnp.broadcast_to((keys == wpos)[:, None], k.shape)
+            k = jnp.where(is_new, jnp.broadcast_to(new_k[None, :], k.shape), k)
         s = _dot_nt(q, k, precision)  # [G_pad, block_s]
         visible = keys <= last_key
         if has_window:
             visible = visible & ((win <= 0) | (keys > pos - win))
         visible = jnp.broadcast_to(visible[None, :], s.shape)
         v = _load_tile(v_ref, start, block_s, s_max, is_ragged, (layer,))
+        if writes:
+            v = jnp.where(is_new, jnp.broadcast_to(new_v[None, :], v.shape), v)
         return _online_softmax_step(carry, s, visible, v, precision)
 
     init = (
@@ -379,6 +398,15 @@ def _decode_kernel(
         jnp.zeros((g_pad,), jnp.float32),
     )
     acc, m, l = lax.fori_loop(lo, hi, body, init)
+    if writes:
+        # One program per (row, kv head) writes: the one whose run of tiles holds the row's last
+        # tile (whatever the span, so a position past it is still written, as the reference
+        # scatter does); nowhere for a position outside the cache (an idle row).
+        write = (lo <= last_tile) & (last_tile < hi) & (wpos >= 0) & (wpos < s_max)
+        at = (layer, pl.ds(lax.clamp(0, wpos, s_max - 1), 1), slice(None))
+        mask = jnp.broadcast_to(write, (1, d))
+        _store(k_out_ref.at[at], new_k[None, :], mask=mask)
+        _store(v_out_ref.at[at], new_v[None, :], mask=mask)
     if len(out_refs) == 1:  # one split: the final output, straight into [B, H, D]
         (o_ref,) = out_refs
         out = acc / jnp.where(l > 0, l, 1.0)[:, None]
@@ -398,9 +426,12 @@ def _decode_kernel(
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "static_scale", "static_window", "span",
                                              "few_rows"))
-def _decode(q, k_cache, v_cache, positions, scale, window, layer, *, config, interpret, static_scale, static_window,
-            span, few_rows):
-    """k_cache, v_cache [L, B, S_max, K, D]; keys [0, span) of layer `layer` are attended."""
+def _decode(q, k_cache, v_cache, positions, scale, window, layer, write, *, config, interpret, static_scale,
+            static_window, span, few_rows):
+    """k_cache, v_cache [L, B, S_max, K, D]; keys [0, span) of layer `layer` are attended.
+    write: None, or (new_k, new_v [B, K, D] in the cache's dtype, wpos [B] int32), written into
+    the caches (aliased: updated in place) at wpos of layer `layer`, and attended in their place;
+    then the result is (out, k_cache, v_cache)."""
     b, h, d = q.shape
     s_max, kh, g = k_cache.shape[2], k_cache.shape[3], h // k_cache.shape[3]
     s = span
@@ -418,6 +449,7 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, *, config, int
 
     kernel = functools.partial(
         _decode_kernel,
+        writes=write is not None,
         block_s=block_s,
         num_splits=num_splits,
         by_share=plan.by_share,
@@ -445,28 +477,46 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, *, config, int
             jax.ShapeDtypeStruct((num_splits, b, kh, g_pad), jnp.float32),
             jax.ShapeDtypeStruct((num_splits, b, kh, g_pad), jnp.float32),
         ]
+    in_specs = [
+        pl.BlockSpec((b,), lambda i, j, p: (0,)),
+        pl.BlockSpec((1,), lambda i, j, p: (0,)),
+        pl.BlockSpec((1,), lambda i, j, p: (0,)),
+        pl.BlockSpec((1,), lambda i, j, p: (0,)),
+        pl.BlockSpec((1,), lambda i, j, p: (0,)),
+        pl.BlockSpec((None, h, d), lambda i, j, p: (i, 0, 0)),
+        kv_spec,
+        kv_spec,
+    ]
+    args = [positions.astype(jnp.int32), work.astype(jnp.int32), win_arr, scale_arr, layer, q, k_cache, v_cache]
+    aliases = {}
+    num_outs = len(out_shape)
+    if write is not None:
+        new_k, new_v, wpos = write
+        new_spec = pl.BlockSpec((None, None, d), lambda i, j, p: (i, j, 0))
+        in_specs += [pl.BlockSpec((b,), lambda i, j, p: (0,)), new_spec, new_spec]
+        args += [wpos.astype(jnp.int32), new_k.astype(k_cache.dtype), new_v.astype(v_cache.dtype)]
+        out_specs += [kv_spec, kv_spec]
+        out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                      jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+        aliases = {6: num_outs, 7: num_outs + 1}
     outs = pl.pallas_call(
         kernel,
         grid=(b, kh, num_splits),
-        in_specs=[
-            pl.BlockSpec((b,), lambda i, j, p: (0,)),
-            pl.BlockSpec((1,), lambda i, j, p: (0,)),
-            pl.BlockSpec((1,), lambda i, j, p: (0,)),
-            pl.BlockSpec((1,), lambda i, j, p: (0,)),
-            pl.BlockSpec((1,), lambda i, j, p: (0,)),
-            pl.BlockSpec((None, h, d), lambda i, j, p: (i, 0, 0)),
-            kv_spec,
-            kv_spec,
-        ],
+        in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=_TritonParams(num_warps=plan.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="attention_decode",
-    )(positions.astype(jnp.int32), work.astype(jnp.int32), win_arr, scale_arr, layer, q, k_cache, v_cache)
+    )(*args)
+    caches = tuple(outs[num_outs:])
+    outs = outs[:num_outs]
     if num_splits == 1:
-        return outs[0]
-    return _merge_splits(*(x[:, :, :, :g] for x in outs)).reshape(b, h, d)
+        out = outs[0]
+    else:
+        out = _merge_splits(*(x[:, :, :, :g] for x in outs)).reshape(b, h, d)
+    return (out, *caches) if write is not None else out
 
 
 def _merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
@@ -510,14 +560,23 @@ def attention_decode_triton(
     layer: jax.Array | int | None = None,  # the layer of a stacked cache (may be traced): read in place
     span: int | None = None,  # static: only cache positions [0, span) are attended (default S)
     few_rows: bool = False,  # static: plan for a lone busy row (`DecodeAttentionConfig.few_rows_limit`)
+    # (new_k, new_v [B, K, D], wpos [B] int32): each row's new key and value, written into the
+    # caches at wpos (of `layer`) as part of the call; a wpos outside [0, S) writes nothing
+    write: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
     interpret: bool = False,
-) -> jax.Array:  # [B, H, D] f32
+) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:  # [B, H, D] f32 (with `write`: and the caches)
     """Same contract as `attention_decode_reference`. Positions must lie in [0, span); a
     position past it attends to the whole span, as the reference does. By default a row's
     output is bitwise the same whatever the other rows and the span; with `few_rows` it is
     the same within f32 rounding (the splits, and so the order of the sums, follow the other
-    rows)."""
+    rows).
+
+    With `write`, the call also does what `KVCache.write_decode` would before it: the new keys
+    and values (rounded to the cache's dtype) land at wpos, and the attention takes them from
+    the inputs rather than reading them back, so the result is bitwise that of writing first.
+    The caches come back updated in place (their buffers aliased; the forward pass donates
+    them), which saves the step the two scatter kernels of a separate write (one per cache)."""
     want = 4 if layer is None else 5
     if q.ndim != 3 or k_cache.ndim != want or positions.shape != (q.shape[0],) or k_cache.shape[-4] != q.shape[0]:
         raise ValueError(
@@ -525,13 +584,24 @@ def attention_decode_triton(
             f"got {q.shape}, {k_cache.shape}, {positions.shape}"
         )
     s, _, _ = _check_inputs(q, k_cache, v_cache, seq_axis=k_cache.ndim - 3)
-    if layer is None:
+    if write is not None:
+        new_k, new_v, wpos = write
+        want_kv = (q.shape[0], *k_cache.shape[-2:])
+        if new_k.shape != want_kv or new_v.shape != want_kv or wpos.shape != (q.shape[0],):
+            raise ValueError(f"write wants new keys and values {list(want_kv)} and positions [{q.shape[0]}]; got "
+                             f"{new_k.shape}, {new_v.shape}, {wpos.shape}")
+    stacked = layer is not None
+    if not stacked:
         k_cache, v_cache = k_cache[None], v_cache[None]
-    return _decode(
-        q, k_cache, v_cache, positions, scale, window, _layer_arr(layer),
+    result = _decode(
+        q, k_cache, v_cache, positions, scale, window, _layer_arr(layer), write,
         config=config, interpret=interpret, static_scale=_static_scale(scale), static_window=_static_window(window),
         span=_span(span, s), few_rows=few_rows,
     )
+    if write is None or stacked:
+        return result
+    out, k_cache, v_cache = result
+    return out, k_cache[0], v_cache[0]
 
 
 def _few_rows_limit(num_rows: int, num_kv_heads: int, groups: int, head_dim: int, itemsize: int, span: int) -> int:
@@ -542,6 +612,8 @@ def _few_rows_limit(num_rows: int, num_kv_heads: int, groups: int, head_dim: int
 # rows are busy (model/kernels.py reads it): the most busy rows for which its `few_rows=True`
 # call should run; 0: no such call.
 attention_decode_triton.few_rows_limit = _few_rows_limit
+# It takes the decode step's cache write (`write=`): the forward pass hands it over.
+attention_decode_triton.writes_cache = True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -108,3 +108,43 @@ def test_write_prefill_matches_a_scatter(t, start, num_valid):
     want_v[layer, slot, start:start + num_valid] = v[:num_valid]
     np.testing.assert_array_equal(np.asarray(got.k), want_k)
     np.testing.assert_array_equal(np.asarray(got.v), want_v)
+
+
+def test_decode_with_the_cache_write_in_the_attention_kernel(tiny_tp_path):
+    """A decode step whose attention kernel writes the new keys and values itself
+    (`Kernels.decode_writes_cache`: the Triton kernel, Pallas interpret mode) gives bitwise the
+    logits and the cache of writing them first (`KVCache.write_decode`) with the same kernel; an
+    idle row (position -1) writes nothing."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from model import forward
+    from model.forward import Kernels, KVCache
+    from model.gguf_file import GGUFFile
+    from model.weights import load_params
+    from pallas_kernels import attention_triton
+    from pallas_kernels.matmul import embed_reference, qmatmul_reference
+
+    gf = GGUFFile(tiny_tp_path)
+    cfg = ModelConfig.from_gguf_metadata(gf.metadata, frozenset(gf.tensors))
+    params = load_params(gf, cfg)
+    dec = functools.partial(attention_triton.attention_decode_triton, interpret=True,
+                            config=attention_triton.DecodeAttentionConfig(block_s=16))
+    mm = lambda x, w, layer=None, split=None: qmatmul_reference(x, w, layer=layer)  # noqa: E731
+    rng = np.random.default_rng(5)
+    shape = (cfg.num_layers, 3, 64, cfg.num_kv_heads, cfg.head_dim)
+    cache = KVCache(*(jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2)))
+    tokens, positions = jnp.asarray([7, 0, 99], jnp.int32), jnp.asarray([16, -1, 40], jnp.int32)
+    outs = {}
+    for fused in (False, True):
+        kern = Kernels(mm, embed_reference, dec, attention_triton.attention_prefill_triton, decode_writes_cache=fused)
+        step = jax.jit(functools.partial(forward.decode, cfg, kern), static_argnums=(4,))
+        outs[fused] = step(params, cache, tokens, positions, 48)
+    (logits, c0), (logits_fused, c1) = outs[False], outs[True]
+    np.testing.assert_array_equal(np.asarray(logits_fused), np.asarray(logits))
+    np.testing.assert_array_equal(np.asarray(c1.k), np.asarray(c0.k))
+    np.testing.assert_array_equal(np.asarray(c1.v), np.asarray(c0.v))
+    assert not np.array_equal(np.asarray(c0.k[:, 0, 16]), np.asarray(cache.k[:, 0, 16]))  # written
+    np.testing.assert_array_equal(np.asarray(c1.k[:, 1]), np.asarray(cache.k[:, 1]))  # the idle row: untouched

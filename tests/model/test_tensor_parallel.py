@@ -311,7 +311,8 @@ def mm(x, w, layer=None, split=None):
     return matmul_triton.qmatmul_triton(x.astype(jnp.float32), w, layer=layer, interpret=True)
 
 kern = Kernels(mm, embed_reference, functools.partial(attention_triton.attention_decode_triton, interpret=True),
-               functools.partial(attention_triton.attention_prefill_triton, interpret=True))
+               functools.partial(attention_triton.attention_prefill_triton, interpret=True),
+               decode_writes_cache=True)  # each device's kernel writes its own kv heads
 prompt = jnp.asarray(np.arange(5, 21), jnp.int32)  # 16 tokens into slot 1
 
 def run(tp):
@@ -327,8 +328,11 @@ def run(tp):
     logits_p, cache = pre(params, cache, jnp.int32(1), prompt, jnp.int32(0), jnp.int32(16), 32)
     shapes = list(seen)
     dec = jax.jit(functools.partial(forward.decode, cfg, k), static_argnums=(4,))
-    logits_d, _ = dec(params, cache, jnp.asarray([0, 7], jnp.int32), jnp.asarray([-1, 16], jnp.int32), 32)
-    return dict(prefill=np.asarray(logits_p).tolist(), decode=np.asarray(logits_d[1]).tolist(), shapes=shapes)
+    logits_d, cache = dec(params, cache, jnp.asarray([0, 7], jnp.int32), jnp.asarray([-1, 16], jnp.int32), 32)
+    # the next step attends to the key the first one wrote
+    logits_d2, _ = dec(params, cache, jnp.asarray([0, 9], jnp.int32), jnp.asarray([-1, 17], jnp.int32), 32)
+    return dict(prefill=np.asarray(logits_p).tolist(), decode=np.asarray(logits_d[1]).tolist(),
+                decode2=np.asarray(logits_d2[1]).tolist(), shapes=shapes)
 
 print(json.dumps({tp: run(tp) for tp in (1, 4)}))
 '''
@@ -339,7 +343,7 @@ def test_pallas_kernels_run_per_shard(tiny_tp_path: pathlib.Path) -> None:
     column-parallel matrix and K/4 of a row-parallel one) and the sharded forward pass gives the
     logits of the same kernels on one device."""
     runs = run_on_four_cpu_devices(PALLAS_WORKER, tiny_tp_path, 600)
-    for what in ("prefill", "decode"):
+    for what in ("prefill", "decode", "decode2"):
         ref, got = np.asarray(runs[1][what]), np.asarray(runs[4][what])
         assert np.abs(ref).max() > 0.1 and np.isfinite(got).all()
         err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
