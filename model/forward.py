@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from model.config import ModelConfig
 from model.weights import Params
+from pallas_kernels.attention import pack_decode_write
 from pallas_kernels.quant import QuantizedTensor
 
 
@@ -43,9 +44,10 @@ class Kernels:
     # such plan). The runner compiles its steady-state decode program (the most steps per
     # dispatch) with that plan as well.
     decode_few_rows_limit: Callable[[int], int] = lambda span: 0
-    # attention_decode takes the step's cache write: attention_decode(..., write=(new_k, new_v,
-    # write_pos)) -> (out, k_cache, v_cache), in one kernel where the write would otherwise be
-    # two scatters of its own (pallas_kernels/attention_triton.py); False: write_decode first.
+    # attention_decode takes the step's cache write: attention_decode(pack_decode_write(q, k, v),
+    # ..., write_pos=...) -> (out, k_cache, v_cache), in one kernel where the write would
+    # otherwise be two scatters of its own (pallas_kernels/attention_triton.py); False:
+    # KVCache.write_decode first.
     decode_writes_cache: bool = False
 
 
@@ -325,9 +327,8 @@ def decode(
         h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
         q, k, v = _qkv(cfg, kern, lp, i, h, pos, inv_freq)
         if kern.decode_writes_cache:
-            new_kv = (k.astype(c.k.dtype), v.astype(c.v.dtype), write_pos)
-            attn, ck, cv = kern.attention_decode(q, c.k, c.v, pos, cfg.scale, window, layer=i, span=attend or s,
-                                                 write=new_kv, **few)
+            attn, ck, cv = kern.attention_decode(pack_decode_write(q, k, v), c.k, c.v, pos, cfg.scale, window,
+                                                 layer=i, span=attend or s, write_pos=write_pos, **few)
             c = KVCache(ck, cv)
         else:
             c = c.write_decode(i, rows, write_pos, k, v)

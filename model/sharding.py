@@ -245,26 +245,26 @@ def shard_kernels(kern: Kernels, mesh: Mesh) -> Kernels:
 
     heads = P(None, TP_AXIS, None)  # q [B or T, H, D] and outputs: query heads split
 
-    def attention_decode(q, k_cache, v_cache, positions, scale, window=0, *, layer=None, span=None, write=None,
-                         **plan):
+    def attention_decode(q, k_cache, v_cache, positions, scale, window=0, *, layer=None, span=None,
+                         write_pos=None, **plan):
         cache = CACHE_SPEC if k_cache.ndim == 5 else P(None, None, TP_AXIS, None)
         args, specs, rebuild = scalars(window, layer)
-        if write is None:
+        if write_pos is None:
             def local(q, k, v, pos, *ops):
                 window_, layer_ = rebuild(ops)
                 return kern.attention_decode(q, k, v, pos, scale, window_, layer=layer_, span=span, **plan)
 
             return smap(local, (heads, cache, cache, P(), *specs), heads)(q, k_cache, v_cache, positions, *args)
 
-        # each device writes its own kv heads' new keys and values into its shard of the caches
-        def local_write(q, k, v, pos, new_k, new_v, wpos, *ops):
+        # q packed per kv head (pack_decode_write): split like the heads; each device writes its
+        # own kv heads' new keys and values into its shard of the caches
+        def local_write(q, k, v, pos, wpos, *ops):
             window_, layer_ = rebuild(ops)
-            return kern.attention_decode(q, k, v, pos, scale, window_, layer=layer_, span=span,
-                                         write=(new_k, new_v, wpos), **plan)
+            return kern.attention_decode(q, k, v, pos, scale, window_, layer=layer_, span=span, write_pos=wpos,
+                                         **plan)
 
-        new_k, new_v, wpos = write
-        return smap(local_write, (heads, cache, cache, P(), heads, heads, P(), *specs), (heads, cache, cache))(
-            q, k_cache, v_cache, positions, new_k, new_v, wpos, *args)
+        return smap(local_write, (heads, cache, cache, P(), P(), *specs), (heads, cache, cache))(
+            q, k_cache, v_cache, positions, write_pos, *args)
 
     def attention_prefill(q, k_cache, v_cache, start_pos, scale, window=0, *, layer=None, slot=None, span=None):
         cache = CACHE_SPEC if k_cache.ndim == 5 else P(None, TP_AXIS, None)

@@ -89,5 +89,17 @@ def attention_prefill_reference(
     return out.reshape(t, h, d)
 
 
+def pack_decode_write(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """q [B, H, D], a decode step's new keys and values k, v [B, K, D] -> [B, K * (G + 2), D]:
+    per kv head its G queries, then its key, then its value (the `write_pos` call of a decode
+    implementation that writes the cache itself; the f32 values: the kernel rounds k and v to
+    the cache's dtype). Per-kv-head order keeps a tensor-parallel split of the kv heads a split
+    of this axis."""
+    b, h, d = q.shape
+    kh = k.shape[1]
+    parts = [q.reshape(b, kh, h // kh, d), k[:, :, None].astype(q.dtype), v[:, :, None].astype(q.dtype)]
+    return jnp.concatenate(parts, axis=2).reshape(b, kh * (h // kh + 2), d)
+
+
 registry.register("attention_decode", "reference", attention_decode_reference)
 registry.register("attention_prefill", "reference", attention_prefill_reference)

@@ -309,14 +309,14 @@ def _decode_kernel(
     win_ref,  # [1] int32
     scale_ref,  # [1] f32: scale * log2(e)
     layer_ref,  # [1] int32: the layer of the cache stack to read
-    q_ref,  # [H, D] this row's queries (all heads)
+    q_ref,  # [H, D] this row's queries (all heads); with `writes` [K * (G + 2), D]: per kv head its
+    #         G queries, then its new key and value
     k_ref,  # [L, S, D] this row's keys of this kv head, every layer (read in place)
     v_ref,  # [L, S, D]
-    # with `writes`: wpos_ref [B] int32 (where each row's new key goes; outside [0, S): nowhere),
-    # new_k_ref, new_v_ref [D] (this row's new key and value of this kv head, in the cache's
-    # dtype); then the outputs: one split: o_ref [H, D] f32; else acc_ref [G_pad, D], m_ref
-    # [G_pad], l_ref [G_pad] f32; with `writes`, then k_out_ref, v_out_ref [L, S, D] (the caches,
-    # aliased to k_ref and v_ref)
+    # with `writes`: wpos_ref [B] int32 (where each row's new key goes; outside [0, S): nowhere);
+    # then the outputs: one split: o_ref [H, D] f32; else acc_ref [G_pad, D], m_ref [G_pad],
+    # l_ref [G_pad] f32; with `writes`, then k_out_ref, v_out_ref [L, S, D] (the caches, aliased
+    # to k_ref and v_ref)
     *refs,
     writes: bool,
     block_s: int,
@@ -331,7 +331,7 @@ def _decode_kernel(
     is_ragged: bool,
 ):
     if writes:
-        wpos_ref, new_k_ref, new_v_ref, *out_refs, k_out_ref, v_out_ref = refs
+        wpos_ref, *out_refs, k_out_ref, v_out_ref = refs
     else:
         out_refs = refs
     row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -345,7 +345,7 @@ def _decode_kernel(
     # Only tiles holding visible keys of this row: nothing past its position is read.
     lo = lax.div(first_key, block_s)
     hi = lax.div(last_key, block_s) + 1
-    last_tile = hi - 1  # the split that attends it writes the row's new key
+    last_tile = hi - 1  # the split that attends it takes the row's new key
     if num_splits > 1:
         n = hi - lo
         wanted = num_splits
@@ -361,7 +361,8 @@ def _decode_kernel(
 
     # The G queries of this kv head, padded to g_pad rows (zeros) for the dot.
     d = q_ref.shape[1]
-    q_rows = pl.ds(head * num_groups, g_pad)
+    q_at = head * (num_groups + 2 if writes else num_groups)
+    q_rows = pl.ds(q_at, g_pad)
     row_mask = None
     if num_groups < g_pad:
         row_mask = jnp.broadcast_to((jnp.arange(g_pad, dtype=jnp.int32) < num_groups)[:, None], (g_pad, d))
@@ -371,25 +372,20 @@ def _decode_kernel(
     q = _scale_q(q, scale_ref, k_ref.dtype)  # [G_pad, D]
     precision = _dot_precision(k_ref.dtype)
     s_max = k_ref.shape[1]  # the cache's extent; attention reads [0, num_keys) of it
-    if writes:
-        wpos = wpos_ref[row]
-        new_k, new_v = new_k_ref[...], new_v_ref[...]  # [D]
+    wpos = wpos_ref[row] if writes else None
 
     def body(t, carry):
         start = pl.multiple_of(t * block_s, block_s)
         keys = start + jnp.arange(block_s, dtype=jnp.int32)
         k = _load_tile(k_ref, start, block_s, s_max, is_ragged, (layer,))  # [block_s, D]
-        if writes:  # the new key and value stand in for what the cache holds at wpos
-            is_new = jnp.broadcast_to((keys == wpos)[:, None], k.shape)
-            k = jnp.where(is_new, jnp.broadcast_to(new_k[None, :], k.shape), k)
         s = _dot_nt(q, k, precision)  # [G_pad, block_s]
         visible = keys <= last_key
         if has_window:
             visible = visible & ((win <= 0) | (keys > pos - win))
+        if writes:  # the cache's stale row at wpos: the new key is attended after the loop
+            visible = visible & (keys != wpos)
         visible = jnp.broadcast_to(visible[None, :], s.shape)
         v = _load_tile(v_ref, start, block_s, s_max, is_ragged, (layer,))
-        if writes:
-            v = jnp.where(is_new, jnp.broadcast_to(new_v[None, :], v.shape), v)
         return _online_softmax_step(carry, s, visible, v, precision)
 
     init = (
@@ -399,21 +395,39 @@ def _decode_kernel(
     )
     acc, m, l = lax.fori_loop(lo, hi, body, init)
     if writes:
-        # One program per (row, kv head) writes: the one whose run of tiles holds the row's last
-        # tile (whatever the span, so a position past it is still written, as the reference
-        # scatter does); nowhere for a position outside the cache (an idle row).
-        write = (lo <= last_tile) & (last_tile < hi) & (wpos >= 0) & (wpos < s_max)
+        # One program per (row, kv head) takes the new key and value: the one whose run of tiles
+        # holds the row's last tile. It attends them (where visible) as one more key of the online
+        # softmax, and writes them into the caches (wherever the position lies in the cache, past
+        # the span too, as a scatter would; nowhere for a position outside it: an idle row).
+        # Taken from the inputs rather than from a tile: a select in the tile before the dot
+        # kept Triton from pipelining the loads (attention 8 -> 12 us per layer, H200).
+        new_rows = pl.ds(q_at + num_groups, 1)
+        new_k = q_ref[new_rows, :].astype(k_ref.dtype)  # [1, D]
+        new_v = q_ref[pl.ds(q_at + num_groups + 1, 1), :].astype(v_ref.dtype)
+        owns = (lo <= last_tile) & (last_tile < hi)
+        write = owns & (wpos >= 0) & (wpos < s_max)
         at = (layer, pl.ds(lax.clamp(0, wpos, s_max - 1), 1), slice(None))
         mask = jnp.broadcast_to(write, (1, d))
-        _store(k_out_ref.at[at], new_k[None, :], mask=mask)
-        _store(v_out_ref.at[at], new_v[None, :], mask=mask)
+        _store(k_out_ref.at[at], new_k, mask=mask)
+        _store(v_out_ref.at[at], new_v, mask=mask)
+        attend = owns & (wpos >= first_key) & (wpos <= last_key)
+        s_new = jnp.sum(q.astype(jnp.float32) * jnp.broadcast_to(new_k.astype(jnp.float32), (g_pad, d)), axis=1)
+        s_new = jnp.where(attend, s_new, _NEG)
+        m_new = jnp.maximum(m, s_new)
+        p = jnp.where(attend, jnp.exp2(s_new - m_new), 0.0)
+        corr = jnp.exp2(m - m_new)
+        l = l * corr + p
+        p = p.astype(v_ref.dtype).astype(jnp.float32)  # as the tiles' p @ v rounds it
+        acc = acc * corr[:, None] + p[:, None] * jnp.broadcast_to(new_v.astype(jnp.float32), (g_pad, d))
+        m = m_new
+    out_rows = pl.ds(head * num_groups, g_pad)
     if len(out_refs) == 1:  # one split: the final output, straight into [B, H, D]
         (o_ref,) = out_refs
         out = acc / jnp.where(l > 0, l, 1.0)[:, None]
         if row_mask is None:
-            o_ref[q_rows, :] = out
+            o_ref[out_rows, :] = out
         else:
-            _store(o_ref.at[q_rows, :], out, mask=row_mask)
+            _store(o_ref.at[out_rows, :], out, mask=row_mask)
         return
     acc_ref, m_ref, l_ref = out_refs
     if row_mask is None:
@@ -426,14 +440,16 @@ def _decode_kernel(
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "static_scale", "static_window", "span",
                                              "few_rows"))
-def _decode(q, k_cache, v_cache, positions, scale, window, layer, write, *, config, interpret, static_scale,
+def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, *, config, interpret, static_scale,
             static_window, span, few_rows):
     """k_cache, v_cache [L, B, S_max, K, D]; keys [0, span) of layer `layer` are attended.
-    write: None, or (new_k, new_v [B, K, D] in the cache's dtype, wpos [B] int32), written into
-    the caches (aliased: updated in place) at wpos of layer `layer`, and attended in their place;
-    then the result is (out, k_cache, v_cache)."""
+    write_pos: None, or [B] int32 with q packed as [B, K * (G + 2), D] (see
+    `attention_decode_triton`); then the result is (out, k_cache, v_cache)."""
     b, h, d = q.shape
-    s_max, kh, g = k_cache.shape[2], k_cache.shape[3], h // k_cache.shape[3]
+    s_max, kh = k_cache.shape[2], k_cache.shape[3]
+    if write_pos is not None:
+        h -= 2 * kh  # the packed rows: G queries, a key and a value per kv head
+    g = h // kh
     s = span
     g_pad = max(_MIN_DOT, 1 << (g - 1).bit_length())
     plan = config.plan(b, kh, g, d, k_cache.dtype.itemsize, s, few_rows=few_rows)
@@ -449,7 +465,7 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write, *, conf
 
     kernel = functools.partial(
         _decode_kernel,
-        writes=write is not None,
+        writes=write_pos is not None,
         block_s=block_s,
         num_splits=num_splits,
         by_share=plan.by_share,
@@ -483,18 +499,16 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write, *, conf
         pl.BlockSpec((1,), lambda i, j, p: (0,)),
         pl.BlockSpec((1,), lambda i, j, p: (0,)),
         pl.BlockSpec((1,), lambda i, j, p: (0,)),
-        pl.BlockSpec((None, h, d), lambda i, j, p: (i, 0, 0)),
+        pl.BlockSpec((None, q.shape[1], d), lambda i, j, p: (i, 0, 0)),
         kv_spec,
         kv_spec,
     ]
     args = [positions.astype(jnp.int32), work.astype(jnp.int32), win_arr, scale_arr, layer, q, k_cache, v_cache]
     aliases = {}
     num_outs = len(out_shape)
-    if write is not None:
-        new_k, new_v, wpos = write
-        new_spec = pl.BlockSpec((None, None, d), lambda i, j, p: (i, j, 0))
-        in_specs += [pl.BlockSpec((b,), lambda i, j, p: (0,)), new_spec, new_spec]
-        args += [wpos.astype(jnp.int32), new_k.astype(k_cache.dtype), new_v.astype(v_cache.dtype)]
+    if write_pos is not None:
+        in_specs.append(pl.BlockSpec((b,), lambda i, j, p: (0,)))
+        args.append(write_pos.astype(jnp.int32))
         out_specs += [kv_spec, kv_spec]
         out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                       jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
@@ -516,7 +530,7 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write, *, conf
         out = outs[0]
     else:
         out = _merge_splits(*(x[:, :, :, :g] for x in outs)).reshape(b, h, d)
-    return (out, *caches) if write is not None else out
+    return (out, *caches) if write_pos is not None else out
 
 
 def _merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
@@ -560,45 +574,51 @@ def attention_decode_triton(
     layer: jax.Array | int | None = None,  # the layer of a stacked cache (may be traced): read in place
     span: int | None = None,  # static: only cache positions [0, span) are attended (default S)
     few_rows: bool = False,  # static: plan for a lone busy row (`DecodeAttentionConfig.few_rows_limit`)
-    # (new_k, new_v [B, K, D], wpos [B] int32): each row's new key and value, written into the
-    # caches at wpos (of `layer`) as part of the call; a wpos outside [0, S) writes nothing
-    write: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    # [B] int32: q is packed [B, K * (G + 2), D], per kv head its G queries then the row's new key
+    # and value for that head, which the call writes into the caches at these positions (of
+    # `layer`); a position outside [0, S) writes nothing
+    write_pos: jax.Array | None = None,
     config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
     interpret: bool = False,
-) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:  # [B, H, D] f32 (with `write`: and the caches)
+) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:  # [B, H, D] f32 (with write_pos: and the caches)
     """Same contract as `attention_decode_reference`. Positions must lie in [0, span); a
     position past it attends to the whole span, as the reference does. By default a row's
     output is bitwise the same whatever the other rows and the span; with `few_rows` it is
     the same within f32 rounding (the splits, and so the order of the sums, follow the other
     rows).
 
-    With `write`, the call also does what `KVCache.write_decode` would before it: the new keys
-    and values (rounded to the cache's dtype) land at wpos, and the attention takes them from
-    the inputs rather than reading them back, so the result is bitwise that of writing first.
-    The caches come back updated in place (their buffers aliased; the forward pass donates
-    them), which saves the step the two scatter kernels of a separate write (one per cache)."""
+    With `write_pos`, the call also does what `KVCache.write_decode` would before it: the new
+    keys and values (rounded to the cache's dtype) land at write_pos, and each row attends its
+    new key (where visible) as one more key after those of the cache, taken from q rather than
+    read back (the cache's stale row there is masked). The caches come back updated in place
+    (their buffers aliased; the forward pass donates them). That saves the step the scatter
+    kernels of a separate write, and packing lets XLA make the queries, keys and values (RoPE
+    included) in one kernel. The result equals writing first within f32 rounding (the new key's
+    terms are added last), and a row's output still depends on nothing but the row."""
     want = 4 if layer is None else 5
     if q.ndim != 3 or k_cache.ndim != want or positions.shape != (q.shape[0],) or k_cache.shape[-4] != q.shape[0]:
         raise ValueError(
             f"want q [B, H, D], caches {'[B, S, K, D]' if layer is None else '[L, B, S, K, D]'}, positions [B]; "
             f"got {q.shape}, {k_cache.shape}, {positions.shape}"
         )
-    s, _, _ = _check_inputs(q, k_cache, v_cache, seq_axis=k_cache.ndim - 3)
-    if write is not None:
-        new_k, new_v, wpos = write
-        want_kv = (q.shape[0], *k_cache.shape[-2:])
-        if new_k.shape != want_kv or new_v.shape != want_kv or wpos.shape != (q.shape[0],):
-            raise ValueError(f"write wants new keys and values {list(want_kv)} and positions [{q.shape[0]}]; got "
-                             f"{new_k.shape}, {new_v.shape}, {wpos.shape}")
+    if write_pos is not None:
+        kh = k_cache.shape[-2]
+        if write_pos.shape != (q.shape[0],) or q.shape[1] % kh or q.shape[1] // kh < 3:
+            raise ValueError(f"write_pos [B] wants q packed as [B, K * (G + 2), D] with K = {kh}; got q {q.shape}, "
+                             f"write_pos {write_pos.shape}")
+        queries = jax.ShapeDtypeStruct((q.shape[0], q.shape[1] - 2 * kh, q.shape[2]), q.dtype)
+        s, _, _ = _check_inputs(queries, k_cache, v_cache, seq_axis=k_cache.ndim - 3)
+    else:
+        s, _, _ = _check_inputs(q, k_cache, v_cache, seq_axis=k_cache.ndim - 3)
     stacked = layer is not None
     if not stacked:
         k_cache, v_cache = k_cache[None], v_cache[None]
     result = _decode(
-        q, k_cache, v_cache, positions, scale, window, _layer_arr(layer), write,
+        q, k_cache, v_cache, positions, scale, window, _layer_arr(layer), write_pos,
         config=config, interpret=interpret, static_scale=_static_scale(scale), static_window=_static_window(window),
         span=_span(span, s), few_rows=few_rows,
     )
-    if write is None or stacked:
+    if write_pos is None or stacked:
         return result
     out, k_cache, v_cache = result
     return out, k_cache[0], v_cache[0]
@@ -612,7 +632,7 @@ def _few_rows_limit(num_rows: int, num_kv_heads: int, groups: int, head_dim: int
 # rows are busy (model/kernels.py reads it): the most busy rows for which its `few_rows=True`
 # call should run; 0: no such call.
 attention_decode_triton.few_rows_limit = _few_rows_limit
-# It takes the decode step's cache write (`write=`): the forward pass hands it over.
+# It takes the decode step's cache write (`write_pos=`, q packed): the forward pass hands it over.
 attention_decode_triton.writes_cache = True
 
 
