@@ -374,22 +374,18 @@ def _decode_kernel(
     s_max = k_ref.shape[1]  # the cache's extent; attention reads [0, num_keys) of it
     if writes:
         # One program per (row, kv head) takes the new key and value: the one whose run of tiles
-        # holds the row's last tile. It writes them into the caches (wherever the position lies
-        # in the cache, past the span too, as a scatter would; nowhere for a position outside
-        # it: an idle row), and attends them (where visible) as one more key of the online
-        # softmax after the loop. Taken from q rather than from a tile: a select in the tile
+        # holds the row's last tile. It attends them (where visible) as one more key of the
+        # online softmax after the loop, and writes them into the caches (wherever the position
+        # lies in the cache, past the span too, as a scatter would; nowhere for a position
+        # outside it: an idle row). Taken from q rather than from a tile: a select in the tile
         # before the dot kept Triton from pipelining the loads (attention 8 -> 12 us per layer
-        # on the H200). All of it but the last softmax step comes before the loop, so that the
-        # loads' latency overlaps the loop's; the loop masks the cache's row at wpos, so it
-        # does not matter whether its load sees the stale or the new values.
+        # on the H200). Their loads and the new key's score come before the loop, so that the
+        # loads' latency overlaps it; the stores after it (before it, they slowed the loop by a
+        # third at 1,000 keys).
         wpos = wpos_ref[row]
         new_k = q_ref[pl.ds(q_at + num_groups, 1), :].astype(k_ref.dtype)  # [1, D]
         new_v = q_ref[pl.ds(q_at + num_groups + 1, 1), :].astype(v_ref.dtype)
         owns = (lo <= last_tile) & (last_tile < hi)
-        mask = jnp.broadcast_to(owns & (wpos >= 0) & (wpos < s_max), (1, d))
-        at = (layer, pl.ds(lax.clamp(0, wpos, s_max - 1), 1), slice(None))
-        _store(k_out_ref.at[at], new_k, mask=mask)
-        _store(v_out_ref.at[at], new_v, mask=mask)
         attend = owns & (wpos >= first_key) & (wpos <= last_key)
         s_new = jnp.sum(q.astype(jnp.float32) * jnp.broadcast_to(new_k.astype(jnp.float32), (g_pad, d)), axis=1)
         s_new = jnp.where(attend, s_new, _NEG)
@@ -414,7 +410,11 @@ def _decode_kernel(
         jnp.zeros((g_pad,), jnp.float32),
     )
     acc, m, l = lax.fori_loop(lo, hi, body, init)
-    if writes:  # the new key: one more step of the online softmax
+    if writes:  # the new key: one more step of the online softmax; then the cache write
+        mask = jnp.broadcast_to(owns & (wpos >= 0) & (wpos < s_max), (1, d))
+        at = (layer, pl.ds(lax.clamp(0, wpos, s_max - 1), 1), slice(None))
+        _store(k_out_ref.at[at], new_k, mask=mask)
+        _store(v_out_ref.at[at], new_v, mask=mask)
         m_new = jnp.maximum(m, s_new)
         p = jnp.where(attend, jnp.exp2(s_new - m_new), 0.0)
         corr = jnp.exp2(m - m_new)
