@@ -7,14 +7,17 @@ Starts the server as a child process on a free port (or uses `--url`), waits for
 runs each concurrency level `--repeats` times (the report gives each figure's median): N async
 httpx clients, each one streaming POST /v1/completions with a fixed token-id prompt, fixed
 max_tokens and ignore_eos. `logprobs: 0` makes every token its own SSE frame (a frame is
-otherwise skipped while text is held back), so frame arrival times are token times. The server starts with a small --max-queue (8) so that the 32-client
-level exercises 429s. Then the server is stopped and a child process runs the identical
-requests through `Engine.submit` (bench/engine.py's helpers, same engine config), so the two
-never share the device; it loads its step programs from the server's persistent compilation
-cache (`--compile-cache`) rather than compiling them again (on the H200 a cold compile is about
-100 s per side). Reports throughput (generated tok/s over the wall time and in the
-steady state), TTFT and inter-token latency p50/p99, 429 counts, and the serving layer's cost
-in %. Writes bench/results/http-<date>.json and prints a table.
+otherwise skipped while text is held back), so frame arrival times are token times. The server
+starts with a small --max-queue (8) so that the 32-client level exercises 429s. Before the
+levels, each side sends a burst of short requests, as many as the largest level the server
+takes (so the HTTP client's connections are open before anything is timed). Then the server is
+stopped and a child process runs the identical requests through `Engine.submit` (bench/engine.py's
+helpers, with the EngineConfig the server's parser makes of the same flags, `--server-args`
+included), so the two never share the device; it loads its step programs from the server's
+persistent compilation cache (`--compile-cache`) rather than compiling them again (on the H200
+a cold compile is about 100 s per side). Reports throughput (generated tok/s over the wall time
+and in the steady state), TTFT and inter-token latency p50/p99, 429 counts, and the serving
+layer's cost in %. Writes bench/results/http-<date>.json and prints a table.
 
 This process never imports JAX: the server and the engine run in children, one at a time.
 """
@@ -71,6 +74,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The `python -m server` flags that make the engine of both sides: the server is started
+    with them, and the engine-direct side builds its EngineConfig from them with the server's own
+    parser, `--server-args` included (last: they override)."""
+    return [
+        "--model", str(args.model), "--slots", str(args.slots), "--max-queue", str(args.max_queue),
+        "--max-context", str(args.max_context), "--prefill-budget", str(args.prefill_budget),
+        *shlex.split(args.server_args),
+    ]
+
+
+def warmup_requests(args: argparse.Namespace) -> int:
+    """Concurrent short requests each side sends before its levels: as many as the largest level
+    that the server takes without a 429, so that the HTTP side has that many connections open
+    before it measures (the first run of a level otherwise opens them while it is timed)."""
+    return max(1, min(max(args.users), args.slots + args.max_queue))
+
+
 class ServerProcess:
     """`python -m server` in a child process; its log goes to a temporary file."""
 
@@ -80,10 +101,8 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_file = tempfile.NamedTemporaryFile(prefix="pallas-serve-bench-", suffix=".log", delete=False)
         cmd = [
-            sys.executable, "-m", "server", "--model", str(args.model), "--host", "127.0.0.1", "--port", "{port}",
-            "--slots", str(args.slots), "--max-queue", str(args.max_queue), "--max-context", str(args.max_context),
-            "--prefill-budget", str(args.prefill_budget), "--log-level", "warning",
-            *(["--compile-cache", args.compile_cache] if args.compile_cache else []), *shlex.split(args.server_args),
+            sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", "{port}", "--log-level", "warning",
+            *(["--compile-cache", args.compile_cache] if args.compile_cache else []), *engine_flags(args),
         ] if command is None else command
         cmd = [part.replace("{port}", str(self.port)) for part in cmd]
         log.info("starting %s (log %s)", " ".join(cmd), self.log_file.name)
@@ -173,7 +192,8 @@ async def run_http(url: str, args: argparse.Namespace, vocab: int, repeats: int)
     limits = httpx.Limits(max_connections=max(args.users) + 8, max_keepalive_connections=max(args.users) + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
         warm = prompts_for(args.seed + 1, 1, 64, vocab)[0]
-        await http_request(client, url, "warmup", warm, 8, 0)
+        await asyncio.gather(*(http_request(client, url, f"warmup-{i}", warm, 8, i)
+                               for i in range(warmup_requests(args))))
         for users in args.users:
             prompts = prompts_for(args.seed, users, args.prompt_len, vocab)
             runs = []
@@ -232,9 +252,7 @@ def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def engine_direct(args: argparse.Namespace) -> int:
     from bench import engine as bench_engine
 
-    # "auto", as the server's --kv-dtype default: f32 on the CPU, bf16 on a GPU (an f32 cache here
-    # made the H200 engine run slower than the server it is compared with)
-    config = bench_engine.build_config(args.slots, args.max_context, "auto", args.prefill_budget, args.max_queue)
+    config = engine_config_of(args)
     if args.compile_cache:  # the server's cache: its programs, compiled once, serve this side too
         common.enable_compilation_cache(args.compile_cache)
     engine, startup = bench_engine.start_engine(args.model, config)
@@ -243,7 +261,8 @@ def engine_direct(args: argparse.Namespace) -> int:
     async def workload() -> dict[str, Any]:
         out = {}
         warm = prompts_for(args.seed + 1, 1, 64, vocab)[0]
-        await bench_engine.run_batch(engine, [bench_engine.make_request("warmup", warm, 8, 0, logprobs=True)])
+        await bench_engine.run_batch(engine, [bench_engine.make_request(f"warmup-{i}", warm, 8, i, logprobs=True)
+                                              for i in range(warmup_requests(args))])
         for users in args.users:
             prompts = prompts_for(args.seed, users, args.prompt_len, vocab)
             runs = []
@@ -263,6 +282,16 @@ def engine_direct(args: argparse.Namespace) -> int:
     return 0
 
 
+def engine_config_of(args: argparse.Namespace):
+    """The EngineConfig the server builds from `engine_flags(args)` (its parser and defaults:
+    e.g. --kv-dtype auto, bf16 on a GPU; an f32 cache here once made the H200 engine slower than
+    the server it is compared with)."""
+    from server.__main__ import build_configs, build_parser
+
+    engine_config, _ = build_configs(build_parser().parse_args(engine_flags(args)), {})
+    return engine_config
+
+
 def run_engine_child(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "engine.json"
@@ -272,7 +301,7 @@ def run_engine_child(args: argparse.Namespace) -> dict[str, Any]:
             "--max-context", str(args.max_context), "--prefill-budget", str(args.prefill_budget),
             "--users", ",".join(map(str, args.users)), "--prompt-len", str(args.prompt_len),
             "--max-tokens", str(args.max_tokens), "--seed", str(args.seed), "--repeats", str(args.repeats),
-            "--compile-cache", args.compile_cache or "",
+            "--compile-cache", args.compile_cache or "", f"--server-args={args.server_args}",
         ]
         log.info("engine-direct run in a child process")
         subprocess.run(cmd, check=True, cwd=common.ROOT)

@@ -23,7 +23,9 @@ splits in proportion to its share of all rows' tiles, so a lone long row beside 
 spreads over many programs; that output depends on the other rows in f32 rounding. Splits left
 without tiles write an empty partial and end. Each program loops only over tiles that hold
 visible keys of its row, bounded by the row's position (and window) read from the positions
-array, so short and inactive rows read nothing past their last key.
+array, so short and inactive rows read nothing past their last key. With `write_pos` (the
+forward pass's decode step) the call also writes each row's new key and value into the caches,
+aliased in and out (`attention_decode_triton`), instead of two XLA scatters before it.
 
 Prefill is flash attention: one program per (block of queries, query head) loops over key
 tiles up to the causal limit of its last query (and from the window start of its first),

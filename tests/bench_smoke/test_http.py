@@ -1,0 +1,39 @@
+"""bench/http.py: both sides build one engine from the same flags, and the whole script runs
+(the real server over HTTP, then the engine directly) to the end on the CPU."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+from bench import http
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "http.py"
+
+
+def test_the_engine_side_builds_the_servers_engine_config(tmp_path):
+    args = http.build_parser().parse_args([
+        "--model", str(tmp_path / "m.gguf"), "--slots", "4", "--max-context", "256", "--max-queue", "2",
+        "--server-args", "--decode-steps 3 --few-rows-attention --kv-dtype bfloat16 --slots 6"])
+    config = http.engine_config_of(args)
+    # --server-args reach the engine-direct side too, and override the bench's own flags
+    assert (config.num_slots, config.max_context, config.max_queue) == (6, 256, 2)
+    assert config.decode_steps_per_dispatch == 3 and config.few_rows_attention and config.kv_dtype == "bfloat16"
+    assert http.engine_flags(args)[-2:] == ["--slots", "6"]
+    # the warm-up burst: the largest level (32 by default), up to the bench's slots + queue
+    assert http.warmup_requests(args) == 6
+    assert http.warmup_requests(http.build_parser().parse_args(["--model", "m", "--users", "1,3"])) == 3
+
+
+def test_script_runs_both_sides(smollm2_path, tmp_path):
+    subprocess.run([sys.executable, str(SCRIPT), "--model", str(smollm2_path), "--max-context", "256",
+                    "--users", "1,3", "--max-tokens", "6", "--prompt-len", "16", "--repeats", "1",
+                    "--compile-cache", str(tmp_path / "cache"), "--out", str(tmp_path)], check=True, timeout=600)
+    (path,) = tmp_path.glob("http-*.json")
+    result = json.loads(path.read_text())
+    for side in ("http", "engine"):
+        levels = result[side]
+        assert {users: (level["tokens"], level["errors"]) for users, level in levels.items()} == {"1": (6, 0), "3": (18, 0)}
+    assert set(result["serving_cost"]) == {"1", "3"}
