@@ -347,7 +347,9 @@ def _decode_kernel(
     # Only tiles holding visible keys of this row: nothing past its position is read.
     lo = lax.div(first_key, block_s)
     hi = lax.div(last_key, block_s) + 1
-    last_tile = hi - 1  # the split that attends it takes the row's new key
+    # The split that attends the row's last tile takes its new key; split 0 where the row has no
+    # tile (a window wholly past the span, out of the contract: the write still happens).
+    last_tile, has_tiles = hi - 1, lo < hi
     if num_splits > 1:
         n = hi - lo
         wanted = num_splits
@@ -387,7 +389,7 @@ def _decode_kernel(
         wpos = wpos_ref[row]
         new_k = q_ref[pl.ds(q_at + num_groups, 1), :].astype(k_ref.dtype)  # [1, D]
         new_v = q_ref[pl.ds(q_at + num_groups + 1, 1), :].astype(v_ref.dtype)
-        owns = (lo <= last_tile) & (last_tile < hi)
+        owns = jnp.where(has_tiles, (lo <= last_tile) & (last_tile < hi), split == 0)
         attend = owns & (wpos >= first_key) & (wpos <= last_key)
         s_new = jnp.sum(q.astype(jnp.float32) * jnp.broadcast_to(new_k.astype(jnp.float32), (g_pad, d)), axis=1)
         s_new = jnp.where(attend, s_new, _NEG)

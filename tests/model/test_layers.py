@@ -110,12 +110,17 @@ def test_write_prefill_matches_a_scatter(t, start, num_valid):
     np.testing.assert_array_equal(np.asarray(got.v), want_v)
 
 
-def test_decode_with_the_cache_write_in_the_attention_kernel(tiny_tp_path):
+@pytest.mark.parametrize("kv, windowed, unroll, few_rows", [("float32", False, False, False),
+                                                      ("bfloat16", True, True, True)])
+def test_decode_with_the_cache_write_in_the_attention_kernel(tiny_tp_path, kv, windowed, unroll, few_rows):
     """A decode step whose attention kernel writes the new keys and values itself
     (`Kernels.decode_writes_cache`: the Triton kernel, Pallas interpret mode) gives the logits
     and the cache of writing them first (`KVCache.write_decode`) with the same kernel, within
-    f32 rounding (the new key's terms are summed last); an idle row (position -1) writes
-    nothing, and the next step attends the written key."""
+    rounding (the new key's terms are summed last); an idle row (position -1) writes nothing,
+    and the next step attends the written keys. Once with an f32 cache and the scanned layer
+    loop, once with a bf16 cache, a sliding window on every other layer (traced per layer),
+    the unrolled loop and the few-rows plan's splits."""
+    import dataclasses
     import functools
 
     import jax
@@ -130,25 +135,29 @@ def test_decode_with_the_cache_write_in_the_attention_kernel(tiny_tp_path):
 
     gf = GGUFFile(tiny_tp_path)
     cfg = ModelConfig.from_gguf_metadata(gf.metadata, frozenset(gf.tensors))
+    if windowed:
+        cfg = dataclasses.replace(cfg, sliding_window=5, sliding_window_pattern=2, rope_theta_local=10000.0)
     params = load_params(gf, cfg)
-    dec = functools.partial(attention_triton.attention_decode_triton, interpret=True,
-                            config=attention_triton.DecodeAttentionConfig(block_s=16))
+    dec = functools.partial(attention_triton.attention_decode_triton, interpret=True, config=(
+        attention_triton.DecodeAttentionConfig(block_s=16, min_split_keys=16, target_programs=8) if few_rows
+        else attention_triton.DecodeAttentionConfig(block_s=16)))
     mm = lambda x, w, layer=None, split=None: qmatmul_reference(x, w, layer=layer)  # noqa: E731
     rng = np.random.default_rng(5)
     shape = (cfg.num_layers, 3, 64, cfg.num_kv_heads, cfg.head_dim)
-    cache = KVCache(*(jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2)))
+    cache = KVCache(*(jnp.asarray(rng.standard_normal(shape), kv) for _ in range(2)))
     tokens, positions = jnp.asarray([7, 0, 99], jnp.int32), jnp.asarray([16, -1, 40], jnp.int32)
     outs = {}
     for fused in (False, True):
         kern = Kernels(mm, embed_reference, dec, attention_triton.attention_prefill_triton, decode_writes_cache=fused)
-        step = jax.jit(functools.partial(forward.decode, cfg, kern), static_argnums=(4,))
-        logits, c = step(params, cache, tokens, positions, 48)
-        logits2, c = step(params, c, tokens + 1, positions + jnp.asarray([1, 0, 1]), 48)
+        step = jax.jit(functools.partial(forward.decode, cfg, kern), static_argnums=(4, 5, 6))
+        logits, c = step(params, cache, tokens, positions, 48, unroll, few_rows)
+        logits2, c = step(params, c, tokens + 1, positions + jnp.asarray([1, 0, 1]), 48, unroll, few_rows)
         outs[fused] = (logits, logits2, c)
+    tol = 1e-5 if kv == "float32" else 1e-2
     for want, got in zip(outs[False], outs[True]):
         for a, b in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
-            assert rel(b, a) < 1e-5
-    c0, c1 = outs[False][2], outs[True][2]
+            assert rel(b, a) < tol
+    c1 = outs[True][2]
     assert not np.array_equal(np.asarray(c1.k[:, 0, 16]), np.asarray(cache.k[:, 0, 16]))  # written
     np.testing.assert_array_equal(np.asarray(c1.k[:, 1]), np.asarray(cache.k[:, 1]))  # the idle row: untouched
     np.testing.assert_array_equal(np.asarray(c1.v[:, 1]), np.asarray(cache.v[:, 1]))

@@ -94,6 +94,13 @@ def _decode_traced_window(q, k, v, positions, window, *, config, interpret, few_
         q, k, v, positions, q.shape[-1] ** -0.5, window, config=config, interpret=interpret, few_rows=few_rows)
 
 
+@functools.partial(jax.jit, static_argnames=("span", "config", "interpret", "few_rows"))
+def _decode_write_traced_window(q, k, v, positions, window, layer, wpos, *, span, config, interpret, few_rows):
+    return attention_triton.attention_decode_triton(
+        q, k, v, positions, q.shape[-1] ** -0.5, window, layer=layer, span=span, config=config, interpret=interpret,
+        few_rows=few_rows, write_pos=wpos)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def _prefill_traced_window(q, k, v, start, window, *, config, interpret):
     return attention_triton.attention_prefill_triton(
@@ -219,18 +226,25 @@ class DecodeConformance:
         wpos = np.asarray(positions).copy()
         wpos[1] = ks.shape[2]  # idle: dropped
         wpos = jnp.asarray(wpos, jnp.int32)
-        run = jax.jit(lambda q, k, v, p, layer, wpos: attention_triton.attention_decode_triton(
-            q, k, v, p, case.d ** -0.5, case.windows[0], layer=layer, span=case.s, config=case.config,
-            interpret=self.interpret, few_rows=case.few_rows, write_pos=wpos))
-        out, k_out, v_out = run(attention.pack_decode_write(q, new_k, new_v), ks, vs, positions, jnp.int32(1), wpos)
+        packed = attention.pack_decode_write(q, new_k, new_v)
         drop = dict(mode="drop")
         k_want = ks.at[1, rows, wpos].set(new_k.astype(ks.dtype), **drop)
         v_want = vs.at[1, rows, wpos].set(new_v.astype(vs.dtype), **drop)
-        np.testing.assert_array_equal(np.asarray(k_out, np.float32), np.asarray(k_want, np.float32))
-        np.testing.assert_array_equal(np.asarray(v_out, np.float32), np.asarray(v_want, np.float32))
-        ref = decode_reference(q, k_want[1, :, :case.s], v_want[1, :, :case.s], positions, case.windows[0])
         keep = np.asarray(wpos) < ks.shape[2]  # the idle row attended its stale row: not compared
-        assert_rel_close(out[keep], ref[keep], TOL[jnp.dtype(case.dtype)], f"seed {seed}")
+        for window in case.windows:
+            if case.is_window_static:
+                out, k_out, v_out = jax.jit(lambda q, k, v, p, layer, wpos: attention_triton.attention_decode_triton(
+                    q, k, v, p, case.d ** -0.5, window, layer=layer, span=case.s, config=case.config,
+                    interpret=self.interpret, few_rows=case.few_rows, write_pos=wpos))(
+                    packed, ks, vs, positions, jnp.int32(1), wpos)
+            else:
+                out, k_out, v_out = _decode_write_traced_window(
+                    packed, ks, vs, positions, jnp.int32(window), jnp.int32(1), wpos, span=case.s, config=case.config,
+                    interpret=self.interpret, few_rows=case.few_rows)
+            np.testing.assert_array_equal(np.asarray(k_out, np.float32), np.asarray(k_want, np.float32))
+            np.testing.assert_array_equal(np.asarray(v_out, np.float32), np.asarray(v_want, np.float32))
+            ref = decode_reference(q, k_want[1, :, :case.s], v_want[1, :, :case.s], positions, window)
+            assert_rel_close(out[keep], ref[keep], TOL[jnp.dtype(case.dtype)], f"seed {seed}, window {window}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,6 +345,9 @@ class TestDecodeInterpret(DecodeConformance):
         DecodeCase(4, 128, 4, 2, 32, jnp.float32, windows=(0, 20),
                    config=DecodeAttentionConfig(block_s=16, min_split_keys=16, target_programs=8), few_rows=True,
                    lone_row=True),
+        # G = 16: the queries fill the dot's 16 rows (no padding rows), two splits
+        DecodeCase(2, 64, 16, 1, 32, jnp.float32, windows=(0, 9),
+                   config=DecodeAttentionConfig(block_s=16, num_splits=2, min_split_keys=16)),
     )
 
 
