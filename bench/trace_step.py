@@ -178,6 +178,9 @@ def main() -> None:
                     help="force kernels, as the server's --kernels (e.g. attention_decode=reference)")
     ap.add_argument("--few-rows-attention", action="store_true",
                     help="the decode attention's plan for few busy slots (server --few-rows-attention)")
+    ap.add_argument("--separate-kv-write", action="store_true",
+                    help="the decode step's KV write as XLA scatters, not in the attention kernel (server "
+                         "--separate-kv-write)")
     ap.add_argument("--matmul-warps", type=int, default=None,
                     help="a variant: this many warps in the Triton decode matmuls (M <= 64) instead of the default")
     args = ap.parse_args()
@@ -197,7 +200,7 @@ def main() -> None:
 
     ecfg = EngineConfig(num_slots=args.slots, max_context=args.max_context, kv_dtype=args.kv_dtype,
                         unroll_decode_layers=args.unroll_decode_layers, kernels=args.kernels,
-                        few_rows_attention=args.few_rows_attention)
+                        few_rows_attention=args.few_rows_attention, separate_kv_write=args.separate_kv_write)
     m = load_model(args.model, ecfg)
     runner = m.make_runner(ecfg)
     if args.prefill:
@@ -234,6 +237,7 @@ def main() -> None:
     weights = params_nbytes(m.params)
     report = {"model": m.name, "weights_bytes": weights, "attend": attend, "slots": args.slots,
               "position": args.position, "decode_steps": args.decode_steps, "few_rows_limit": few_limit,
+              "kv_write_in_attention": runner.kernels.decode_writes_cache,
               "xla_flags": os.environ.get("XLA_FLAGS", "")}
     # (busy slots, the program, the report's key): the runner's choice at 1 and all slots busy;
     # where it runs the few-rows program for one, the all-rows program at one busy slot as well

@@ -193,7 +193,8 @@ def choose_kernels(
 
     return Kernels(matmul=matmul, embed=embed_fn, attention_decode=dec_fn, attention_prefill=pre_fn,
                    decode_few_rows_limit=few_rows_limit,
-                   decode_writes_cache=bool(getattr(dec_fn, "writes_cache", False))), names
+                   decode_writes_cache=bool(getattr(dec_fn, "writes_cache", False)) and not engine_cfg.separate_kv_write,
+                   ), names
 
 
 def _few_rows_limit(dec_fn, num_rows: int, kv_heads: int, groups: int, head_dim: int, itemsize: int,

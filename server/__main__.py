@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode attention planned for few busy slots (a quarter of --slots or fewer) at 1024+ tokens "
                         "of context: faster for a lone long-context user, but a request's tokens may then differ in rare "
                         "near-ties with what else runs (not batch-invariant)")
+    p.add_argument("--separate-kv-write", action="store_true",
+                   help="write each decode step's keys and values with XLA scatters before the attention kernel, "
+                        "not inside it (for A/B measurements)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="KV cache dtype (auto: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--compile-cache", type=pathlib.Path, default=None,
@@ -171,6 +174,7 @@ def build_configs(args: argparse.Namespace, environ: dict[str, str] | os._Enviro
         decode_steps_per_dispatch=args.decode_steps,
         unroll_decode_layers=args.unroll_decode_layers,
         few_rows_attention=args.few_rows_attention,
+        separate_kv_write=args.separate_kv_write,
     )
     model_name = args.model.name if args.model is not None else DEFAULT_MODEL_FILENAME
     server_config = ServerConfig(

@@ -101,6 +101,32 @@ def test_unknown_forced_op_is_an_error(tiny_tp_path):
         _loaded(tiny_tp_path, kernels=(("matmul_prefill", "reference"),))
 
 
+def test_the_kv_write_goes_to_an_attention_kernel_that_takes_it(tiny_tp_path):
+    """A decode attention that writes the cache itself (a `writes_cache` attribute, as the Triton
+    kernel has) is handed the write (Kernels.decode_writes_cache) unless the engine asks for
+    separate scatters (EngineConfig.separate_kv_write); the reference is never handed it."""
+    from pallas_kernels.attention import attention_decode_reference
+
+    def writes(*args, **kwargs):
+        return attention_decode_reference(*args, **kwargs)
+
+    writes.writes_cache = True
+    loaded, _ = _loaded(tiny_tp_path)
+    assert loaded.kernel_names["attention_decode"] == "reference" and not loaded.kernels.decode_writes_cache
+    impls, chosen = registry._REGISTRY._impls["attention_decode"], registry._REGISTRY._chosen
+    saved, saved_chosen = list(impls), dict(chosen)
+    registry.register("attention_decode", "writes", writes, priority=1000)
+    try:
+        loaded, _ = _loaded(tiny_tp_path)
+        assert loaded.kernel_names["attention_decode"] == "writes" and loaded.kernels.decode_writes_cache
+        loaded, _ = _loaded(tiny_tp_path, separate_kv_write=True)
+        assert not loaded.kernels.decode_writes_cache
+    finally:
+        impls[:] = saved
+        chosen.clear()
+        chosen.update(saved_chosen)
+
+
 def test_the_few_rows_attention_plan_is_opt_in(tiny_tp_path):
     """A decode attention with a plan for few busy rows (a `few_rows_limit` attribute, as the
     Triton kernel has) gets it used only under EngineConfig.few_rows_attention: otherwise the
