@@ -47,7 +47,7 @@ from typing import Any, Sequence  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
-from model.config import UNROLL_DECODE_LAYERS, EngineConfig, prefill_chunks_for  # noqa: E402
+from model.config import KV_DTYPES, UNROLL_DECODE_LAYERS, EngineConfig, prefill_chunks_for  # noqa: E402
 from server.__main__ import parse_kernels, parse_sizes  # noqa: E402  (the server's flag parsers)
 from model.step_types import SamplingParams  # noqa: E402
 from scheduler.types import GenerationRequest, QueueFullError  # noqa: E402
@@ -482,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", type=pathlib.Path, help="GGUF file")
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--max-context", type=int, default=4096)
-    ap.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES[1:])
     ap.add_argument("--prefill-budget", type=int, default=512)
     ap.add_argument("--kernels", type=parse_kernels, default=(),
                     help="force kernels, op=impl[,op=impl...] (server --kernels)")

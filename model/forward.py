@@ -114,6 +114,15 @@ class KVCache:
         return KVCache(put(self.k, k), put(self.v, v))
 
 
+def _fit_cache(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """New keys or values for a cache of `dtype`: an 8-bit float cache (e4m3fn, no inf) saturates
+    them at its largest value, where a plain conversion would turn them into NaN."""
+    if jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
+        top = float(jnp.finfo(dtype).max)
+        return jnp.clip(x, -top, top)
+    return x
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     x = x.astype(jnp.float32)
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
@@ -326,6 +335,7 @@ def decode(
         inv_freq, window = _layer_consts(cfg, params, i)
         h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
         q, k, v = _qkv(cfg, kern, lp, i, h, pos, inv_freq)
+        k, v = _fit_cache(k, c.k.dtype), _fit_cache(v, c.v.dtype)
         if kern.decode_writes_cache:
             attn, ck, cv = kern.attention_decode(pack_decode_write(q, k, v), c.k, c.v, pos, cfg.scale, window,
                                                  layer=i, span=attend or s, write_pos=write_pos, **few)
@@ -360,7 +370,7 @@ def prefill(
         inv_freq, window = _layer_consts(cfg, params, i)
         h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
         q, k, v = _qkv(cfg, kern, lp, i, h, pos, inv_freq)
-        c = c.write_prefill(i, slot, start_pos, num_valid, k, v)
+        c = c.write_prefill(i, slot, start_pos, num_valid, _fit_cache(k, c.k.dtype), _fit_cache(v, c.v.dtype))
         attn = kern.attention_prefill(q, c.k, c.v, start_pos, cfg.scale, window, layer=i, slot=slot,
                                       span=attend or s)  # [T, H, D]
         return _attn_out_and_ffn(cfg, kern, lp, i, x, attn), c

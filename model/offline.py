@@ -50,12 +50,12 @@ def generate(runner, prompts: list[list[int]], num_tokens: int, slots: list[int]
 
 
 def teacher_forced_logits(cfg, kernels, params, cases: list[tuple[list[int], list[int]]],
-                          max_context: int, chunk: int = 512) -> list[np.ndarray]:
+                          max_context: int, chunk: int = 512, kv_dtype=jnp.float32) -> list[np.ndarray]:
     """For each (prompt, continuation), the logits [len(continuation), V] that choose each
     continuation token, feeding the given tokens (not our own picks) after the prompt."""
 
     num_slots = len(cases)
-    cache = forward.KVCache.create(cfg, num_slots, max_context, jnp.float32)
+    cache = forward.KVCache.create(cfg, num_slots, max_context, jnp.dtype(kv_dtype))
     prefill = jax.jit(functools.partial(forward.prefill, cfg, kernels), donate_argnums=(1,))
     decode = jax.jit(functools.partial(forward.decode, cfg, kernels), donate_argnums=(1,), static_argnums=(4,))
     out: list[list[np.ndarray]] = [[] for _ in cases]

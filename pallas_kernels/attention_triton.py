@@ -64,7 +64,8 @@ _store = plt.store if hasattr(plt, "store") else pl.store
 _NEG = -1e30  # finite: a fully masked row never computes inf - inf
 _LOG2E = math.log2(math.e)
 _MIN_DOT = 16  # Triton's tl.dot needs every dimension >= 16
-_KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_FP8 = jnp.dtype(jnp.float8_e4m3fn)
+_KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), _FP8)
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
@@ -142,6 +143,7 @@ class DecodeAttentionConfig:
         at 1000 keys in 8 splits; with G = 4 the full tile and 4 warps were faster (6.3 against
         7.1 us)."""
         small = groups == 1
+        itemsize = max(itemsize, 2)  # an 8-bit cache's tiles become bf16 in registers: sized as bf16's
         block_s = self.block_s or max(_MIN_DOT, (8192 if small else 16384) // (head_dim * itemsize))
         rows = 1 if few_rows else num_rows
         if self.num_splits is not None:
@@ -248,6 +250,16 @@ def _scalar_inputs(scale, window, static_scale: float | None, static_window: int
 
 def _static_scale(scale: float | jax.Array) -> float | None:
     return None if isinstance(scale, jax.core.Tracer) else float(scale)
+
+
+def _dot_dtype(kv_dtype) -> jnp.dtype:
+    """The dtype of the dots' operands: the cache's, or bf16 for an 8-bit float cache, whose
+    tiles are converted after their load (and q and p rounded to bf16, not to 8 bits)."""
+    return jnp.dtype(jnp.bfloat16) if jnp.dtype(kv_dtype) == _FP8 else jnp.dtype(kv_dtype)
+
+
+def _tile_for_dot(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    return x if x.dtype == dtype else x.astype(dtype)
 
 
 def _scale_q(q: jax.Array, scale_ref, dtype) -> jax.Array:
@@ -373,8 +385,9 @@ def _decode_kernel(
         q = _load(q_ref.at[q_rows, :], mask=row_mask, other=jnp.zeros((), q_ref.dtype))
     else:
         q = q_ref[q_rows, :]
-    q = _scale_q(q, scale_ref, k_ref.dtype)  # [G_pad, D]
-    precision = _dot_precision(k_ref.dtype)
+    dot_dtype = _dot_dtype(k_ref.dtype)
+    q = _scale_q(q, scale_ref, dot_dtype)  # [G_pad, D]
+    precision = _dot_precision(dot_dtype)
     s_max = k_ref.shape[1]  # the cache's extent; attention reads [0, num_keys) of it
     if writes:
         # One program per (row, kv head) takes the new key and value: the one whose run of tiles
@@ -398,7 +411,7 @@ def _decode_kernel(
         start = pl.multiple_of(t * block_s, block_s)
         keys = start + jnp.arange(block_s, dtype=jnp.int32)
         k = _load_tile(k_ref, start, block_s, s_max, is_ragged, (layer,))  # [block_s, D]
-        s = _dot_nt(q, k, precision)  # [G_pad, block_s]
+        s = _dot_nt(q, _tile_for_dot(k, dot_dtype), precision)  # [G_pad, block_s]
         visible = keys <= last_key
         if has_window:
             visible = visible & ((win <= 0) | (keys > pos - win))
@@ -406,7 +419,7 @@ def _decode_kernel(
             visible = visible & (keys != wpos)
         visible = jnp.broadcast_to(visible[None, :], s.shape)
         v = _load_tile(v_ref, start, block_s, s_max, is_ragged, (layer,))
-        return _online_softmax_step(carry, s, visible, v, precision)
+        return _online_softmax_step(carry, s, visible, _tile_for_dot(v, dot_dtype), precision)
 
     init = (
         jnp.zeros((g_pad, d), jnp.float32),
@@ -423,7 +436,7 @@ def _decode_kernel(
         p = jnp.where(attend, jnp.exp2(s_new - m_new), 0.0)
         corr = jnp.exp2(m - m_new)
         l = l * corr + p
-        p = p.astype(v_ref.dtype).astype(jnp.float32)  # as the tiles' p @ v rounds it
+        p = p.astype(dot_dtype).astype(jnp.float32)  # as the tiles' p @ v rounds it
         acc = acc * corr[:, None] + p[:, None] * jnp.broadcast_to(new_v.astype(jnp.float32), (g_pad, d))
         m = m_new
     out_rows = pl.ds(head * num_groups, g_pad)
@@ -670,8 +683,9 @@ def _prefill_kernel(
     start = start_ref[0]
     row0 = qb * block_t
     q = _load_tile(q_ref, row0, block_t, num_queries, num_queries % block_t != 0)
-    q = _scale_q(q, scale_ref, k_ref.dtype)  # [block_t, D]
-    precision = _dot_precision(k_ref.dtype)
+    dot_dtype = _dot_dtype(k_ref.dtype)
+    q = _scale_q(q, scale_ref, dot_dtype)  # [block_t, D]
+    precision = _dot_precision(dot_dtype)
     q_pos = start + row0 + jnp.arange(block_t, dtype=jnp.int32)  # [block_t]
     q_first = start + row0
     q_last = start + lax.min(row0 + block_t, num_queries) - 1  # last real query of the block
@@ -696,7 +710,7 @@ def _prefill_kernel(
     def body(t, carry, masked: bool):
         kstart = pl.multiple_of(t * block_k, block_k)
         k = _load_tile(k_ref, kstart, block_k, s_max, is_ragged and masked, lead)  # [block_k, D]
-        s = _dot_nt(q, k, precision)  # [block_t, block_k]
+        s = _dot_nt(q, _tile_for_dot(k, dot_dtype), precision)  # [block_t, block_k]
         visible = None
         if masked:
             keys = kstart + jnp.arange(block_k, dtype=jnp.int32)
@@ -704,7 +718,7 @@ def _prefill_kernel(
             if has_window:
                 visible = visible & ((win <= 0) | (keys[None, :] > q_pos[:, None] - win))
         v = _load_tile(v_ref, kstart, block_k, s_max, is_ragged and masked, lead)
-        return _online_softmax_step(carry, s, visible, v, precision)
+        return _online_softmax_step(carry, s, visible, _tile_for_dot(v, dot_dtype), precision)
 
     d = q.shape[1]
     carry = (

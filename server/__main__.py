@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Sequence
 import uvicorn
 
 from model.chat_template import ChatTemplateError, load_template
-from model.config import UNROLL_DECODE_LAYERS, EngineConfig, prefill_chunks_for
+from model.config import KV_DTYPES, UNROLL_DECODE_LAYERS, EngineConfig, prefill_chunks_for
 from server.app import EngineHolder, create_app
 from server.config import LOG_LEVELS, ServerConfig
 from server.default_model import FILENAME as DEFAULT_MODEL_FILENAME
@@ -96,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--separate-kv-write", action="store_true",
                    help="write each decode step's keys and values with XLA scatters before the attention kernel, "
                         "not inside it (for A/B measurements)")
-    p.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="KV cache dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+                   help="KV cache dtype (auto: float32 on CPU, bfloat16 on GPU; float8_e4m3fn: 8-bit float, half "
+                        "of bfloat16's memory and attention reads, values saturating at +-448)")
     p.add_argument("--compile-cache", type=pathlib.Path, default=None,
                    help="JAX persistent compilation cache directory (default: in the model cache; 'none' disables)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",

@@ -161,3 +161,55 @@ def test_decode_with_the_cache_write_in_the_attention_kernel(tiny_tp_path, kv, w
     assert not np.array_equal(np.asarray(c1.k[:, 0, 16]), np.asarray(cache.k[:, 0, 16]))  # written
     np.testing.assert_array_equal(np.asarray(c1.k[:, 1]), np.asarray(cache.k[:, 1]))  # the idle row: untouched
     np.testing.assert_array_equal(np.asarray(c1.v[:, 1]), np.asarray(cache.v[:, 1]))
+
+
+def test_an_8bit_float_cache_saturates_new_keys_and_values():
+    """e4m3fn has no inf: a key past +-448 would turn into NaN in the cache; the forward pass
+    saturates what it writes there instead, and leaves wider caches' values alone."""
+    import jax.numpy as jnp
+
+    from model.forward import _fit_cache
+
+    x = jnp.asarray([1e4, -1e4, 3.0, 447.0], jnp.float32)
+    got = np.asarray(_fit_cache(x, jnp.float8_e4m3fn).astype(jnp.float8_e4m3fn), np.float32)
+    np.testing.assert_array_equal(got, [448.0, -448.0, 3.0, 448.0])  # 447 rounds to 448 in e4m3
+    np.testing.assert_array_equal(np.asarray(_fit_cache(x, jnp.bfloat16)), np.asarray(x))
+
+
+def test_decode_with_an_8bit_float_cache(tiny_tp_path):
+    """The forward pass on an fp8 (e4m3fn) cache, reference kernels: a prefill then two decode
+    steps give the logits of an f32 cache within the 8-bit rounding of keys and values (3
+    mantissa bits: a few % of the logits' norm on this random-weight model)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from model import forward
+    from model.forward import Kernels, KVCache
+    from model.gguf_file import GGUFFile
+    from model.weights import load_params
+    from pallas_kernels.attention import attention_decode_reference, attention_prefill_reference
+    from pallas_kernels.matmul import embed_reference, qmatmul_reference
+
+    gf = GGUFFile(tiny_tp_path)
+    cfg = ModelConfig.from_gguf_metadata(gf.metadata, frozenset(gf.tensors))
+    params = load_params(gf, cfg)
+    mm = lambda x, w, layer=None, split=None: qmatmul_reference(x, w, layer=layer)  # noqa: E731
+    kern = Kernels(mm, embed_reference, attention_decode_reference, attention_prefill_reference)
+    prefill = jax.jit(functools.partial(forward.prefill, cfg, kern))
+    decode = jax.jit(functools.partial(forward.decode, cfg, kern), static_argnums=(4,))
+    prompt = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, 24), jnp.int32)
+    outs = {}
+    for kv in (jnp.float32, jnp.float8_e4m3fn):
+        cache = KVCache.create(cfg, 2, 64, kv)
+        first, cache = prefill(params, cache, jnp.int32(1), prompt, jnp.int32(0), jnp.int32(24))
+        steps = [first]
+        for j in range(2):
+            logits, cache = decode(params, cache, jnp.asarray([0, 5 + j], jnp.int32), jnp.asarray([-1, 24 + j]), 64)
+            steps.append(logits[1])
+        assert cache.k.dtype == kv
+        outs[kv] = steps
+    for want, got in zip(outs[jnp.float32], outs[jnp.float8_e4m3fn]):
+        assert np.isfinite(np.asarray(got)).all()
+        assert 1e-4 < rel(got, want) < 0.1  # rounded, but close

@@ -26,7 +26,13 @@ import pytest
 from pallas_kernels import attention, attention_triton, registry
 from pallas_kernels.attention_triton import DecodeAttentionConfig, PrefillAttentionConfig
 
-TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2}
+# fp8: the reference reads the same 8-bit values; the kernel rounds q and p to bf16, as for bf16
+TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float8_e4m3fn): 1e-2}
+
+
+def junk(dtype) -> float:
+    """A large value `dtype` holds (fp8 e4m3fn tops out at 448; beyond it converts to NaN)."""
+    return min(1e3, float(jnp.finfo(dtype).max) / 2)
 
 
 def assert_rel_close(actual, expected, tol, context=""):
@@ -113,8 +119,9 @@ def stack_layers(cache, layer: int, extra: int, rng, seq_axis: int):
     if extra:
         junk_shape = list(cache.shape)
         junk_shape[seq_axis] = extra
-        junk = jnp.asarray(rng.standard_normal(junk_shape, np.float32) * 1e3, cache.dtype)
-        cache = jnp.concatenate([cache, junk], axis=seq_axis)
+        stale = jnp.asarray(np.clip(rng.standard_normal(junk_shape, np.float32), -4, 4) * junk(cache.dtype) / 4,
+                            cache.dtype)
+        cache = jnp.concatenate([cache, stale], axis=seq_axis)
     nan = jnp.full_like(cache, jnp.nan)
     return jnp.stack([cache if i == layer else nan for i in range(3)])
 
@@ -220,7 +227,7 @@ class DecodeConformance:
         q, k, v, positions = self.inputs(case, rng)
         ks, vs = (stack_layers(a, 1, 24, rng, 1) for a in (k, v))
         rows = jnp.arange(case.b)
-        ks, vs = (c.at[1, rows, positions].set(jnp.asarray(1e3, c.dtype)) for c in (ks, vs))  # stale
+        ks, vs = (c.at[1, rows, positions].set(jnp.asarray(junk(c.dtype), c.dtype)) for c in (ks, vs))  # stale
         new_k = normal(rng, (case.b, case.k, case.d), jnp.float32)
         new_v = normal(rng, (case.b, case.k, case.d), jnp.float32)
         wpos = np.asarray(positions).copy()
@@ -348,6 +355,9 @@ class TestDecodeInterpret(DecodeConformance):
         # G = 16: the queries fill the dot's 16 rows (no padding rows), two splits
         DecodeCase(2, 64, 16, 1, 32, jnp.float32, windows=(0, 9),
                    config=DecodeAttentionConfig(block_s=16, num_splits=2, min_split_keys=16)),
+        # an 8-bit float cache, converted to bf16 per tile
+        DecodeCase(3, 100, 4, 2, 64, jnp.float8_e4m3fn, windows=(0, 7),
+                   config=DecodeAttentionConfig(block_s=16, num_splits=2, min_split_keys=16)),
     )
 
 
@@ -361,6 +371,8 @@ class TestPrefillInterpret(PrefillConformance):
         PrefillCase(32, 128, 8, 2, 128, jnp.bfloat16, starts=(0, 96), is_window_static=True),
         PrefillCase(16, 64, 8, 1, 256, jnp.bfloat16, starts=(0, 48), windows=(9,), is_window_static=True,
                     config=PrefillAttentionConfig(block_k=16)),
+        PrefillCase(24, 100, 4, 2, 64, jnp.float8_e4m3fn, starts=(0, 37), windows=(0, 9),
+                    config=PrefillAttentionConfig(block_t=16, block_k=16)),
     )
 
 
@@ -391,6 +403,8 @@ class TestDecodeGpu(DecodeConformance):
         DecodeCase(8, 4096, 32, 32, 128, jnp.bfloat16, is_window_static=True, few_rows=True,
                    lone_row=True),  # ... one busy: 8 splits
         DecodeCase(8, 2048, 32, 8, 128, jnp.bfloat16, windows=(0, 300), few_rows=True),  # Llama-3-8B: 16 splits
+        DecodeCase(8, 4096, 32, 8, 128, jnp.float8_e4m3fn, is_window_static=True),  # Llama-3-8B, 8-bit cache
+        DecodeCase(8, 1024, 32, 32, 128, jnp.float8_e4m3fn, windows=(0, 100)),  # the 7B's 8 slots, 8-bit cache
     )
 
 
@@ -405,6 +419,7 @@ class TestPrefillGpu(PrefillConformance):
         PrefillCase(100, 1000, 24, 8, 64, jnp.bfloat16, starts=(0, 900), windows=(0, 17)),  # ragged
         PrefillCase(128, 1024, 16, 2, 256, jnp.bfloat16, starts=(0, 896), windows=(0, 512)),
         PrefillCase(1, 512, 32, 8, 128, jnp.bfloat16, starts=(0, 300, 511), is_window_static=True),
+        PrefillCase(512, 4096, 32, 8, 128, jnp.float8_e4m3fn, starts=(0, 3584), is_window_static=True),
     )
 
     def test_chosen_by_the_registry(self):
@@ -545,7 +560,7 @@ def test_decode_row_output_does_not_depend_on_the_other_rows_or_the_span_gpu():
 
 
 @pytest.mark.parametrize("kv_dtype, d, s, g", [(jnp.bfloat16, 128, 4096, 4), (jnp.float32, 64, 1000, 3),
-                                                (jnp.bfloat16, 256, 512, 8)])
+                                                (jnp.bfloat16, 256, 512, 8), (jnp.float8_e4m3fn, 128, 1000, 1)])
 def test_lowers_to_triton_for_cuda(kv_dtype, d, s, g):
     """The Triton lowering (no GPU needed) accepts every kernel variant: it rejects what Triton
     cannot take (non-power-of-two tensors, unsupported primitives) at this stage."""

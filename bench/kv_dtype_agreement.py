@@ -1,0 +1,104 @@
+"""What the KV cache's dtype costs in correctness: the teacher-forced comparison of
+tests/model/test_llama_cpp_agreement.py (our logits on llama.cpp's recorded token streams,
+tests/fixtures/generation_smollm2.json) run once per KV dtype, on the CPU path.
+
+    python bench/kv_dtype_agreement.py [--model PATH] [--kv-dtypes float32,bfloat16,float8_e4m3fn] [--out DIR]
+
+Per dtype: top-1 agreement with llama.cpp over all steps, agreement on its decisive steps (top-1
+ahead of top-2 by more than 0.5), and the logit |diff| over llama.cpp's top-10 (p50, p99, max);
+and, against our own f32-cache logits, the same top-1 agreement. Writes
+bench/results/kv-agreement-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
+
+import numpy as np  # noqa: E402
+
+from bench import common  # noqa: E402
+
+FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "generation_smollm2.json"
+DECISIVE_MARGIN = 0.5  # as tests/model/test_llama_cpp_agreement.py
+
+log = logging.getLogger("bench.kv_dtype_agreement")
+
+
+def forced_logits(model, cases, kv_dtype: str) -> list[np.ndarray]:
+    from model.offline import teacher_forced_logits
+
+    out = []
+    for i in range(0, len(cases), 8):  # similar lengths share a batch, as the test does
+        batch = cases[i:i + 8]
+        out.extend(teacher_forced_logits(model.config, model.kernels, model.params,
+                                         [(c["prompt_ids"], c["generated_ids"]) for c in batch],
+                                         max_context=4096, kv_dtype=kv_dtype))
+    return out
+
+
+def against_llama_cpp(cases, logits) -> dict:
+    steps = top1 = decisive = agree = 0
+    diffs = []
+    for case, lg in zip(cases, logits):
+        for j, ref in enumerate(case["top_logits"]):
+            ids, values = [i for i, _ in ref], np.array([v for _, v in ref])
+            ours = int(np.argmax(lg[j]))
+            steps += 1
+            top1 += ours == ids[0]
+            if values[0] - values[1] > DECISIVE_MARGIN:
+                decisive += 1
+                agree += ours == ids[0]
+            diffs.append(float(np.max(np.abs(lg[j][ids] - values))))
+    d = np.array(diffs)
+    return {"steps": steps, "top1": top1, "top1_pct": round(100 * top1 / steps, 2), "decisive": decisive,
+            "decisive_agree": agree, "logit_diff_p50": round(float(np.median(d)), 4),
+            "logit_diff_p99": round(float(np.quantile(d, 0.99)), 4), "logit_diff_max": round(float(d.max()), 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--model", type=pathlib.Path, default=None, help="SmolLM2-135M-Instruct Q4_1 (default: the cached one)")
+    ap.add_argument("--kv-dtypes", default="float32,bfloat16,float8_e4m3fn")
+    ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from model.config import EngineConfig
+    from model.loader import load_model
+    from server.default_model import ensure_default_model
+
+    path = args.model or ensure_default_model()
+    model = load_model(path, EngineConfig(num_slots=8, max_context=4096))
+    cases = sorted(json.loads(FIXTURE.read_text())["cases"], key=lambda c: len(c["prompt_ids"]))
+    results, base = {}, None
+    for dtype in args.kv_dtypes.split(","):
+        t0 = time.perf_counter()
+        logits = forced_logits(model, cases, dtype)
+        row = against_llama_cpp(cases, logits)
+        if base is None:
+            base = (dtype, logits)
+        else:
+            same = sum(int(np.argmax(a[j]) == np.argmax(b[j])) for a, b in zip(base[1], logits) for j in range(len(a)))
+            row[f"top1_same_as_{base[0]}"] = same
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        results[dtype] = row
+        log.info("%s: %s", dtype, row)
+    stamp = common.timestamp()
+    path_out = common.result_path(args.out, "kv-agreement", stamp)
+    common.write_json(path_out, {"kind": "kv-agreement", "date": stamp, "git": common.git_rev(),
+                                 "device": common.device_info(), "model": common.model_facts(path),
+                                 "fixture": str(FIXTURE.relative_to(common.ROOT)), "results": results})
+    print(json.dumps(results, indent=1))
+    print(f"wrote {path_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
