@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     path = args.model or ensure_default_model()
     model = load_model(path, EngineConfig(num_slots=8, max_context=4096))
     cases = sorted(json.loads(FIXTURE.read_text())["cases"], key=lambda c: len(c["prompt_ids"]))
+    stamp = common.timestamp()
+    path_out = common.result_path(args.out, "kv-agreement", stamp)
     results, base = {}, None
     for dtype in args.kv_dtypes.split(","):
         t0 = time.perf_counter()
@@ -90,11 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         row["seconds"] = round(time.perf_counter() - t0, 1)
         results[dtype] = row
         log.info("%s: %s", dtype, row)
-    stamp = common.timestamp()
-    path_out = common.result_path(args.out, "kv-agreement", stamp)
-    common.write_json(path_out, {"kind": "kv-agreement", "date": stamp, "git": common.git_rev(),
-                                 "device": common.device_info(), "model": common.model_facts(path),
-                                 "fixture": str(FIXTURE.relative_to(common.ROOT)), "results": results})
+        # after each dtype, so that a long run keeps what it measured (on the CPU an 8-bit or
+        # bf16 cache makes the reference attention far slower than an f32 one: its conversions)
+        common.write_json(path_out, {"kind": "kv-agreement", "date": stamp, "git": common.git_rev(),
+                                     "device": common.device_info(), "model": common.model_facts(path),
+                                     "fixture": str(FIXTURE.relative_to(common.ROOT)), "results": results})
     print(json.dumps(results, indent=1))
     print(f"wrote {path_out}")
     return 0
