@@ -45,21 +45,11 @@ def forced_logits(model, cases, kv_dtype: str, max_context: int = 4096) -> list[
 
 
 def against_llama_cpp(cases, logits) -> dict:
-    steps = top1 = decisive = agree = 0
-    diffs = []
-    for case, lg in zip(cases, logits):
-        for j, ref in enumerate(case["top_logits"]):
-            ids, values = [i for i, _ in ref], np.array([v for _, v in ref])
-            ours = int(np.argmax(lg[j]))
-            steps += 1
-            top1 += ours == ids[0]
-            if values[0] - values[1] > DECISIVE_MARGIN:
-                decisive += 1
-                agree += ours == ids[0]
-            diffs.append(float(np.max(np.abs(lg[j][ids] - values))))
-    d = np.array(diffs)
-    return {"steps": steps, "top1": top1, "top1_pct": round(100 * top1 / steps, 2), "decisive": decisive,
-            "decisive_agree": agree, "logit_diff_p50": round(float(np.median(d)), 4),
+    from model.offline import compare_top_logits
+
+    c = compare_top_logits(cases, logits, DECISIVE_MARGIN)
+    d = c.pop("diffs")
+    return {**c, "top1_pct": round(100 * c["top1"] / c["steps"], 2), "logit_diff_p50": round(float(np.median(d)), 4),
             "logit_diff_p99": round(float(np.quantile(d, 0.99)), 4), "logit_diff_max": round(float(d.max()), 4)}
 
 

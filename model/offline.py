@@ -85,3 +85,27 @@ def teacher_forced_logits(cfg, kernels, params, cases: list[tuple[list[int], lis
             if j < len(cont):
                 out[s].append(logits[s])
     return [np.stack(rows) for rows in out]
+
+
+def compare_top_logits(cases: list[dict], logits: list[np.ndarray], decisive_margin: float) -> dict:
+    """Our teacher-forced logits (`teacher_forced_logits`) against a reference's recorded top
+    logits per step (`case["top_logits"]`: [(id, logit), ...], best first, as
+    tests/fixtures/record_generation.py writes them). Counts steps, steps whose argmax is the
+    reference's top-1, decisive steps (its top-1 ahead of its top-2 by more than
+    `decisive_margin`) and those of them that agree, and gives every step's largest |logit
+    difference| over the reference's ids (`diffs`)."""
+    steps = top1 = decisive = agree = 0
+    diffs = []
+    for case, lg in zip(cases, logits):
+        if not np.isfinite(lg).all():
+            raise ValueError(f"non-finite logits for the case of prompt length {len(case['prompt_ids'])}")
+        for j, ref in enumerate(case["top_logits"]):
+            ids, values = [i for i, _ in ref], np.array([v for _, v in ref])
+            hit = int(np.argmax(lg[j])) == ids[0]
+            steps += 1
+            top1 += hit
+            if values[0] - values[1] > decisive_margin:
+                decisive += 1
+                agree += hit
+            diffs.append(float(np.max(np.abs(lg[j][ids] - values))))
+    return {"steps": steps, "top1": top1, "decisive": decisive, "decisive_agree": agree, "diffs": np.array(diffs)}

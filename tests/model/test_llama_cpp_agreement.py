@@ -17,7 +17,7 @@ import json
 import numpy as np
 import pytest
 
-from model.offline import teacher_forced_logits
+from model.offline import compare_top_logits, teacher_forced_logits
 
 DECISIVE_MARGIN = 0.5  # logits: llama.cpp's top-1 leads its top-2 by more than this
 # Measured on all 42 cases: p50 0.27, p99 0.79, max 1.69. llama.cpp against itself (flash
@@ -49,17 +49,8 @@ def test_fixture_covers_long_prompts(forced):
 
 
 def test_decisive_tokens_agree(forced):
-    decisive = agree = steps = top1 = 0
-    for case, logits in forced:
-        assert np.isfinite(logits).all()
-        for j, ref in enumerate(case["top_logits"]):
-            ids, values = [i for i, _ in ref], [v for _, v in ref]
-            ours = int(np.argmax(logits[j]))
-            steps += 1
-            top1 += ours == ids[0]
-            if values[0] - values[1] > DECISIVE_MARGIN:
-                decisive += 1
-                agree += ours == ids[0]
+    c = compare_top_logits(*zip(*forced), DECISIVE_MARGIN)
+    steps, top1, decisive, agree = c["steps"], c["top1"], c["decisive"], c["decisive_agree"]
     print(f"teacher-forced top-1 agreement {top1}/{steps}; decisive steps {agree}/{decisive}")
     assert decisive > 0.6 * steps
     assert agree / decisive >= 0.995
@@ -67,12 +58,7 @@ def test_decisive_tokens_agree(forced):
 
 
 def test_logits_close(forced):
-    diffs = []
-    for case, logits in forced:
-        for j, ref in enumerate(case["top_logits"]):
-            ids = [i for i, _ in ref]
-            diffs.append(np.max(np.abs(logits[j][ids] - np.array([v for _, v in ref]))))
-    diffs = np.array(diffs)
+    diffs = compare_top_logits(*zip(*forced), DECISIVE_MARGIN)["diffs"]
     print(f"logit |diff| over llama.cpp's top-10: p50 {np.median(diffs):.3f} p99 {np.quantile(diffs, 0.99):.3f} max {diffs.max():.3f}")
     assert diffs.max() < MAX_LOGIT_DIFF
     assert np.quantile(diffs, 0.99) < P99_LOGIT_DIFF
