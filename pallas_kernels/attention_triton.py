@@ -143,7 +143,7 @@ class DecodeAttentionConfig:
         at 1000 keys in 8 splits; with G = 4 the full tile and 4 warps were faster (6.3 against
         7.1 us)."""
         small = groups == 1
-        itemsize = max(itemsize, 2)  # an 8-bit cache's tiles become bf16 in registers: sized as bf16's
+        itemsize = max(itemsize, 2)  # an 8-bit cache's tiles become f16 in registers: sized as 16-bit's
         block_s = self.block_s or max(_MIN_DOT, (8192 if small else 16384) // (head_dim * itemsize))
         rows = 1 if few_rows else num_rows
         if self.num_splits is not None:
@@ -253,9 +253,12 @@ def _static_scale(scale: float | jax.Array) -> float | None:
 
 
 def _dot_dtype(kv_dtype) -> jnp.dtype:
-    """The dtype of the dots' operands: the cache's, or bf16 for an 8-bit float cache, whose
-    tiles are converted after their load (and q and p rounded to bf16, not to 8 bits)."""
-    return jnp.dtype(jnp.bfloat16) if jnp.dtype(kv_dtype) == _FP8 else jnp.dtype(kv_dtype)
+    """The dtype of the dots' operands: the cache's, or f16 for an 8-bit float cache, whose
+    tiles are converted after their load (and q and p rounded to f16, not to 8 bits). f16, not
+    bf16: e4m3 values (saturated at +-448) are exact in both, but Hopper converts e4m3 pairs to
+    f16 in one instruction and to bf16 only by way of f32; q, scaled, and p stay far inside
+    f16's range and keep 3 more bits than in bf16."""
+    return jnp.dtype(jnp.float16) if jnp.dtype(kv_dtype) == _FP8 else jnp.dtype(kv_dtype)
 
 
 def _tile_for_dot(x: jax.Array, dtype: jnp.dtype) -> jax.Array:

@@ -26,7 +26,7 @@ import pytest
 from pallas_kernels import attention, attention_triton, registry
 from pallas_kernels.attention_triton import DecodeAttentionConfig, PrefillAttentionConfig
 
-# fp8: the reference reads the same 8-bit values; the kernel rounds q and p to bf16, as for bf16
+# fp8: the reference reads the same 8-bit values; the kernel rounds q and p to f16 (tolerance as for bf16)
 TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float8_e4m3fn): 1e-2}
 
 
@@ -355,7 +355,7 @@ class TestDecodeInterpret(DecodeConformance):
         # G = 16: the queries fill the dot's 16 rows (no padding rows), two splits
         DecodeCase(2, 64, 16, 1, 32, jnp.float32, windows=(0, 9),
                    config=DecodeAttentionConfig(block_s=16, num_splits=2, min_split_keys=16)),
-        # an 8-bit float cache, converted to bf16 per tile
+        # an 8-bit float cache, converted to f16 per tile
         DecodeCase(3, 100, 4, 2, 64, jnp.float8_e4m3fn, windows=(0, 7),
                    config=DecodeAttentionConfig(block_s=16, num_splits=2, min_split_keys=16)),
     )
