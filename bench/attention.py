@@ -102,10 +102,10 @@ class Bench:
         import jax
         import jax.numpy as jnp
 
-        from pallas_kernels import attention, attention_triton
+        from pallas_kernels import attention, attention_triton, attention_triton_prefill
 
         self.jax, self.jnp = jax, jnp
-        self.attention, self.triton = attention, attention_triton
+        self.attention, self.triton, self.triton_prefill = attention, attention_triton, attention_triton_prefill
         self.args = args
         self.plan = TINY if args.tiny else FULL
         self.reps = args.reps or self.plan.reps
@@ -128,8 +128,8 @@ class Bench:
     def prefill_fn(self, impl: str, config=None) -> Callable:
         if impl == "reference":
             return self.attention.attention_prefill_reference
-        cfg = config or self.triton.DEFAULT_PREFILL_CONFIG
-        return lambda *a: self.triton.attention_prefill_triton(*a, config=cfg, interpret=self.args.interpret)
+        cfg = config or self.triton_prefill.DEFAULT_PREFILL_CONFIG
+        return lambda *a: self.triton_prefill.attention_prefill_triton(*a, config=cfg, interpret=self.args.interpret)
 
     def reseed(self, *shape_key: int) -> None:
         self.key = self.jax.random.fold_in(self.jax.random.key(self.args.seed), hash(shape_key) % 2**31)
@@ -316,7 +316,7 @@ class Bench:
         for (model, b, s), cfg in itertools.product(decode_shapes, decode_grid):
             log.info("sweep decode %s b=%d s=%d %s", model, b, s, cfg)
             self.run_decode(model, b, s, ("triton",), config=cfg, extra={"config": dataclasses.asdict(cfg)})
-        pcfg = self.triton.PrefillAttentionConfig
+        pcfg = self.triton_prefill.PrefillAttentionConfig
         if self.args.tiny:
             prefill_shapes, prefill_grid = [("tiny-gqa", 32, 96)], [pcfg(block_t=16, block_k=16), pcfg()]
         else:

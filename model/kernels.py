@@ -25,6 +25,7 @@ import jax.numpy as jnp
 # Importing the kernel modules registers their implementations.
 import pallas_kernels.attention  # noqa: F401
 import pallas_kernels.attention_triton  # noqa: F401
+import pallas_kernels.attention_triton_prefill  # noqa: F401
 import pallas_kernels.matmul  # noqa: F401
 import pallas_kernels.matmul_mgpu  # noqa: F401
 import pallas_kernels.matmul_triton  # noqa: F401

@@ -299,7 +299,7 @@ from model.config import ModelConfig
 from model.forward import Kernels, KVCache
 from model.gguf_file import GGUFFile
 from model.weights import load_params
-from pallas_kernels import attention_triton, matmul_triton
+from pallas_kernels import attention_triton, attention_triton_prefill, matmul_triton
 from pallas_kernels.matmul import embed_reference
 
 gf = GGUFFile(sys.argv[1])
@@ -311,7 +311,7 @@ def mm(x, w, layer=None, split=None):
     return matmul_triton.qmatmul_triton(x.astype(jnp.float32), w, layer=layer, interpret=True)
 
 kern = Kernels(mm, embed_reference, functools.partial(attention_triton.attention_decode_triton, interpret=True),
-               functools.partial(attention_triton.attention_prefill_triton, interpret=True),
+               functools.partial(attention_triton_prefill.attention_prefill_triton, interpret=True),
                decode_writes_cache=True)  # each device's kernel writes its own kv heads
 prompt = jnp.asarray(np.arange(5, 21), jnp.int32)  # 16 tokens into slot 1
 

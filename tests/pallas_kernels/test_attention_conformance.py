@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import attention, attention_triton, registry
-from pallas_kernels.attention_triton import DecodeAttentionConfig, PrefillAttentionConfig
+from pallas_kernels import attention, attention_triton, attention_triton_prefill, registry
+from pallas_kernels.attention_triton import DecodeAttentionConfig
+from pallas_kernels.attention_triton_prefill import PrefillAttentionConfig
 
 # fp8: the reference reads the same 8-bit values; the kernel rounds q and p to f16 (tolerance as for bf16)
 TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float8_e4m3fn): 1e-2}
@@ -85,7 +86,7 @@ class PrefillCase:
     starts: tuple[int, ...] = (0,)
     windows: tuple[int, ...] = (0,)
     is_window_static: bool = False
-    config: PrefillAttentionConfig = attention_triton.DEFAULT_PREFILL_CONFIG
+    config: PrefillAttentionConfig = attention_triton_prefill.DEFAULT_PREFILL_CONFIG
 
     def __str__(self) -> str:
         kind = "static" if self.is_window_static else "traced"
@@ -109,7 +110,7 @@ def _decode_write_traced_window(q, k, v, positions, window, layer, wpos, *, span
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def _prefill_traced_window(q, k, v, start, window, *, config, interpret):
-    return attention_triton.attention_prefill_triton(
+    return attention_triton_prefill.attention_prefill_triton(
         q, k, v, start, q.shape[-1] ** -0.5, window, config=config, interpret=interpret)
 
 
@@ -267,7 +268,7 @@ class PrefillConformance:
 
     def run(self, case: PrefillCase, q, k, v, start, window):
         if case.is_window_static:
-            return attention_triton.attention_prefill_triton(
+            return attention_triton_prefill.attention_prefill_triton(
                 q, k, v, start, case.d ** -0.5, window, config=case.config, interpret=self.interpret)
         return _prefill_traced_window(q, k, v, start, jnp.int32(window), config=case.config,
                                       interpret=self.interpret)
@@ -314,7 +315,7 @@ class PrefillConformance:
         q, k, v = self.inputs(case, rng)
         # slot 2 of 3, layer 1 of 3, 24 junk positions past the span
         ks, vs = (stack_layers(stack_layers(a, 2, 24, rng, 0), 1, 0, rng, 0) for a in (k, v))
-        run = jax.jit(lambda q, k, v, start, layer, slot: attention_triton.attention_prefill_triton(
+        run = jax.jit(lambda q, k, v, start, layer, slot: attention_triton_prefill.attention_prefill_triton(
             q, k, v, start, case.d ** -0.5, case.windows[0], layer=layer, slot=slot, span=case.s,
             config=case.config, interpret=self.interpret))
         start = case.starts[-1]
@@ -425,7 +426,7 @@ class TestPrefillGpu(PrefillConformance):
     def test_chosen_by_the_registry(self):
         spec = (jax.ShapeDtypeStruct((64, 32, 128), jnp.bfloat16), jax.ShapeDtypeStruct((512, 8, 128), jnp.bfloat16),
                 jax.ShapeDtypeStruct((512, 8, 128), jnp.bfloat16), jax.ShapeDtypeStruct((), jnp.int32), 0.1, 0)
-        assert registry.choose("attention_prefill", probes=[spec]) is attention_triton.attention_prefill_triton
+        assert registry.choose("attention_prefill", probes=[spec]) is attention_triton_prefill.attention_prefill_triton
 
 
 # ---------------------------------------------------------------------------------------------
@@ -458,7 +459,7 @@ def test_rejects_input_it_cannot_take(k_shape, dtype, reason):
     with pytest.raises(NotImplementedError, match=reason):
         jax.eval_shape(attention_triton.attention_decode_triton, q, kv, kv, pos, 0.1, 0)
     with pytest.raises(NotImplementedError, match=reason):
-        jax.eval_shape(attention_triton.attention_prefill_triton, jax.ShapeDtypeStruct((8, 4, d), jnp.float32),
+        jax.eval_shape(attention_triton_prefill.attention_prefill_triton, jax.ShapeDtypeStruct((8, 4, d), jnp.float32),
                        jax.ShapeDtypeStruct(k_shape[1:], dtype), jax.ShapeDtypeStruct(k_shape[1:], dtype),
                        jax.ShapeDtypeStruct((), jnp.int32), 0.1, 0)
 
@@ -576,7 +577,7 @@ def test_lowers_to_triton_for_cuda(kv_dtype, d, s, g):
         assert "triton" in lowered.as_text()
     kv1 = jax.ShapeDtypeStruct((s, k_heads, d), kv_dtype)
     for t in (100, 512):
-        fn = lambda q, k, v, p, w: attention_triton.attention_prefill_triton(q, k, v, p, 0.1, w)
+        fn = lambda q, k, v, p, w: attention_triton_prefill.attention_prefill_triton(q, k, v, p, 0.1, w)
         lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((t, g * k_heads, d), jnp.bfloat16), kv1, kv1, i32,
                                     i32).lower(lowering_platforms=("cuda",))
         assert "triton" in lowered.as_text()
@@ -597,7 +598,7 @@ def test_lowers_to_triton_for_cuda(kv_dtype, d, s, g):
             jax.ShapeDtypeStruct((3,), jnp.int32), i32, jax.ShapeDtypeStruct((3,), jnp.int32),
         ).lower(lowering_platforms=("cuda",))
         assert "triton" in lowered.as_text() and lowered.as_text().count("output_operand_alias") >= 2
-    fn = lambda q, k, v, p, layer, slot: attention_triton.attention_prefill_triton(  # noqa: E731
+    fn = lambda q, k, v, p, layer, slot: attention_triton_prefill.attention_prefill_triton(  # noqa: E731
         q, k, v, p, 0.1, 0, layer=layer, slot=slot, span=s)
     lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((64, g * k_heads, d), jnp.bfloat16), kv5, kv5, i32, i32,
                                 i32).lower(lowering_platforms=("cuda",))
