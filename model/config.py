@@ -224,9 +224,9 @@ class EngineConfig:
     # "float32" | "bfloat16" | "float16" | "float8_e4m3fn" | "auto" (resolved at load: f32 on CPU,
     # bf16 on GPU). An 8-bit float cache (fp8 e4m3, no scale: values saturate at +-448) halves
     # the bytes attention reads and the cache's memory; its keys and values carry 3 mantissa bits.
-    # Its attention is not faster in proportion: on the H200 (7B, 3,900 tokens of context, one
-    # machine) 3,501 against bf16's 3,720 us per step with 8 busy slots, 3,468 against 2,793 with
-    # one, whose 32 programs each walk the whole row (bench/results, thirteenth session).
+    # Its attention is not faster in proportion: on the H200 (7B, 3,900 tokens of context) 3,095
+    # against bf16's 3,720 us per step with 8 busy slots, 3,297 against 2,793 with one, whose 32
+    # programs each walk the whole row (bench/results, thirteenth session).
     kv_dtype: str = "float32"
     compute_dtype: str = "float32"  # activations; bf16 on GPU
     max_top_logprobs: int = 20
