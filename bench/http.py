@@ -19,6 +19,9 @@ a cold compile is about 100 s per side). Reports throughput (generated tok/s ove
 and in the steady state), TTFT and inter-token latency p50/p99, 429 counts, and the serving
 layer's cost in %. Writes bench/results/http-<date>.json and prints a table.
 
+Each level also reads the server's own /metrics before and after it: the mean TTFT its engine
+thread measured splits the HTTP side's into the engine's part and what the HTTP layer adds.
+
 This process never imports JAX: the server and the engine run in children, one at a time.
 """
 
@@ -184,8 +187,46 @@ async def http_request(client, url: str, label: str, prompt: tuple[int, ...], ma
     return record
 
 
+# The server's own histograms (server/metrics.py): submit -> first token, and submit -> first
+# prompt chunk dispatched, as the engine thread measures them.
+ENGINE_TIMINGS = {"ttft": "pallas_time_to_first_token_seconds", "queue": "pallas_request_queue_seconds"}
+
+
+async def engine_timing_sums(client, url: str) -> dict[str, tuple[float, float]] | None:
+    """(sum, count) of each of ENGINE_TIMINGS from the server's /metrics; None where it cannot be read."""
+    try:
+        resp = await client.get(url + "/metrics")
+        resp.raise_for_status()
+    except Exception as e:  # noqa: BLE001 - a diagnostic: the bench goes on without it
+        log.warning("no engine timings from %s/metrics: %s", url, e)
+        return None
+    values = {}
+    for line in resp.text.splitlines():
+        name, _, value = line.partition(" ")
+        values[name] = value
+    try:
+        return {key: (float(values[f"{name}_sum"]), float(values[f"{name}_count"]))
+                for key, name in ENGINE_TIMINGS.items()}
+    except (KeyError, ValueError):
+        log.warning("the server's /metrics lacks %s", ", ".join(ENGINE_TIMINGS.values()))
+        return None
+
+
+def engine_timing_means(before, after) -> dict[str, Any] | None:
+    """The server-side mean TTFT and queue time (ms) of the requests finished between two reads
+    of `engine_timing_sums`: with the client's own TTFT, what the HTTP layer adds to it."""
+    if before is None or after is None:
+        return None
+    out: dict[str, Any] = {"requests": int(after["ttft"][1] - before["ttft"][1])}
+    for key in ENGINE_TIMINGS:
+        count = after[key][1] - before[key][1]
+        out[f"{key}_ms_mean"] = round(1e3 * (after[key][0] - before[key][0]) / count, 3) if count else None
+    return out
+
+
 async def run_http(url: str, args: argparse.Namespace, vocab: int, repeats: int) -> dict[str, Any]:
-    """Each level of `args.users`, `repeats` times over one client: `combine_runs` per level."""
+    """Each level of `args.users`, `repeats` times over one client: `combine_runs` per level,
+    with the server's own view of the level's requests under "engine_side"."""
     import httpx
 
     out = {}
@@ -197,6 +238,7 @@ async def run_http(url: str, args: argparse.Namespace, vocab: int, repeats: int)
         for users in args.users:
             prompts = prompts_for(args.seed, users, args.prompt_len, vocab)
             runs = []
+            before = await engine_timing_sums(client, url)
             for _ in range(repeats):
                 records = await asyncio.gather(*(
                     http_request(client, url, f"http-{users}-{i}", p, args.max_tokens, i)
@@ -204,6 +246,7 @@ async def run_http(url: str, args: argparse.Namespace, vocab: int, repeats: int)
                 ))
                 runs.append(level_summary(records))
             out[str(users)] = combine_runs(runs)
+            out[str(users)]["engine_side"] = engine_timing_means(before, await engine_timing_sums(client, url))
             log.info("http x%d: %s", users, out[str(users)])
     return out
 
@@ -214,6 +257,8 @@ def level_summary(records: list[common.StreamRecord]) -> dict[str, Any]:
     if reported:
         summary["usage_tokens"] = sum(reported)
     summary["finish_reasons"] = sorted({r.finish_reason for r in records if r.finish_reason})
+    ttfts = [r.ttft for r in records if not r.rejected and r.ttft is not None]
+    summary["ttft_ms_mean"] = round(1e3 * float(np.mean(ttfts)), 3) if ttfts else None
     if summary["errors"]:
         summary["first_error"] = next(r.error for r in records if r.error)
     return summary
@@ -240,6 +285,8 @@ def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     errors = [r["first_error"] for r in runs if r.get("first_error")]
     if errors:
         out["first_error"] = errors[0]
+    means = [r["ttft_ms_mean"] for r in runs if r.get("ttft_ms_mean") is not None]
+    out["ttft_ms_mean"] = round(float(np.mean(means)), 3) if means else None  # equal requests per run
     out["repeats"] = len(runs)
     out["runs"] = [{k: r.get(k) for k in ("tok_s", "steady_tok_s", "ttft_ms_p50")} for r in runs]
     return out
@@ -322,9 +369,16 @@ def compare(http: dict[str, Any], engine: dict[str, Any] | None) -> dict[str, An
         for key in ("tok_s", "steady_tok_s"):
             if h.get(key) and e.get(key):
                 row[f"{key}_cost_pct"] = round(100 * (e[key] - h[key]) / e[key], 1)
-        for key in ("ttft_ms_p50", "itl_ms_p50", "itl_ms_p99"):
+        for key in ("ttft_ms_p50", "ttft_ms_mean", "itl_ms_p50", "itl_ms_p99"):
             if h.get(key) is not None and e.get(key) is not None:
                 row[f"{key}_added"] = round(h[key] - e[key], 3)
+        side = h.get("engine_side") or {}
+        if h.get("ttft_ms_mean") is not None and side.get("ttft_ms_mean") is not None:
+            # the mean TTFT over HTTP, split: the server's engine thread's own (submit to first
+            # token handed over) and what the HTTP layer adds around it
+            row["ttft_ms_mean_http_layer"] = round(h["ttft_ms_mean"] - side["ttft_ms_mean"], 3)
+            if e.get("ttft_ms_mean") is not None:
+                row["ttft_ms_mean_engine_added"] = round(side["ttft_ms_mean"] - e["ttft_ms_mean"], 3)
         out[users] = row
     return out
 
@@ -349,6 +403,11 @@ def print_table(http: dict[str, Any], engine: dict[str, Any] | None, cost: dict[
         )
     print("tok/s over the wall time (first submit to last token); TTFT and ITL in ms, p50 unless noted; "
           "429s: http/engine")
+    for users, h in http.items():
+        side, e = h.get("engine_side") or {}, (engine or {}).get(users, {})
+        print(f"{users:>5} users, mean TTFT: {f(h.get('ttft_ms_mean'))} over HTTP = {f(side.get('ttft_ms_mean'))} in "
+              f"the server's engine (of which {f(side.get('queue_ms_mean'))} queued) + the HTTP layer; engine "
+              f"direct {f(e.get('ttft_ms_mean'))}")
 
 
 def build_parser() -> argparse.ArgumentParser:

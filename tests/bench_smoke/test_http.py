@@ -37,3 +37,9 @@ def test_script_runs_both_sides(smollm2_path, tmp_path):
         levels = result[side]
         assert {users: (level["tokens"], level["errors"]) for users, level in levels.items()} == {"1": (6, 0), "3": (18, 0)}
     assert set(result["serving_cost"]) == {"1", "3"}
+    # the server's own timings of each level's requests, read from its /metrics
+    for users, level in result["http"].items():
+        side = level["engine_side"]
+        assert side["requests"] == int(users) and 0 < side["ttft_ms_mean"] < level["ttft_ms_mean"]
+        assert 0 <= side["queue_ms_mean"] <= side["ttft_ms_mean"]
+    assert {"ttft_ms_mean_http_layer", "ttft_ms_mean_engine_added"} <= set(result["serving_cost"]["3"])
