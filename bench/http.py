@@ -202,8 +202,8 @@ async def engine_timing_sums(client, url: str) -> dict[str, tuple[float, float]]
         return None
     values = {}
     for line in resp.text.splitlines():
-        name, _, value = line.partition(" ")
-        values[name] = value
+        name, _, rest = line.partition(" ")  # "name value [timestamp]"
+        values[name] = rest.split()[0] if rest.split() else ""
     try:
         return {key: (float(values[f"{name}_sum"]), float(values[f"{name}_count"]))
                 for key, name in ENGINE_TIMINGS.items()}
@@ -259,6 +259,7 @@ def level_summary(records: list[common.StreamRecord]) -> dict[str, Any]:
     summary["finish_reasons"] = sorted({r.finish_reason for r in records if r.finish_reason})
     ttfts = [r.ttft for r in records if not r.rejected and r.ttft is not None]
     summary["ttft_ms_mean"] = round(1e3 * float(np.mean(ttfts)), 3) if ttfts else None
+    summary["ttft_count"] = len(ttfts)
     if summary["errors"]:
         summary["first_error"] = next(r.error for r in records if r.error)
     return summary
@@ -285,8 +286,11 @@ def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     errors = [r["first_error"] for r in runs if r.get("first_error")]
     if errors:
         out["first_error"] = errors[0]
-    means = [r["ttft_ms_mean"] for r in runs if r.get("ttft_ms_mean") is not None]
-    out["ttft_ms_mean"] = round(float(np.mean(means)), 3) if means else None  # equal requests per run
+    # pooled over the runs' requests, as the server's histogram is
+    counts = [(r["ttft_ms_mean"], r["ttft_count"]) for r in runs if r.get("ttft_ms_mean") is not None]
+    total = sum(n for _, n in counts)
+    out["ttft_ms_mean"] = round(sum(v * n for v, n in counts) / total, 3) if total else None
+    out["ttft_count"] = total
     out["repeats"] = len(runs)
     out["runs"] = [{k: r.get(k) for k in ("tok_s", "steady_tok_s", "ttft_ms_p50")} for r in runs]
     return out

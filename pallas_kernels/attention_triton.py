@@ -33,9 +33,10 @@ tiles up to the causal limit of its last query (and from the window start of its
 with the masks applied only on the tiles that straddle a boundary.
 
 Scores use base-2 exponentials: the kernels multiply q by scale * log2(e) in f32 (then round
-it to the KV dtype for the dot) and compute exp2(s - m); partial maxima are base-2 as well.
-bf16/f16 caches use tensor-core dots with f32 accumulation; f32 caches use IEEE f32 dots
-(`Precision.HIGHEST`; Triton's default would be tf32). A cache length that is not a multiple
+it to the dots' dtype, `_dot_dtype`) and compute exp2(s - m); partial maxima are base-2 as well.
+bf16/f16 caches use tensor-core dots with f32 accumulation; an 8-bit float (e4m3) cache's tiles
+become f16 after their load, and q and the softmax weights are rounded to f16 for its dots; f32
+caches use IEEE f32 dots (`Precision.HIGHEST`; Triton's default would be tf32). A cache length that is not a multiple
 of the tile is read with masked loads on the last tile.
 Dimension letters: B slots, T queries, S cache positions, H query heads, K kv heads, G = H / K,
 D head dim.
@@ -65,6 +66,9 @@ _store = plt.store if hasattr(plt, "store") else pl.store
 _NEG = -1e30  # finite: a fully masked row never computes inf - inf
 _LOG2E = math.log2(math.e)
 _MIN_DOT = 16  # Triton's tl.dot needs every dimension >= 16
+# The longest default decode tile: 512 keys, bf16's at D = 16; an 8-bit cache's would be 1024
+# there, a [G, 1024] f32 score tile and two [1024, 16] f16 tiles in registers.
+MAX_DEFAULT_BLOCK_S = 512
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 _KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), _FP8)
 _HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -101,7 +105,8 @@ class DecodePlan:
 @dataclasses.dataclass(frozen=True)
 class DecodeAttentionConfig:
     # Keys per tile. None: an 8 KiB K tile (32 keys at D = 128 in bf16, 64 in fp8) for one query
-    # per kv head (G = 1), a 16 KiB one otherwise (64 keys at D = 128 in bf16, 32 in f32); >= 16.
+    # per kv head (G = 1), a 16 KiB one otherwise (64 keys at D = 128 in bf16, 128 in fp8, 32 in
+    # f32); at least 16 and at most MAX_DEFAULT_BLOCK_S keys.
     block_s: int | None = None
     # The most splits of a row's visible keys (the grid's third axis). None: enough for about
     # `target_programs` programs over the rows the call is planned for (all B, or one with
@@ -148,7 +153,8 @@ class DecodeAttentionConfig:
         # they become f16 in registers: on the H200 (7B, 3,900 keys) its attention took 3,095
         # against 3,501 us per step with 8 busy rows and 3,297 against 3,468 with one, where
         # tiles sized as bf16's (bench/results, thirteenth session).
-        block_s = self.block_s or max(_MIN_DOT, (8192 if small else 16384) // (head_dim * itemsize))
+        block_s = self.block_s or max(_MIN_DOT, min(MAX_DEFAULT_BLOCK_S,
+                                                    (8192 if small else 16384) // (head_dim * itemsize)))
         rows = 1 if few_rows else num_rows
         if self.num_splits is not None:
             splits = self.num_splits
@@ -243,7 +249,7 @@ def _tile_for_dot(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 
 def _scale_q(q: jax.Array, scale_ref, dtype) -> jax.Array:
-    # Scale (and log2(e), for exp2) in f32, then round to the KV dtype for the dot.
+    # Scale (and log2(e), for exp2) in f32, then round to the dots' dtype (`_dot_dtype`).
     return (q.astype(jnp.float32) * scale_ref[0]).astype(dtype)
 
 
