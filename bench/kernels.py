@@ -16,6 +16,11 @@ JSON schema: {"gpu", "jax", "copy_gbps", "bf16_tflops", "call_overhead_us", "arg
 "format", "impl", "m", "n", "k", "us", "gbps", "pct_hbm", "tflops", "rel_err", "ok", "mats",
 "tuning", "error"}]}. gbps counts the bytes of the weight planes + x + the f32 output once per
 matmul; pct_hbm is gbps over the measured copy bandwidth.
+
+Q4_K also runs split for Q4_0's kernels (`pallas_kernels/q4_k_split.py`): impl
+"mosaic_gpu:q4_k_split" with `--impls mosaic_gpu` on a GPU, "reference:q4_k_split" with
+`reference`; the split is made before timing, and gbps counts its planes (0.6875 bytes per
+weight).
 """
 
 from __future__ import annotations
@@ -87,6 +92,8 @@ _random_weight = jax.jit(random_weight, static_argnums=(1, 2, 3))
 def plane_bytes(w) -> int:
     if isinstance(w, quant.QuantizedTensor):
         return quant.num_bytes(w)
+    if isinstance(w, (tuple, list)):  # a prepared weight's parts
+        return sum(plane_bytes(part) for part in w)
     return int(w.size) * w.dtype.itemsize
 
 
@@ -141,6 +148,26 @@ class Impl:
     name: str  # "triton", "triton:<variant>", "mosaic_gpu", "reference", "dense_bf16"
     fn: object  # (x, w) -> [M, N] f32
     tuning: str = ""
+    # w -> what `fn` takes in place of w, made once per weight before anything is timed (and
+    # what the achieved GB/s counts): e.g. a Q4_K matrix split for the Q4_0 kernels
+    prepare: object = None
+
+
+def q4_k_split_impls(impl_names: list[str], interpret: bool) -> list[Impl]:
+    """Q4_K through Q4_0's kernels (`pallas_kernels.q4_k_split`): its Mosaic GPU kernel on a GPU,
+    the reference with --interpret (a CPU check of the plumbing)."""
+    from pallas_kernels import matmul_mgpu, q4_k_split
+
+    def impl(name, q4_0_matmul, note):
+        return Impl(name, lambda x, parts: q4_k_split.matmul_split(x, *parts, q4_0_matmul), note,
+                    prepare=jax.jit(q4_k_split.split_q4_k))
+
+    out = []
+    if "mosaic_gpu" in impl_names and not interpret:
+        out.append(impl("mosaic_gpu:q4_k_split", matmul_mgpu.qmatmul_mgpu, "q4_0 codes + f32 offsets"))
+    if "reference" in impl_names:
+        out.append(impl("reference:q4_k_split", qmatmul_reference, "q4_0 codes + f32 offsets"))
+    return out
 
 
 def triton_impls(fmt: str, m: int, n: int, k: int, x_dtype, interpret: bool, sweep: bool,
@@ -296,6 +323,8 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
                 impls.append(Impl("dense_bf16", lambda x, w: jnp.dot(x.astype(jnp.bfloat16), w.T,
                                                                      preferred_element_type=jnp.float32),
                                   "bf16 weights, xla dot"))
+        if fmt == "q4_k":
+            impls += q4_k_split_impls(impl_names, args.interpret)
         for impl in impls:
             if time.monotonic() > deadline:
                 rows.append(dict(op="matmul", format=fmt, impl=impl.name, m=m, n=n, k=k, error="skipped: --budget-s"))
@@ -311,12 +340,14 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
                     ws, row["rel_err"], row["ok"] = dense, None, None
                     row["mats"] = len(dense)
                 else:
-                    y = jax.jit(impl.fn)(x, probe)
+                    prepare = impl.prepare or (lambda w: w)
+                    y = jax.jit(impl.fn)(x, prepare(probe))
                     err = rel_error(y, ref)
                     row["rel_err"], row["ok"] = err, bool(err <= tol)
                     # the XLA reference is slow (tiled dequantize + dot): fewer matrices keep the
                     # run short, and its time is far above the launch cost anyway
-                    ws = weights if impl.name != "reference" else weights[: args.ref_mats]
+                    ws = weights if not impl.name.startswith("reference") else weights[: args.ref_mats]
+                    ws = [prepare(w) for w in ws]
                     row["mats"] = len(ws)
                 t = time_impl(impl, x, ws, args.runs, ceilings["call_overhead_s"])
                 moved = plane_bytes(ws[0]) + x.size * x.dtype.itemsize + m * n * 4
