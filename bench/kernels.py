@@ -92,8 +92,6 @@ _random_weight = jax.jit(random_weight, static_argnums=(1, 2, 3))
 def plane_bytes(w) -> int:
     if isinstance(w, quant.QuantizedTensor):
         return quant.num_bytes(w)
-    if isinstance(w, (tuple, list)):  # a prepared weight's parts
-        return sum(plane_bytes(part) for part in w)
     return int(w.size) * w.dtype.itemsize
 
 
@@ -158,15 +156,14 @@ def q4_k_split_impls(impl_names: list[str], interpret: bool) -> list[Impl]:
     the reference with --interpret (a CPU check of the plumbing)."""
     from pallas_kernels import matmul_mgpu, q4_k_split
 
-    def impl(name, q4_0_matmul, note):
-        return Impl(name, lambda x, parts: q4_k_split.matmul_split(x, *parts, q4_0_matmul), note,
-                    prepare=jax.jit(q4_k_split.split_q4_k))
+    def impl(name, fn):
+        return Impl(name, fn, "q4_0 codes + f32 offsets", prepare=jax.jit(q4_k_split.split_q4_k))
 
     out = []
     if "mosaic_gpu" in impl_names and not interpret:
-        out.append(impl("mosaic_gpu:q4_k_split", matmul_mgpu.qmatmul_mgpu, "q4_0 codes + f32 offsets"))
+        out.append(impl("mosaic_gpu:q4_k_split", matmul_mgpu.qmatmul_mgpu))
     if "reference" in impl_names:
-        out.append(impl("reference:q4_k_split", qmatmul_reference, "q4_0 codes + f32 offsets"))
+        out.append(impl("reference:q4_k_split", qmatmul_reference))
     return out
 
 

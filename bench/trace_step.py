@@ -181,6 +181,8 @@ def main() -> None:
     ap.add_argument("--separate-kv-write", action="store_true",
                     help="the decode step's KV write as XLA scatters, not in the attention kernel (server "
                          "--separate-kv-write)")
+    ap.add_argument("--split-q4-k", action="store_true",
+                    help="Q4_K matrices split at load for Q4_0's kernels (server --split-q4-k)")
     ap.add_argument("--matmul-warps", type=int, default=None,
                     help="a variant: this many warps in the Triton decode matmuls (M <= 64) instead of the default")
     args = ap.parse_args()
@@ -200,7 +202,8 @@ def main() -> None:
 
     ecfg = EngineConfig(num_slots=args.slots, max_context=args.max_context, kv_dtype=args.kv_dtype,
                         unroll_decode_layers=args.unroll_decode_layers, kernels=args.kernels,
-                        few_rows_attention=args.few_rows_attention, separate_kv_write=args.separate_kv_write)
+                        few_rows_attention=args.few_rows_attention, separate_kv_write=args.separate_kv_write,
+                        split_q4_k=args.split_q4_k)
     m = load_model(args.model, ecfg)
     runner = m.make_runner(ecfg)
     if args.prefill:

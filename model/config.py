@@ -267,6 +267,12 @@ class EngineConfig:
     # For A/B measurements: the kernel's own write saved 64 kernels and 89-97 us per step of a 7B
     # at 200 tokens of context on the H200 (bench/results, twelfth session).
     separate_kv_write: bool = False
+    # Q4_K matrices split at load into Q4_0's codes and block scales (rounded to f16: a weight
+    # moves by at most 2^-11 of its scaled code) plus an f32 offset per block and row, 22% more
+    # bytes, so that Q4_0's kernels serve them: on a Hopper GPU the Mosaic matmul, whose Q4_0
+    # decode kernel reached 35-39% of copy bandwidth where the Triton Q4_K kernel reached 14-15%
+    # (bench/results, thirteenth session). Opt-in: not yet run on a GPU in the engine.
+    split_q4_k: bool = False
 
     def compile_workers(self, backend: str, programs: int) -> int:
         """Threads to compile `programs` programs on `backend`, "auto" (0) resolved: on the CPU

@@ -9,6 +9,7 @@ import os
 import resource
 import time
 
+import jax
 from jax.sharding import Mesh
 
 from model import sharding
@@ -53,14 +54,18 @@ def load_model(path: str | os.PathLike[str], engine_cfg: EngineConfig) -> Loaded
         raise GGUFLoadError(f"{gf.path}: cannot build the tokenizer: {e}") from e
     forced, mesh = dict(engine_cfg.kernels), None
     if engine_cfg.tensor_parallel == 1:
-        params = load_params(gf, cfg)
+        params = load_params(gf, cfg, split_q4_k=engine_cfg.split_q4_k)
     else:
         sharding.check_divisible(cfg, engine_cfg.tensor_parallel)
         mesh = sharding.make_mesh(engine_cfg.tensor_parallel)
         # Each tensor goes straight to its shards as it is read: a model split for being too
         # large for one device never lands whole on one device, nor in host memory.
-        params = load_params(gf, cfg, fuse=False, place=sharding.placer(mesh))
+        params = load_params(gf, cfg, fuse=False, place=sharding.placer(mesh), split_q4_k=engine_cfg.split_q4_k)
     kernels, kernel_names = choose_kernels(forced, cfg, params, engine_cfg)
+    if engine_cfg.split_q4_k and jax.default_backend() != "cpu":
+        slow = sorted(op for op, impl in kernel_names.items() if "q4_k_split" in op and impl == "reference")
+        if slow:  # the split is for Q4_0's GPU kernels: none of them took these shapes
+            log.warning("--split-q4-k: %s run the XLA reference on this %s", ", ".join(slow), jax.default_backend())
     if mesh is not None:  # each op runs per device on its shard
         kernels = sharding.shard_kernels(kernels, mesh)
     seconds = time.perf_counter() - t0

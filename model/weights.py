@@ -18,7 +18,7 @@ import numpy as np
 
 from model.config import ModelConfig
 from model.gguf_file import GGUFFile, GGUFLoadError, TensorInfo
-from pallas_kernels import quant
+from pallas_kernels import q4_k_split, quant
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +75,10 @@ def _float_vector(info: TensorInfo) -> np.ndarray:
     return arr.astype(np.float32).reshape(-1)
 
 
-def _matrix(info: TensorInfo) -> quant.QuantizedTensor:
+def _matrix(info: TensorInfo, split_q4_k: bool = False) -> quant.QuantizedTensor:
     _format(info)  # a matrix of a supported type, or GGUFLoadError
-    return quant.repack(np.asarray(info.data), info.ggml_type, info.shape)
+    w = quant.repack(np.asarray(info.data), info.ggml_type, info.shape)
+    return q4_k_split.split_q4_k(w) if split_q4_k and w.fmt == "q4_k" else w
 
 
 # Matrices that read the same input, fused into one along N when their formats match: one
@@ -100,32 +101,34 @@ class _Entry(NamedTuple):
 
     is_matrix: bool
     infos: tuple[TensorInfo, ...]
+    split_q4_k: bool = False  # Q4_K matrices become "q4_k_split" (pallas_kernels/q4_k_split.py)
 
     def signature(self) -> tuple:
         """What the loaded value's shapes and dtypes depend on (read from the header alone)."""
         if not self.is_matrix:
             return ("vec", int(np.prod(self.infos[0].shape)))
-        fmt = _format(self.infos[0])
+        fmt = _format(self.infos[0], self.split_q4_k)
         return ("mat", fmt, sum(int(i.shape[0]) for i in self.infos), int(self.infos[0].shape[1]))
 
     def load(self) -> Any:
         if not self.is_matrix:
             return _float_vector(self.infos[0])
-        ws = [_matrix(info) for info in self.infos]
+        ws = [_matrix(info, self.split_q4_k) for info in self.infos]
         return ws[0] if len(ws) == 1 else quant.concat_rows(ws)
 
 
-def _format(info: TensorInfo) -> str:
+def _format(info: TensorInfo, split_q4_k: bool = False) -> str:
     """The repacked format of a matrix tensor (from the header alone)."""
     if len(info.shape) != 2:
         raise GGUFLoadError(f"tensor {info.name!r}: expected a matrix, got shape {info.shape}")
     try:
-        return quant.format_for(info.ggml_type).name
+        name = quant.format_for(info.ggml_type).name
     except NotImplementedError as e:
         raise GGUFLoadError(f"tensor {info.name!r}: unsupported tensor type {info.ggml_type.name} ({e})") from e
+    return "q4_k_split" if split_q4_k and name == "q4_k" else name
 
 
-def _layer_entries(gf: GGUFFile, i: int, fuse: bool) -> dict[str, _Entry]:
+def _layer_entries(gf: GGUFFile, i: int, fuse: bool, split_q4_k: bool = False) -> dict[str, _Entry]:
     entries: dict[str, _Entry] = {}
     for suffix, (key, required, is_matrix) in _LAYER_TENSORS.items():
         name = f"blk.{i}.{suffix}"
@@ -133,14 +136,14 @@ def _layer_entries(gf: GGUFFile, i: int, fuse: bool) -> dict[str, _Entry]:
             if required:
                 raise GGUFLoadError(f"missing tensor {name!r}")
             continue
-        entries[key] = _Entry(is_matrix, (gf.tensors[name],))
+        entries[key] = _Entry(is_matrix, (gf.tensors[name],), split_q4_k)
     if fuse:
         for fused, parts in FUSED.items():
             es = [entries.get(p) for p in parts]
             if all(e is not None and e.is_matrix for e in es):
                 kinds = {(_format(e.infos[0]), int(e.infos[0].shape[1])) for e in es}
                 if len(kinds) == 1:
-                    entries[fused] = _Entry(True, tuple(e.infos[0] for e in es))
+                    entries[fused] = _Entry(True, tuple(e.infos[0] for e in es), split_q4_k)
                     for p in parts:
                         del entries[p]
     return entries
@@ -157,7 +160,8 @@ def _stacked(entries: list[_Entry]) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def load_params(gf: GGUFFile, cfg: ModelConfig, fuse: bool = True, place: Place | None = None) -> Params:
+def load_params(gf: GGUFFile, cfg: ModelConfig, fuse: bool = True, place: Place | None = None,
+                split_q4_k: bool = False) -> Params:
     """Repacks and uploads every tensor of `gf`; stacks layers when they are uniform. With
     `fuse`, q/k/v and gate/up matrices of one format become one matrix each (`FUSED`);
     tensor parallelism shards them one by one and loads with fuse=False.
@@ -165,9 +169,10 @@ def load_params(gf: GGUFFile, cfg: ModelConfig, fuse: bool = True, place: Place 
     Tensors are read, repacked and placed one layer key at a time (a stacked key: all layers of
     it), so the host holds at most one key's stack beside the memory-mapped file, never the
     model. `place` puts each value on its device(s) (tensor parallelism: each device receives
-    only its shards; default: the default device)."""
+    only its shards; default: the default device). With `split_q4_k`, every Q4_K matrix is split
+    for Q4_0's kernels (`pallas_kernels.q4_k_split`, EngineConfig.split_q4_k)."""
     place = place or _to_device
-    entries = [_layer_entries(gf, i, fuse) for i in range(cfg.num_layers)]
+    entries = [_layer_entries(gf, i, fuse, split_q4_k) for i in range(cfg.num_layers)]
     signatures = [{k: e.signature() for k, e in layer.items()} for layer in entries]
     is_stacked = all(sig == signatures[0] for sig in signatures[1:])
     if is_stacked:
@@ -177,10 +182,10 @@ def load_params(gf: GGUFFile, cfg: ModelConfig, fuse: bool = True, place: Place 
         log.info("layers differ in %s: unrolling the layer loop", ", ".join(differing))
         layers = [{key: place(f"blk.{i}", key, e.load()) for key, e in layer.items()} for i, layer in enumerate(entries)]
 
-    embed = place("token_embd", "embed", _matrix(gf.tensor("token_embd.weight")))
+    embed = place("token_embd", "embed", _matrix(gf.tensor("token_embd.weight"), split_q4_k))
     output = None
     if not cfg.tied_output:
-        output = place("output", "output", _matrix(gf.tensor("output.weight")))
+        output = place("output", "output", _matrix(gf.tensor("output.weight"), split_q4_k))
     rope_freqs = None
     if "rope_freqs.weight" in gf.tensors:
         rope_freqs = place("rope_freqs", "rope_freqs", _float_vector(gf.tensors["rope_freqs.weight"]))

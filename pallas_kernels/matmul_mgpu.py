@@ -72,7 +72,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import registry
+from pallas_kernels import q4_k_split, registry
 from pallas_kernels.quant import QuantizedTensor, check_layer
 
 SUPPORTED_FORMATS = ("q4_0", "q8_0")
@@ -664,12 +664,15 @@ def qmatmul_mgpu(
     interpret: bool = False,
 ) -> jax.Array:  # [..., N] f32
     """x @ dequant(w).T through the Mosaic GPU kernel; without a tuning, `default_tuning` of x's
-    rows (decode up to 64, prefill beyond). Raises NotImplementedError for what it does not take
-    (formats other than q4_0 and q8_0, x not bf16, more than 64 rows of x with unfolded scales,
+    rows (decode up to 64, prefill beyond). "q4_k_split" (Q4_K split at load,
+    pallas_kernels/q4_k_split.py) runs as its Q4_0 part plus an XLA dot for its offsets. Raises
+    NotImplementedError for what it does not take (formats other than q4_0, q8_0 and q4_k_split, x not bf16, more than 64 rows of x with unfolded scales,
     N not a multiple of 64, K not a multiple of the tuning's K step, too many rows for shared
     memory, interpret mode)."""
     if interpret:
         raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
+    if w.fmt == "q4_k_split":  # Q4_0's kernel on the codes and scales, plus the offsets' term
+        return qmatmul_mgpu(x, q4_k_split.as_q4_0(w), tuning, layer=layer) + q4_k_split.offset_term(x, w, layer)
     tuning = tuning or default_tuning(math.prod(x.shape[:-1]))
     _check_supported(x, w, layer, tuning)
     n, k = w.shape

@@ -18,50 +18,59 @@ order (per 64 weights, 32 bytes: low nibbles weights 0..31, high nibbles 32..63)
 
 Bytes per weight: 0.5 (codes) + 2/32 (s) + 4/32 (C) = 0.6875, against Q4_K's 0.5625.
 
-Status: the split and the composed matmul, tested on the CPU against the Q4_K reference
-(tests/pallas_kernels/test_q4_k_split.py); `bench/kernels.py` times them on the GPU as impl
-"mosaic_gpu:q4_k_split". The engine does not use them yet: that needs the loader to split
-Q4_K matrices when the chosen kernel asks for it, and the forward pass to add the offset term.
+The split is a weight format of its own, "q4_k_split" (`quant.DERIVED_FORMATS`: planes `qs` and
+`d` as Q4_0's, `c` [K/32, N] f32), made at load with `EngineConfig.split_q4_k` (`--split-q4-k`),
+so the forward pass is unchanged: the reference dequantizes it (d (q - 8) + c), and the Mosaic
+GPU matmul runs its Q4_0 kernel on `as_q4_0` and adds `offset_term`. `bench/kernels.py` times it
+on the GPU as impl "mosaic_gpu:q4_k_split".
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pallas_kernels.matmul import qmatmul_reference
 from pallas_kernels.quant import QK_K, QuantizedTensor
 
 BLOCK = 32  # weights per Q4_0 block and per Q4_K sub-block
 CODE_OFFSET = 8  # Q4_0 weight = d (q - 8)
 
 
-def split_q4_k(w: QuantizedTensor) -> tuple[QuantizedTensor, jax.Array]:
-    """A single Q4_K matrix [N, K] -> (a Q4_0 tensor [N, K] of its codes and rounded block
-    scales, its offsets C [K/32, N] f32); see the module docstring."""
+def split_q4_k(w: QuantizedTensor) -> QuantizedTensor:
+    """Q4_K [*S, N, K] -> "q4_k_split" [*S, N, K] (see the module docstring). Numpy planes in
+    (the loader, on the host) give numpy planes out; jax arrays give jax arrays."""
     if w.fmt != "q4_k":
         raise ValueError(f"split_q4_k takes q4_k, not {w.fmt}")
-    if w.stack_shape:
-        raise ValueError(f"split_q4_k takes one matrix, got a stack {w.stack_shape}")
+    xp: Any = np if all(isinstance(p, np.ndarray) for p in w.planes.values()) else jnp
     n, k = w.shape
+    lead = tuple(w.stack_shape)
     supers, blocks = k // QK_K, k // BLOCK
     p = w.planes
-    qs = jnp.reshape(jnp.asarray(p["qs"]), (n, supers, 4, 1, 32))  # 4 runs of 32 bytes per super-block
-    codes = (qs >> jnp.asarray([0, 4], jnp.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F  # [N, S, 4, 2, 32]
-    codes = jnp.reshape(codes, (n, blocks, BLOCK))  # sub-block 8 s + 2 run + nibble, weights in order
-    qs40 = jnp.reshape(codes[..., :16] | (codes[..., 16:] << 4), (n, k // 2)).astype(jnp.uint8)
+    qs = xp.reshape(xp.asarray(p["qs"]), (*lead, n, supers, 4, 1, 32))  # 4 runs of 32 bytes per super-block
+    codes = (qs >> xp.asarray([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F  # [.., N, S, 4, 2, 32]
+    codes = xp.reshape(codes, (*lead, n, blocks, BLOCK))  # sub-block 8 s + 2 run + nibble, in order
+    qs40 = xp.reshape(codes[..., :16] | (codes[..., 16:] << 4), (*lead, n, k // 2)).astype(np.uint8)
 
-    def per_block(super_vals, sub_vals):  # f32 [N, K/32]: a super-block's f16 value times its 6-bit ints
-        return jnp.repeat(jnp.asarray(super_vals, jnp.float32), QK_K // BLOCK, axis=1) * jnp.asarray(
-            sub_vals, jnp.float32)
+    def per_block(super_vals, sub_vals):  # f32 [.., N, K/32]: a super-block's f16 value times its 6-bit ints
+        return xp.repeat(xp.asarray(super_vals).astype(np.float32), QK_K // BLOCK, axis=-1) * xp.asarray(
+            sub_vals).astype(np.float32)
 
-    scales = per_block(p["d"], p["sc"]).astype(jnp.float16)  # s_b
-    mins = per_block(p["dmin"], p["m"])
-    offsets = CODE_OFFSET * scales.astype(jnp.float32) - mins  # c_b
-    q40 = QuantizedTensor({"qs": qs40, "d": scales.T}, "q4_0", (n, k))
-    return q40, offsets.T
+    scales = per_block(p["d"], p["sc"]).astype(np.float16)  # s_b
+    offsets = CODE_OFFSET * scales.astype(np.float32) - per_block(p["dmin"], p["m"])  # c_b
+
+    def transposed(a):  # [.., N, K/32] -> [.., K/32, N], contiguous
+        a = xp.swapaxes(a, -1, -2)
+        return np.ascontiguousarray(a) if xp is np else a
+
+    return QuantizedTensor({"qs": qs40, "d": transposed(scales), "c": transposed(offsets)}, "q4_k_split", (n, k))
+
+
+def as_q4_0(w: QuantizedTensor) -> QuantizedTensor:
+    """The Q4_0 part of a "q4_k_split" tensor (its codes and scales: views, stacked as `w` is)."""
+    return QuantizedTensor({"qs": w.planes["qs"], "d": w.planes["d"]}, "q4_0", w.shape)
 
 
 def block_sums(x: jax.Array) -> jax.Array:
@@ -70,17 +79,12 @@ def block_sums(x: jax.Array) -> jax.Array:
     return jnp.sum(jnp.reshape(x.astype(jnp.float32), (*x.shape[:-1], k // BLOCK, BLOCK)), axis=-1)
 
 
-def matmul_split(
-    x: jax.Array,  # [..., K]
-    q40: QuantizedTensor,  # [N, K] q4_0, from `split_q4_k`
-    offsets: jax.Array,  # [K/32, N] f32
-    q4_0_matmul: Callable[[jax.Array, QuantizedTensor], jax.Array] = qmatmul_reference,
-) -> jax.Array:  # [..., N] f32
-    """x @ w'.T: `q4_0_matmul` (any implementation of op "matmul" for q4_0) on the codes and
-    scales, plus the offsets' term in an f32 dot (HIGHEST: a GPU would otherwise use tf32)."""
-    main = q4_0_matmul(x, q40)
-    correction = jax.lax.dot_general(
-        block_sums(x), offsets, (((x.ndim - 1,), (0,)), ((), ())),
-        precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
-    )
-    return main + correction
+def offset_term(x: jax.Array, w: QuantizedTensor, layer: jax.Array | int | None = None) -> jax.Array:
+    """x [..., K] -> [..., N] f32: the offsets' share of x @ w.T, block_sums(x) @ c (matrix
+    `layer` of a stack), in f32 (HIGHEST: a GPU would otherwise use tf32)."""
+    c = w.planes["c"]
+    if layer is not None:
+        c = jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False)
+    xs = block_sums(x)
+    return jax.lax.dot_general(xs, c, (((xs.ndim - 1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)

@@ -118,13 +118,22 @@ FORMATS: dict[str, QuantFormat] = {
 }
 _BY_TYPE = {f.ggml_type: f for f in FORMATS.values()}
 
+# Formats of our own, made at load from a GGML one (never read from a file): "q4_k_split" is
+# Q4_K as Q4_0's codes and block scales (the scales rounded to f16) plus an f32 offset per block
+# and row, `c` (pallas_kernels/q4_k_split.py), so that Q4_0's kernels can serve it.
+DERIVED_FORMATS: dict[str, QuantFormat] = {
+    "q4_k_split": QuantFormat("q4_k_split", Q.Q4_K, 32, 16 + 2 + 4, ("qs", "d", "c"), ("u8", "f16", "f32"),
+                              (16, 1, 1), transposed=("d", "c")),
+}
+ALL_FORMATS: dict[str, QuantFormat] = {**FORMATS, **DERIVED_FORMATS}
+
 
 def format_for(ggml_type: int | gguf.GGMLQuantizationType | str) -> QuantFormat:
     """The format of a GGML type (enum, its int value, or our lower-case name)."""
     if isinstance(ggml_type, str):
-        if ggml_type not in FORMATS:
-            raise NotImplementedError(f"unsupported weight format {ggml_type!r}; supported: {', '.join(FORMATS)}")
-        return FORMATS[ggml_type]
+        if ggml_type not in ALL_FORMATS:
+            raise NotImplementedError(f"unsupported weight format {ggml_type!r}; supported: {', '.join(ALL_FORMATS)}")
+        return ALL_FORMATS[ggml_type]
     try:
         qtype = Q(int(ggml_type))
     except ValueError:
@@ -163,7 +172,7 @@ class QuantizedTensor:
 
     @property
     def format(self) -> QuantFormat:
-        return FORMATS[self.fmt]
+        return ALL_FORMATS[self.fmt]
 
     @property
     def stack_shape(self) -> tuple[int, ...]:
@@ -171,18 +180,18 @@ class QuantizedTensor:
         return tuple(next(iter(self.planes.values())).shape[:-2])
 
     def tree_flatten_with_keys(self):
-        children = [(jax.tree_util.DictKey(name), self.planes[name]) for name in FORMATS[self.fmt].planes]
+        children = [(jax.tree_util.DictKey(name), self.planes[name]) for name in ALL_FORMATS[self.fmt].planes]
         return children, (self.fmt, self.shape)
 
     def tree_flatten(self):
-        return [self.planes[name] for name in FORMATS[self.fmt].planes], (self.fmt, self.shape)
+        return [self.planes[name] for name in ALL_FORMATS[self.fmt].planes], (self.fmt, self.shape)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         # No validation: JAX rebuilds pytrees with placeholder leaves (None, object()).
         obj = object.__new__(cls)
         obj.fmt, obj.shape = aux
-        obj.planes = dict(zip(FORMATS[obj.fmt].planes, children))
+        obj.planes = dict(zip(ALL_FORMATS[obj.fmt].planes, children))
         return obj
 
     def __repr__(self) -> str:
@@ -364,7 +373,7 @@ def _sub_scaled(
 def layout(fmt: str, k: int) -> tuple[int, int, int]:
     """(P, G, g): phases, groups and group width of a row of K elements in format `fmt`."""
     num_phases, width = {
-        "q4_0": (2, 16), "q4_1": (2, 16), "q5_0": (2, 16), "q5_1": (2, 16), "q8_0": (1, 32),
+        "q4_0": (2, 16), "q4_1": (2, 16), "q5_0": (2, 16), "q5_1": (2, 16), "q8_0": (1, 32), "q4_k_split": (2, 16),
         "q2_k": (8, 32), "q3_k": (8, 32), "q4_k": (8, 32), "q5_k": (8, 32), "q6_k": (8, 32),
     }.get(fmt, (1, k))
     return num_phases, k // (num_phases * width), width
@@ -384,7 +393,7 @@ def dequantize_phase(qt: QuantizedTensor, ph: int) -> jax.Array:
         return _f32(p["w"])[..., None, :]
     if f == "q8_0":
         return _f32(p["d"])[..., None] * _f32(_rows(p["qs"], num_groups, 32))
-    if f in ("q4_0", "q4_1", "q5_0", "q5_1"):  # G = block; qs byte l: element l (low nibble), 16 + l
+    if f in ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k_split"):  # G = block; qs byte l: element l (low nibble), 16 + l
         q = (_rows(p["qs"], num_groups, 16) >> (4 * ph)) & 0x0F
         if f in ("q5_0", "q5_1"):  # qh bit j (byte j / 8, bit j % 8) -> element j = 16 ph + l
             qh = _rows(p["qh"], num_groups, 4)[..., 2 * ph : 2 * ph + 2, None]  # [.., B, 2, 1]
@@ -393,6 +402,8 @@ def dequantize_phase(qt: QuantizedTensor, ph: int) -> jax.Array:
         d = _f32(p["d"])[..., None]
         if f == "q4_0":
             return d * _f32(q.astype(jnp.int8) - jnp.int8(8))
+        if f == "q4_k_split":
+            return d * _f32(q.astype(jnp.int8) - jnp.int8(8)) + _f32(p["c"])[..., None]
         if f == "q5_0":
             return d * _f32(q.astype(jnp.int8) - jnp.int8(16))
         return d * _f32(q) + _f32(p["m"])[..., None]

@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--separate-kv-write", action="store_true",
                    help="write each decode step's keys and values with XLA scatters before the attention kernel, "
                         "not inside it (for A/B measurements)")
+    p.add_argument("--split-q4-k", action="store_true",
+                   help="split Q4_K matrices at load for Q4_0's kernels (Q4_0 codes, f16 block scales, f32 offsets: "
+                        "22%% more weight bytes; on a Hopper GPU the Mosaic matmul serves them); not yet measured in "
+                        "the engine on a GPU")
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="KV cache dtype (auto: float32 on CPU, bfloat16 on GPU; float8_e4m3fn: 8-bit float, half "
                         "of bfloat16's memory and attention reads, values saturating at +-448)")
@@ -176,6 +180,7 @@ def build_configs(args: argparse.Namespace, environ: dict[str, str] | os._Enviro
         unroll_decode_layers=args.unroll_decode_layers,
         few_rows_attention=args.few_rows_attention,
         separate_kv_write=args.separate_kv_write,
+        split_q4_k=args.split_q4_k,
     )
     model_name = args.model.name if args.model is not None else DEFAULT_MODEL_FILENAME
     server_config = ServerConfig(

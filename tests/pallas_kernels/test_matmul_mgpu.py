@@ -10,14 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import matmul_mgpu, quant, registry
+from pallas_kernels import matmul_mgpu, q4_k_split, quant, registry
 from pallas_kernels.matmul import qmatmul_reference
 from tests.pallas_kernels.test_matmul_conformance import Case, MatmulConformance, random_weight, relative_error
 from tests.pallas_kernels.test_matmul_conformance import pytest_generate_tests  # noqa: F401  (parametrizes `case`)
 
 
 def _spec(fmt: str, n: int, k: int, stack: int | None = None) -> quant.QuantizedTensor:
-    f = quant.FORMATS[fmt]
+    f = quant.ALL_FORMATS[fmt]
     shapes, dtypes = f.plane_shapes(n, k), f.plane_dtypes()
     lead = (stack,) if stack else ()
     return quant.QuantizedTensor({p: jax.ShapeDtypeStruct((*lead, *shapes[p]), dtypes[p]) for p in f.planes}, fmt,
@@ -45,6 +45,24 @@ class TestMosaicGpu(MatmulConformance):
 
     def poison(self):
         jax.block_until_ready(jnp.full((64 << 20,), jnp.nan, jnp.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+class TestMosaicGpuQ4KSplit(TestMosaicGpu):
+    """Q4_K split at load (pallas_kernels/q4_k_split.py): Q4_0's kernel on its codes and scales
+    plus the offsets' dot, against the Q4_K reference."""
+
+    CASES = (
+        Case("q4_k", 1, 256, 1024, "bfloat16"),
+        Case("q4_k", 8, 512, 4096, "bfloat16", stack=True),
+        Case("q4_k", 8, 4096, 11008, "bfloat16", stack=True),
+        Case("q4_k", 64, 1024, 2048, "bfloat16"),
+        Case("q4_k", 200, 1024, 2048, "bfloat16"),  # prefill rows: the folded-scale kernel
+    )
+
+    def matmul(self, x, w, case, layer=None):
+        return matmul_mgpu.qmatmul_mgpu(x, q4_k_split.split_q4_k(w), layer=layer)
 
 
 @pytest.mark.gpu
@@ -328,6 +346,19 @@ def test_lowers_for_cuda(fmt, m, n, k, stack, tile_k, word_unpack, fold, tiles):
         fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, tuning)  # noqa: E731
     lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((m, k), jnp.bfloat16), w,
                                 jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("m", [8, 512])
+def test_q4_k_split_lowers_for_cuda(m):
+    """A Q4_K matrix split at load runs Q4_0's kernel (decode or prefill tuning by its rows)
+    on its codes and scales, stacked with a layer index, plus the offsets' dot."""
+    pytest.importorskip("absl")
+    w = _spec("q4_k_split", 4096, 11008, 3)
+    x = jax.ShapeDtypeStruct((m, 11008), jnp.bfloat16)
+    fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, layer=i)  # noqa: E731
+    assert jax.eval_shape(fn, x, w, jax.ShapeDtypeStruct((), jnp.int32)).shape == (m, 4096)
+    lowered = jax.jit(fn).trace(x, w, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
 

@@ -29,29 +29,24 @@ def random_q4_k(seed: int, n: int, k: int, d_values=None) -> QuantizedTensor:
     return QuantizedTensor(planes, "q4_k", (n, k))
 
 
-def composed_weights(q40: QuantizedTensor, offsets: jax.Array) -> np.ndarray:
-    """w' [N, K] f64: the Q4_0 part's dequantization plus each block's offset."""
-    w = np.asarray(dequantize_reference(q40), np.float64)
-    n, k = w.shape
-    return (w.reshape(n, k // 32, 32) + np.asarray(offsets, np.float64).T[..., None]).reshape(n, k)
-
-
 def test_split_is_exact_where_the_block_scales_fit_f16():
-    # d a power of two: d * sc (sc < 64) is exact in f16, so w' = w up to f32 rounding
+    # d a power of two: d * sc (sc < 64) is exact in f16, so the split dequantizes to w up to f32 rounding
     w = random_q4_k(0, 64, 512, d_values=[2.0**-7, 2.0**-9, 2.0**-12])
-    q40, offsets = q4_k_split.split_q4_k(w)
-    assert q40.fmt == "q4_0" and q40.shape == (64, 512) and offsets.shape == (16, 64)
+    split = q4_k_split.split_q4_k(w)
+    assert split.fmt == "q4_k_split" and split.shape == (64, 512)
+    assert {k: v.shape for k, v in split.planes.items()} == {"qs": (64, 256), "d": (16, 64), "c": (16, 64)}
+    assert all(isinstance(v, np.ndarray) for v in split.planes.values())  # the loader's host planes stay numpy
     ref = np.asarray(dequantize_reference(w), np.float64)
-    np.testing.assert_allclose(composed_weights(q40, offsets), ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+    got = np.asarray(dequantize_reference(split), np.float64)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
 
 
 def test_split_moves_each_weight_by_at_most_the_f16_rounding_of_its_scale():
     w = random_q4_k(1, 96, 768)
-    q40, offsets = q4_k_split.split_q4_k(w)
+    split = q4_k_split.split_q4_k(w)
     ref = np.asarray(dequantize_reference(w), np.float64)
-    diff = np.abs(composed_weights(q40, offsets) - ref)
-    n, k = ref.shape
-    # |(s_b - d sc_b) q| <= 2^-11 d sc_b * 15, d sc_b bounded by the block's largest |w + dmin m|
+    diff = np.abs(np.asarray(dequantize_reference(split), np.float64) - ref)
+    # |(s_b - d sc_b) q| <= 2^-11 d sc_b * 15
     d_sc = np.repeat(np.asarray(w.planes["d"], np.float64), 8, axis=1) * np.asarray(w.planes["sc"], np.float64)
     bound = 2.0**-11 * 15 * np.repeat(d_sc, 32, axis=1) + 1e-6 * np.abs(ref).max()
     assert (diff <= bound).all()
@@ -59,14 +54,36 @@ def test_split_moves_each_weight_by_at_most_the_f16_rounding_of_its_scale():
 
 
 @pytest.mark.parametrize("m", [1, 8, 20])
-def test_matmul_split_matches_the_q4_k_matmul(m):
+def test_q4_0_part_plus_offsets_is_the_q4_k_matmul(m):
+    # what the Mosaic GPU matmul runs for the split: Q4_0's matmul on `as_q4_0`, plus `offset_term`
     w = random_q4_k(2, 128, 512)
-    q40, offsets = q4_k_split.split_q4_k(w)
+    split = jax.device_put(q4_k_split.split_q4_k(w))
     x = jax.random.normal(jax.random.key(m), (m, 512), jnp.float32)
-    got = np.asarray(jax.jit(q4_k_split.matmul_split)(x, q40, offsets), np.float64)
     want = np.asarray(qmatmul_reference(x, w), np.float64)
-    err = np.linalg.norm(got - want) / np.linalg.norm(want)
-    assert np.isfinite(got).all() and err < 5e-4
+    composed = jax.jit(lambda x, s: qmatmul_reference(x, q4_k_split.as_q4_0(s)) + q4_k_split.offset_term(x, s))
+    for got in (composed(x, split), qmatmul_reference(x, split)):
+        got = np.asarray(got, np.float64)
+        assert np.isfinite(got).all() and np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-4
+
+
+def test_stacked_split_and_a_layer_of_it():
+    ws = [random_q4_k(seed, 32, 256) for seed in (4, 5)]
+    stacked = QuantizedTensor({k: np.stack([w.planes[k] for w in ws]) for k in ws[0].planes}, "q4_k", (32, 256))
+    split = q4_k_split.split_q4_k(stacked)
+    x = jax.random.normal(jax.random.key(0), (3, 256), jnp.float32)
+    for layer, w in enumerate(ws):
+        one = q4_k_split.split_q4_k(w)
+        for name in one.planes:
+            np.testing.assert_array_equal(split.planes[name][layer], one.planes[name])
+        got = qmatmul_reference(x, q4_k_split.as_q4_0(split), layer=layer) + q4_k_split.offset_term(x, split, layer)
+        want = np.asarray(qmatmul_reference(x, one))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+def test_jax_planes_in_jax_planes_out():
+    split = jax.jit(q4_k_split.split_q4_k)(jax.device_put(random_q4_k(6, 16, 256)))
+    assert all(isinstance(v, jax.Array) for v in split.planes.values())
+    np.testing.assert_array_equal(split.planes["qs"], q4_k_split.split_q4_k(random_q4_k(6, 16, 256)).planes["qs"])
 
 
 def test_block_sums():
@@ -74,11 +91,7 @@ def test_block_sums():
     np.testing.assert_array_equal(q4_k_split.block_sums(x), [[496, 1520], [2544, 3568]])
 
 
-def test_refuses_other_formats_and_stacks():
-    w = random_q4_k(3, 8, 256)
-    stacked = QuantizedTensor({k: np.stack([v, v]) for k, v in w.planes.items()}, "q4_k", w.shape)
-    with pytest.raises(ValueError, match="one matrix"):
-        q4_k_split.split_q4_k(stacked)
-    q40, _ = q4_k_split.split_q4_k(w)
+def test_refuses_other_formats():
+    split = q4_k_split.split_q4_k(random_q4_k(3, 8, 256))
     with pytest.raises(ValueError, match="takes q4_k"):
-        q4_k_split.split_q4_k(q40)
+        q4_k_split.split_q4_k(split)

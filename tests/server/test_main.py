@@ -48,6 +48,7 @@ def test_defaults() -> None:
     assert (engine.decode_steps("gpu"), engine.decode_steps("cpu")) == (2, 1)  # 0: auto
     assert not engine.few_rows_attention  # batch-invariant by default
     assert not engine.separate_kv_write  # the attention kernel writes the keys and values where it can
+    assert not engine.split_q4_k
     # 0: auto, one thread per core on the CPU (never more than programs), one on a GPU
     assert engine.compile_threads == 0 and engine.compile_workers("gpu", 12) == 1
     cores = min(len(os.sched_getaffinity(0)), MAX_AUTO_COMPILE_THREADS)
@@ -63,7 +64,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
             "--max-queue", "0", "--prefill-budget", "256", "--max-context", "1024", "--timeout", "30",
             "--kernels", "attention=xla, matmul=triton", "--chat-template", str(template), "--log-level", "debug",
             "--unroll-decode-layers", "off", "--decode-steps", "4", "--compile-threads", "3",
-            "--few-rows-attention", "--separate-kv-write",
+            "--few-rows-attention", "--separate-kv-write", "--split-q4-k",
         ]
     )  # fmt: skip
     engine, server = build_configs(args, {})
@@ -74,7 +75,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
     assert engine.decode_steps("gpu") == engine.decode_steps("cpu") == 4
     assert engine.compile_workers("gpu", 12) == engine.compile_workers("cpu", 12) == 3
     assert engine.compile_workers("gpu", 2) == 2
-    assert engine.few_rows_attention and engine.separate_kv_write
+    assert engine.few_rows_attention and engine.separate_kv_write and engine.split_q4_k
     assert (server.model_name, server.host, server.port, server.log_level) == ("m.gguf", "0.0.0.0", 0, "debug")
     assert server.chat_template == "{{ messages[0]['content'] }}"
 
