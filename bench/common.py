@@ -120,10 +120,11 @@ def copy_bandwidth_gb_s(num_bytes: int, repeats: int = 10) -> float:
     return 2 * (num_bytes // 4 * 4) / statistics.median(times) / 1e9
 
 
-def weight_bytes_per_decode(model_path: str | os.PathLike[str]) -> int:
+def weight_bytes_per_decode(model_path: str | os.PathLike[str], split_q4_k: bool = False) -> int:
     """Device bytes of the weights one decode step reads: every layer, the output matrix and
-    the norms, as the loader repacks them; the token embedding only when it is also the output
-    (otherwise a decode gathers B rows of it). KV-cache reads are not included."""
+    the norms, as the loader repacks them (Q4_K as "q4_k_split" with `split_q4_k`); the token
+    embedding only when it is also the output (otherwise a decode gathers B rows of it).
+    KV-cache reads are not included."""
     from model.gguf_file import GGUFFile
     from pallas_kernels import quant
 
@@ -134,6 +135,8 @@ def weight_bytes_per_decode(model_path: str | os.PathLike[str]) -> int:
             continue
         if len(info.shape) == 2:
             fmt = quant.format_for(info.ggml_type)
+            if split_q4_k and fmt.name == "q4_k":
+                fmt = quant.format_for("q4_k_split")
             n, k = info.shape
             dtypes = fmt.plane_dtypes()
             total += sum(int(np.prod(s)) * dtypes[p].itemsize for p, s in fmt.plane_shapes(n, k).items())

@@ -370,7 +370,7 @@ def main_run(args: argparse.Namespace) -> int:
         if not args.cache_dir:
             shutil.rmtree(cache_dir, ignore_errors=True)
 
-    weight_bytes = common.weight_bytes_per_decode(args.model)
+    weight_bytes = common.weight_bytes_per_decode(args.model, args.split_q4_k)
     floor = bandwidth * 1e9 / weight_bytes
     decode = suite["decode"]
     decode_tok_s = {u: (d.get("steady_tok_s") or d.get("tok_s")) for u, d in decode.items()}

@@ -271,7 +271,8 @@ class EngineConfig:
     # moves by at most 2^-11 of its scaled code) plus an f32 offset per block and row, 22% more
     # bytes, so that Q4_0's kernels serve them: on a Hopper GPU the Mosaic matmul, whose Q4_0
     # decode kernel reached 35-39% of copy bandwidth where the Triton Q4_K kernel reached 14-15%
-    # (bench/results, thirteenth session). Opt-in: not yet run on a GPU in the engine.
+    # (bench/results, thirteenth session); the Triton Q4_0 kernel where Mosaic refuses a shape
+    # or the GPU. Opt-in: not yet run on a GPU in the engine.
     split_q4_k: bool = False
 
     def compile_workers(self, backend: str, programs: int) -> int:

@@ -96,6 +96,22 @@ def _to_device(where: str, key: str, value: Any) -> Any:
     return jax.tree_util.tree_map(jnp.asarray, value)
 
 
+_split_q4_k_jit = jax.jit(q4_k_split.split_q4_k)
+
+
+def _splitting_after(place: Place, split_embed: bool) -> Place:
+    """`place`, then every Q4_K matrix of the placed value split on its device (the embedding
+    only with `split_embed`)."""
+    def placed(where: str, key: str, value: Any) -> Any:
+        value = place(where, key, value)
+        if key == "embed" and not split_embed:
+            return value
+        return jax.tree_util.tree_map(
+            lambda t: _split_q4_k_jit(t) if isinstance(t, quant.QuantizedTensor) and t.fmt == "q4_k" else t,
+            value, is_leaf=lambda t: isinstance(t, quant.QuantizedTensor))
+    return placed
+
+
 class _Entry(NamedTuple):
     """One layer tensor to load: a vector, a matrix, or matrices fused along N."""
 
@@ -171,8 +187,15 @@ def load_params(gf: GGUFFile, cfg: ModelConfig, fuse: bool = True, place: Place 
     model. `place` puts each value on its device(s) (tensor parallelism: each device receives
     only its shards; default: the default device). With `split_q4_k`, every Q4_K matrix is split
     for Q4_0's kernels (`pallas_kernels.q4_k_split`, EngineConfig.split_q4_k)."""
+    # Q4_K split (`q4_k_split.split_q4_k`): jitted on the device after placement where the
+    # params go whole to the default device (numpy on the host took 0.34 s per 4096 x 11008
+    # matrix); on the host where `place` shards them as it places them. The embedding is split
+    # only when it is also the output matrix (otherwise it is only gathered from).
+    host_split = split_q4_k and place is not None
+    if split_q4_k and place is None:
+        place = _splitting_after(_to_device, split_embed=cfg.tied_output)
     place = place or _to_device
-    entries = [_layer_entries(gf, i, fuse, split_q4_k) for i in range(cfg.num_layers)]
+    entries = [_layer_entries(gf, i, fuse, host_split) for i in range(cfg.num_layers)]
     signatures = [{k: e.signature() for k, e in layer.items()} for layer in entries]
     is_stacked = all(sig == signatures[0] for sig in signatures[1:])
     if is_stacked:
@@ -182,10 +205,10 @@ def load_params(gf: GGUFFile, cfg: ModelConfig, fuse: bool = True, place: Place 
         log.info("layers differ in %s: unrolling the layer loop", ", ".join(differing))
         layers = [{key: place(f"blk.{i}", key, e.load()) for key, e in layer.items()} for i, layer in enumerate(entries)]
 
-    embed = place("token_embd", "embed", _matrix(gf.tensor("token_embd.weight"), split_q4_k))
+    embed = place("token_embd", "embed", _matrix(gf.tensor("token_embd.weight"), host_split and cfg.tied_output))
     output = None
     if not cfg.tied_output:
-        output = place("output", "output", _matrix(gf.tensor("output.weight"), split_q4_k))
+        output = place("output", "output", _matrix(gf.tensor("output.weight"), host_split))
     rope_freqs = None
     if "rope_freqs.weight" in gf.tensors:
         rope_freqs = place("rope_freqs", "rope_freqs", _float_vector(gf.tensors["rope_freqs.weight"]))

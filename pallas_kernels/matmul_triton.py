@@ -52,6 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import registry
+from pallas_kernels import q4_k_split
 from pallas_kernels.quant import QuantizedTensor, check_layer, row_major_planes
 
 # jax 0.10.2 and 0.11.x name it CompilerParams; older releases TritonCompilerParams. Looked up by
@@ -518,7 +519,11 @@ def qmatmul_triton(
 ) -> jax.Array:  # [..., N] f32
     """x @ dequant(w).T through the Pallas Triton kernels. Raises NotImplementedError for formats
     and shapes it does not take (float weights, q2_k/q3_k, N not a multiple of 16). A stacked w
-    is read in place at `layer` (no copy of the matrix is made)."""
+    is read in place at `layer` (no copy of the matrix is made). "q4_k_split" (Q4_K split at
+    load, pallas_kernels/q4_k_split.py) runs as its Q4_0 part plus an XLA dot for its offsets."""
+    if w.fmt == "q4_k_split":
+        return (qmatmul_triton(x, q4_k_split.as_q4_0(w), tuning, layer=layer, interpret=interpret)
+                + q4_k_split.offset_term(x, w, layer))
     _check_supported(w, layer)
     n, k = w.shape
     if x.shape[-1] != k:

@@ -21,7 +21,8 @@ Bytes per weight: 0.5 (codes) + 2/32 (s) + 4/32 (C) = 0.6875, against Q4_K's 0.5
 The split is a weight format of its own, "q4_k_split" (`quant.DERIVED_FORMATS`: planes `qs` and
 `d` as Q4_0's, `c` [K/32, N] f32), made at load with `EngineConfig.split_q4_k` (`--split-q4-k`),
 so the forward pass is unchanged: the reference dequantizes it (d (q - 8) + c), and the Mosaic
-GPU matmul runs its Q4_0 kernel on `as_q4_0` and adds `offset_term`. `bench/kernels.py` times it
+GPU and Triton matmuls run their Q4_0 kernels on `as_q4_0` and add `offset_term` (Triton takes
+the shapes and GPUs Mosaic refuses: a row-parallel shard with K = 5504, a GPU before Hopper). `bench/kernels.py` times it
 on the GPU as impl "mosaic_gpu:q4_k_split".
 """
 
@@ -33,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.quant import QK_K, QuantizedTensor
+from pallas_kernels.quant import QK_K, QuantizedTensor, check_layer
 
 BLOCK = 32  # weights per Q4_0 block and per Q4_K sub-block
 CODE_OFFSET = 8  # Q4_0 weight = d (q - 8)
@@ -82,6 +83,7 @@ def block_sums(x: jax.Array) -> jax.Array:
 def offset_term(x: jax.Array, w: QuantizedTensor, layer: jax.Array | int | None = None) -> jax.Array:
     """x [..., K] -> [..., N] f32: the offsets' share of x @ w.T, block_sums(x) @ c (matrix
     `layer` of a stack), in f32 (HIGHEST: a GPU would otherwise use tf32)."""
+    check_layer(w, layer)
     c = w.planes["c"]
     if layer is not None:
         c = jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False)

@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "not inside it (for A/B measurements)")
     p.add_argument("--split-q4-k", action="store_true",
                    help="split Q4_K matrices at load for Q4_0's kernels (Q4_0 codes, f16 block scales, f32 offsets: "
-                        "22%% more weight bytes; on a Hopper GPU the Mosaic matmul serves them); not yet measured in "
-                        "the engine on a GPU")
+                        "22%% more weight bytes; Q4_0's GPU kernels serve them, on Hopper the Mosaic one); not yet "
+                        "measured in the engine on a GPU")
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="KV cache dtype (auto: float32 on CPU, bfloat16 on GPU; float8_e4m3fn: 8-bit float, half "
                         "of bfloat16's memory and attention reads, values saturating at +-448)")

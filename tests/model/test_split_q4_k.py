@@ -37,7 +37,9 @@ def test_split_model_gives_the_same_logits(tiny_q4_k_m):
     base = load_model(tiny_q4_k_m, EngineConfig(max_context=128))
     split = load_model(tiny_q4_k_m, EngineConfig(max_context=128, split_q4_k=True))
     assert "q4_k" in formats(base.params) and "q4_k_split" not in formats(base.params)
-    assert "q4_k_split" in formats(split.params) and "q4_k" not in formats(split.params)
+    # every layer's Q4_K matrix is split; the untied embedding (only gathered from) is not
+    assert "q4_k_split" in formats(split.params.layers) and "q4_k" not in formats(split.params.layers)
+    assert not split.config.tied_output and split.params.embed.fmt == "q4_k"
     assert split.kernel_names["matmul_decode[q4_k_split]"] == "reference"  # the CPU
     rng = np.random.default_rng(0)
     cases = [(rng.integers(0, 2048, 40).tolist(), rng.integers(0, 2048, 6).tolist()) for _ in range(2)]
@@ -47,3 +49,22 @@ def test_split_model_gives_the_same_logits(tiny_q4_k_m):
         # measured 1.8e-3 and 1.9e-3: each block scale's f16 rounding (2^-11 at most), over 2 layers
         assert np.linalg.norm(a - b) / np.linalg.norm(a) < 5e-3
         assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.8  # random weights: near-ties are common
+
+
+def test_host_and_device_splits_agree(tiny_q4_k_m):
+    """The split made on the device after placement (one device) and on the host before it (a
+    `place` of the caller's own: tensor parallelism) give the same planes."""
+    from model.config import ModelConfig
+    from model.gguf_file import GGUFFile
+    from model.weights import _to_device, load_params
+
+    gf = GGUFFile(tiny_q4_k_m)
+    cfg = ModelConfig.from_gguf_metadata(gf.metadata, frozenset(gf.tensors))
+    on_device = load_params(gf, cfg, split_q4_k=True)
+    on_host = load_params(gf, cfg, place=_to_device, split_q4_k=True)
+    a = jax.tree_util.tree_leaves_with_path(on_device)
+    b = jax.tree_util.tree_leaves_with_path(on_host)
+    assert [path for path, _ in a] == [path for path, _ in b]
+    for (path, x), (_, y) in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+    assert "q4_k_split" in formats(on_host.layers)

@@ -95,3 +95,17 @@ def test_refuses_other_formats():
     split = q4_k_split.split_q4_k(random_q4_k(3, 8, 256))
     with pytest.raises(ValueError, match="takes q4_k"):
         q4_k_split.split_q4_k(split)
+
+
+@pytest.mark.parametrize("m", [1, 8, 20])
+def test_triton_matmul_takes_the_split(m):
+    # interpret mode: its Q4_0 kernel on the codes and scales plus the offsets' dot (it serves the
+    # shapes and GPUs the Mosaic kernel refuses)
+    from pallas_kernels.matmul_triton import qmatmul_triton
+
+    w = random_q4_k(7, 64, 512)
+    split = jax.device_put(q4_k_split.split_q4_k(w))
+    x = jax.random.normal(jax.random.key(m), (m, 512), jnp.float32)
+    got = np.asarray(qmatmul_triton(x, split, interpret=True), np.float64)
+    want = np.asarray(qmatmul_reference(x, w), np.float64)
+    assert np.isfinite(got).all() and np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-4
