@@ -192,7 +192,7 @@ class TestTritonGpu(MatmulConformance):
 
 
 def _spec(fmt: str, n: int, k: int) -> quant.QuantizedTensor:
-    f = quant.FORMATS[fmt]
+    f = quant.ALL_FORMATS[fmt]
     shapes, dtypes = f.plane_shapes(n, k), f.plane_dtypes()
     return quant.QuantizedTensor({p: jax.ShapeDtypeStruct(shapes[p], dtypes[p]) for p in f.planes}, fmt, (n, k))
 
@@ -254,10 +254,12 @@ def test_default_tuning_tiles_every_model_shape(fmt):
         assert out.shape == (m, 4096) and out.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "q4_k_split"])
 @pytest.mark.parametrize("m", [1, 8, 512])
-def test_stacked_lowers_to_triton_for_cuda(m):
-    """The Triton lowering (no GPU needed) takes the in-place layer index for both kernels."""
-    w = _spec("q4_k", 256, 1024)
+def test_stacked_lowers_to_triton_for_cuda(m, fmt):
+    """The Triton lowering (no GPU needed) takes the in-place layer index for both kernels (and
+    Q4_K split at load, as Q4_0 plus the offsets' dot)."""
+    w = _spec(fmt, 256, 1024)
     stacked = jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct((30, *p.shape), p.dtype), w)
     fn = lambda x, w, i: matmul_triton.qmatmul_triton(x, w, layer=i)  # noqa: E731
     lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((m, 1024), jnp.bfloat16), stacked,
