@@ -1,0 +1,82 @@
+"""What splitting Q4_K for Q4_0's kernels (`--split-q4-k`, pallas_kernels/q4_k_split.py) costs
+in correctness on a real Q4_K_M model: the teacher-forced comparison with llama.cpp's recorded
+token streams (as tests/model/test_llama_cpp_agreement.py makes it), run with and without the
+split, on the CPU path.
+
+    python bench/q4_k_split_agreement.py --model gemma-3-270m-q4_k_m.gguf \
+        [--fixture tests/fixtures/generation_gemma3.json] [--cases N] [--max-context C] [--out DIR]
+
+Per setting: top-1 agreement with llama.cpp, agreement on its decisive steps, the logit |diff|
+over llama.cpp's top-10 (p50, p99, max), seconds (load, compile and run); and the split's
+logits against the unsplit ones (same top-1, largest |diff|). Writes
+bench/results/split-agreement-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
+
+import numpy as np  # noqa: E402
+
+from bench import common  # noqa: E402
+from bench.kv_dtype_agreement import against_llama_cpp, forced_logits  # noqa: E402
+
+FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "generation_gemma3.json"
+
+log = logging.getLogger("bench.q4_k_split_agreement")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--model", type=pathlib.Path, required=True, help="a GGUF with Q4_K matrices")
+    ap.add_argument("--fixture", type=pathlib.Path, default=FIXTURE, help="llama.cpp's recordings for that model")
+    ap.add_argument("--cases", type=int, default=0, help="only the N shortest cases (0: all)")
+    ap.add_argument("--max-context", type=int, default=4096)
+    ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from model.config import EngineConfig
+    from model.loader import load_model
+
+    cases = sorted(json.loads(args.fixture.read_text())["cases"], key=lambda c: len(c["prompt_ids"]))
+    if args.cases:
+        cases = cases[:args.cases]
+    if max(len(c["prompt_ids"]) + len(c["generated_ids"]) for c in cases) > args.max_context:
+        ap.error("--max-context is shorter than a case: use --cases to keep the shorter ones")
+    stamp = common.timestamp()
+    path_out = common.result_path(args.out, "split-agreement", stamp)
+    results, logits = {}, {}
+    for split in (False, True):
+        t0 = time.perf_counter()
+        model = load_model(args.model, EngineConfig(num_slots=8, max_context=args.max_context, split_q4_k=split))
+        formats = sorted({op for op in model.kernel_names if op.startswith("matmul[")})
+        logits[split] = forced_logits(model, cases, "float32", args.max_context)
+        row = {**against_llama_cpp(cases, logits[split]), "matmuls": formats,
+               "seconds": round(time.perf_counter() - t0, 1)}
+        results["split" if split else "q4_k"] = row
+        log.info("split_q4_k=%s: %s", split, row)
+        del model
+    results["split_vs_q4_k"] = {
+        "top1_same": sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(logits[False], logits[True])),
+        "steps": sum(len(a) for a in logits[False]),
+        "logit_diff_max": round(max(float(np.abs(a - b).max()) for a, b in zip(logits[False], logits[True])), 4),
+    }
+    common.write_json(path_out, {"kind": "split-agreement", "date": stamp, "git": common.git_rev(),
+                                 "device": common.device_info(), "model": common.model_facts(args.model),
+                                 "fixture": str(args.fixture), "cases": len(cases),
+                                 "max_context": args.max_context, "results": results})
+    print(json.dumps(results, indent=1))
+    print(f"wrote {path_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
