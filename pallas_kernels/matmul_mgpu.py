@@ -673,7 +673,7 @@ def qmatmul_mgpu(
     if interpret:
         raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
     if w.fmt == "q4_k_split":  # Q4_0's kernel on the codes and scales, plus the offsets' term
-        return qmatmul_mgpu(x, q4_k_split.as_q4_0(w), tuning, layer=layer) + q4_k_split.offset_term(x, w, layer)
+        return q4_k_split.matmul_via_q4_0(qmatmul_mgpu, x, w, layer, tuning=tuning)
     tuning = tuning or default_tuning(math.prod(x.shape[:-1]))
     _check_supported(x, w, layer, tuning)
     n, k = w.shape

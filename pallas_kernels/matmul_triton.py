@@ -51,8 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import registry
-from pallas_kernels import q4_k_split
+from pallas_kernels import q4_k_split, registry
 from pallas_kernels.quant import QuantizedTensor, check_layer, row_major_planes
 
 # jax 0.10.2 and 0.11.x name it CompilerParams; older releases TritonCompilerParams. Looked up by
@@ -522,8 +521,7 @@ def qmatmul_triton(
     is read in place at `layer` (no copy of the matrix is made). "q4_k_split" (Q4_K split at
     load, pallas_kernels/q4_k_split.py) runs as its Q4_0 part plus an XLA dot for its offsets."""
     if w.fmt == "q4_k_split":
-        return (qmatmul_triton(x, q4_k_split.as_q4_0(w), tuning, layer=layer, interpret=interpret)
-                + q4_k_split.offset_term(x, w, layer))
+        return q4_k_split.matmul_via_q4_0(qmatmul_triton, x, w, layer, tuning=tuning, interpret=interpret)
     _check_supported(w, layer)
     n, k = w.shape
     if x.shape[-1] != k:

@@ -1,6 +1,6 @@
 """Q4_K weights split into a Q4_0 tensor and an offset plane, so that Q4_0's kernels (the Mosaic
-GPU one reads 4-bit codes at 2-2.5x the rate the Triton Q4_K kernel reaches, bench/results,
-thirteenth session) can serve Q4_K files.
+GPU one reached 2.5x the Triton Q4_K kernel's share of copy bandwidth on a 7B's q/k/v and
+gate/up matrices, bench/results, thirteenth session) can serve Q4_K files.
 
 A Q4_K super-block of 256 weights holds per 32-weight sub-block b the codes q (0..15), a 6-bit
 scale sc_b and a 6-bit min m_b, and per super-block f16 d and dmin: w = d sc_b q - dmin m_b
@@ -21,9 +21,10 @@ Bytes per weight: 0.5 (codes) + 2/32 (s) + 4/32 (C) = 0.6875, against Q4_K's 0.5
 The split is a weight format of its own, "q4_k_split" (`quant.DERIVED_FORMATS`: planes `qs` and
 `d` as Q4_0's, `c` [K/32, N] f32), made at load with `EngineConfig.split_q4_k` (`--split-q4-k`),
 so the forward pass is unchanged: the reference dequantizes it (d (q - 8) + c), and the Mosaic
-GPU and Triton matmuls run their Q4_0 kernels on `as_q4_0` and add `offset_term` (Triton takes
-the shapes and GPUs Mosaic refuses: a row-parallel shard with K = 5504, a GPU before Hopper). `bench/kernels.py` times it
-on the GPU as impl "mosaic_gpu:q4_k_split".
+GPU and Triton matmuls serve it through `matmul_via_q4_0`: their Q4_0 kernel on `as_q4_0`, plus
+`offset_term` (Triton takes the shapes and GPUs Mosaic refuses: a row-parallel shard with
+K = 5504, a GPU before Hopper). `bench/kernels.py` times it on the GPU as impl
+"mosaic_gpu:q4_k_split".
 """
 
 from __future__ import annotations
@@ -90,3 +91,10 @@ def offset_term(x: jax.Array, w: QuantizedTensor, layer: jax.Array | int | None 
     xs = block_sums(x)
     return jax.lax.dot_general(xs, c, (((xs.ndim - 1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
                                preferred_element_type=jnp.float32)
+
+
+def matmul_via_q4_0(q4_0_matmul, x: jax.Array, w: QuantizedTensor, layer: jax.Array | int | None = None,
+                    **kwargs) -> jax.Array:
+    """x @ w.T for a "q4_k_split" w: `q4_0_matmul(x, as_q4_0(w), layer=layer, **kwargs)` (an
+    implementation of op "matmul" that takes Q4_0) plus `offset_term`."""
+    return q4_0_matmul(x, as_q4_0(w), layer=layer, **kwargs) + offset_term(x, w, layer)
