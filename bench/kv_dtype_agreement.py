@@ -53,6 +53,25 @@ def against_llama_cpp(cases, logits) -> dict:
             "logit_diff_p99": round(float(np.quantile(d, 0.99)), 4), "logit_diff_max": round(float(d.max()), 4)}
 
 
+def shortest_cases(fixture: pathlib.Path, count: int, max_context: int) -> list[dict]:
+    """A recorded fixture's cases, shortest prompt first: the `count` shortest (0: all). Raises
+    ValueError when one does not fit `max_context` positions."""
+    cases = sorted(json.loads(fixture.read_text())["cases"], key=lambda c: len(c["prompt_ids"]))
+    if count:
+        cases = cases[:count]
+    if max(len(c["prompt_ids"]) + len(c["generated_ids"]) for c in cases) > max_context:
+        raise ValueError("--max-context is shorter than a case: use --cases to keep the shorter ones")
+    return cases
+
+
+def result_record(kind: str, stamp: str, model: pathlib.Path, fixture: pathlib.Path, cases: list[dict],
+                  max_context: int, results: dict) -> dict:
+    """The JSON an agreement run writes: what ran where, on which fixture, and its results."""
+    return {"kind": kind, "date": stamp, "git": common.git_rev(), "device": common.device_info(),
+            "model": common.model_facts(model), "fixture": str(fixture), "cases": len(cases),
+            "max_context": max_context, "results": results}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--model", type=pathlib.Path, default=None, help="SmolLM2-135M-Instruct Q4_1 (default: the cached one)")
@@ -69,11 +88,10 @@ def main(argv: list[str] | None = None) -> int:
 
     path = args.model or ensure_default_model()
     model = load_model(path, EngineConfig(num_slots=8, max_context=4096))
-    cases = sorted(json.loads(FIXTURE.read_text())["cases"], key=lambda c: len(c["prompt_ids"]))
-    if args.cases:
-        cases = cases[:args.cases]
-    if max(len(c["prompt_ids"]) + len(c["generated_ids"]) for c in cases) > args.max_context:
-        ap.error("--max-context is shorter than a case: use --cases to keep the shorter ones")
+    try:
+        cases = shortest_cases(FIXTURE, args.cases, args.max_context)
+    except ValueError as e:
+        ap.error(str(e))
     stamp = common.timestamp()
     path_out = common.result_path(args.out, "kv-agreement", stamp)
     results, base = {}, None
@@ -91,10 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s: %s", dtype, row)
         # after each dtype, so that a long run keeps what it measured (on the CPU an 8-bit or
         # bf16 cache makes the reference attention far slower than an f32 one: its conversions)
-        common.write_json(path_out, {"kind": "kv-agreement", "date": stamp, "git": common.git_rev(),
-                                     "device": common.device_info(), "model": common.model_facts(path),
-                                     "fixture": str(FIXTURE.relative_to(common.ROOT)), "cases": len(cases),
-                                     "max_context": args.max_context, "results": results})
+        common.write_json(path_out, result_record("kv-agreement", stamp, path, FIXTURE.relative_to(common.ROOT), cases,
+                                                  args.max_context, results))
     print(json.dumps(results, indent=1))
     print(f"wrote {path_out}")
     return 0

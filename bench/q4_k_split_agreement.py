@@ -27,7 +27,7 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
-from bench.kv_dtype_agreement import against_llama_cpp, forced_logits  # noqa: E402
+from bench.kv_dtype_agreement import against_llama_cpp, forced_logits, result_record, shortest_cases  # noqa: E402
 
 FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "generation_gemma3.json"
 
@@ -46,11 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     from model.config import EngineConfig
     from model.loader import load_model
 
-    cases = sorted(json.loads(args.fixture.read_text())["cases"], key=lambda c: len(c["prompt_ids"]))
-    if args.cases:
-        cases = cases[:args.cases]
-    if max(len(c["prompt_ids"]) + len(c["generated_ids"]) for c in cases) > args.max_context:
-        ap.error("--max-context is shorter than a case: use --cases to keep the shorter ones")
+    try:
+        cases = shortest_cases(args.fixture, args.cases, args.max_context)
+    except ValueError as e:
+        ap.error(str(e))
     stamp = common.timestamp()
     path_out = common.result_path(args.out, "split-agreement", stamp)
     results, logits = {}, {}
@@ -69,10 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps": sum(len(a) for a in logits[False]),
         "logit_diff_max": round(max(float(np.abs(a - b).max()) for a, b in zip(logits[False], logits[True])), 4),
     }
-    common.write_json(path_out, {"kind": "split-agreement", "date": stamp, "git": common.git_rev(),
-                                 "device": common.device_info(), "model": common.model_facts(args.model),
-                                 "fixture": str(args.fixture), "cases": len(cases),
-                                 "max_context": args.max_context, "results": results})
+    common.write_json(path_out, result_record("split-agreement", stamp, args.model, args.fixture, cases,
+                                              args.max_context, results))
     print(json.dumps(results, indent=1))
     print(f"wrote {path_out}")
     return 0
