@@ -280,6 +280,19 @@ def _load_tile(ref, start, block: int, num_keys: int, is_ragged: bool, lead: tup
     return _load(ref.at[(*lead, rows, slice(None))], mask=mask, other=jnp.zeros((), ref.dtype))
 
 
+def _visible_tiles(q_first, q_last, num_keys: int, win_ref, has_window: bool, block: int):
+    """(first_key, last_key, lo, hi, win) for queries at positions [q_first, q_last]: the keys
+    any of them sees (causal, below `num_keys`, from the window's start for the first query)
+    and the tiles [lo, hi) of `block` keys that hold them; win, the window (win_ref[0], <= 0:
+    none), or None without one."""
+    last_key = lax.min(q_last, num_keys - 1)
+    first_key, win = jnp.int32(0), None
+    if has_window:
+        win = win_ref[0]
+        first_key = jnp.where(win > 0, lax.max(q_first - win + 1, 0), 0)
+    return first_key, last_key, lax.div(first_key, block), lax.div(last_key, block) + 1, win
+
+
 def _online_softmax_step(carry, s, visible, v, precision):
     """One key tile of the online softmax. s [M, N] base-2 scores, visible [M, N] or None
     (all visible), v [N, D]; carry (acc [M, D], m [M], l [M]) in f32."""
@@ -337,14 +350,8 @@ def _decode_kernel(
     row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     pos = pos_ref[row]
-    last_key = lax.min(pos, num_keys - 1)
-    first_key = jnp.int32(0)
-    if has_window:
-        win = win_ref[0]
-        first_key = jnp.where(win > 0, lax.max(pos - win + 1, 0), 0)
     # Only tiles holding visible keys of this row: nothing past its position is read.
-    lo = lax.div(first_key, block_s)
-    hi = lax.div(last_key, block_s) + 1
+    first_key, last_key, lo, hi, win = _visible_tiles(pos, pos, num_keys, win_ref, has_window, block_s)
     # The split that attends the row's last tile takes its new key; split 0 where the row has no
     # tile (a window wholly past the span, out of the contract: the write still happens).
     last_tile, has_tiles = hi - 1, lo < hi

@@ -38,6 +38,7 @@ from pallas_kernels.attention_triton import (
     _store,
     _tile_for_dot,
     _TritonParams,
+    _visible_tiles,
     is_available,
 )
 
@@ -101,13 +102,7 @@ def _prefill_kernel(
     q_pos = start + row0 + jnp.arange(block_t, dtype=jnp.int32)  # [block_t]
     q_first = start + row0
     q_last = start + lax.min(row0 + block_t, num_queries) - 1  # last real query of the block
-    last_key = lax.min(q_last, num_keys - 1)
-    first_key = jnp.int32(0)
-    if has_window:
-        win = win_ref[0]
-        first_key = jnp.where(win > 0, lax.max(q_first - win + 1, 0), 0)
-    lo = lax.div(first_key, block_k)
-    hi = lax.div(last_key, block_k) + 1
+    _, _, lo, hi, win = _visible_tiles(q_first, q_last, num_keys, win_ref, has_window, block_k)
     # Tiles every query of the block sees whole: keys <= q_first (causal), keys > q_last - win
     # (window), keys < S. They skip the masks. [full_lo, full_hi) may be empty.
     full_hi = lax.min(lax.div(q_first + 1, block_k), num_keys // block_k)
