@@ -148,7 +148,8 @@ def test_decode_with_the_cache_write_in_the_attention_kernel(tiny_tp_path, kv, w
     tokens, positions = jnp.asarray([7, 0, 99], jnp.int32), jnp.asarray([16, -1, 40], jnp.int32)
     outs = {}
     for fused in (False, True):
-        kern = Kernels(mm, embed_reference, dec, attention_triton_prefill.attention_prefill_triton, decode_writes_cache=fused)
+        kern = Kernels(mm, embed_reference, dec, attention_triton_prefill.attention_prefill_triton,
+                       decode_writes_cache=fused)
         step = jax.jit(functools.partial(forward.decode, cfg, kern), static_argnums=(4, 5, 6))
         logits, c = step(params, cache, tokens, positions, 48, unroll, few_rows)
         logits2, c = step(params, c, tokens + 1, positions + jnp.asarray([1, 0, 1]), 48, unroll, few_rows)

@@ -9,8 +9,9 @@ tests/conftest.py defaults JAX to the CPU).
 Every case draws fresh random inputs (the seed is in the failure message) with per-row random
 positions that include 0 and S - 1, and compares with the reference by relative norm error:
 1e-5 for f32 caches, 1e-2 for bf16 (q and the softmax weights are rounded to bf16 for the
-tensor-core dots) and for an 8-bit float cache (its tiles, q and the weights in f16). NaN or inf never passes. Windows listed in a case are passed traced (one
-compiled program serves them all, as in gemma3's scanned layers) unless the case says static.
+tensor-core dots) and for an 8-bit float cache (its tiles, q and the weights in f16). NaN or
+inf never passes. Windows listed in a case are passed traced (one compiled program serves them
+all, as in gemma3's scanned layers) unless the case says static.
 """
 
 from __future__ import annotations
