@@ -47,7 +47,7 @@ from typing import Any, Sequence  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
-from model.config import KV_DTYPES, UNROLL_DECODE_LAYERS, EngineConfig, prefill_chunks_for  # noqa: E402
+from model.config import KV_DTYPES, SPLIT_Q4_K, UNROLL_DECODE_LAYERS, EngineConfig, prefill_chunks_for  # noqa: E402
 from server.__main__ import parse_kernels, parse_sizes  # noqa: E402  (the server's flag parsers)
 from model.step_types import SamplingParams  # noqa: E402
 from scheduler.types import GenerationRequest, QueueFullError  # noqa: E402
@@ -66,7 +66,7 @@ def build_config(
     decode_steps: int = 0, prefill_chunks: tuple[int, ...] | None = None,
     kernels: tuple[tuple[str, str], ...] = (), tensor_parallel: int = 1, unroll_decode_layers: str = "auto",
     compile_threads: int = 0, few_rows_attention: bool = False, separate_kv_write: bool = False,
-    split_q4_k: bool = False,
+    split_q4_k: str = "auto",
 ) -> EngineConfig:
     """The EngineConfig `python -m server` builds from the same flags."""
     chunks = prefill_chunks_for(prefill_budget, prefill_chunks)
@@ -302,7 +302,7 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         "--compile-threads", str(args.compile_threads), "--tensor-parallel", str(args.tensor_parallel),
         *(["--few-rows-attention"] if args.few_rows_attention else []),
         *(["--separate-kv-write"] if args.separate_kv_write else []),
-        *(["--split-q4-k"] if args.split_q4_k else []),
+        "--split-q4-k", args.split_q4_k,
         *(["--prefill-chunks", ",".join(map(str, args.prefill_chunks))] if args.prefill_chunks else []),
         *(["--kernels", ",".join(f"{op}={impl}" for op, impl in args.kernels)] if args.kernels else []),
     ]
@@ -370,7 +370,7 @@ def main_run(args: argparse.Namespace) -> int:
         if not args.cache_dir:
             shutil.rmtree(cache_dir, ignore_errors=True)
 
-    weight_bytes = common.weight_bytes_per_decode(args.model, args.split_q4_k)
+    weight_bytes = common.weight_bytes_per_decode(args.model, bool(engine_info.get("split_q4_k")))
     floor = bandwidth * 1e9 / weight_bytes
     decode = suite["decode"]
     decode_tok_s = {u: (d.get("steady_tok_s") or d.get("tok_s")) for u, d in decode.items()}
@@ -396,7 +396,7 @@ def main_run(args: argparse.Namespace) -> int:
                           "compile_threads": config.compile_threads,  # 0: auto
                           "few_rows_attention": config.few_rows_attention,
                           "separate_kv_write": config.separate_kv_write,
-                          "split_q4_k": config.split_q4_k,
+                          "split_q4_k": config.split_q4_k, "split_q4_k_resolved": engine_info.get("split_q4_k"),
                           "tensor_parallel": config.tensor_parallel},
         "settings": {"prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
                      "prefill_len": args.prefill_len, "join_len": args.join_len, "repeats": args.repeats,
@@ -505,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--separate-kv-write", action="store_true",
                     help="the decode step's KV write as XLA scatters, not in the attention kernel (server "
                          "--separate-kv-write)")
-    ap.add_argument("--split-q4-k", action="store_true",
+    ap.add_argument("--split-q4-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
                     help="Q4_K matrices split at load for Q4_0's kernels (server --split-q4-k)")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of the decode runs")
     ap.add_argument("--decode-tokens", type=int, default=256, help="max_tokens of the decode runs")

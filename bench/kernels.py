@@ -151,9 +151,10 @@ class Impl:
     prepare: object = None
 
 
-def q4_k_split_impls(impl_names: list[str], interpret: bool) -> list[Impl]:
-    """Q4_K through Q4_0's kernels (`pallas_kernels.q4_k_split`): its Mosaic GPU kernel on a GPU,
-    the reference with --interpret (a CPU check of the plumbing)."""
+def q4_k_split_impls(impl_names: list[str], interpret: bool, m: int) -> list[Impl]:
+    """Q4_K through Q4_0's kernels (`pallas_kernels.q4_k_split`): its Mosaic GPU kernel on a GPU
+    (the offsets added in the decode kernel, and, as "...:offsets_after", in an XLA dot after
+    it), the reference with --interpret (a CPU check of the plumbing)."""
     from pallas_kernels import matmul_mgpu, q4_k_split
 
     def impl(name, fn):
@@ -162,6 +163,11 @@ def q4_k_split_impls(impl_names: list[str], interpret: bool) -> list[Impl]:
     out = []
     if "mosaic_gpu" in impl_names and not interpret:
         out.append(impl("mosaic_gpu:q4_k_split", matmul_mgpu.qmatmul_mgpu))
+        tuning = matmul_mgpu.default_tuning(m)
+        if matmul_mgpu.fuses_offsets(tuning):
+            after = dataclasses.replace(tuning, fuse_offsets=False)
+            out.append(impl("mosaic_gpu:q4_k_split:offsets_after",
+                            lambda x, w: matmul_mgpu.qmatmul_mgpu(x, w, after)))
     if "reference" in impl_names:
         out.append(impl("reference:q4_k_split", qmatmul_reference))
     return out
@@ -321,7 +327,7 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
                                                                      preferred_element_type=jnp.float32),
                                   "bf16 weights, xla dot"))
         if fmt == "q4_k":
-            impls += q4_k_split_impls(impl_names, args.interpret)
+            impls += q4_k_split_impls(impl_names, args.interpret, m)
         for impl in impls:
             if time.monotonic() > deadline:
                 rows.append(dict(op="matmul", format=fmt, impl=impl.name, m=m, n=n, k=k, error="skipped: --budget-s"))

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     results, logits = {}, {}
     for split in (False, True):
         t0 = time.perf_counter()
-        model = load_model(args.model, EngineConfig(num_slots=8, max_context=args.max_context, split_q4_k=split))
+        model = load_model(args.model, EngineConfig(num_slots=8, max_context=args.max_context, split_q4_k="on" if split else "off"))
         formats = sorted({op for op in model.kernel_names if op.startswith("matmul[")})
         logits[split] = forced_logits(model, cases, "float32", args.max_context)
         row = {**against_llama_cpp(cases, logits[split]), "matmuls": formats,

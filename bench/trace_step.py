@@ -45,7 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
-from model.config import UNROLL_DECODE_LAYERS, EngineConfig  # noqa: E402
+from model.config import SPLIT_Q4_K, UNROLL_DECODE_LAYERS, EngineConfig  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.weights import params_nbytes  # noqa: E402
 from server.__main__ import parse_kernels  # noqa: E402  (the server's flag parser)
@@ -181,7 +181,7 @@ def main() -> None:
     ap.add_argument("--separate-kv-write", action="store_true",
                     help="the decode step's KV write as XLA scatters, not in the attention kernel (server "
                          "--separate-kv-write)")
-    ap.add_argument("--split-q4-k", action="store_true",
+    ap.add_argument("--split-q4-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
                     help="Q4_K matrices split at load for Q4_0's kernels (server --split-q4-k)")
     ap.add_argument("--matmul-warps", type=int, default=None,
                     help="a variant: this many warps in the Triton decode matmuls (M <= 64) instead of the default")

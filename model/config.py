@@ -196,6 +196,7 @@ def prefill_chunks_for(budget: int, sizes: tuple[int, ...] | None = None) -> tup
 
 
 UNROLL_DECODE_LAYERS = ("auto", "on", "off")  # EngineConfig.unroll_decode_layers
+SPLIT_Q4_K = ("auto", "on", "off")  # EngineConfig.split_q4_k
 MAX_AUTO_COMPILE_THREADS = 8  # EngineConfig.compile_threads = 0 on the CPU
 
 
@@ -269,11 +270,13 @@ class EngineConfig:
     separate_kv_write: bool = False
     # Q4_K matrices split at load into Q4_0's codes and block scales (rounded to f16: a weight
     # moves by at most 2^-11 of its scaled code) plus an f32 offset per block and row, 22% more
-    # bytes, so that Q4_0's kernels serve them: on a Hopper GPU the Mosaic matmul, whose Q4_0
-    # decode kernel reached 35-39% of copy bandwidth where the Triton Q4_K kernel reached 14-15%
-    # (bench/results, thirteenth session); the Triton Q4_0 kernel where Mosaic refuses a shape
-    # or the GPU. Opt-in: not yet run on a GPU in the engine.
-    split_q4_k: bool = False
+    # bytes, so that Q4_0's kernels serve them: on a Hopper GPU the Mosaic matmul (its decode
+    # kernel adds the offsets itself), the Triton Q4_0 kernel where Mosaic refuses a shape.
+    # "auto" splits where the Mosaic matmul serves them (one device, a Hopper GPU, the matmul not
+    # forced to another implementation: `model.loader.splits_q4_k`): on the H200 a 7B Q4_K_M
+    # decode step took 4.2 ms split against 7.6 ms through the Triton Q4_K kernel (bench/results,
+    # fourteenth session).
+    split_q4_k: str = "auto"
 
     def compile_workers(self, backend: str, programs: int) -> int:
         """Threads to compile `programs` programs on `backend`, "auto" (0) resolved: on the CPU
@@ -330,6 +333,8 @@ class EngineConfig:
             raise ValueError(f"unknown compute dtype {self.compute_dtype!r}")
         if self.unroll_decode_layers not in UNROLL_DECODE_LAYERS:
             raise ValueError(f"unroll decode layers must be auto, on or off, got {self.unroll_decode_layers!r}")
+        if self.split_q4_k not in SPLIT_Q4_K:
+            raise ValueError(f"split Q4_K must be auto, on or off, got {self.split_q4_k!r}")
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor parallel must be >= 1, got {self.tensor_parallel}")
         if self.compile_threads < 0:

@@ -129,6 +129,12 @@ class MosaicMatmulTuning:
     # Rows of x per CTA when x has more than MAX_ROWS (with `fold_scales` only): the wgmma N,
     # a multiple of 8 up to 256 (fewer rows of x run as one tile of their own size).
     m_tile: int = 256
+    # "q4_k_split" (Q4_K split at load, pallas_kernels/q4_k_split.py): the decode kernel adds each
+    # block's offsets (its row of the `c` plane times x's sums over the block) to the block's
+    # scaled result, so a split matrix costs one kernel; False, and where the kernel cannot
+    # (folded scales, int8 x, K steps under 128), they are an XLA dot after the call
+    # (`q4_k_split.offset_term`).
+    fuse_offsets: bool = True
 
     def __post_init__(self) -> None:
         if self.row_tiles not in (1, 2, 4):
@@ -170,7 +176,19 @@ def _plgpu():
     return plgpu
 
 
+def fuses_offsets(tuning: MosaicMatmulTuning) -> bool:
+    """Whether the kernel adds a "q4_k_split" matrix's offsets itself (`fuse_offsets`; only the
+    unfolded decode kernel with bf16 x, and K steps of at least 128: a step's block sums of x,
+    [tile_k / 32, 8] f32, must fill a 128-byte copy)."""
+    return tuning.fuse_offsets and not tuning.fold_scales and not tuning.int8_x and tuning.tile_k >= 128
+
+
 def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatmulTuning) -> None:
+    offsets = w.fmt == "q4_k_split"
+    if offsets and not fuses_offsets(tuning):
+        raise NotImplementedError("mosaic_gpu matmul adds q4_k_split offsets in the unfolded decode kernel only")
+    if offsets:
+        w = q4_k_split.as_q4_0(w)
     if w.fmt not in SUPPORTED_FORMATS:
         raise NotImplementedError(f"mosaic_gpu matmul takes {', '.join(SUPPORTED_FORMATS)}; not {w.fmt}")
     check_layer(w, layer)
@@ -189,7 +207,7 @@ def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatm
         raise NotImplementedError(f"mosaic_gpu matmul: K={k} is not a multiple of the K step {tuning.tile_k}")
     if tuning.int8_x and w.fmt != "q4_0":
         raise NotImplementedError(f"mosaic_gpu matmul with int8 x takes q4_0, not {w.fmt}")
-    if stages_for(w.fmt, tile_rows(m, tuning), tuning, rows_per_cta(n, tuning)) < 2:
+    if stages_for(w.fmt, tile_rows(m, tuning), tuning, rows_per_cta(n, tuning), offsets) < 2:
         raise NotImplementedError(f"mosaic_gpu matmul: {m} rows with K steps of {tuning.tile_k} leave shared memory "
                                   "for fewer than 2 steps in flight")
 
@@ -221,21 +239,25 @@ def rows_per_cta(n: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING) -> int:
     return BLOCK_N * tiles
 
 
-def stage_bytes(fmt: str, m: int, tile_k: int, rows: int = BLOCK_N, int8_x: bool = False) -> int:
+def stage_bytes(fmt: str, m: int, tile_k: int, rows: int = BLOCK_N, int8_x: bool = False,
+                offsets: bool = False) -> int:
     """Shared memory of one pipeline step: x [M, tile_k] bf16, codes [rows, tile_k], scales. With
     `int8_x`, x's two int8 copies take the bytes of the bf16 one, and its two f32 factors per block
-    and row come on top."""
+    and row come on top; with `offsets` (q4_k_split), x's f32 block sums and the f32 offsets."""
     extra = 2 * padded_rows(m) * (tile_k // 32) * 4 if int8_x else 0
+    if offsets:
+        extra += (padded_rows(m) + rows) * (tile_k // 32) * 4
     return padded_rows(m) * tile_k * 2 + rows * tile_k * CODE_BITS[fmt] // 8 + rows * (tile_k // 32) * 2 + extra
 
 
-def stages_for(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, rows: int | None = None) -> int:
+def stages_for(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, rows: int | None = None,
+               offsets: bool = False) -> int:
     """Steps in flight: `tuning.stages`, or as many as fit beside the [rows, m] f32 output tile
     (m: the CTA's rows of x, `tile_rows`; rows: `rows_per_cta(n, tuning)`, by default the most
     the tuning allows)."""
     rows = BLOCK_N * tuning.row_tiles if rows is None else rows
     room = SMEM_BYTES - rows * padded_rows(m) * 4 - 1024  # barriers and alignment
-    return min(tuning.stages, room // stage_bytes(fmt, m, tuning.tile_k, rows, tuning.int8_x))
+    return min(tuning.stages, room // stage_bytes(fmt, m, tuning.tile_k, rows, tuning.int8_x, offsets))
 
 
 def split_for(n: int, k: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, m_tiles: int = 1) -> int:
@@ -421,6 +443,17 @@ def _scale_and_sum(acc: jax.Array, parts: list[jax.Array], d_smem) -> jax.Array:
     return acc
 
 
+def _add_offsets(acc: jax.Array, f_smem, xs_smem, nb: int) -> jax.Array:
+    """acc [64, M] + sum over the step's nb blocks b of block b's 64 offsets (f_smem [nb, 64] f32,
+    down the rows) times x's sums over block b (xs_smem [nb, M] f32, across the columns)."""
+    plgpu = _plgpu()
+    column = plgpu.Layout.WGMMA.reduce(0)
+    for b in range(nb):
+        xs = lax.broadcast_in_dim(plgpu.load(xs_smem.at[b], (), layout=column), acc.shape, [1])
+        acc = acc + lax.broadcast_in_dim(_block_scales(f_smem, b), acc.shape, [0]) * xs
+    return acc
+
+
 def _scaled_blocks(a: jax.Array, d_smem) -> list[jax.Array]:
     """The step's codes a [64, tile_k] (bf16, wgmma layout) as its 32-blocks [64, 32], each
     multiplied by its 64 scales, rounded to bf16."""
@@ -454,14 +487,20 @@ def _store_out(accs, o_smem, o_gmem, sid, col0, rows_out: bool, x0, m: int) -> N
     plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: int, k: int, m: int, tile_k: int,
+def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int, m: int, tile_k: int,
             rows: int, steps: int, split: int, stages: int, upcast_loads: bool, word_unpack: bool,
-            fold_scales: bool, rows_out: bool, m_tiles: int = 1):
+            fold_scales: bool, rows_out: bool, m_tiles: int = 1, offsets: bool = False):
     """layer_gmem [1] int32; x_gmem [M_pad, K] bf16 (permuted for q4_0), of which this CTA takes
     the m rows of its tile (grid axis "mtile" when m_tiles > 1); c_gmem [L*N, K] codes (int4 or
-    int8); d_gmem [L*K/32, N] f16 scales (the transposed plane); o_gmem [split, M_pad, N] f32
+    int8); d_gmem [L*K/32, N] f16 scales (the transposed plane); with `offsets` (q4_k_split,
+    unfolded scales, one tile of x), refs begin with xs_gmem [K/32, M_pad] f32, x's block sums,
+    and f_gmem [L*K/32, N] f32, the offsets (the `c` plane); then o_gmem [split, M_pad, N] f32
     partial sums with o_smem [m, rows] (`rows_out`), else [split, N, M_pad] with [rows, m]. Each
     warpgroup takes `rows` rows (64-row tiles t) of the weight, one K split and one tile of x."""
+    if offsets:
+        xs_gmem, f_gmem, o_gmem, o_smem = refs
+    else:
+        o_gmem, o_smem = refs
     plgpu = _plgpu()
     nb, tiles = tile_k // 32, rows // BLOCK_N
     bits = CODE_BITS[fmt]
@@ -480,8 +519,9 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: 
     def x_block(x_smem, b):
         return plgpu.transpose_ref(x_smem.at[:, pl.ds(32 * b, 32)], (1, 0))
 
-    def body(idx, x_smem, c_smem, d_smem, accs):
+    def body(idx, x_smem, c_smem, d_smem, *rest):
         del idx
+        accs = rest[-1]
         a = [tile_codes(c_smem, t) for t in range(tiles)]
 
         def blockdots(*acc_refs):  # every tile's block products issued before one wait
@@ -491,8 +531,15 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: 
             return [r[...] for r in acc_refs]
 
         parts = pl.run_scoped(blockdots, *[plgpu.ACC((BLOCK_N, m), jnp.float32) for _ in range(tiles * nb)])
-        return tuple(_scale_and_sum(accs[t], parts[t * nb:(t + 1) * nb], d_smem.at[:, pl.ds(BLOCK_N * t, BLOCK_N)])
-                     for t in range(tiles))
+        out = []
+        for t in range(tiles):
+            tile = pl.ds(BLOCK_N * t, BLOCK_N)
+            acc = _scale_and_sum(accs[t], parts[t * nb:(t + 1) * nb], d_smem.at[:, tile])
+            if offsets:
+                xs_smem, f_smem = rest[:2]
+                acc = _add_offsets(acc, f_smem.at[:, tile], xs_smem, nb)
+            out.append(acc)
+        return tuple(out)
 
     def folded_body(acc_refs, idx, x_smem, c_smem, d_smem):
         del idx
@@ -505,21 +552,26 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, fmt: str, n: 
         plgpu.wgmma_wait(tiles * nb)
 
     def pipeline(body, **kwargs):
+        weight_rows = (pl.ds(layer * (k // 32), k // 32), pl.ds(blk * rows, rows))  # of the [L*K/32, N] planes
+        in_specs = [
+            plgpu.BlockSpec((m, tile_k), lambda j: (0, lo + j),
+                            transforms=(plgpu.TilingTransform((8, x_swz * 8 // 16)), plgpu.SwizzleTransform(x_swz)),
+                            delay_release=1 if fold_scales else 0),
+            plgpu.BlockSpec((rows, tile_k), lambda j: (0, lo + j),
+                            transforms=(plgpu.TilingTransform((8, a_swz * 8 // bits)), plgpu.SwizzleTransform(a_swz))),
+            plgpu.BlockSpec((nb, rows), lambda j: (lo + j, 0)),
+        ]
+        args = [x_gmem.at[pl.ds(x0, m)], c_gmem.at[pl.ds(row0, rows)], d_gmem.at[weight_rows]]
+        if offsets:
+            in_specs += [plgpu.BlockSpec((nb, m), lambda j: (lo + j, 0)), plgpu.BlockSpec((nb, rows), lambda j: (lo + j, 0))]
+            args += [xs_gmem, f_gmem.at[weight_rows]]
         return plgpu.emit_pipeline(
             body,
             grid=(steps,) if split == 1 else (hi - lo,),
-            in_specs=[
-                plgpu.BlockSpec((m, tile_k), lambda j: (0, lo + j),
-                                transforms=(plgpu.TilingTransform((8, x_swz * 8 // 16)), plgpu.SwizzleTransform(x_swz)),
-                                delay_release=1 if fold_scales else 0),
-                plgpu.BlockSpec((rows, tile_k), lambda j: (0, lo + j),
-                                transforms=(plgpu.TilingTransform((8, a_swz * 8 // bits)), plgpu.SwizzleTransform(a_swz))),
-                plgpu.BlockSpec((nb, rows), lambda j: (lo + j, 0)),
-            ],
+            in_specs=in_specs,
             max_concurrent_steps=stages,
             **kwargs,
-        )(x_gmem.at[pl.ds(x0, m)], c_gmem.at[pl.ds(row0, rows)],
-          d_gmem.at[pl.ds(layer * (k // 32), k // 32), pl.ds(blk * rows, rows)])
+        )(*args)
 
     if fold_scales:
         def accumulate(*acc_refs):
@@ -613,30 +665,36 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
     plgpu = _plgpu()
     n, k = w.shape
     m = x2.shape[0]
+    offsets = w.fmt == "q4_k_split"  # the kernel adds the offsets (`fuses_offsets`): Q4_0's kernel otherwise
+    q = q4_k_split.as_q4_0(w) if offsets else w
     m_tile = tile_rows(m, tuning)
     m_tiles = -(-m // m_tile)
     m_pad = m_tile * m_tiles
-    scales = jnp.reshape(w.planes["d"], (-1, n))  # [L*K/32, N]: a view, read in place
+    scales = jnp.reshape(q.planes["d"], (-1, n))  # [L*K/32, N]: a view, read in place
     split, steps = split_for(n, k, tuning, m_tiles), k // tuning.tile_k
     if tuning.int8_x:
         rows = BLOCK_N
         kernel = functools.partial(_kernel_int8, n=n, k=k, m=m_tile, tile_k=tuning.tile_k, steps=steps, split=split,
-                                   stages=stages_for(w.fmt, m_tile, tuning, rows), rows_out=tuning.rows_out)
+                                   stages=stages_for(q.fmt, m_tile, tuning, rows), rows_out=tuning.rows_out)
         x_inputs = quantize_x_blocks(x2, m_pad)
     else:
-        if w.fmt == "q4_0":
+        if q.fmt == "q4_0":
             xp = permute_x_words(x2) if tuning.word_unpack else permute_x(x2)
         else:
             xp = x2
         if m_pad != m:
             xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
         rows = rows_per_cta(n, tuning)
-        kernel = functools.partial(_kernel, fmt=w.fmt, n=n, k=k, m=m_tile, tile_k=tuning.tile_k, rows=rows,
-                                   steps=steps, split=split, stages=stages_for(w.fmt, m_tile, tuning, rows),
+        kernel = functools.partial(_kernel, fmt=q.fmt, n=n, k=k, m=m_tile, tile_k=tuning.tile_k, rows=rows,
+                                   steps=steps, split=split, stages=stages_for(q.fmt, m_tile, tuning, rows, offsets),
                                    upcast_loads=tuning.upcast_loads,
                                    word_unpack=tuning.word_unpack, fold_scales=tuning.fold_scales,
-                                   rows_out=tuning.rows_out, m_tiles=m_tiles)
+                                   rows_out=tuning.rows_out, m_tiles=m_tiles, offsets=offsets)
         x_inputs = (xp,)
+    offset_inputs = ()
+    if offsets:  # x's block sums [K/32, M_pad] (unchanged by x's permutation within blocks) and the offsets
+        xs = jnp.pad(q4_k_split.block_sums(x2), ((0, m_pad - m), (0, 0))).T
+        offset_inputs = (xs, jnp.reshape(w.planes["c"], (-1, n)))
     if tuning.rows_out:
         out_shape, smem_shape = (split, m_pad, n), (m_tile, rows)
     else:
@@ -650,7 +708,7 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
         grid=grid,
         grid_names=grid_names,
         scratch_types=[plgpu.SMEM(smem_shape, jnp.float32)],
-    )(layer_arr, *x_inputs, codes_of(w), scales)
+    )(layer_arr, *x_inputs, codes_of(q), scales, *offset_inputs)
     out = partial[0] if split == 1 else jnp.sum(partial, axis=0)
     return out[:m] if tuning.rows_out else out[:, :m].T
 
@@ -672,9 +730,9 @@ def qmatmul_mgpu(
     memory, interpret mode)."""
     if interpret:
         raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
-    if w.fmt == "q4_k_split":  # Q4_0's kernel on the codes and scales, plus the offsets' term
-        return q4_k_split.matmul_via_q4_0(qmatmul_mgpu, x, w, layer, tuning=tuning)
     tuning = tuning or default_tuning(math.prod(x.shape[:-1]))
+    if w.fmt == "q4_k_split" and not fuses_offsets(tuning):  # Q4_0's kernel, plus the offsets' XLA dot
+        return q4_k_split.matmul_via_q4_0(qmatmul_mgpu, x, w, layer, tuning=tuning)
     _check_supported(x, w, layer, tuning)
     n, k = w.shape
     lead = x.shape[:-1]

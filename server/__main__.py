@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Sequence
 import uvicorn
 
 from model.chat_template import ChatTemplateError, load_template
-from model.config import KV_DTYPES, UNROLL_DECODE_LAYERS, EngineConfig, prefill_chunks_for
+from model.config import KV_DTYPES, SPLIT_Q4_K, UNROLL_DECODE_LAYERS, EngineConfig, prefill_chunks_for
 from server.app import EngineHolder, create_app
 from server.config import LOG_LEVELS, ServerConfig
 from server.default_model import FILENAME as DEFAULT_MODEL_FILENAME
@@ -96,10 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--separate-kv-write", action="store_true",
                    help="write each decode step's keys and values with XLA scatters before the attention kernel, "
                         "not inside it (for A/B measurements)")
-    p.add_argument("--split-q4-k", action="store_true",
+    p.add_argument("--split-q4-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
                    help="split Q4_K matrices at load for Q4_0's kernels (Q4_0 codes, f16 block scales, f32 offsets: "
-                        "22%% more weight bytes; Q4_0's GPU kernels serve them, on Hopper the Mosaic one); not yet "
-                        "measured in the engine on a GPU")
+                        "22%% more weight bytes); auto (default): where Q4_0's Mosaic GPU matmul serves them (one "
+                        "Hopper GPU, the matmul not forced elsewhere); the bare flag means on")
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="KV cache dtype (auto: float32 on CPU, bfloat16 on GPU; float8_e4m3fn: 8-bit float, half "
                         "of bfloat16's memory and attention reads, values saturating at +-448)")

@@ -35,7 +35,8 @@ def formats(params) -> set[str]:
 
 def test_split_model_gives_the_same_logits(tiny_q4_k_m):
     base = load_model(tiny_q4_k_m, EngineConfig(max_context=128))
-    split = load_model(tiny_q4_k_m, EngineConfig(max_context=128, split_q4_k=True))
+    split = load_model(tiny_q4_k_m, EngineConfig(max_context=128, split_q4_k="on"))
+    assert split.split_q4_k and not base.split_q4_k  # "auto" does not split on the CPU
     assert "q4_k" in formats(base.params) and "q4_k_split" not in formats(base.params)
     # every layer's Q4_K matrix is split; the untied embedding (only gathered from) is not
     assert "q4_k_split" in formats(split.params.layers) and "q4_k" not in formats(split.params.layers)

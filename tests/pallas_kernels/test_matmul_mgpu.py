@@ -5,6 +5,7 @@ reference with plain jnp), and that the kernel lowers for CUDA (no GPU needed)."
 
 from __future__ import annotations
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,6 +64,17 @@ class TestMosaicGpuQ4KSplit(TestMosaicGpu):
 
     def matmul(self, x, w, case, layer=None):
         return matmul_mgpu.qmatmul_mgpu(x, q4_k_split.split_q4_k(w), layer=layer)
+
+
+@pytest.mark.gpu
+@pytest.mark.variant
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+class TestMosaicGpuQ4KSplitOffsetsAfter(TestMosaicGpuQ4KSplit):
+    """The split's offsets as an XLA dot after Q4_0's kernel (`fuse_offsets=False`), not in it."""
+
+    def matmul(self, x, w, case, layer=None):
+        tuning = dataclasses.replace(matmul_mgpu.default_tuning(x.shape[0]), fuse_offsets=False)
+        return matmul_mgpu.qmatmul_mgpu(x, q4_k_split.split_q4_k(w), tuning, layer=layer)
 
 
 @pytest.mark.gpu
@@ -349,17 +361,21 @@ def test_lowers_for_cuda(fmt, m, n, k, stack, tile_k, word_unpack, fold, tiles):
     assert "mosaic_gpu" in lowered.as_text()
 
 
-@pytest.mark.parametrize("m", [8, 512])
-def test_q4_k_split_lowers_for_cuda(m):
+@pytest.mark.parametrize("m,fuse", [(1, True), (8, True), (64, True), (8, False), (512, True)])
+def test_q4_k_split_lowers_for_cuda(m, fuse):
     """A Q4_K matrix split at load runs Q4_0's kernel (decode or prefill tuning by its rows)
-    on its codes and scales, stacked with a layer index, plus the offsets' dot."""
+    on its codes and scales, stacked with a layer index; the decode kernel adds the offsets
+    itself (`fuse_offsets`: no dot left in the program), the prefill one leaves them to a dot."""
     pytest.importorskip("absl")
     w = _spec("q4_k_split", 4096, 11008, 3)
     x = jax.ShapeDtypeStruct((m, 11008), jnp.bfloat16)
-    fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, layer=i)  # noqa: E731
+    tuning = dataclasses.replace(matmul_mgpu.default_tuning(m), fuse_offsets=fuse)
+    fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, tuning, layer=i)  # noqa: E731
     assert jax.eval_shape(fn, x, w, jax.ShapeDtypeStruct((), jnp.int32)).shape == (m, 4096)
     lowered = jax.jit(fn).trace(x, w, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
+    text = lowered.as_text()
+    assert "mosaic_gpu" in text
+    assert ("dot_general" in text) == (not matmul_mgpu.fuses_offsets(tuning)), text.count("dot_general")
 
 
 @pytest.mark.parametrize("m,m_tile", [(512, 128), (200, 128), (512, 256)])

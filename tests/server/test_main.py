@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from model.config import MAX_AUTO_COMPILE_THREADS
+from model.loader import splits_q4_k
 from server.__main__ import build_configs, build_parser, prefill_chunks_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -48,7 +50,12 @@ def test_defaults() -> None:
     assert (engine.decode_steps("gpu"), engine.decode_steps("cpu")) == (2, 1)  # 0: auto
     assert not engine.few_rows_attention  # batch-invariant by default
     assert not engine.separate_kv_write  # the attention kernel writes the keys and values where it can
-    assert not engine.split_q4_k
+    # Q4_K split where Q4_0's Mosaic GPU matmul serves it: one Hopper GPU, the matmul not forced elsewhere
+    assert engine.split_q4_k == "auto" and not splits_q4_k(engine) and splits_q4_k(engine, mosaic_available=True)
+    for other in (dataclasses.replace(engine, kernels=(("matmul", "triton"),)), dataclasses.replace(engine, tensor_parallel=2)):
+        assert not splits_q4_k(other, mosaic_available=True)
+    assert splits_q4_k(dataclasses.replace(engine, kernels=(("matmul", "mosaic_gpu"),)), mosaic_available=True)
+    assert not splits_q4_k(build_configs(build_parser().parse_args(["--split-q4-k", "off"]), {})[0], True)
     # 0: auto, one thread per core on the CPU (never more than programs), one on a GPU
     assert engine.compile_threads == 0 and engine.compile_workers("gpu", 12) == 1
     cores = min(len(os.sched_getaffinity(0)), MAX_AUTO_COMPILE_THREADS)
@@ -75,7 +82,8 @@ def test_flags(tmp_path: pathlib.Path) -> None:
     assert engine.decode_steps("gpu") == engine.decode_steps("cpu") == 4
     assert engine.compile_workers("gpu", 12) == engine.compile_workers("cpu", 12) == 3
     assert engine.compile_workers("gpu", 2) == 2
-    assert engine.few_rows_attention and engine.separate_kv_write and engine.split_q4_k
+    assert engine.few_rows_attention and engine.separate_kv_write and engine.split_q4_k == "on"
+    assert splits_q4_k(engine, mosaic_available=False)  # "on" splits whatever serves it
     assert (server.model_name, server.host, server.port, server.log_level) == ("m.gguf", "0.0.0.0", 0, "debug")
     assert server.chat_template == "{{ messages[0]['content'] }}"
 
