@@ -17,7 +17,7 @@ import pathlib
 import statistics
 import subprocess
 import time
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 import numpy as np
 
@@ -120,11 +120,12 @@ def copy_bandwidth_gb_s(num_bytes: int, repeats: int = 10) -> float:
     return 2 * (num_bytes // 4 * 4) / statistics.median(times) / 1e9
 
 
-def weight_bytes_per_decode(model_path: str | os.PathLike[str], split_q4_k: bool = False) -> int:
+def weight_bytes_per_decode(model_path: str | os.PathLike[str], splits: Collection[str] = ()) -> int:
     """Device bytes of the weights one decode step reads: every layer, the output matrix and
-    the norms, as the loader repacks them (Q4_K as "q4_k_split" with `split_q4_k`); the token
+    the norms, as the loader repacks them (the formats in `splits` split, model.weights.SPLITS); the token
     embedding only when it is also the output (otherwise a decode gathers B rows of it).
     KV-cache reads are not included."""
+    from model import weights
     from model.gguf_file import GGUFFile
     from pallas_kernels import quant
 
@@ -135,9 +136,9 @@ def weight_bytes_per_decode(model_path: str | os.PathLike[str], split_q4_k: bool
             continue
         if len(info.shape) == 2:
             fmt = quant.format_for(info.ggml_type)
-            if split_q4_k and fmt.name == "q4_k":
-                fmt = quant.format_for("q4_k_split")
             n, k = info.shape
+            if weights.is_split(fmt.name, n, frozenset(splits)):
+                fmt = quant.format_for(weights.SPLITS[fmt.name][0])
             dtypes = fmt.plane_dtypes()
             total += sum(int(np.prod(s)) * dtypes[p].itemsize for p, s in fmt.plane_shapes(n, k).items())
         else:

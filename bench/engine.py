@@ -66,7 +66,7 @@ def build_config(
     decode_steps: int = 0, prefill_chunks: tuple[int, ...] | None = None,
     kernels: tuple[tuple[str, str], ...] = (), tensor_parallel: int = 1, unroll_decode_layers: str = "auto",
     compile_threads: int = 0, few_rows_attention: bool = False, separate_kv_write: bool = False,
-    split_q4_k: str = "auto",
+    split_q4_k: str = "auto", split_q6_k: str = "auto",
 ) -> EngineConfig:
     """The EngineConfig `python -m server` builds from the same flags."""
     chunks = prefill_chunks_for(prefill_budget, prefill_chunks)
@@ -75,6 +75,7 @@ def build_config(
         max_queue=max_queue, kv_dtype=kv_dtype, decode_steps_per_dispatch=decode_steps,
         unroll_decode_layers=unroll_decode_layers, compile_threads=compile_threads,
         few_rows_attention=few_rows_attention, separate_kv_write=separate_kv_write, split_q4_k=split_q4_k,
+        split_q6_k=split_q6_k,
     )
 
 
@@ -302,7 +303,7 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         "--compile-threads", str(args.compile_threads), "--tensor-parallel", str(args.tensor_parallel),
         *(["--few-rows-attention"] if args.few_rows_attention else []),
         *(["--separate-kv-write"] if args.separate_kv_write else []),
-        "--split-q4-k", args.split_q4_k,
+        "--split-q4-k", args.split_q4_k, "--split-q6-k", args.split_q6_k,
         *(["--prefill-chunks", ",".join(map(str, args.prefill_chunks))] if args.prefill_chunks else []),
         *(["--kernels", ",".join(f"{op}={impl}" for op, impl in args.kernels)] if args.kernels else []),
     ]
@@ -326,7 +327,7 @@ def startup_only(args: argparse.Namespace) -> int:
                          kernels=args.kernels, tensor_parallel=args.tensor_parallel,
                          unroll_decode_layers=args.unroll_decode_layers, compile_threads=args.compile_threads,
                          few_rows_attention=args.few_rows_attention, separate_kv_write=args.separate_kv_write,
-                         split_q4_k=args.split_q4_k))
+                         split_q4_k=args.split_q4_k, split_q6_k=args.split_q6_k))
     startup["cache_entries_before"] = entries
     startup["cache_entries_after"] = len(os.listdir(args.cache_dir))
     engine.shutdown(60)
@@ -353,7 +354,7 @@ def main_run(args: argparse.Namespace) -> int:
                          kernels=args.kernels, tensor_parallel=args.tensor_parallel,
                          unroll_decode_layers=args.unroll_decode_layers, compile_threads=args.compile_threads,
                          few_rows_attention=args.few_rows_attention, separate_kv_write=args.separate_kv_write,
-                         split_q4_k=args.split_q4_k)
+                         split_q4_k=args.split_q4_k, split_q6_k=args.split_q6_k)
         profile = cProfile.Profile() if getattr(args, "profile_engine", False) else None
         engine, startup = start_engine(args.model, config, profile)
         startup["cache_entries_before"] = entries
@@ -370,7 +371,7 @@ def main_run(args: argparse.Namespace) -> int:
         if not args.cache_dir:
             shutil.rmtree(cache_dir, ignore_errors=True)
 
-    weight_bytes = common.weight_bytes_per_decode(args.model, bool(engine_info.get("split_q4_k")))
+    weight_bytes = common.weight_bytes_per_decode(args.model, engine_info.get("split_formats", ()))
     floor = bandwidth * 1e9 / weight_bytes
     decode = suite["decode"]
     decode_tok_s = {u: (d.get("steady_tok_s") or d.get("tok_s")) for u, d in decode.items()}
@@ -396,7 +397,8 @@ def main_run(args: argparse.Namespace) -> int:
                           "compile_threads": config.compile_threads,  # 0: auto
                           "few_rows_attention": config.few_rows_attention,
                           "separate_kv_write": config.separate_kv_write,
-                          "split_q4_k": config.split_q4_k, "split_q4_k_resolved": engine_info.get("split_q4_k"),
+                          "split_q4_k": config.split_q4_k, "split_q6_k": config.split_q6_k,
+                          "split_formats": engine_info.get("split_formats"),
                           "tensor_parallel": config.tensor_parallel},
         "settings": {"prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
                      "prefill_len": args.prefill_len, "join_len": args.join_len, "repeats": args.repeats,
@@ -507,6 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "--separate-kv-write)")
     ap.add_argument("--split-q4-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
                     help="Q4_K matrices split at load for Q4_0's kernels (server --split-q4-k)")
+    ap.add_argument("--split-q6-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
+                    help="Q6_K matrices split at load for the Mosaic matmul (server --split-q6-k)")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of the decode runs")
     ap.add_argument("--decode-tokens", type=int, default=256, help="max_tokens of the decode runs")
     ap.add_argument("--prefill-len", type=int, default=512)

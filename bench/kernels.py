@@ -173,6 +173,22 @@ def q4_k_split_impls(impl_names: list[str], interpret: bool, m: int) -> list[Imp
     return out
 
 
+def q6_k_split_impls(impl_names: list[str], interpret: bool) -> list[Impl]:
+    """Q6_K through the Mosaic GPU kernel's 8-bit path (`pallas_kernels.q6_k_split`: int8 codes,
+    an f16 scale per 16 weights); the reference with --interpret."""
+    from pallas_kernels import matmul_mgpu, q6_k_split
+
+    def impl(name, fn):
+        return Impl(name, fn, "int8 codes + f16 scales per 16", prepare=jax.jit(q6_k_split.split_q6_k))
+
+    out = []
+    if "mosaic_gpu" in impl_names and not interpret:
+        out.append(impl("mosaic_gpu:q6_k_split", matmul_mgpu.qmatmul_mgpu))
+    if "reference" in impl_names:
+        out.append(impl("reference:q6_k_split", qmatmul_reference))
+    return out
+
+
 def triton_impls(fmt: str, m: int, n: int, k: int, x_dtype, interpret: bool, sweep: bool,
                  grid: bool = False) -> list[Impl]:
     base = matmul_triton.default_tuning(fmt, m, n, k, x_dtype)
@@ -328,6 +344,8 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
                                   "bf16 weights, xla dot"))
         if fmt == "q4_k":
             impls += q4_k_split_impls(impl_names, args.interpret, m)
+        if fmt == "q6_k":
+            impls += q6_k_split_impls(impl_names, args.interpret)
         for impl in impls:
             if time.monotonic() > deadline:
                 rows.append(dict(op="matmul", format=fmt, impl=impl.name, m=m, n=n, k=k, error="skipped: --budget-s"))

@@ -183,6 +183,8 @@ def main() -> None:
                          "--separate-kv-write)")
     ap.add_argument("--split-q4-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
                     help="Q4_K matrices split at load for Q4_0's kernels (server --split-q4-k)")
+    ap.add_argument("--split-q6-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
+                    help="Q6_K matrices split at load for the Mosaic matmul (server --split-q6-k)")
     ap.add_argument("--matmul-warps", type=int, default=None,
                     help="a variant: this many warps in the Triton decode matmuls (M <= 64) instead of the default")
     args = ap.parse_args()
@@ -203,7 +205,7 @@ def main() -> None:
     ecfg = EngineConfig(num_slots=args.slots, max_context=args.max_context, kv_dtype=args.kv_dtype,
                         unroll_decode_layers=args.unroll_decode_layers, kernels=args.kernels,
                         few_rows_attention=args.few_rows_attention, separate_kv_write=args.separate_kv_write,
-                        split_q4_k=args.split_q4_k)
+                        split_q4_k=args.split_q4_k, split_q6_k=args.split_q6_k)
     m = load_model(args.model, ecfg)
     runner = m.make_runner(ecfg)
     if args.prefill:

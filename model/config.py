@@ -196,7 +196,7 @@ def prefill_chunks_for(budget: int, sizes: tuple[int, ...] | None = None) -> tup
 
 
 UNROLL_DECODE_LAYERS = ("auto", "on", "off")  # EngineConfig.unroll_decode_layers
-SPLIT_Q4_K = ("auto", "on", "off")  # EngineConfig.split_q4_k
+SPLIT_Q4_K = ("auto", "on", "off")  # EngineConfig.split_q4_k and split_q6_k
 MAX_AUTO_COMPILE_THREADS = 8  # EngineConfig.compile_threads = 0 on the CPU
 
 
@@ -277,6 +277,10 @@ class EngineConfig:
     # decode step took 4.2 ms split against 7.6 ms through the Triton Q4_K kernel (bench/results,
     # fourteenth session).
     split_q4_k: str = "auto"
+    # Q6_K matrices (N a multiple of 64) split at load into int8 codes and an f16 scale per 16
+    # weights (37% more bytes) for the Mosaic GPU matmul's 8-bit path (pallas_kernels/q6_k_split.py;
+    # no other GPU kernel serves them). "auto" as split_q4_k.
+    split_q6_k: str = "auto"
 
     def compile_workers(self, backend: str, programs: int) -> int:
         """Threads to compile `programs` programs on `backend`, "auto" (0) resolved: on the CPU
@@ -333,8 +337,8 @@ class EngineConfig:
             raise ValueError(f"unknown compute dtype {self.compute_dtype!r}")
         if self.unroll_decode_layers not in UNROLL_DECODE_LAYERS:
             raise ValueError(f"unroll decode layers must be auto, on or off, got {self.unroll_decode_layers!r}")
-        if self.split_q4_k not in SPLIT_Q4_K:
-            raise ValueError(f"split Q4_K must be auto, on or off, got {self.split_q4_k!r}")
+        if self.split_q4_k not in SPLIT_Q4_K or self.split_q6_k not in SPLIT_Q4_K:
+            raise ValueError(f"split Q4_K / Q6_K must be auto, on or off, got {self.split_q4_k!r} / {self.split_q6_k!r}")
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor parallel must be >= 1, got {self.tensor_parallel}")
         if self.compile_threads < 0:

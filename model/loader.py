@@ -36,7 +36,7 @@ class LoadedModel:
     kernel_names: dict[str, str]
     load_seconds: float
     mesh: Mesh | None = None
-    split_q4_k: bool = False  # EngineConfig.split_q4_k resolved (`splits_q4_k`)  # tensor parallel > 1: the mesh the params are split over
+    splits: frozenset[str] = frozenset()  # the formats split at load (`split_formats`)  # tensor parallel > 1: the mesh the params are split over
 
     def make_runner(self, engine_cfg: EngineConfig) -> ModelRunner:
         return ModelRunner(self.config, self.params, self.kernels, engine_cfg, mesh=self.mesh)
@@ -46,21 +46,21 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def splits_q4_k(engine_cfg: EngineConfig, mosaic_available: bool | None = None) -> bool:
-    """EngineConfig.split_q4_k resolved: "on", "off", or for "auto" whether Q4_0's Mosaic GPU
-    matmul will serve the split matrices (`mosaic_available`: by default, whether that
-    implementation is available here, i.e. on a Hopper GPU): one device (a tensor-parallel shard
-    of a row-parallel matrix may not fit its K steps) and the matmul not forced to another
-    implementation."""
-    if engine_cfg.split_q4_k != "auto":
-        return engine_cfg.split_q4_k == "on"
+def split_formats(engine_cfg: EngineConfig, mosaic_available: bool | None = None) -> frozenset[str]:
+    """The GGML formats split at load ("q4_k", "q6_k"): EngineConfig.split_q4_k and split_q6_k
+    resolved. "on" and "off" say; "auto" splits where the Mosaic GPU matmul will serve the split
+    matrices (`mosaic_available`: by default, whether that implementation is available here, i.e.
+    on a Hopper GPU): one device (a tensor-parallel shard of a row-parallel matrix may not fit
+    its K steps) and the matmul not forced to another implementation."""
     forced = dict(engine_cfg.kernels)
-    if engine_cfg.tensor_parallel != 1 or forced.get("matmul_decode", forced.get("matmul", "mosaic_gpu")) != "mosaic_gpu":
-        return False
-    if mosaic_available is None:
+    auto = (engine_cfg.tensor_parallel == 1
+            and forced.get("matmul_decode", forced.get("matmul", "mosaic_gpu")) == "mosaic_gpu")
+    if auto and mosaic_available is None:
         mosaic_available = any(impl.name == "mosaic_gpu" and impl.is_available()
                                for impl in registry.implementations("matmul"))
-    return mosaic_available
+    auto = auto and bool(mosaic_available)
+    settings = {"q4_k": engine_cfg.split_q4_k, "q6_k": engine_cfg.split_q6_k}
+    return frozenset(fmt for fmt, s in settings.items() if s == "on" or (s == "auto" and auto))
 
 
 def load_model(path: str | os.PathLike[str], engine_cfg: EngineConfig) -> LoadedModel:
@@ -72,20 +72,20 @@ def load_model(path: str | os.PathLike[str], engine_cfg: EngineConfig) -> Loaded
     except ValueError as e:
         raise GGUFLoadError(f"{gf.path}: cannot build the tokenizer: {e}") from e
     forced, mesh = dict(engine_cfg.kernels), None
-    split = splits_q4_k(engine_cfg)
+    splits = split_formats(engine_cfg)
     if engine_cfg.tensor_parallel == 1:
-        params = load_params(gf, cfg, split_q4_k=split)
+        params = load_params(gf, cfg, splits=splits)
     else:
         sharding.check_divisible(cfg, engine_cfg.tensor_parallel)
         mesh = sharding.make_mesh(engine_cfg.tensor_parallel)
         # Each tensor goes straight to its shards as it is read: a model split for being too
         # large for one device never lands whole on one device, nor in host memory.
-        params = load_params(gf, cfg, fuse=False, place=sharding.placer(mesh), split_q4_k=split)
+        params = load_params(gf, cfg, fuse=False, place=sharding.placer(mesh), splits=splits)
     kernels, kernel_names = choose_kernels(forced, cfg, params, engine_cfg)
-    if split and jax.default_backend() != "cpu":
-        slow = sorted(op for op, impl in kernel_names.items() if "q4_k_split" in op and impl == "reference")
-        if slow:  # the split is for Q4_0's GPU kernels: none of them took these shapes
-            log.warning("--split-q4-k: %s run the XLA reference on this %s", ", ".join(slow), jax.default_backend())
+    if splits and jax.default_backend() != "cpu":
+        slow = sorted(op for op, impl in kernel_names.items() if "_split]" in op and impl == "reference")
+        if slow:  # the splits are for the GPU kernels: none of them took these shapes
+            log.warning("split formats: %s run the XLA reference on this %s", ", ".join(slow), jax.default_backend())
     if mesh is not None:  # each op runs per device on its shard
         kernels = sharding.shard_kernels(kernels, mesh)
     seconds = time.perf_counter() - t0
@@ -97,5 +97,5 @@ def load_model(path: str | os.PathLike[str], engine_cfg: EngineConfig) -> Loaded
     log.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in kernel_names.items()))
     return LoadedModel(
         name=gf.name, path=str(gf.path), config=cfg, params=params, tokenizer=tokenizer,
-        kernels=kernels, kernel_names=kernel_names, load_seconds=seconds, mesh=mesh, split_q4_k=split,
+        kernels=kernels, kernel_names=kernel_names, load_seconds=seconds, mesh=mesh, splits=splits,
     )

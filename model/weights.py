@@ -18,7 +18,7 @@ import numpy as np
 
 from model.config import ModelConfig
 from model.gguf_file import GGUFFile, GGUFLoadError, TensorInfo
-from pallas_kernels import q4_k_split, quant
+from pallas_kernels import q4_k_split, q6_k_split, quant
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +75,26 @@ def _float_vector(info: TensorInfo) -> np.ndarray:
     return arr.astype(np.float32).reshape(-1)
 
 
-def _matrix(info: TensorInfo, split_q4_k: bool = False) -> quant.QuantizedTensor:
+# Formats split at load for other kernels (EngineConfig.split_q4_k, split_q6_k): the GGML format
+# -> (the derived format, the split).
+SPLITS = {"q4_k": ("q4_k_split", q4_k_split.split_q4_k), "q6_k": ("q6_k_split", q6_k_split.split_q6_k)}
+_SPLITS_JIT = {fmt: jax.jit(fn) for fmt, (_, fn) in SPLITS.items()}
+
+
+def is_split(fmt: str, n: int, splits: frozenset[str]) -> bool:
+    """Whether a matrix of format `fmt` and N rows is split, given the formats to split."""
+    return fmt in splits and (fmt != "q6_k" or q6_k_split.takes(n))
+
+
+def _split(w: quant.QuantizedTensor, splits: frozenset[str], jit: bool = False) -> quant.QuantizedTensor:
+    if not is_split(w.fmt, w.shape[0], splits):
+        return w
+    return (_SPLITS_JIT[w.fmt] if jit else SPLITS[w.fmt][1])(w)
+
+
+def _matrix(info: TensorInfo, splits: frozenset[str] = frozenset()) -> quant.QuantizedTensor:
     _format(info)  # a matrix of a supported type, or GGUFLoadError
-    w = quant.repack(np.asarray(info.data), info.ggml_type, info.shape)
-    return q4_k_split.split_q4_k(w) if split_q4_k and w.fmt == "q4_k" else w
+    return _split(quant.repack(np.asarray(info.data), info.ggml_type, info.shape), splits)
 
 
 # Matrices that read the same input, fused into one along N when their formats match: one
@@ -96,18 +112,15 @@ def _to_device(where: str, key: str, value: Any) -> Any:
     return jax.tree_util.tree_map(jnp.asarray, value)
 
 
-_split_q4_k_jit = jax.jit(q4_k_split.split_q4_k)
-
-
-def _splitting_after(place: Place, split_embed: bool) -> Place:
-    """`place`, then every Q4_K matrix of the placed value split on its device (the embedding
-    only with `split_embed`)."""
+def _splitting_after(place: Place, split_embed: bool, splits: frozenset[str]) -> Place:
+    """`place`, then every matrix of the placed value in a format of `splits` split on its
+    device (the embedding only with `split_embed`)."""
     def placed(where: str, key: str, value: Any) -> Any:
         value = place(where, key, value)
         if key == "embed" and not split_embed:
             return value
         return jax.tree_util.tree_map(
-            lambda t: _split_q4_k_jit(t) if isinstance(t, quant.QuantizedTensor) and t.fmt == "q4_k" else t,
+            lambda t: _split(t, splits, jit=True) if isinstance(t, quant.QuantizedTensor) else t,
             value, is_leaf=lambda t: isinstance(t, quant.QuantizedTensor))
     return placed
 
@@ -117,23 +130,23 @@ class _Entry(NamedTuple):
 
     is_matrix: bool
     infos: tuple[TensorInfo, ...]
-    split_q4_k: bool = False  # Q4_K matrices become "q4_k_split" (pallas_kernels/q4_k_split.py)
+    splits: frozenset[str] = frozenset()  # formats split at load (`SPLITS`)
 
     def signature(self) -> tuple:
         """What the loaded value's shapes and dtypes depend on (read from the header alone)."""
         if not self.is_matrix:
             return ("vec", int(np.prod(self.infos[0].shape)))
-        fmt = _format(self.infos[0], self.split_q4_k)
+        fmt = _format(self.infos[0], self.splits)
         return ("mat", fmt, sum(int(i.shape[0]) for i in self.infos), int(self.infos[0].shape[1]))
 
     def load(self) -> Any:
         if not self.is_matrix:
             return _float_vector(self.infos[0])
-        ws = [_matrix(info, self.split_q4_k) for info in self.infos]
+        ws = [_matrix(info, self.splits) for info in self.infos]
         return ws[0] if len(ws) == 1 else quant.concat_rows(ws)
 
 
-def _format(info: TensorInfo, split_q4_k: bool = False) -> str:
+def _format(info: TensorInfo, splits: frozenset[str] = frozenset()) -> str:
     """The repacked format of a matrix tensor (from the header alone)."""
     if len(info.shape) != 2:
         raise GGUFLoadError(f"tensor {info.name!r}: expected a matrix, got shape {info.shape}")
@@ -141,10 +154,10 @@ def _format(info: TensorInfo, split_q4_k: bool = False) -> str:
         name = quant.format_for(info.ggml_type).name
     except NotImplementedError as e:
         raise GGUFLoadError(f"tensor {info.name!r}: unsupported tensor type {info.ggml_type.name} ({e})") from e
-    return "q4_k_split" if split_q4_k and name == "q4_k" else name
+    return SPLITS[name][0] if is_split(name, int(info.shape[0]), splits) else name
 
 
-def _layer_entries(gf: GGUFFile, i: int, fuse: bool, split_q4_k: bool = False) -> dict[str, _Entry]:
+def _layer_entries(gf: GGUFFile, i: int, fuse: bool, splits: frozenset[str] = frozenset()) -> dict[str, _Entry]:
     entries: dict[str, _Entry] = {}
     for suffix, (key, required, is_matrix) in _LAYER_TENSORS.items():
         name = f"blk.{i}.{suffix}"
@@ -152,14 +165,15 @@ def _layer_entries(gf: GGUFFile, i: int, fuse: bool, split_q4_k: bool = False) -
             if required:
                 raise GGUFLoadError(f"missing tensor {name!r}")
             continue
-        entries[key] = _Entry(is_matrix, (gf.tensors[name],), split_q4_k)
+        entries[key] = _Entry(is_matrix, (gf.tensors[name],), splits)
     if fuse:
         for fused, parts in FUSED.items():
             es = [entries.get(p) for p in parts]
             if all(e is not None and e.is_matrix for e in es):
-                kinds = {(_format(e.infos[0]), int(e.infos[0].shape[1])) for e in es}
+                # the formats as loaded (a part split and a part not would not concatenate)
+                kinds = {(_format(e.infos[0]), _format(e.infos[0], splits), int(e.infos[0].shape[1])) for e in es}
                 if len(kinds) == 1:
-                    entries[fused] = _Entry(True, tuple(e.infos[0] for e in es), split_q4_k)
+                    entries[fused] = _Entry(True, tuple(e.infos[0] for e in es), splits)
                     for p in parts:
                         del entries[p]
     return entries
@@ -177,7 +191,7 @@ def _stacked(entries: list[_Entry]) -> Any:
 
 
 def load_params(gf: GGUFFile, cfg: ModelConfig, fuse: bool = True, place: Place | None = None,
-                split_q4_k: bool = False) -> Params:
+                splits: frozenset[str] | set[str] = frozenset()) -> Params:
     """Repacks and uploads every tensor of `gf`; stacks layers when they are uniform. With
     `fuse`, q/k/v and gate/up matrices of one format become one matrix each (`FUSED`);
     tensor parallelism shards them one by one and loads with fuse=False.
@@ -185,17 +199,18 @@ def load_params(gf: GGUFFile, cfg: ModelConfig, fuse: bool = True, place: Place 
     Tensors are read, repacked and placed one layer key at a time (a stacked key: all layers of
     it), so the host holds at most one key's stack beside the memory-mapped file, never the
     model. `place` puts each value on its device(s) (tensor parallelism: each device receives
-    only its shards; default: the default device). With `split_q4_k`, every Q4_K matrix is split
-    for Q4_0's kernels (`pallas_kernels.q4_k_split`, EngineConfig.split_q4_k)."""
-    # Q4_K split (`q4_k_split.split_q4_k`): jitted on the device after placement where the
-    # params go whole to the default device (numpy on the host took 0.34 s per 4096 x 11008
-    # matrix); on the host where `place` shards them as it places them. The embedding is split
-    # only when it is also the output matrix (otherwise it is only gathered from).
-    host_split = split_q4_k and place is not None
-    if split_q4_k and place is None:
-        place = _splitting_after(_to_device, split_embed=cfg.tied_output)
+    only its shards; default: the default device). Matrices of the formats in `splits` ("q4_k",
+    "q6_k") are split for other kernels (`SPLITS`; EngineConfig.split_q4_k, split_q6_k)."""
+    # Splits: jitted on the device after placement where the params go whole to the default
+    # device (numpy on the host took 0.34 s per 4096 x 11008 Q4_K matrix); on the host where
+    # `place` shards them as it places them. The embedding is split only when it is also the
+    # output matrix (otherwise it is only gathered from).
+    splits = frozenset(splits)
+    host_splits = splits if place is not None else frozenset()
+    if splits and place is None:
+        place = _splitting_after(_to_device, cfg.tied_output, splits)
     place = place or _to_device
-    entries = [_layer_entries(gf, i, fuse, host_split) for i in range(cfg.num_layers)]
+    entries = [_layer_entries(gf, i, fuse, host_splits) for i in range(cfg.num_layers)]
     signatures = [{k: e.signature() for k, e in layer.items()} for layer in entries]
     is_stacked = all(sig == signatures[0] for sig in signatures[1:])
     if is_stacked:
@@ -205,10 +220,11 @@ def load_params(gf: GGUFFile, cfg: ModelConfig, fuse: bool = True, place: Place 
         log.info("layers differ in %s: unrolling the layer loop", ", ".join(differing))
         layers = [{key: place(f"blk.{i}", key, e.load()) for key, e in layer.items()} for i, layer in enumerate(entries)]
 
-    embed = place("token_embd", "embed", _matrix(gf.tensor("token_embd.weight"), host_split and cfg.tied_output))
+    embed = place("token_embd", "embed",
+                  _matrix(gf.tensor("token_embd.weight"), host_splits if cfg.tied_output else frozenset()))
     output = None
     if not cfg.tied_output:
-        output = place("output", "output", _matrix(gf.tensor("output.weight"), host_split))
+        output = place("output", "output", _matrix(gf.tensor("output.weight"), host_splits))
     rope_freqs = None
     if "rope_freqs.weight" in gf.tensors:
         rope_freqs = place("rope_freqs", "rope_freqs", _float_vector(gf.tensors["rope_freqs.weight"]))

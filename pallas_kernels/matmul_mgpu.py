@@ -75,8 +75,11 @@ from jax.experimental import pallas as pl
 from pallas_kernels import q4_k_split, registry
 from pallas_kernels.quant import QuantizedTensor, check_layer
 
-SUPPORTED_FORMATS = ("q4_0", "q8_0")
-CODE_BITS = {"q4_0": 4, "q8_0": 8}  # bits per code as the kernel views them
+SUPPORTED_FORMATS = ("q4_0", "q8_0", "q6_k_split")
+CODE_BITS = {"q4_0": 4, "q8_0": 8, "q6_k_split": 8}  # bits per code as the kernel views them
+# Weights per scale: a block meets x in wgmmas of this K (Q6_K split at load,
+# pallas_kernels/q6_k_split.py, has a scale per 16 weights and runs as int8 codes, as Q8_0 does).
+BLOCK_K = {"q4_0": 32, "q8_0": 32, "q6_k_split": 16}
 MAX_ROWS = 64  # rows of x in one tile of the decode kernel (unfolded scales: an accumulator per block)
 # Beyond MAX_ROWS (prefill), the folded-scale kernel runs x in tiles of `m_tile` rows (a grid axis;
 # one [64, m_tile] accumulator, carried across K steps); the unfolded one refuses.
@@ -247,7 +250,8 @@ def stage_bytes(fmt: str, m: int, tile_k: int, rows: int = BLOCK_N, int8_x: bool
     extra = 2 * padded_rows(m) * (tile_k // 32) * 4 if int8_x else 0
     if offsets:
         extra += (padded_rows(m) + rows) * (tile_k // 32) * 4
-    return padded_rows(m) * tile_k * 2 + rows * tile_k * CODE_BITS[fmt] // 8 + rows * (tile_k // 32) * 2 + extra
+    scales = rows * (tile_k // BLOCK_K[fmt]) * 2
+    return padded_rows(m) * tile_k * 2 + rows * tile_k * CODE_BITS[fmt] // 8 + scales + extra
 
 
 def stages_for(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, rows: int | None = None,
@@ -454,13 +458,13 @@ def _add_offsets(acc: jax.Array, f_smem, xs_smem, nb: int) -> jax.Array:
     return acc
 
 
-def _scaled_blocks(a: jax.Array, d_smem) -> list[jax.Array]:
-    """The step's codes a [64, tile_k] (bf16, wgmma layout) as its 32-blocks [64, 32], each
+def _scaled_blocks(a: jax.Array, d_smem, blk: int = 32) -> list[jax.Array]:
+    """The step's codes a [64, tile_k] (bf16, wgmma layout) as its blocks [64, blk], each
     multiplied by its 64 scales, rounded to bf16."""
     blocks = []
-    for b in range(a.shape[1] // 32):
+    for b in range(a.shape[1] // blk):
         d = _block_scales(d_smem, b).astype(jnp.bfloat16)
-        blocks.append(a[:, 32 * b:32 * (b + 1)] * lax.broadcast_in_dim(d, (a.shape[0], 32), [0]))
+        blocks.append(a[:, blk * b:blk * (b + 1)] * lax.broadcast_in_dim(d, (a.shape[0], blk), [0]))
     return blocks
 
 
@@ -502,22 +506,23 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
     else:
         o_gmem, o_smem = refs
     plgpu = _plgpu()
-    nb, tiles = tile_k // 32, rows // BLOCK_N
+    blk = BLOCK_K[fmt]
+    nb, tiles = tile_k // blk, rows // BLOCK_N
     bits = CODE_BITS[fmt]
-    blk, sid = lax.axis_index("rows"), lax.axis_index("split")
+    blk_id, sid = lax.axis_index("rows"), lax.axis_index("split")
     x0 = lax.axis_index("mtile") * m if m_tiles > 1 else 0  # this CTA's rows of x
     layer = layer_gmem[0]
-    row0 = layer * n + blk * rows
+    row0 = layer * n + blk_id * rows
     lo, hi = (sid * steps) // split, ((sid + 1) * steps) // split
     a_swz = plgpu.find_swizzle(tile_k * bits, "lhs")
-    x_swz = plgpu.find_swizzle(32 * 16, "rhs")
+    x_swz = plgpu.find_swizzle(blk * 16, "rhs")  # one block of x's bf16 columns
     wgmma_layout = plgpu.Layout.WGMMA
 
     def tile_codes(c_smem, t):
         return _codes_bf16(c_smem.at[pl.ds(BLOCK_N * t, BLOCK_N)], fmt, upcast_loads, word_unpack)  # [64, tile_k]
 
     def x_block(x_smem, b):
-        return plgpu.transpose_ref(x_smem.at[:, pl.ds(32 * b, 32)], (1, 0))
+        return plgpu.transpose_ref(x_smem.at[:, pl.ds(blk * b, blk)], (1, 0))
 
     def body(idx, x_smem, c_smem, d_smem, *rest):
         del idx
@@ -527,7 +532,7 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
         def blockdots(*acc_refs):  # every tile's block products issued before one wait
             for i, acc_ref in enumerate(acc_refs):
                 t, b = divmod(i, nb)
-                plgpu.wgmma(acc_ref, a[t][:, 32 * b:32 * (b + 1)], x_block(x_smem, b))
+                plgpu.wgmma(acc_ref, a[t][:, blk * b:blk * (b + 1)], x_block(x_smem, b))
             return [r[...] for r in acc_refs]
 
         parts = pl.run_scoped(blockdots, *[plgpu.ACC((BLOCK_N, m), jnp.float32) for _ in range(tiles * nb)])
@@ -544,7 +549,7 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
     def folded_body(acc_refs, idx, x_smem, c_smem, d_smem):
         del idx
         for t, acc_ref in enumerate(acc_refs):
-            blocks = _scaled_blocks(tile_codes(c_smem, t), d_smem.at[:, pl.ds(BLOCK_N * t, BLOCK_N)])
+            blocks = _scaled_blocks(tile_codes(c_smem, t), d_smem.at[:, pl.ds(BLOCK_N * t, BLOCK_N)], blk)
             for b, ab in enumerate(blocks):
                 plgpu.wgmma(acc_ref, ab, x_block(x_smem, b))
         # this step's wgmmas may still run; the previous step's are done, so its x (released
@@ -552,7 +557,7 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
         plgpu.wgmma_wait(tiles * nb)
 
     def pipeline(body, **kwargs):
-        weight_rows = (pl.ds(layer * (k // 32), k // 32), pl.ds(blk * rows, rows))  # of the [L*K/32, N] planes
+        weight_rows = (pl.ds(layer * (k // blk), k // blk), pl.ds(blk_id * rows, rows))  # of the [L*K/blk, N] planes
         in_specs = [
             plgpu.BlockSpec((m, tile_k), lambda j: (0, lo + j),
                             transforms=(plgpu.TilingTransform((8, x_swz * 8 // 16)), plgpu.SwizzleTransform(x_swz)),
@@ -582,7 +587,7 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
     else:
         zero = plgpu.layout_cast(jnp.zeros((BLOCK_N, m), jnp.float32), wgmma_layout)
         accs = pipeline(body, init_carry=(zero,) * tiles)
-    _store_out(accs, o_smem, o_gmem, sid, blk * rows, rows_out, x0, m)
+    _store_out(accs, o_smem, o_gmem, sid, blk_id * rows, rows_out, x0, m)
 
 
 def _kernel_int8(layer_gmem, xe_gmem, xo_gmem, dx_gmem, cx_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, n: int,
@@ -657,7 +662,7 @@ def codes_of(w: QuantizedTensor) -> jax.Array:
     k = w.shape[1]
     if w.fmt == "q4_0":
         return codes_view(w.planes["qs"], k)
-    return jnp.reshape(w.planes["qs"], (-1, k))
+    return jnp.reshape(w.planes["qs"], (-1, k))  # q8_0, q6_k_split
 
 
 @functools.partial(jax.jit, static_argnames=("tuning",))

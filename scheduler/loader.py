@@ -52,7 +52,7 @@ def build_engine(
         "model_path": loaded.path,
         "arch": loaded.config.arch,
         "kernels": dict(loaded.kernel_names),
-        "split_q4_k": loaded.split_q4_k,
+        "split_formats": sorted(loaded.splits),
         "load_seconds": round(loaded.load_seconds, 2),
         "kv_dtype": engine_config.kv_dtype,
         "backend": jax.default_backend(),

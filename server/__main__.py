@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split Q4_K matrices at load for Q4_0's kernels (Q4_0 codes, f16 block scales, f32 offsets: "
                         "22%% more weight bytes); auto (default): where Q4_0's Mosaic GPU matmul serves them (one "
                         "Hopper GPU, the matmul not forced elsewhere); the bare flag means on")
+    p.add_argument("--split-q6-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
+                   help="split Q6_K matrices at load into int8 codes and f16 scales per 16 weights (37%% more weight "
+                        "bytes) for the Mosaic GPU matmul; auto (default) and the bare flag as --split-q4-k")
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="KV cache dtype (auto: float32 on CPU, bfloat16 on GPU; float8_e4m3fn: 8-bit float, half "
                         "of bfloat16's memory and attention reads, values saturating at +-448)")
@@ -181,6 +184,7 @@ def build_configs(args: argparse.Namespace, environ: dict[str, str] | os._Enviro
         few_rows_attention=args.few_rows_attention,
         separate_kv_write=args.separate_kv_write,
         split_q4_k=args.split_q4_k,
+        split_q6_k=args.split_q6_k,
     )
     model_name = args.model.name if args.model is not None else DEFAULT_MODEL_FILENAME
     server_config = ServerConfig(

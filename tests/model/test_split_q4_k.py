@@ -33,13 +33,17 @@ def formats(params) -> set[str]:
     return {leaf.fmt for leaf in leaves if isinstance(leaf, QuantizedTensor)}
 
 
-def test_split_model_gives_the_same_logits(tiny_q4_k_m):
+@pytest.mark.parametrize("q6_k", ["off", "on"])
+def test_split_model_gives_the_same_logits(tiny_q4_k_m, q6_k):
     base = load_model(tiny_q4_k_m, EngineConfig(max_context=128))
-    split = load_model(tiny_q4_k_m, EngineConfig(max_context=128, split_q4_k="on"))
-    assert split.split_q4_k and not base.split_q4_k  # "auto" does not split on the CPU
-    assert "q4_k" in formats(base.params) and "q4_k_split" not in formats(base.params)
-    # every layer's Q4_K matrix is split; the untied embedding (only gathered from) is not
+    split = load_model(tiny_q4_k_m, EngineConfig(max_context=128, split_q4_k="on", split_q6_k=q6_k))
+    assert split.splits == ({"q4_k", "q6_k"} if q6_k == "on" else {"q4_k"}) and not base.splits  # "auto": not on a CPU
+    assert {"q4_k", "q6_k"} <= formats(base.params) and not {"q4_k_split", "q6_k_split"} & formats(base.params)
+    # every layer's Q4_K (and Q6_K) matrix is split; the untied embedding (only gathered from) is not
     assert "q4_k_split" in formats(split.params.layers) and "q4_k" not in formats(split.params.layers)
+    if q6_k == "on":
+        assert "q6_k_split" in formats(split.params) and "q6_k" not in formats(split.params)
+        assert split.kernel_names["matmul_decode[q6_k_split]"] == "reference"
     assert not split.config.tied_output and split.params.embed.fmt == "q4_k"
     assert split.kernel_names["matmul_decode[q4_k_split]"] == "reference"  # the CPU
     rng = np.random.default_rng(0)
@@ -62,11 +66,11 @@ def test_host_and_device_splits_agree(tiny_q4_k_m):
 
     gf = GGUFFile(tiny_q4_k_m)
     cfg = ModelConfig.from_gguf_metadata(gf.metadata, frozenset(gf.tensors))
-    on_device = load_params(gf, cfg, split_q4_k=True)
-    on_host = load_params(gf, cfg, place=_to_device, split_q4_k=True)
+    on_device = load_params(gf, cfg, splits={"q4_k", "q6_k"})
+    on_host = load_params(gf, cfg, place=_to_device, splits={"q4_k", "q6_k"})
     a = jax.tree_util.tree_leaves_with_path(on_device)
     b = jax.tree_util.tree_leaves_with_path(on_host)
     assert [path for path, _ in a] == [path for path, _ in b]
     for (path, x), (_, y) in zip(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
-    assert "q4_k_split" in formats(on_host.layers)
+    assert {"q4_k_split", "q6_k_split"} <= formats(on_host)

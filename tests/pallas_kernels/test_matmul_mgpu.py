@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import matmul_mgpu, q4_k_split, quant, registry
+from pallas_kernels import matmul_mgpu, q4_k_split, q6_k_split, quant, registry
 from pallas_kernels.matmul import qmatmul_reference
 from tests.pallas_kernels.test_matmul_conformance import Case, MatmulConformance, random_weight, relative_error
 from tests.pallas_kernels.test_matmul_conformance import pytest_generate_tests  # noqa: F401  (parametrizes `case`)
@@ -64,6 +64,24 @@ class TestMosaicGpuQ4KSplit(TestMosaicGpu):
 
     def matmul(self, x, w, case, layer=None):
         return matmul_mgpu.qmatmul_mgpu(x, q4_k_split.split_q4_k(w), layer=layer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+class TestMosaicGpuQ6KSplit(TestMosaicGpu):
+    """Q6_K split at load (pallas_kernels/q6_k_split.py): int8 codes with a scale per 16 weights
+    (16-wide wgmmas), against the Q6_K reference."""
+
+    CASES = (
+        Case("q6_k", 1, 256, 1024, "bfloat16"),
+        Case("q6_k", 8, 512, 4096, "bfloat16", stack=True),
+        Case("q6_k", 8, 4096, 11008, "bfloat16", stack=True),
+        Case("q6_k", 64, 1024, 2048, "bfloat16"),
+        Case("q6_k", 200, 1024, 2048, "bfloat16"),  # prefill rows: the folded-scale kernel
+    )
+
+    def matmul(self, x, w, case, layer=None):
+        return matmul_mgpu.qmatmul_mgpu(x, q6_k_split.split_q6_k(w), layer=layer)
 
 
 @pytest.mark.gpu
@@ -376,6 +394,19 @@ def test_q4_k_split_lowers_for_cuda(m, fuse):
     text = lowered.as_text()
     assert "mosaic_gpu" in text
     assert ("dot_general" in text) == (not matmul_mgpu.fuses_offsets(tuning)), text.count("dot_general")
+
+
+@pytest.mark.parametrize("m", [1, 8, 64, 512])
+def test_q6_k_split_lowers_for_cuda(m):
+    """A Q6_K matrix split at load runs the 8-bit path with a scale per 16 weights (16-wide
+    wgmmas and x blocks), decode or prefill tuning by its rows, stacked with a layer index."""
+    pytest.importorskip("absl")
+    w = _spec("q6_k_split", 4096, 11008, 3)
+    x = jax.ShapeDtypeStruct((m, 11008), jnp.bfloat16)
+    fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, layer=i)  # noqa: E731
+    assert jax.eval_shape(fn, x, w, jax.ShapeDtypeStruct((), jnp.int32)).shape == (m, 4096)
+    lowered = jax.jit(fn).trace(x, w, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.parametrize("m,m_tile", [(512, 128), (200, 128), (512, 256)])

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from model.config import MAX_AUTO_COMPILE_THREADS
-from model.loader import splits_q4_k
+from model.loader import split_formats
 from server.__main__ import build_configs, build_parser, prefill_chunks_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -50,12 +50,15 @@ def test_defaults() -> None:
     assert (engine.decode_steps("gpu"), engine.decode_steps("cpu")) == (2, 1)  # 0: auto
     assert not engine.few_rows_attention  # batch-invariant by default
     assert not engine.separate_kv_write  # the attention kernel writes the keys and values where it can
-    # Q4_K split where Q4_0's Mosaic GPU matmul serves it: one Hopper GPU, the matmul not forced elsewhere
-    assert engine.split_q4_k == "auto" and not splits_q4_k(engine) and splits_q4_k(engine, mosaic_available=True)
+    # Q4_K and Q6_K split where the Mosaic GPU matmul serves them: one Hopper GPU, the matmul not forced elsewhere
+    both = {"q4_k", "q6_k"}
+    assert engine.split_q4_k == engine.split_q6_k == "auto"
+    assert split_formats(engine) == set() and split_formats(engine, mosaic_available=True) == both
     for other in (dataclasses.replace(engine, kernels=(("matmul", "triton"),)), dataclasses.replace(engine, tensor_parallel=2)):
-        assert not splits_q4_k(other, mosaic_available=True)
-    assert splits_q4_k(dataclasses.replace(engine, kernels=(("matmul", "mosaic_gpu"),)), mosaic_available=True)
-    assert not splits_q4_k(build_configs(build_parser().parse_args(["--split-q4-k", "off"]), {})[0], True)
+        assert split_formats(other, mosaic_available=True) == set()
+    assert split_formats(dataclasses.replace(engine, kernels=(("matmul", "mosaic_gpu"),)), mosaic_available=True) == both
+    off = build_configs(build_parser().parse_args(["--split-q4-k", "off", "--split-q6-k", "on"]), {})[0]
+    assert split_formats(off, True) == split_formats(off, False) == {"q6_k"}
     # 0: auto, one thread per core on the CPU (never more than programs), one on a GPU
     assert engine.compile_threads == 0 and engine.compile_workers("gpu", 12) == 1
     cores = min(len(os.sched_getaffinity(0)), MAX_AUTO_COMPILE_THREADS)
@@ -83,7 +86,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
     assert engine.compile_workers("gpu", 12) == engine.compile_workers("cpu", 12) == 3
     assert engine.compile_workers("gpu", 2) == 2
     assert engine.few_rows_attention and engine.separate_kv_write and engine.split_q4_k == "on"
-    assert splits_q4_k(engine, mosaic_available=False)  # "on" splits whatever serves it
+    assert split_formats(engine, mosaic_available=False) == {"q4_k"}  # "on" splits whatever serves it
     assert (server.model_name, server.host, server.port, server.log_level) == ("m.gguf", "0.0.0.0", 0, "debug")
     assert server.chat_template == "{{ messages[0]['content'] }}"
 
