@@ -1,7 +1,8 @@
-"""What splitting Q4_K for Q4_0's kernels (`--split-q4-k`, pallas_kernels/q4_k_split.py) costs
-in correctness on a real Q4_K_M model: the teacher-forced comparison with llama.cpp's recorded
-token streams (as tests/model/test_llama_cpp_agreement.py makes it), run with and without the
-split, on the CPU path.
+"""What splitting Q4_K for Q4_0's kernels (`--split-q4-k`, pallas_kernels/q4_k_split.py) and Q6_K
+for the Mosaic matmul's 8-bit path (`--split-q6-k`, pallas_kernels/q6_k_split.py) cost in
+correctness on a real Q4_K_M model: the teacher-forced comparison with llama.cpp's recorded
+token streams (as tests/model/test_llama_cpp_agreement.py makes it), run without a split, with
+Q4_K split and with both split, on the CPU path.
 
     python bench/q4_k_split_agreement.py --model gemma-3-270m-q4_k_m.gguf \
         [--fixture tests/fixtures/generation_gemma3.json] [--cases N] [--max-context C] [--out DIR]
@@ -53,21 +54,25 @@ def main(argv: list[str] | None = None) -> int:
     stamp = common.timestamp()
     path_out = common.result_path(args.out, "split-agreement", stamp)
     results, logits = {}, {}
-    for split in (False, True):
+    settings = {"unsplit": ("off", "off"), "split_q4_k": ("on", "off"), "split_q4_k_q6_k": ("on", "on")}
+    for name, (q4_k, q6_k) in settings.items():
         t0 = time.perf_counter()
-        model = load_model(args.model, EngineConfig(num_slots=8, max_context=args.max_context, split_q4_k="on" if split else "off"))
+        model = load_model(args.model, EngineConfig(num_slots=8, max_context=args.max_context, split_q4_k=q4_k,
+                                                    split_q6_k=q6_k))
         formats = sorted({op for op in model.kernel_names if op.startswith("matmul[")})
-        logits[split] = forced_logits(model, cases, "float32", args.max_context)
-        row = {**against_llama_cpp(cases, logits[split]), "matmuls": formats,
+        logits[name] = forced_logits(model, cases, "float32", args.max_context)
+        row = {**against_llama_cpp(cases, logits[name]), "matmuls": formats,
                "seconds": round(time.perf_counter() - t0, 1)}
-        results["split" if split else "q4_k"] = row
-        log.info("split_q4_k=%s: %s", split, row)
+        results[name] = row
+        log.info("%s: %s", name, row)
         del model
-    results["split_vs_q4_k"] = {
-        "top1_same": sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(logits[False], logits[True])),
-        "steps": sum(len(a) for a in logits[False]),
-        "logit_diff_max": round(max(float(np.abs(a - b).max()) for a, b in zip(logits[False], logits[True])), 4),
-    }
+    base = logits["unsplit"]
+    for name in list(settings)[1:]:
+        results[f"{name}_vs_unsplit"] = {
+            "top1_same": sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(base, logits[name])),
+            "steps": sum(len(a) for a in base),
+            "logit_diff_max": round(max(float(np.abs(a - b).max()) for a, b in zip(base, logits[name])), 4),
+        }
     common.write_json(path_out, result_record("split-agreement", stamp, args.model, args.fixture, cases,
                                               args.max_context, results))
     print(json.dumps(results, indent=1))

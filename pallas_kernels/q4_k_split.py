@@ -20,10 +20,12 @@ Bytes per weight: 0.5 (codes) + 2/32 (s) + 4/32 (C) = 0.6875, against Q4_K's 0.5
 
 The split is a weight format of its own, "q4_k_split" (`quant.DERIVED_FORMATS`: planes `qs` and
 `d` as Q4_0's, `c` [K/32, N] f32), made at load with `EngineConfig.split_q4_k` (`--split-q4-k`),
-so the forward pass is unchanged: the reference dequantizes it (d (q - 8) + c), and the Mosaic
-GPU and Triton matmuls serve it through `matmul_via_q4_0`: their Q4_0 kernel on `as_q4_0`, plus
-`offset_term` (Triton takes the shapes and GPUs Mosaic refuses: a row-parallel shard with
-K = 5504, a GPU before Hopper). `bench/kernels.py` times it on the GPU as impl
+so the forward pass is unchanged: the reference dequantizes it (d (q - 8) + c); the Mosaic GPU
+matmul's decode kernel adds the offsets itself (its `fuse_offsets`: on the H200 a 7B Q4_K_M
+decode step took 4.22 ms, against 4.65 ms with them as XLA dots after it, bench/results,
+fourteenth session); its prefill kernel and the Triton matmul serve the format through
+`matmul_via_q4_0`: their Q4_0 kernel on `as_q4_0`, plus `offset_term` (Triton takes the shapes
+and GPUs Mosaic refuses: a row-parallel shard with K = 5504, a GPU before Hopper). `bench/kernels.py` times it on the GPU as impl
 "mosaic_gpu:q4_k_split".
 """
 
