@@ -188,8 +188,12 @@ async def http_request(client, url: str, label: str, prompt: tuple[int, ...], ma
 
 
 # The server's own histograms (server/metrics.py): submit -> first token, and submit -> first
-# prompt chunk dispatched, as the engine thread measures them.
-ENGINE_TIMINGS = {"ttft": "pallas_time_to_first_token_seconds", "queue": "pallas_request_queue_seconds"}
+# prompt chunk dispatched, as the engine thread measures them; and on the event loop, handler
+# entry -> engine requests submitted ("admit") and handler entry -> first frame with a token
+# handed over (absent from servers before the fourteenth session).
+ENGINE_TIMINGS = {"ttft": "pallas_time_to_first_token_seconds", "queue": "pallas_request_queue_seconds",
+                  "admit": "pallas_http_admit_seconds", "first_frame": "pallas_http_time_to_first_frame_seconds"}
+OPTIONAL_TIMINGS = ("admit", "first_frame")
 
 
 async def engine_timing_sums(client, url: str) -> dict[str, tuple[float, float]] | None:
@@ -206,7 +210,7 @@ async def engine_timing_sums(client, url: str) -> dict[str, tuple[float, float]]
         values[name] = rest.split()[0] if rest.split() else ""
     try:
         return {key: (float(values[f"{name}_sum"]), float(values[f"{name}_count"]))
-                for key, name in ENGINE_TIMINGS.items()}
+                for key, name in ENGINE_TIMINGS.items() if key not in OPTIONAL_TIMINGS or f"{name}_sum" in values}
     except (KeyError, ValueError):
         log.warning("the server's /metrics lacks %s", ", ".join(ENGINE_TIMINGS.values()))
         return None
@@ -219,6 +223,8 @@ def engine_timing_means(before, after) -> dict[str, Any] | None:
         return None
     out: dict[str, Any] = {"requests": int(after["ttft"][1] - before["ttft"][1])}
     for key in ENGINE_TIMINGS:
+        if key not in after or key not in before:
+            continue
         count = after[key][1] - before[key][1]
         out[f"{key}_ms_mean"] = round(1e3 * (after[key][0] - before[key][0]) / count, 3) if count else None
     return out
@@ -381,6 +387,14 @@ def compare(http: dict[str, Any], engine: dict[str, Any] | None) -> dict[str, An
             # the mean TTFT over HTTP, split: the server's engine thread's own (submit to first
             # token handed over) and what the HTTP layer adds around it
             row["ttft_ms_mean_http_layer"] = round(h["ttft_ms_mean"] - side["ttft_ms_mean"], 3)
+            if side.get("admit_ms_mean") is not None and side.get("first_frame_ms_mean") is not None:
+                # the HTTP layer's part, split: the server's handler up to submit, the server from
+                # the engine's first token to its frame handed over, and outside the handler
+                # (the client, the connection, uvicorn's parsing and sending)
+                row["ttft_ms_mean_server_admit"] = side["admit_ms_mean"]
+                row["ttft_ms_mean_server_delivery"] = round(
+                    side["first_frame_ms_mean"] - side["admit_ms_mean"] - side["ttft_ms_mean"], 3)
+                row["ttft_ms_mean_outside_handler"] = round(h["ttft_ms_mean"] - side["first_frame_ms_mean"], 3)
             if e.get("ttft_ms_mean") is not None:
                 row["ttft_ms_mean_engine_added"] = round(side["ttft_ms_mean"] - e["ttft_ms_mean"], 3)
         out[users] = row
@@ -409,9 +423,14 @@ def print_table(http: dict[str, Any], engine: dict[str, Any] | None, cost: dict[
           "429s: http/engine")
     for users, h in http.items():
         side, e = h.get("engine_side") or {}, (engine or {}).get(users, {})
+        c = cost.get(users, {})
         print(f"{users:>5} users, mean TTFT: {f(h.get('ttft_ms_mean'))} over HTTP = {f(side.get('ttft_ms_mean'))} in "
               f"the server's engine (of which {f(side.get('queue_ms_mean'))} queued) + the HTTP layer; engine "
               f"direct {f(e.get('ttft_ms_mean'))}")
+        if c.get("ttft_ms_mean_server_admit") is not None:
+            print(f"{'':>5} the HTTP layer: {f(c['ttft_ms_mean_server_admit'], '.2f')} handler to submit + "
+                  f"{f(c['ttft_ms_mean_server_delivery'], '.2f')} first token to its frame + "
+                  f"{f(c['ttft_ms_mean_outside_handler'], '.2f')} outside the handler (client, connection, uvicorn)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -201,6 +201,7 @@ async def _json_body(request: Request) -> Any:
 
 
 async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]) -> Response:
+    entered = time.perf_counter()
     state = request.app.state
     config: ServerConfig = state.config
     parsed = parse(await _json_body(request), config.max_choices)
@@ -220,8 +221,14 @@ async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]
     )
     gen = Generation(engine, parsed, prompts, response_id)
     gen.submit_all()
+    metrics: Metrics = state.metrics
+    metrics.http_admit.observe(time.perf_counter() - entered)
     if parsed.stream:
-        return EventStreamResponse(sse_frames(gen, renderer, parsed.include_usage), on_close=gen.cancel)  # type: ignore[return-value]
+        def first_frame() -> None:
+            metrics.http_first_frame.observe(time.perf_counter() - entered)
+
+        frames = sse_frames(gen, renderer, parsed.include_usage, on_first_token=first_frame)
+        return EventStreamResponse(frames, on_close=gen.cancel)  # type: ignore[return-value]
     try:
         is_done, results = await unless_disconnected(request.receive, collect(gen))
     finally:

@@ -21,7 +21,7 @@ import dataclasses
 import json
 import logging
 import math
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from scheduler.types import (
     FINISH_CANCELLED,
@@ -191,8 +191,10 @@ def sse_frame(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def sse_frames(gen: Generation, renderer: Renderer, include_usage: bool) -> AsyncIterator[bytes]:
-    """The SSE body of a streamed response. Errors after the headers went out become a frame."""
+async def sse_frames(gen: Generation, renderer: Renderer, include_usage: bool,
+                     on_first_token: Callable[[], None] | None = None) -> AsyncIterator[bytes]:
+    """The SSE body of a streamed response. Errors after the headers went out become a frame.
+    `on_first_token` is called as the first frame holding a token is handed over."""
     try:
         for choice in gen.choices:
             for chunk in renderer.start_chunks(choice.index, choice.prompt.echo_text):
@@ -200,7 +202,11 @@ async def sse_frames(gen: Generation, renderer: Renderer, include_usage: bool) -
         async with contextlib.aclosing(gen.events()) as events:
             async for choice, event in events:
                 if event.text or event.logprobs:
-                    yield sse_frame(renderer.delta_chunk(choice.index, event.text, event.logprobs))
+                    frame = sse_frame(renderer.delta_chunk(choice.index, event.text, event.logprobs))
+                    if on_first_token is not None:
+                        on_first_token()
+                        on_first_token = None
+                    yield frame
                 if event.finish_reason is None:
                     continue
                 error = _abnormal_end(gen, choice, event)

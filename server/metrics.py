@@ -87,6 +87,22 @@ class Metrics:
             buckets=DURATION_BUCKETS,
             registry=self.registry,
         )
+        # The HTTP layer's own share of a streamed request's TTFT, on the event loop: handler entry
+        # (routed, before the body is read) to its engine requests submitted, and handler entry to
+        # the first frame with a token handed to the server (bench/http.py splits the TTFT the
+        # client sees into these and the engine's own).
+        self.http_admit = Histogram(
+            "pallas_http_admit_seconds",
+            "Handler entry to the engine requests submitted (body read, parsed, prompts prepared)",
+            buckets=QUEUE_BUCKETS,
+            registry=self.registry,
+        )
+        self.http_first_frame = Histogram(
+            "pallas_http_time_to_first_frame_seconds",
+            "Handler entry to the first streamed frame with a token",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
         self.requests_finished = Counter(
             "pallas_requests_finished", "Engine requests by finish reason", ["finish_reason"], registry=self.registry
         )

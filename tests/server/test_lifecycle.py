@@ -127,6 +127,17 @@ async def test_metrics(client: httpx.AsyncClient) -> None:
     assert m[("pallas_requests_rejected_total", ())] == 0
     assert m[("pallas_prompt_tokens_total", ())] == 2
     assert m[("pallas_generation_tokens_total", ())] == 7
+    # the HTTP layer's share: every generation request is admitted; only streamed ones have frames
+    assert m[("pallas_http_admit_seconds_count", ())] == 1
+    assert m[("pallas_http_time_to_first_frame_seconds_count", ())] == 0
+    admitted = m[("pallas_http_admit_seconds_sum", ())]
+    async with client.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as resp:
+        assert resp.status_code == 200 and (await resp.aread()).endswith(b"data: [DONE]\n\n")
+    m = _samples((await client.get("/metrics")).text)
+    assert m[("pallas_http_admit_seconds_count", ())] == 2
+    assert m[("pallas_http_time_to_first_frame_seconds_count", ())] == 1
+    admit = m[("pallas_http_admit_seconds_sum", ())] - admitted  # the streamed request's, within its first frame's
+    assert 0 < admitted and 0 < admit <= m[("pallas_http_time_to_first_frame_seconds_sum", ())]
 
 
 async def test_metrics_without_an_engine_and_per_app_registries() -> None:
