@@ -20,7 +20,10 @@ and in the steady state), TTFT and inter-token latency p50/p99, 429 counts, and 
 layer's cost in %. Writes bench/results/http-<date>.json and prints a table.
 
 Each level also reads the server's own /metrics before and after it: the mean TTFT its engine
-thread measured splits the HTTP side's into the engine's part and what the HTTP layer adds.
+thread measured splits the HTTP side's into the engine's part and what the HTTP layer adds, and
+the handler's own histograms split that layer into the handler's work before submit, the
+first token's way to its frame, and what lies outside the handler (the client, the connection,
+uvicorn).
 
 This process never imports JAX: the server and the engine run in children, one at a time.
 """
