@@ -334,7 +334,7 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
         for name in impl_names:
             if name == "triton":
                 impls += triton_impls(fmt, m, n, k, x_dtype, args.interpret, args.sweep, args.grid)
-            elif name == "mosaic_gpu":  # q4_0/q8_0 only; other cases report its NotImplementedError
+            elif name == "mosaic_gpu":  # q4_0/q8_0 (the splits below); other cases report its NotImplementedError
                 impls += mosaic_impls(args.sweep, m)
             elif name == "reference":
                 impls.append(Impl("reference", qmatmul_reference, "xla dequant + dot (HIGHEST)"))

@@ -273,7 +273,7 @@ class EngineConfig:
     # bytes, so that Q4_0's kernels serve them: on a Hopper GPU the Mosaic matmul (its decode
     # kernel adds the offsets itself), the Triton Q4_0 kernel where Mosaic refuses a shape.
     # "auto" splits where the Mosaic matmul serves them (one device, a Hopper GPU, the matmul not
-    # forced to another implementation: `model.loader.splits_q4_k`): on the H200 a 7B Q4_K_M
+    # forced to another implementation: `model.loader.split_formats`): on the H200 a 7B Q4_K_M
     # decode step took 4.2 ms split against 7.6 ms through the Triton Q4_K kernel (bench/results,
     # fourteenth session).
     split_q4_k: str = "auto"
@@ -338,7 +338,8 @@ class EngineConfig:
         if self.unroll_decode_layers not in UNROLL_DECODE_LAYERS:
             raise ValueError(f"unroll decode layers must be auto, on or off, got {self.unroll_decode_layers!r}")
         if self.split_q4_k not in SPLIT_Q4_K or self.split_q6_k not in SPLIT_Q4_K:
-            raise ValueError(f"split Q4_K / Q6_K must be auto, on or off, got {self.split_q4_k!r} / {self.split_q6_k!r}")
+            raise ValueError(
+                f"split Q4_K / Q6_K must be auto, on or off, got {self.split_q4_k!r} / {self.split_q6_k!r}")
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor parallel must be >= 1, got {self.tensor_parallel}")
         if self.compile_threads < 0:

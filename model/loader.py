@@ -35,8 +35,8 @@ class LoadedModel:
     kernels: Kernels
     kernel_names: dict[str, str]
     load_seconds: float
-    mesh: Mesh | None = None
-    splits: frozenset[str] = frozenset()  # the formats split at load (`split_formats`)  # tensor parallel > 1: the mesh the params are split over
+    mesh: Mesh | None = None  # tensor parallel > 1: the mesh the params are split over
+    splits: frozenset[str] = frozenset()  # the formats split at load (`split_formats`)
 
     def make_runner(self, engine_cfg: EngineConfig) -> ModelRunner:
         return ModelRunner(self.config, self.params, self.kernels, engine_cfg, mesh=self.mesh)
@@ -51,10 +51,11 @@ def split_formats(engine_cfg: EngineConfig, mosaic_available: bool | None = None
     resolved. "on" and "off" say; "auto" splits where the Mosaic GPU matmul will serve the split
     matrices (`mosaic_available`: by default, whether that implementation is available here, i.e.
     on a Hopper GPU): one device (a tensor-parallel shard of a row-parallel matrix may not fit
-    its K steps) and the matmul not forced to another implementation."""
+    its K steps) and neither the decode nor the prefill matmul forced to another implementation
+    (no other GPU kernel serves Q6_K's split)."""
     forced = dict(engine_cfg.kernels)
-    auto = (engine_cfg.tensor_parallel == 1
-            and forced.get("matmul_decode", forced.get("matmul", "mosaic_gpu")) == "mosaic_gpu")
+    decode, prefill = forced.get("matmul_decode", forced.get("matmul")), forced.get("matmul")
+    auto = engine_cfg.tensor_parallel == 1 and decode in (None, "mosaic_gpu") and prefill in (None, "mosaic_gpu")
     if auto and mosaic_available is None:
         mosaic_available = any(impl.name == "mosaic_gpu" and impl.is_available()
                                for impl in registry.implementations("matmul"))
@@ -83,7 +84,7 @@ def load_model(path: str | os.PathLike[str], engine_cfg: EngineConfig) -> Loaded
         params = load_params(gf, cfg, fuse=False, place=sharding.placer(mesh), splits=splits)
     kernels, kernel_names = choose_kernels(forced, cfg, params, engine_cfg)
     if splits and jax.default_backend() != "cpu":
-        slow = sorted(op for op, impl in kernel_names.items() if "_split]" in op and impl == "reference")
+        slow = sorted(op for op, impl in kernel_names.items() if "_split" in op and impl == "reference")
         if slow:  # the splits are for the GPU kernels: none of them took these shapes
             log.warning("split formats: %s run the XLA reference on this %s", ", ".join(slow), jax.default_backend())
     if mesh is not None:  # each op runs per device on its shard

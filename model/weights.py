@@ -136,25 +136,27 @@ class _Entry(NamedTuple):
         """What the loaded value's shapes and dtypes depend on (read from the header alone)."""
         if not self.is_matrix:
             return ("vec", int(np.prod(self.infos[0].shape)))
-        fmt = _format(self.infos[0], self.splits)
-        return ("mat", fmt, sum(int(i.shape[0]) for i in self.infos), int(self.infos[0].shape[1]))
+        rows = sum(int(i.shape[0]) for i in self.infos)
+        return ("mat", _format(self.infos[0], self.splits, rows), rows, int(self.infos[0].shape[1]))
 
     def load(self) -> Any:
         if not self.is_matrix:
             return _float_vector(self.infos[0])
-        ws = [_matrix(info, self.splits) for info in self.infos]
-        return ws[0] if len(ws) == 1 else quant.concat_rows(ws)
+        ws = [_matrix(info) for info in self.infos]
+        # split after fusing, as the device split does (whether Q6_K splits depends on the rows)
+        return _split(ws[0] if len(ws) == 1 else quant.concat_rows(ws), self.splits)
 
 
-def _format(info: TensorInfo, splits: frozenset[str] = frozenset()) -> str:
-    """The repacked format of a matrix tensor (from the header alone)."""
+def _format(info: TensorInfo, splits: frozenset[str] = frozenset(), rows: int | None = None) -> str:
+    """The repacked format of a matrix tensor (from the header alone); `rows`: of the matrix it
+    is fused into."""
     if len(info.shape) != 2:
         raise GGUFLoadError(f"tensor {info.name!r}: expected a matrix, got shape {info.shape}")
     try:
         name = quant.format_for(info.ggml_type).name
     except NotImplementedError as e:
         raise GGUFLoadError(f"tensor {info.name!r}: unsupported tensor type {info.ggml_type.name} ({e})") from e
-    return SPLITS[name][0] if is_split(name, int(info.shape[0]), splits) else name
+    return SPLITS[name][0] if is_split(name, int(info.shape[0]) if rows is None else rows, splits) else name
 
 
 def _layer_entries(gf: GGUFFile, i: int, fuse: bool, splits: frozenset[str] = frozenset()) -> dict[str, _Entry]:
@@ -170,8 +172,7 @@ def _layer_entries(gf: GGUFFile, i: int, fuse: bool, splits: frozenset[str] = fr
         for fused, parts in FUSED.items():
             es = [entries.get(p) for p in parts]
             if all(e is not None and e.is_matrix for e in es):
-                # the formats as loaded (a part split and a part not would not concatenate)
-                kinds = {(_format(e.infos[0]), _format(e.infos[0], splits), int(e.infos[0].shape[1])) for e in es}
+                kinds = {(_format(e.infos[0]), int(e.infos[0].shape[1])) for e in es}
                 if len(kinds) == 1:
                     entries[fused] = _Entry(True, tuple(e.infos[0] for e in es), splits)
                     for p in parts:

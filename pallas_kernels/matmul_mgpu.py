@@ -19,8 +19,8 @@ It reads the planes `pallas_kernels.quant.repack` built, in place (no layout of 
     32 g + 2 l + h is weight 32 g + 16 h + l (x permuted by `permute_x`), and XOR with -8 turns the
     nibble's signed reading q - 16 [q >= 8] into q - 8, the centred Q4_0 value.
   * codes, q8_0: the int8 `qs` plane [N, K], in natural order.
-  * scales: the `d` plane, which Q4_0 and Q8_0 hold transposed, [K/32, N] f16
-    (pallas_kernels/quant.py), so that a 32-block's 64 scales are contiguous: the kernel loads
+  * scales: the `d` plane, which Q4_0 and Q8_0 hold transposed, [K/32, N] f16 ([K/16, N] for
+    q6_k_split) (pallas_kernels/quant.py), so that a block's 64 scales are contiguous: the kernel loads
     them as the row vector that scales the block's [64, M] result. Two other ways cost more on
     the H200 (7B shapes, M = 8): a transposed copy made per call (the first cut) cost about 0.8
     ms per served decode step in XLA's copies (bench/results/trace-20261129-142730.json), and
@@ -33,8 +33,9 @@ split of K and a tile of x's rows (all of them in decode; up to `m_tile` each be
 a TMA pipeline (`emit_pipeline`, up to `stages` steps in flight, fewer where shared memory runs
 out) brings each step's x slice [m, tile_k], codes [rows, tile_k] and scales [tile_k/32, rows]
 into shared memory. The codes become bf16 in registers (wgmma layout; q8_0, and
-q4_0 without `word_unpack`, through Mosaic's int8 / int4 -> bf16 conversions), and each 32-block
-meets x in one 64 x m x 32 wgmma (A from registers, x as the transposed B operand); the step's
+q4_0 without `word_unpack`, through Mosaic's int8 / int4 -> bf16 conversions), and each block (32
+weights, 16 for q6_k_split: `BLOCK_K`) meets x in one 64 x m x 32 (or 16) wgmma (A from
+registers, x as the transposed B operand); the step's
 wgmmas are issued before one wait, and each block's [64, m] result is scaled by its scales and
 summed in f32 (or, with `fold_scales`, the scales multiply the bf16 codes and every block adds
 into one accumulator). Partial sums of the K splits [split, M, N] are added outside.
@@ -92,7 +93,7 @@ class MosaicMatmulTuning:
     projection of a 7B at M = 8, the kernel's first cut): `tile_k` 128 or 512, and 3 or 8
     stages, were slower."""
 
-    tile_k: int = 256  # K elements per pipeline step: a power of 2, 64..512 (2..16 blocks of 32)
+    tile_k: int = 256  # K elements per pipeline step: a power of 2, 64..512 (2..16 blocks of 32, or 4..32 of 16)
     stages: int = 4  # pipeline steps in flight per warpgroup
     target_ctas: int = 264  # K is split until the grid reaches this many (about two per SM)
     # Codes come out of shared memory 32 bits per thread (Mosaic's upcast layouts: 8 int4 or 4
@@ -193,7 +194,8 @@ def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatm
     if offsets:
         w = q4_k_split.as_q4_0(w)
     if w.fmt not in SUPPORTED_FORMATS:
-        raise NotImplementedError(f"mosaic_gpu matmul takes {', '.join(SUPPORTED_FORMATS)}; not {w.fmt}")
+        raise NotImplementedError(f"mosaic_gpu matmul takes {', '.join(SUPPORTED_FORMATS)} and q4_k_split; "
+                                  f"not {w.fmt}")
     check_layer(w, layer)
     n, k = w.shape
     if x.shape[-1] != k:
@@ -441,7 +443,7 @@ def _block_scales(d_smem, b: int) -> jax.Array:
 
 
 def _scale_and_sum(acc: jax.Array, parts: list[jax.Array], d_smem) -> jax.Array:
-    """acc + sum over the step's 32-blocks b of parts[b] [64, M] scaled by block b's 64 scales."""
+    """acc + sum over the step's blocks b of parts[b] [64, M] scaled by block b's 64 scales."""
     for b, part in enumerate(parts):
         acc = acc + part * lax.broadcast_in_dim(_block_scales(d_smem, b), part.shape, [0])
     return acc
@@ -496,7 +498,7 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
             fold_scales: bool, rows_out: bool, m_tiles: int = 1, offsets: bool = False):
     """layer_gmem [1] int32; x_gmem [M_pad, K] bf16 (permuted for q4_0), of which this CTA takes
     the m rows of its tile (grid axis "mtile" when m_tiles > 1); c_gmem [L*N, K] codes (int4 or
-    int8); d_gmem [L*K/32, N] f16 scales (the transposed plane); with `offsets` (q4_k_split,
+    int8); d_gmem [L*K/B, N] f16 scales (the transposed plane; B = BLOCK_K[fmt]); with `offsets` (q4_k_split,
     unfolded scales, one tile of x), refs begin with xs_gmem [K/32, M_pad] f32, x's block sums,
     and f_gmem [L*K/32, N] f32, the offsets (the `c` plane); then o_gmem [split, M_pad, N] f32
     partial sums with o_smem [m, rows] (`rows_out`), else [split, N, M_pad] with [rows, m]. Each
@@ -568,7 +570,8 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
         ]
         args = [x_gmem.at[pl.ds(x0, m)], c_gmem.at[pl.ds(row0, rows)], d_gmem.at[weight_rows]]
         if offsets:
-            in_specs += [plgpu.BlockSpec((nb, m), lambda j: (lo + j, 0)), plgpu.BlockSpec((nb, rows), lambda j: (lo + j, 0))]
+            in_specs += [plgpu.BlockSpec((nb, m), lambda j: (lo + j, 0)),
+                         plgpu.BlockSpec((nb, rows), lambda j: (lo + j, 0))]
             args += [xs_gmem, f_gmem.at[weight_rows]]
         return plgpu.emit_pipeline(
             body,
@@ -658,7 +661,7 @@ def _kernel_int8(layer_gmem, xe_gmem, xo_gmem, dx_gmem, cx_gmem, c_gmem, d_gmem,
 
 def codes_of(w: QuantizedTensor) -> jax.Array:
     """The codes of every stacked matrix as [L*N, K] (free views): int4 for q4_0 (see
-    `codes_view`), the int8 `qs` plane of q8_0 as it is."""
+    `codes_view`), the int8 `qs` plane of q8_0 and q6_k_split as it is."""
     k = w.shape[1]
     if w.fmt == "q4_0":
         return codes_view(w.planes["qs"], k)
@@ -675,7 +678,7 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
     m_tile = tile_rows(m, tuning)
     m_tiles = -(-m // m_tile)
     m_pad = m_tile * m_tiles
-    scales = jnp.reshape(q.planes["d"], (-1, n))  # [L*K/32, N]: a view, read in place
+    scales = jnp.reshape(q.planes["d"], (-1, n))  # [L*K/B, N]: a view, read in place
     split, steps = split_for(n, k, tuning, m_tiles), k // tuning.tile_k
     if tuning.int8_x:
         rows = BLOCK_N

@@ -24,9 +24,9 @@ so the forward pass is unchanged: the reference dequantizes it (d (q - 8) + c); 
 matmul's decode kernel adds the offsets itself (its `fuse_offsets`: on the H200 a 7B Q4_K_M
 decode step took 4.22 ms, against 4.65 ms with them as XLA dots after it, bench/results,
 fourteenth session); its prefill kernel and the Triton matmul serve the format through
-`matmul_via_q4_0`: their Q4_0 kernel on `as_q4_0`, plus `offset_term` (Triton takes the shapes
-and GPUs Mosaic refuses: a row-parallel shard with K = 5504, a GPU before Hopper). `bench/kernels.py` times it on the GPU as impl
-"mosaic_gpu:q4_k_split".
+`matmul_via_q4_0`: their Q4_0 kernel on `as_q4_0`, plus `offset_term` (Triton takes the
+shapes and GPUs Mosaic refuses: a row-parallel shard with K = 5504, a GPU before Hopper).
+`bench/kernels.py` times it on the GPU as impl "mosaic_gpu:q4_k_split".
 """
 
 from __future__ import annotations

@@ -18,8 +18,10 @@ file's own f16 d. Format "q6_k_split" (`quant.DERIVED_FORMATS`): planes `qs` [N,
 Bytes per weight: 1 + 2/16 = 1.125, against Q6_K's 0.8203 (37% more).
 
 Made at load with `EngineConfig.split_q6_k` (`--split-q6-k`) for the matrices the Mosaic kernel
-takes (N a multiple of 64: `takes`); no other GPU kernel serves the format, so the loader
-splits only where the Mosaic matmul serves it. The reference dequantizes it directly.
+takes (N a multiple of 64: `takes`, judged on a fused matrix's rows). No other GPU kernel serves
+the format: "auto" splits only where the Mosaic matmul serves it; "on" elsewhere (a GPU before
+Hopper, tensor parallelism) leaves the split matrices to the reference, with a warning at load.
+The reference dequantizes it directly.
 """
 
 from __future__ import annotations

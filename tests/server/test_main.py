@@ -54,9 +54,13 @@ def test_defaults() -> None:
     both = {"q4_k", "q6_k"}
     assert engine.split_q4_k == engine.split_q6_k == "auto"
     assert split_formats(engine) == set() and split_formats(engine, mosaic_available=True) == both
-    for other in (dataclasses.replace(engine, kernels=(("matmul", "triton"),)), dataclasses.replace(engine, tensor_parallel=2)):
+    for other in (dataclasses.replace(engine, kernels=(("matmul", "triton"),)),
+                  dataclasses.replace(engine, tensor_parallel=2)):
         assert split_formats(other, mosaic_available=True) == set()
-    assert split_formats(dataclasses.replace(engine, kernels=(("matmul", "mosaic_gpu"),)), mosaic_available=True) == both
+    mosaic = dataclasses.replace(engine, kernels=(("matmul", "mosaic_gpu"),))
+    assert split_formats(mosaic, mosaic_available=True) == both
+    prefill_elsewhere = (("matmul_decode", "mosaic_gpu"), ("matmul", "triton"))  # Triton takes no Q6_K split
+    assert split_formats(dataclasses.replace(engine, kernels=prefill_elsewhere), mosaic_available=True) == set()
     off = build_configs(build_parser().parse_args(["--split-q4-k", "off", "--split-q6-k", "on"]), {})[0]
     assert split_formats(off, True) == split_formats(off, False) == {"q6_k"}
     # 0: auto, one thread per core on the CPU (never more than programs), one on a GPU
