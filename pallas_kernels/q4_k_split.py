@@ -31,13 +31,11 @@ shapes and GPUs Mosaic refuses: a row-parallel shard with K = 5504, a GPU before
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.quant import QK_K, QuantizedTensor, check_layer
+from pallas_kernels.quant import QK_K, QuantizedTensor, array_module, check_layer
 
 BLOCK = 32  # weights per Q4_0 block and per Q4_K sub-block
 CODE_OFFSET = 8  # Q4_0 weight = d (q - 8)
@@ -48,7 +46,7 @@ def split_q4_k(w: QuantizedTensor) -> QuantizedTensor:
     (the loader, on the host) give numpy planes out; jax arrays give jax arrays."""
     if w.fmt != "q4_k":
         raise ValueError(f"split_q4_k takes q4_k, not {w.fmt}")
-    xp: Any = np if all(isinstance(p, np.ndarray) for p in w.planes.values()) else jnp
+    xp = array_module(w)
     n, k = w.shape
     lead = tuple(w.stack_shape)
     supers, blocks = k // QK_K, k // BLOCK

@@ -26,11 +26,9 @@ The reference dequantizes it directly.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from pallas_kernels.quant import QK_K, QuantizedTensor
+from pallas_kernels.quant import QK_K, QuantizedTensor, array_module
 
 BLOCK = 16  # weights per scale
 CODE_OFFSET = 32  # Q6_K weight = d sc (q - 32)
@@ -47,9 +45,7 @@ def split_q6_k(w: QuantizedTensor) -> QuantizedTensor:
     (the loader, on the host) give numpy planes out; jax arrays give jax arrays."""
     if w.fmt != "q6_k":
         raise ValueError(f"split_q6_k takes q6_k, not {w.fmt}")
-    import jax.numpy as jnp
-
-    xp: Any = np if all(isinstance(p, np.ndarray) for p in w.planes.values()) else jnp
+    xp = array_module(w)
     n, k = w.shape
     lead = tuple(w.stack_shape)
     supers = k // QK_K

@@ -204,6 +204,12 @@ class QuantizedTensor:
         return f"QuantizedTensor({self.fmt}, shape={self.shape}, {planes})"
 
 
+def array_module(qt: QuantizedTensor) -> Any:
+    """numpy where every plane is a numpy array (the loader's host planes), else jax.numpy: what
+    a transformation of the planes (e.g. a split at load) computes with."""
+    return np if all(isinstance(p, np.ndarray) for p in qt.planes.values()) else jnp
+
+
 def check_layer(qt: QuantizedTensor, layer: jax.Array | int | None) -> None:
     """Raises ValueError unless `layer` fits `qt`: None for a single matrix, an index (traced or
     not) for a one-dim stack [L, N, K]."""
