@@ -42,4 +42,9 @@ def test_script_runs_both_sides(smollm2_path, tmp_path):
         side = level["engine_side"]
         assert side["requests"] == int(users) and 0 < side["ttft_ms_mean"] < level["ttft_ms_mean"]
         assert 0 <= side["queue_ms_mean"] <= side["ttft_ms_mean"]
+        # the HTTP handler's own share: before submit, and to the first token's frame (which
+        # holds the engine's TTFT), all within what the client saw
+        assert 0 < side["admit_ms_mean"] and side["ttft_ms_mean"] < side["first_frame_ms_mean"] < level["ttft_ms_mean"]
+        cost = result["serving_cost"][users]
+        assert cost["ttft_ms_mean_server_delivery"] > -0.5 and cost["ttft_ms_mean_outside_handler"] > 0
     assert {"ttft_ms_mean_http_layer", "ttft_ms_mean_engine_added"} <= set(result["serving_cost"]["3"])
