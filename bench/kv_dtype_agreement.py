@@ -53,6 +53,16 @@ def against_llama_cpp(cases, logits) -> dict:
             "logit_diff_p99": round(float(np.quantile(d, 0.99)), 4), "logit_diff_max": round(float(d.max()), 4)}
 
 
+def against_base(base: list[np.ndarray], logits: list[np.ndarray]) -> dict:
+    """How far one setting's teacher-forced logits are from a base setting's over the same
+    cases: steps with the same top-1, and the largest |diff|."""
+    return {
+        "top1_same": sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(base, logits)),
+        "steps": sum(len(a) for a in base),
+        "logit_diff_max": round(max(float(np.abs(a - b).max()) for a, b in zip(base, logits)), 4),
+    }
+
+
 def shortest_cases(fixture: pathlib.Path, count: int, max_context: int) -> list[dict]:
     """A recorded fixture's cases, shortest prompt first: the `count` shortest (0: all). Raises
     ValueError when one does not fit `max_context` positions."""
@@ -102,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         if base is None:
             base = (dtype, logits)
         else:
-            same = sum(int(np.argmax(a[j]) == np.argmax(b[j])) for a, b in zip(base[1], logits) for j in range(len(a)))
-            row[f"top1_same_as_{base[0]}"] = same
+            row[f"top1_same_as_{base[0]}"] = against_base(base[1], logits)["top1_same"]
         row["seconds"] = round(time.perf_counter() - t0, 1)
         results[dtype] = row
         log.info("%s: %s", dtype, row)

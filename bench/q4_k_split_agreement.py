@@ -25,10 +25,9 @@ import time
 if __package__ in (None, ""):
     sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
-import numpy as np  # noqa: E402
-
 from bench import common  # noqa: E402
-from bench.kv_dtype_agreement import against_llama_cpp, forced_logits, result_record, shortest_cases  # noqa: E402
+from bench.kv_dtype_agreement import (  # noqa: E402
+    against_base, against_llama_cpp, forced_logits, result_record, shortest_cases)
 
 FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "generation_gemma3.json"
 
@@ -66,13 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = row
         log.info("%s: %s", name, row)
         del model
-    base = logits["unsplit"]
     for name in list(settings)[1:]:
-        results[f"{name}_vs_unsplit"] = {
-            "top1_same": sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(base, logits[name])),
-            "steps": sum(len(a) for a in base),
-            "logit_diff_max": round(max(float(np.abs(a - b).max()) for a, b in zip(base, logits[name])), 4),
-        }
+        results[f"{name}_vs_unsplit"] = against_base(logits["unsplit"], logits[name])
     common.write_json(path_out, result_record("split-agreement", stamp, args.model, args.fixture, cases,
                                               args.max_context, results))
     print(json.dumps(results, indent=1))

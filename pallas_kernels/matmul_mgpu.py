@@ -734,10 +734,8 @@ def qmatmul_mgpu(
     pallas_kernels/q4_k_split.py) runs as Q4_0 with its offsets added in the decode kernel
     (`fuse_offsets`), else as its Q4_0 part plus an XLA dot for them. Raises
     NotImplementedError for what it does not take (formats other than q4_0, q8_0, q4_k_split and
-    q6_k_split,
-    x not bf16, more than 64 rows of x with unfolded scales,
-    N not a multiple of 64, K not a multiple of the tuning's K step, too many rows for shared
-    memory, interpret mode)."""
+    q6_k_split, x not bf16, more than 64 rows of x with unfolded scales, N not a multiple of 64,
+    K not a multiple of the tuning's K step, too many rows for shared memory, interpret mode)."""
     if interpret:
         raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
     tuning = tuning or default_tuning(math.prod(x.shape[:-1]))
