@@ -177,6 +177,7 @@ class StreamRecord:
     error: str | None = None
     rejected: bool = False  # 429 / QueueFullError
     reported_tokens: int | None = None  # the server's usage count, where one was sent
+    sent: float | None = None  # when the request was written (HTTP clients that know it)
 
     @property
     def num_tokens(self) -> int:

@@ -5,19 +5,20 @@ engine directly, and the difference: what the serving layer costs.
 
 Starts the server as a child process on a free port (or uses `--url`), waits for /health, and
 runs each concurrency level `--repeats` times (the report gives each figure's median): N async
-httpx clients, each one streaming POST /v1/completions with a fixed token-id prompt, fixed
-max_tokens and ignore_eos. `logprobs: 0` makes every token its own SSE frame (a frame is
-otherwise skipped while text is held back), so frame arrival times are token times. The server
-starts with a small --max-queue (8) so that the 32-client level exercises 429s. Before the
-levels, each side sends a burst of short requests, as many as the largest level the server
-takes (so the HTTP client's connections are open before anything is timed). Then the server is
-stopped and a child process runs the identical requests through `Engine.submit` (bench/engine.py's
-helpers, with the EngineConfig the server's parser makes of the same flags, `--server-args`
-included), so the two never share the device; it loads its step programs from the server's
-persistent compilation cache (`--compile-cache`) rather than compiling them again (on the H200
-a cold compile is about 100 s per side). Reports throughput (generated tok/s over the wall time
-and in the steady state), TTFT and inter-token latency p50/p99, 429 counts, and the serving
-layer's cost in %. Writes bench/results/http-<date>.json and prints a table.
+streams on one client (`StreamingClient`, or httpx with `--client httpx`), each one streaming
+POST /v1/completions with a fixed token-id prompt, fixed max_tokens and ignore_eos. `logprobs` 0
+makes every token its own SSE frame (a frame is otherwise skipped while text is held back), so
+frame arrival times are token times. The server starts with a small --max-queue (8) so that the
+32-client level exercises 429s. Before the levels, each side sends a burst of short requests, as
+many as the largest level the server takes (so the HTTP client's connections are open before
+anything is timed). Then the server is stopped and a child process runs the identical requests
+through `Engine.submit` (bench/engine.py's helpers, with the EngineConfig the server's parser
+makes of the same flags, `--server-args` included), so the two never share the device; it loads
+its step programs from the server's persistent compilation cache (`--compile-cache`) rather than
+compiling them again (on the H200 a cold compile is about 100 s per side). Reports throughput
+(generated tok/s over the wall time and in the steady state), TTFT and inter-token latency
+p50/p99, 429 counts, and the serving layer's cost in %. Writes bench/results/http-<date>.json
+and prints a table.
 
 Each level also reads the server's own /metrics before and after it: the mean TTFT its engine
 thread measured splits the HTTP side's into the engine's part and what the HTTP layer adds, and
@@ -47,6 +48,7 @@ import socket  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import urllib.parse  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -153,13 +155,112 @@ class ServerProcess:
         self.log_file.close()
 
 
-async def http_request(client, url: str, label: str, prompt: tuple[int, ...], max_tokens: int,
-                       seed: int) -> common.StreamRecord:
-    body = {
+class StreamingClient:
+    """A lean HTTP/1.1 client for the timed requests: keep-alive connections over asyncio
+    streams, each request written whole, the response read chunk by chunk as it arrives. A load
+    generator's own time is not the server's: httpx, on one event loop with 8 streams, put its
+    own milliseconds into every TTFT it measured. This one does little more than the socket
+    reads (`--client httpx` keeps the other for comparison)."""
+
+    def __init__(self, url: str) -> None:
+        parts = urllib.parse.urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._open: set[asyncio.StreamWriter] = set()
+
+    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        while self._idle:
+            reader, writer = self._idle.pop()
+            if not writer.is_closing() and not reader.at_eof():
+                return reader, writer
+            self._close(writer)
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        self._open.add(writer)
+        return reader, writer
+
+    def _close(self, writer: asyncio.StreamWriter) -> None:
+        self._open.discard(writer)
+        writer.close()
+
+    async def post(self, path: str, payload: dict[str, Any], record: common.StreamRecord | None = None):
+        """POST `payload` as JSON; yields the status code, then each piece of the body as it
+        arrives (a chunk of a chunked response). The connection goes back to the pool only when
+        the body was read to its end. `record.sent`: when the request was handed to the socket."""
+        body = json.dumps(payload).encode()
+        reader, writer = await self._connection()
+        reusable = False
+        try:
+            writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            if record is not None:  # the transport has tried the socket's send in write()
+                record.sent = time.perf_counter()
+            await writer.drain()
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+            headers = {}
+            for line in head[1:]:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip().lower()
+            yield int(head[0].split(" ", 2)[1])
+            if headers.get("transfer-encoding") == "chunked":
+                while size := int((await reader.readline()).split(b";")[0], 16):
+                    yield (await reader.readexactly(size + 2))[:-2]
+                while (await reader.readline()) not in (b"\r\n", b""):  # trailers
+                    pass
+            elif "content-length" in headers:
+                yield await reader.readexactly(int(headers["content-length"]))
+            else:  # the body runs to the connection's end
+                while piece := await reader.read(65536):
+                    yield piece
+                return
+            reusable = headers.get("connection") != "close"
+        finally:
+            if reusable:
+                self._idle.append((reader, writer))
+            else:
+                self._close(writer)
+
+    async def aclose(self) -> None:
+        for writer in list(self._open):
+            self._close(writer)
+        self._idle.clear()
+
+
+def completion_body(prompt: tuple[int, ...], max_tokens: int, seed: int) -> dict[str, Any]:
+    return {
         "model": "bench", "prompt": list(prompt), "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
         "logprobs": 0, "temperature": 1.0, "seed": seed, "stream_options": {"include_usage": True},
     }
+
+
+def read_sse_line(record: common.StreamRecord, line: str, now: float) -> bool:
+    """Takes one line of the stream into `record`; False at its end ([DONE])."""
+    if not line.startswith("data: "):
+        return True
+    data = line[6:]
+    if data == "[DONE]":
+        return False
+    obj = json.loads(data)
+    if "error" in obj:
+        record.error = str(obj["error"])[:200]
+    for choice in obj.get("choices") or ():
+        lp = choice.get("logprobs") or {}
+        n = len(lp.get("tokens") or ()) or (1 if choice.get("text") else 0)
+        if n:
+            record.arrivals.append((now, n))
+        if choice.get("finish_reason"):
+            record.finish_reason = choice["finish_reason"]
+    if obj.get("usage"):
+        record.reported_tokens = obj["usage"]["completion_tokens"]
+    return True
+
+
+async def http_request(client, url: str, label: str, prompt: tuple[int, ...], max_tokens: int,
+                       seed: int) -> common.StreamRecord:
+    """One streamed completion through `client`: a StreamingClient, or an httpx.AsyncClient."""
+    body = completion_body(prompt, max_tokens, seed)
     record = common.StreamRecord(label, time.perf_counter())
+    if isinstance(client, StreamingClient):
+        return await _streaming_request(client, body, record)
     async with client.stream("POST", url + "/v1/completions", json=body) as resp:
         if resp.status_code == 429:
             record.rejected = True
@@ -169,24 +270,32 @@ async def http_request(client, url: str, label: str, prompt: tuple[int, ...], ma
             record.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
             return record
         async for line in resp.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:]
-            if data == "[DONE]":
+            if not read_sse_line(record, line, time.perf_counter()):
                 break
-            now = time.perf_counter()
-            obj = json.loads(data)
-            if "error" in obj:
-                record.error = str(obj["error"])[:200]
-            for choice in obj.get("choices") or ():
-                lp = choice.get("logprobs") or {}
-                n = len(lp.get("tokens") or ()) or (1 if choice.get("text") else 0)
-                if n:
-                    record.arrivals.append((now, n))
-                if choice.get("finish_reason"):
-                    record.finish_reason = choice["finish_reason"]
-            if obj.get("usage"):
-                record.reported_tokens = obj["usage"]["completion_tokens"]
+    return record
+
+
+async def _streaming_request(client: StreamingClient, body: dict[str, Any],
+                             record: common.StreamRecord) -> common.StreamRecord:
+    response = client.post("/v1/completions", body, record)
+    status = await anext(response)
+    if status != 200:
+        text = b"".join([piece async for piece in response])
+        record.rejected = status == 429
+        if not record.rejected:
+            record.error = f"HTTP {status}: {text[:200]!r}"
+        return record
+    pending = b""
+    more = True
+    async for piece in response:
+        now = time.perf_counter()
+        if not more:
+            continue  # read to the end, so that the connection is reused
+        *lines, pending = (pending + piece).split(b"\n")
+        for line in lines:
+            if not read_sse_line(record, line.decode().rstrip("\r"), now):
+                more = False
+                break
     return record
 
 
@@ -235,29 +344,36 @@ def engine_timing_means(before, after) -> dict[str, Any] | None:
 
 
 async def run_http(url: str, args: argparse.Namespace, vocab: int, repeats: int) -> dict[str, Any]:
-    """Each level of `args.users`, `repeats` times over one client: `combine_runs` per level,
-    with the server's own view of the level's requests under "engine_side"."""
+    """Each level of `args.users`, `repeats` times over one client (`args.client`): `combine_runs`
+    per level, with the server's own view of the level's requests under "engine_side"."""
     import httpx
 
     out = {}
     limits = httpx.Limits(max_connections=max(args.users) + 8, max_keepalive_connections=max(args.users) + 8)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
-        warm = prompts_for(args.seed + 1, 1, 64, vocab)[0]
-        await asyncio.gather(*(http_request(client, url, f"warmup-{i}", warm, 8, i)
-                               for i in range(warmup_requests(args))))
-        for users in args.users:
-            prompts = prompts_for(args.seed, users, args.prompt_len, vocab)
-            runs = []
-            before = await engine_timing_sums(client, url)
-            for _ in range(repeats):
-                records = await asyncio.gather(*(
-                    http_request(client, url, f"http-{users}-{i}", p, args.max_tokens, i)
-                    for i, p in enumerate(prompts)
-                ))
-                runs.append(level_summary(records))
-            out[str(users)] = combine_runs(runs)
-            out[str(users)]["engine_side"] = engine_timing_means(before, await engine_timing_sums(client, url))
-            log.info("http x%d: %s", users, out[str(users)])
+    # httpx reads /metrics (untimed) and, with --client httpx, streams the timed requests too
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as metrics_client:
+        client = metrics_client if getattr(args, "client", "stream") == "httpx" else StreamingClient(url)
+        try:
+            warm = prompts_for(args.seed + 1, 1, 64, vocab)[0]
+            await asyncio.gather(*(http_request(client, url, f"warmup-{i}", warm, 8, i)
+                                   for i in range(warmup_requests(args))))
+            for users in args.users:
+                prompts = prompts_for(args.seed, users, args.prompt_len, vocab)
+                runs = []
+                before = await engine_timing_sums(metrics_client, url)
+                for _ in range(repeats):
+                    records = await asyncio.gather(*(
+                        http_request(client, url, f"http-{users}-{i}", p, args.max_tokens, i)
+                        for i, p in enumerate(prompts)
+                    ))
+                    runs.append(level_summary(records))
+                out[str(users)] = combine_runs(runs)
+                after = await engine_timing_sums(metrics_client, url)
+                out[str(users)]["engine_side"] = engine_timing_means(before, after)
+                log.info("http x%d: %s", users, out[str(users)])
+        finally:
+            if isinstance(client, StreamingClient):
+                await client.aclose()
     return out
 
 
@@ -270,6 +386,9 @@ def level_summary(records: list[common.StreamRecord]) -> dict[str, Any]:
     ttfts = [r.ttft for r in records if not r.rejected and r.ttft is not None]
     summary["ttft_ms_mean"] = round(1e3 * float(np.mean(ttfts)), 3) if ttfts else None
     summary["ttft_count"] = len(ttfts)
+    sends = [r.sent - r.submitted for r in records if not r.rejected and r.ttft is not None and r.sent is not None]
+    if sends:  # the client's own part of the TTFT: from the request's start to its bytes written
+        summary["send_ms_mean"] = round(1e3 * float(np.mean(sends)), 3)
     if summary["errors"]:
         summary["first_error"] = next(r.error for r in records if r.error)
     return summary
@@ -301,6 +420,9 @@ def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     total = sum(n for _, n in counts)
     out["ttft_ms_mean"] = round(sum(v * n for v, n in counts) / total, 3) if total else None
     out["ttft_count"] = total
+    sends = [(r["send_ms_mean"], r["ttft_count"]) for r in runs if r.get("send_ms_mean") is not None]
+    if sends and sum(n for _, n in sends):
+        out["send_ms_mean"] = round(sum(v * n for v, n in sends) / sum(n for _, n in sends), 3)
     out["repeats"] = len(runs)
     out["runs"] = [{k: r.get(k) for k in ("tok_s", "steady_tok_s", "ttft_ms_p50")} for r in runs]
     return out
@@ -401,6 +523,9 @@ def compare(http: dict[str, Any], engine: dict[str, Any] | None) -> dict[str, An
                 row["ttft_ms_mean_server_delivery"] = round(
                     side["first_frame_ms_mean"] - side["admit_ms_mean"] - side["ttft_ms_mean"], 3)
                 row["ttft_ms_mean_outside_handler"] = round(h["ttft_ms_mean"] - side["first_frame_ms_mean"], 3)
+                if h.get("send_ms_mean") is not None:
+                    # of that, the client's own: from its request's start to the bytes written
+                    row["ttft_ms_mean_client_send"] = h["send_ms_mean"]
             if e.get("ttft_ms_mean") is not None:
                 row["ttft_ms_mean_engine_added"] = round(side["ttft_ms_mean"] - e["ttft_ms_mean"], 3)
         out[users] = row
@@ -437,6 +562,10 @@ def print_table(http: dict[str, Any], engine: dict[str, Any] | None, cost: dict[
             print(f"{'':>5} the HTTP layer: {f(c['ttft_ms_mean_server_admit'], '.2f')} handler to submit + "
                   f"{f(c['ttft_ms_mean_server_delivery'], '.2f')} first token to its frame + "
                   f"{f(c['ttft_ms_mean_outside_handler'], '.2f')} outside the handler (client, connection, uvicorn)")
+        if c.get("ttft_ms_mean_client_send") is not None:
+            print(f"{'':>5} outside the handler: {f(c['ttft_ms_mean_client_send'], '.2f')} the client writing its request "
+                  f"+ {f(c['ttft_ms_mean_outside_handler'] - c['ttft_ms_mean_client_send'], '.2f')} the rest "
+                  f"(connection, uvicorn, the client reading the frame)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -459,6 +588,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="persistent compilation cache of both sides (default: the server's own, so the engine "
                          "side loads the programs the server compiled; '': the engine side compiles its own, the server "
                          "keeps its default)")
+    ap.add_argument("--client", default="stream", choices=("stream", "httpx"),
+                    help="the timed requests' HTTP client: a lean one over asyncio streams, or httpx")
     ap.add_argument("--server-args", default="", help='more `python -m server` flags, e.g. "--decode-steps 4"')
     ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
     ap.add_argument("--engine-direct", action="store_true", help=argparse.SUPPRESS)
@@ -513,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
                    "health": health},
         "settings": {"slots": args.slots, "max_queue": args.max_queue, "max_context": args.max_context,
                      "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "users": args.users,
-                     "repeats": args.repeats, "compile_cache": args.compile_cache or None,
+                     "repeats": args.repeats, "compile_cache": args.compile_cache or None, "client": args.client,
                      "request": "POST /v1/completions, token-id prompt, stream, ignore_eos, logprobs 0, temperature 1"},
         "http": http_levels,
         "engine": engine_levels,
