@@ -254,12 +254,19 @@ class ModelRunner:
                  for attend in self.context_buckets if self._few_rows_limit(attend, steps)]
         workers = self.engine_cfg.compile_workers(jax.default_backend(), len(jobs))
 
+        spent = {"lowering": 0.0, "compiling": 0.0}  # summed over the jobs (threads overlap)
+
         def build(job):
             kind, size, steps, attend, few_rows = job
             t0 = time.perf_counter()
-            compiled = self._jitted(kind, attend, steps, few_rows).lower(*self._example_args(kind, size)).compile()
-            log.debug("compiled %s[%d]x%d attending %d%s in %.1f s", kind, size, steps, attend,
-                      " (few rows)" if few_rows else "", time.perf_counter() - t0)
+            lowered = self._jitted(kind, attend, steps, few_rows).lower(*self._example_args(kind, size))
+            t1 = time.perf_counter()
+            compiled = lowered.compile()
+            t2 = time.perf_counter()
+            spent["lowering"] += t1 - t0
+            spent["compiling"] += t2 - t1
+            log.debug("compiled %s[%d]x%d attending %d%s in %.1f s (tracing and lowering %.1f s)", kind, size, steps,
+                      attend, " (few rows)" if few_rows else "", t2 - t0, t1 - t0)
             return (kind, size, attend, steps, few_rows), compiled
 
         t_all = time.perf_counter()
@@ -274,8 +281,9 @@ class ModelRunner:
         self._compiled.update(built)
         log.info(
             "compiled %d step programs (decode[%d] x steps %s, prefill%s; context buckets %s) in %.1f s on %d "
-            "thread(s)", len(self._compiled), self.num_slots, list(self.decode_steps), list(self.prefill_chunks),
-            list(self.context_buckets), time.perf_counter() - t_all, workers,
+            "thread(s): tracing and lowering %.1f s, XLA compiling %.1f s (summed over threads)", len(self._compiled),
+            self.num_slots, list(self.decode_steps), list(self.prefill_chunks), list(self.context_buckets),
+            time.perf_counter() - t_all, workers, spent["lowering"], spent["compiling"],
         )
 
     def _few_rows_limit(self, attend: int, steps: int) -> int:

@@ -87,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unroll-decode-layers", default="auto", choices=UNROLL_DECODE_LAYERS,
                    help="unroll the decode program's layer loop (auto: on GPU only)")
     p.add_argument("--compile-threads", type=int, default=0, metavar="N",
-                   help="threads compiling the step programs at start (0 = auto: one per usable core on CPU, "
-                        "at most 8; 1 on GPU)")
+                   help="threads compiling the step programs at start (0 = auto: one per usable core, at most 8 "
+                        "on CPU and 4 on GPU)")
     p.add_argument("--few-rows-attention", action="store_true",
                    help="decode attention planned for few busy slots (a quarter of --slots or fewer) at 1024+ tokens "
                         "of context: faster for a lone long-context user, but a request's tokens may then differ in rare "

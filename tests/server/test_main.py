@@ -63,10 +63,14 @@ def test_defaults() -> None:
     assert split_formats(dataclasses.replace(engine, kernels=prefill_elsewhere), mosaic_available=True) == set()
     off = build_configs(build_parser().parse_args(["--split-q4-k", "off", "--split-q6-k", "on"]), {})[0]
     assert split_formats(off, True) == split_formats(off, False) == {"q6_k"}
-    # 0: auto, one thread per core on the CPU (never more than programs), one on a GPU
-    assert engine.compile_threads == 0 and engine.compile_workers("gpu", 12) == 1
-    cores = min(len(os.sched_getaffinity(0)), MAX_AUTO_COMPILE_THREADS)
-    assert engine.compile_workers("cpu", 1000) == cores and engine.compile_workers("cpu", 1) == 1
+    # 0: auto, one thread per usable core up to the backend's cap (never more than programs);
+    # one on a backend not measured
+    assert engine.compile_threads == 0
+    cores = len(os.sched_getaffinity(0))
+    for backend in ("cpu", "gpu"):
+        assert engine.compile_workers(backend, 1000) == min(cores, MAX_AUTO_COMPILE_THREADS[backend])
+        assert engine.compile_workers(backend, 1) == 1
+    assert engine.compile_workers("tpu", 12) == 1
 
 
 def test_flags(tmp_path: pathlib.Path) -> None:
