@@ -740,7 +740,8 @@ def qmatmul_mgpu(
         raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
     tuning = tuning or default_tuning(math.prod(x.shape[:-1]))
     if w.fmt == "q4_k_split" and not fuses_offsets(tuning):  # Q4_0's kernel, plus the offsets' XLA dot
-        return q4_k_split.matmul_via_q4_0(qmatmul_mgpu, x, w, layer, tuning=tuning)
+        return q4_k_split.matmul_via_q4_0(qmatmul_mgpu, x, w, layer, tuning=tuning,
+                                          offset_precision=q4_k_split.KERNEL_OFFSET_PRECISION)
     _check_supported(x, w, layer, tuning)
     n, k = w.shape
     lead = x.shape[:-1]

@@ -24,7 +24,8 @@ so the forward pass is unchanged: the reference dequantizes it (d (q - 8) + c); 
 matmul's decode kernel adds the offsets itself (its `fuse_offsets`: on the H200 a 7B Q4_K_M
 decode step took 4.22 ms, against 4.65 ms with them as XLA dots after it, bench/results,
 fourteenth session); its prefill kernel and the Triton matmul serve the format through
-`matmul_via_q4_0`: their Q4_0 kernel on `as_q4_0`, plus `offset_term` (Triton takes the
+`matmul_via_q4_0`: their Q4_0 kernel on `as_q4_0`, plus `offset_term` (at tf32 beside the
+Mosaic GPU kernel, `KERNEL_OFFSET_PRECISION`; f32 beside Triton's). (Triton takes the
 shapes and GPUs Mosaic refuses: a row-parallel shard with K = 5504, a GPU before Hopper).
 `bench/kernels.py` times it on the GPU as impl "mosaic_gpu:q4_k_split".
 """
@@ -81,20 +82,29 @@ def block_sums(x: jax.Array) -> jax.Array:
     return jnp.sum(jnp.reshape(x.astype(jnp.float32), (*x.shape[:-1], k // BLOCK, BLOCK)), axis=-1)
 
 
-def offset_term(x: jax.Array, w: QuantizedTensor, layer: jax.Array | int | None = None) -> jax.Array:
+def offset_term(x: jax.Array, w: QuantizedTensor, layer: jax.Array | int | None = None,
+                precision: jax.lax.Precision = jax.lax.Precision.HIGHEST) -> jax.Array:
     """x [..., K] -> [..., N] f32: the offsets' share of x @ w.T, block_sums(x) @ c (matrix
-    `layer` of a stack), in f32 (HIGHEST: a GPU would otherwise use tf32)."""
+    `layer` of a stack), in f32; `precision` HIGHEST by default (a GPU would otherwise use its
+    tensor cores' reduced-precision passes; see `KERNEL_OFFSET_PRECISION`)."""
     check_layer(w, layer)
     c = w.planes["c"]
     if layer is not None:
         c = jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False)
     xs = block_sums(x)
-    return jax.lax.dot_general(xs, c, (((xs.ndim - 1,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST,
+    return jax.lax.dot_general(xs, c, (((xs.ndim - 1,), (0,)), ((), ())), precision=precision,
                                preferred_element_type=jnp.float32)
 
 
+# The offsets' dot beside the Mosaic GPU kernels (the prefill kernel rounds the weights to bf16
+# itself): at HIGHEST the H200 ran it as f32 SIMT GEMMs, 4.3 ms of a 26.3 ms 7B Q4_K_M prefill
+# chunk of 512 tokens; at HIGH, as tf32 tensor-core GEMMs (an 11-bit significand, against the
+# kernel's 8-bit bf16 weights), the chunk took 22.8 ms (bench/results, fifteenth session).
+KERNEL_OFFSET_PRECISION = jax.lax.Precision.HIGH
+
+
 def matmul_via_q4_0(q4_0_matmul, x: jax.Array, w: QuantizedTensor, layer: jax.Array | int | None = None,
-                    **kwargs) -> jax.Array:
+                    offset_precision: jax.lax.Precision = jax.lax.Precision.HIGHEST, **kwargs) -> jax.Array:
     """x @ w.T for a "q4_k_split" w: `q4_0_matmul(x, as_q4_0(w), layer=layer, **kwargs)` (an
-    implementation of op "matmul" that takes Q4_0) plus `offset_term`."""
-    return q4_0_matmul(x, as_q4_0(w), layer=layer, **kwargs) + offset_term(x, w, layer)
+    implementation of op "matmul" that takes Q4_0) plus `offset_term` at `offset_precision`."""
+    return q4_0_matmul(x, as_q4_0(w), layer=layer, **kwargs) + offset_term(x, w, layer, offset_precision)
