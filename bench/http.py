@@ -42,6 +42,7 @@ import asyncio  # noqa: E402
 import contextlib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import select  # noqa: E402
 import shlex  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
@@ -160,52 +161,88 @@ class StreamingClient:
     streams, each request written whole, the response read chunk by chunk as it arrives. A load
     generator's own time is not the server's: httpx, on one event loop with 8 streams, put its
     own milliseconds into every TTFT it measured. This one does little more than the socket
-    reads (`--client httpx` keeps the other for comparison)."""
+    reads (`--client httpx` keeps the other for comparison). Plain http only."""
+
+    IDLE_S = 4.0  # a pooled connection idle longer is not reused (uvicorn closes them after 5 s)
+    CONNECT_TIMEOUT_S = 30.0
 
     def __init__(self, url: str) -> None:
         parts = urllib.parse.urlsplit(url)
+        if parts.scheme != "http":
+            raise ValueError(f"the streaming client speaks plain http, not {parts.scheme!r}: use --client httpx")
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.prefix = parts.path.rstrip("/")  # a server behind a path prefix
+        self.authority = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
         self._open: set[asyncio.StreamWriter] = set()
 
-    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    @staticmethod
+    def _closed_by_peer(writer: asyncio.StreamWriter) -> bool:
+        """An idle connection whose socket reads ready has been closed by the server (or holds
+        bytes nobody asked for): either way it is not reused."""
+        sock = writer.get_extra_info("socket")
+        return sock is None or bool(select.select([sock], [], [], 0)[0])
+
+    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bool]:
+        """A connection to write a request on, and whether it was reused from the pool."""
         while self._idle:
-            reader, writer = self._idle.pop()
-            if not writer.is_closing() and not reader.at_eof():
-                return reader, writer
+            reader, writer, since = self._idle.pop()
+            if (not writer.is_closing() and not reader.at_eof() and time.monotonic() - since < self.IDLE_S
+                    and not self._closed_by_peer(writer)):
+                return reader, writer, True
             self._close(writer)
-        reader, writer = await asyncio.open_connection(self.host, self.port)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), self.CONNECT_TIMEOUT_S)
         self._open.add(writer)
-        return reader, writer
+        return reader, writer, False
 
     def _close(self, writer: asyncio.StreamWriter) -> None:
         self._open.discard(writer)
         writer.close()
 
+    async def _send(self, request: bytes, record: common.StreamRecord | None) -> tuple[asyncio.StreamReader,
+                                                                                        asyncio.StreamWriter, bytes]:
+        """Writes `request` and reads the response's head. A reused connection that the server
+        closed before answering (nothing of a status line came back) is retried once on a new
+        one, as httpx does."""
+        while True:
+            reader, writer, reused = await self._connection()
+            try:
+                writer.write(request)
+                if record is not None:  # the transport has tried the socket's send in write()
+                    record.sent = time.perf_counter()
+                await writer.drain()
+                return reader, writer, await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError) as e:
+                self._close(writer)
+                if not reused or (isinstance(e, asyncio.IncompleteReadError) and e.partial):
+                    raise
+            except BaseException:
+                self._close(writer)
+                raise
+
     async def post(self, path: str, payload: dict[str, Any], record: common.StreamRecord | None = None):
-        """POST `payload` as JSON; yields the status code, then each piece of the body as it
-        arrives (a chunk of a chunked response). The connection goes back to the pool only when
-        the body was read to its end. `record.sent`: when the request was handed to the socket."""
+        """POST `payload` as JSON to `path` (under the URL's path); yields the status code, then
+        each piece of the body as it arrives (a chunk of a chunked response). The connection
+        goes back to the pool only when the body was read to its end. `record.sent`: when the
+        request was handed to the socket."""
         body = json.dumps(payload).encode()
-        reader, writer = await self._connection()
+        request = (f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.authority}\r\n"
+                   f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+        reader, writer, head_bytes = await self._send(request, record)
         reusable = False
         try:
-            writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-                         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-            if record is not None:  # the transport has tried the socket's send in write()
-                record.sent = time.perf_counter()
-            await writer.drain()
-            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+            head = head_bytes.decode("latin-1").split("\r\n")
             headers = {}
             for line in head[1:]:
                 name, _, value = line.partition(":")
                 headers[name.strip().lower()] = value.strip().lower()
             yield int(head[0].split(" ", 2)[1])
             if headers.get("transfer-encoding") == "chunked":
-                while size := int((await reader.readline()).split(b";")[0], 16):
+                while size := await _chunk_size(reader):
                     yield (await reader.readexactly(size + 2))[:-2]
-                while (await reader.readline()) not in (b"\r\n", b""):  # trailers
-                    pass
+                while (line := await reader.readline()) != b"\r\n":  # trailers
+                    if not line:
+                        raise asyncio.IncompleteReadError(b"", None)
             elif "content-length" in headers:
                 yield await reader.readexactly(int(headers["content-length"]))
             else:  # the body runs to the connection's end
@@ -215,7 +252,7 @@ class StreamingClient:
             reusable = headers.get("connection") != "close"
         finally:
             if reusable:
-                self._idle.append((reader, writer))
+                self._idle.append((reader, writer, time.monotonic()))
             else:
                 self._close(writer)
 
@@ -223,6 +260,14 @@ class StreamingClient:
         for writer in list(self._open):
             self._close(writer)
         self._idle.clear()
+
+
+async def _chunk_size(reader: asyncio.StreamReader) -> int:
+    """The size of the next chunk of a chunked body (its extensions dropped)."""
+    line = await reader.readline()
+    if not line.endswith(b"\n"):
+        raise asyncio.IncompleteReadError(line, None)
+    return int(line.split(b";")[0], 16)
 
 
 def completion_body(prompt: tuple[int, ...], max_tokens: int, seed: int) -> dict[str, Any]:
@@ -277,14 +322,28 @@ async def http_request(client, url: str, label: str, prompt: tuple[int, ...], ma
 
 async def _streaming_request(client: StreamingClient, body: dict[str, Any],
                              record: common.StreamRecord) -> common.StreamRecord:
-    response = client.post("/v1/completions", body, record)
-    status = await anext(response)
-    if status != 200:
-        text = b"".join([piece async for piece in response])
-        record.rejected = status == 429
-        if not record.rejected:
-            record.error = f"HTTP {status}: {text[:200]!r}"
-        return record
+    async with contextlib.aclosing(client.post("/v1/completions", body, record)) as response:
+        status = await anext(response)
+        if status != 200:
+            text = b"".join([piece async for piece in response])
+            record.rejected = status == 429
+            if not record.rejected:
+                record.error = f"HTTP {status}: {text[:200]!r}"
+            return record
+        pending = b""
+        more = True
+        async for piece in response:
+            now = time.perf_counter()
+            if not more:
+                continue  # read to the end, so that the connection is reused
+            *lines, pending = (pending + piece).split(b"\n")
+            for line in lines:
+                if not read_sse_line(record, line.decode().rstrip("\r"), now):
+                    more = False
+                    break
+        if more and pending:  # a last line without its newline
+            read_sse_line(record, pending.decode().rstrip("\r"), time.perf_counter())
+    return record
     pending = b""
     more = True
     async for piece in response:

@@ -256,9 +256,11 @@ class EngineConfig:
     # tracing and lowering (the Mosaic GPU kernels' layout inference, Python under the GIL) and
     # two thirds XLA compiling (without the GIL); 4 threads overlap them: a 7B Q4_K_M's 6
     # programs at context 512 in 57.7 s against 95.2 s, its 12 at 1024 in 151.8 against
-    # 239.9 s, and the programs built concurrently decoded no slower (305 / 2,397 against 285 /
-    # 2,233 tok/s at 1 / 8 users; XLA's autotuner, which times kernels on the device while it
-    # compiles, had been the worry).
+    # 239.9 s. The programs built concurrently decoded no slower (305 / 2,397 against 285 /
+    # 2,233 tok/s at 1 / 8 users) and prefilled no slower (15,831 against 15,568 tok/s, a
+    # session apart); XLA's autotuner, which times kernels on the device while it compiles, had
+    # been the worry. One figure went the other way in the A/B, unexplained and within the run
+    # to run spread seen before: TTFT joining 3 streams 24.4 against 19.9 ms.
     compile_threads: int = 0
     # Decode attention planned for few busy slots (where the chosen kernel has such a plan: the
     # Triton one from 1024-key context buckets), run when at most a quarter of the slots decode:

@@ -254,8 +254,6 @@ class ModelRunner:
                  for attend in self.context_buckets if self._few_rows_limit(attend, steps)]
         workers = self.engine_cfg.compile_workers(jax.default_backend(), len(jobs))
 
-        spent = {"lowering": 0.0, "compiling": 0.0}  # summed over the jobs (threads overlap)
-
         def build(job):
             kind, size, steps, attend, few_rows = job
             t0 = time.perf_counter()
@@ -263,11 +261,9 @@ class ModelRunner:
             t1 = time.perf_counter()
             compiled = lowered.compile()
             t2 = time.perf_counter()
-            spent["lowering"] += t1 - t0
-            spent["compiling"] += t2 - t1
             log.debug("compiled %s[%d]x%d attending %d%s in %.1f s (tracing and lowering %.1f s)", kind, size, steps,
                       attend, " (few rows)" if few_rows else "", t2 - t0, t1 - t0)
-            return (kind, size, attend, steps, few_rows), compiled
+            return (kind, size, attend, steps, few_rows), compiled, (t1 - t0, t2 - t1)
 
         t_all = time.perf_counter()
         if workers > 1:
@@ -278,12 +274,15 @@ class ModelRunner:
                 pool.shutdown(wait=True, cancel_futures=True)
         else:
             built = [build(job) for job in jobs]
-        self._compiled.update(built)
+        self._compiled.update((key, compiled) for key, compiled, _ in built)
+        # each job's wall times, summed: on several threads they include waits for the GIL
+        # (tracing and lowering hold it) and for the cores, so they exceed the work done
+        lowering, compiling = (sum(times[i] for _, _, times in built) for i in (0, 1))
         log.info(
             "compiled %d step programs (decode[%d] x steps %s, prefill%s; context buckets %s) in %.1f s on %d "
-            "thread(s): tracing and lowering %.1f s, XLA compiling %.1f s (summed over threads)", len(self._compiled),
-            self.num_slots, list(self.decode_steps), list(self.prefill_chunks), list(self.context_buckets),
-            time.perf_counter() - t_all, workers, spent["lowering"], spent["compiling"],
+            "thread(s); per-program wall times summed: tracing and lowering %.1f s, XLA compiling %.1f s",
+            len(self._compiled), self.num_slots, list(self.decode_steps), list(self.prefill_chunks),
+            list(self.context_buckets), time.perf_counter() - t_all, workers, lowering, compiling,
         )
 
     def _few_rows_limit(self, attend: int, steps: int) -> int:

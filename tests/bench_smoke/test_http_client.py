@@ -1,12 +1,15 @@
 """bench/http.py's StreamingClient against a hand-written HTTP/1.1 server: chunked bodies (with
 chunk extensions and trailers) and sized ones, errors and 429s, connections kept alive and reused,
-or closed where the server says so."""
+or closed where the server says so or closes them while idle; and the httpx path reading the same
+streams to the same records."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+
+import httpx
 
 from bench import common, http
 
@@ -25,6 +28,7 @@ class Server:
     def __init__(self) -> None:
         self.connections = 0
         self.requests: list[dict] = []
+        self.close_idle = False  # close each connection right after its response
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -40,7 +44,7 @@ class Server:
                 length = int(headers["content-length"])
                 body = json.loads(await reader.readexactly(length))
                 self.requests.append(body)
-                if not await self.respond(body["mode"], writer):
+                if not await self.respond(body.get("mode", "chunked"), writer) or self.close_idle:
                     return
         finally:
             writer.close()
@@ -54,7 +58,7 @@ class Server:
                       sse({"choices": [], "usage": {"completion_tokens": 3}}), b"data: [DONE]\n\n"]
             for i, frame in enumerate(frames):
                 ext = b";x=1" if i == 1 else b""
-                # the second frame arrives split across two chunks
+                # the finishing frame arrives split across two chunks
                 parts = [frame[:7], frame[7:]] if i == 2 else [frame]
                 for part in parts:
                     writer.write(b"%x%s\r\n%s\r\n" % (len(part), ext, part))
@@ -69,37 +73,90 @@ class Server:
         return True
 
 
-def test_streaming_client_reads_each_kind_of_response():
+def run(scenario) -> None:
+    """`scenario(server, url)` against a fresh Server, within 30 s."""
     async def main():
         server = Server()
         listener = await asyncio.start_server(server.handle, "127.0.0.1", 0)
-        port = listener.sockets[0].getsockname()[1]
-        client = http.StreamingClient(f"http://127.0.0.1:{port}")
-
-        async def request(mode: str) -> common.StreamRecord:
-            record = common.StreamRecord(mode, time.perf_counter())
-            return await http._streaming_request(client, {"mode": mode}, record)
-
         try:
-            first = await request("chunked")
-            assert [n for _, n in first.arrivals] == [1, 1, 1]
-            assert (first.finish_reason, first.reported_tokens, first.error) == ("length", 3, None)
-            assert first.sent is not None and first.arrivals[0][0] >= first.sent
-            busy, bad = await request("busy"), await request("bad")
-            assert busy.rejected and busy.error is None and not busy.arrivals
-            assert not bad.rejected and bad.error.startswith("HTTP 400") and "bad max_tokens" in bad.error
-            assert server.connections == 1  # every response above was read to its end: one connection
-            closing = await request("close")
-            assert [n for _, n in closing.arrivals] == [1, 1, 1]
-            await request("chunked")
-            assert server.connections == 2  # the server closed the last one: a new one was opened
-            # concurrent requests each get a connection of their own
-            records = await asyncio.gather(*(request("chunked") for _ in range(3)))
-            assert all(r.num_tokens == 3 for r in records) and server.connections == 4
-            assert len(server.requests) == 8
+            await asyncio.wait_for(scenario(server, f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"), 30)
         finally:
-            await client.aclose()
             listener.close()
             await listener.wait_closed()
 
     asyncio.run(main())
+
+
+async def request(client: http.StreamingClient, mode: str) -> common.StreamRecord:
+    return await http._streaming_request(client, {"mode": mode}, common.StreamRecord(mode, time.perf_counter()))
+
+
+def test_streaming_client_reads_each_kind_of_response():
+    async def scenario(server: Server, url: str) -> None:
+        client = http.StreamingClient(url)
+        try:
+            first = await request(client, "chunked")
+            assert [n for _, n in first.arrivals] == [1, 1, 1]
+            assert (first.finish_reason, first.reported_tokens, first.error) == ("length", 3, None)
+            assert first.sent is not None and first.arrivals[0][0] >= first.sent
+            busy, bad = await request(client, "busy"), await request(client, "bad")
+            assert busy.rejected and busy.error is None and not busy.arrivals
+            assert not bad.rejected and bad.error.startswith("HTTP 400") and "bad max_tokens" in bad.error
+            assert server.connections == 1  # every response above was read to its end: one connection
+            closing = await request(client, "close")
+            assert [n for _, n in closing.arrivals] == [1, 1, 1]
+            await request(client, "chunked")
+            assert server.connections == 2  # the server closed the last one: a new one was opened
+            # concurrent requests each get a connection of their own
+            records = await asyncio.gather(*(request(client, "chunked") for _ in range(3)))
+            assert all(r.num_tokens == 3 for r in records) and server.connections == 4
+            assert len(server.requests) == 8
+        finally:
+            await client.aclose()
+
+    run(scenario)
+
+
+def test_streaming_client_does_not_reuse_a_connection_the_server_closed():
+    async def scenario(server: Server, url: str) -> None:
+        server.close_idle = True  # as uvicorn does to a keep-alive connection idle for 5 s
+        client = http.StreamingClient(url)
+        try:
+            for i in range(3):
+                # a client busy elsewhere (its loop blocked): the close reaches its socket while
+                # the loop cannot see it, so the pooled connection does not look closed yet
+                time.sleep(0.1)
+                record = await request(client, "chunked")
+                assert record.num_tokens == 3 and record.error is None
+                assert server.connections == i + 1
+        finally:
+            await client.aclose()
+
+    run(scenario)
+
+
+def test_httpx_path_reads_the_same_records():
+    async def scenario(server: Server, url: str) -> None:
+        streaming = http.StreamingClient(url)
+        try:
+            async with httpx.AsyncClient() as client:
+                pair = [await http.http_request(c, url, "x", (1, 2), 3, 0) for c in (streaming, client)]
+        finally:
+            await streaming.aclose()
+        for record in pair:
+            assert ([n for _, n in record.arrivals], record.finish_reason, record.reported_tokens) == ([1, 1, 1], "length", 3)
+        assert pair[0].sent is not None and pair[1].sent is None
+        assert server.requests[0] == server.requests[1] == http.completion_body((1, 2), 3, 0)
+
+    run(scenario)
+
+
+def test_streaming_client_takes_plain_http_urls_with_a_prefix():
+    client = http.StreamingClient("http://[::1]:8080/api/")
+    assert (client.host, client.port, client.prefix, client.authority) == ("::1", 8080, "/api", "[::1]:8080")
+    try:
+        http.StreamingClient("https://example.com")
+    except ValueError as e:
+        assert "--client httpx" in str(e)
+    else:
+        raise AssertionError("https was taken")

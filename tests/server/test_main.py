@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import unittest.mock
 
 import pytest
 
@@ -71,6 +72,8 @@ def test_defaults() -> None:
         assert engine.compile_workers(backend, 1000) == min(cores, MAX_AUTO_COMPILE_THREADS[backend])
         assert engine.compile_workers(backend, 1) == 1
     assert engine.compile_workers("tpu", 12) == 1
+    with unittest.mock.patch("model.config._usable_cores", return_value=16):  # the caps themselves
+        assert (engine.compile_workers("cpu", 12), engine.compile_workers("gpu", 12)) == (8, 4)
 
 
 def test_flags(tmp_path: pathlib.Path) -> None:
