@@ -274,6 +274,12 @@ class EngineConfig:
     # For A/B measurements: the kernel's own write saved 64 kernels and 89-97 us per step of a 7B
     # at 200 tokens of context on the H200 (bench/results, twelfth session).
     separate_kv_write: bool = False
+    # The Mosaic GPU matmuls called through `pallas_kernels.lowering_cache.LoweredOnce`: each
+    # kernel lowered once per shape for all the step programs instead of once per program (on
+    # the H200, 1.5 s per kernel and program, under the GIL). One device only. Off until measured
+    # on the GPU: the kernels it emits are byte for byte the direct ones (tests), but neither the
+    # start-up it saves nor the step times of its programs have been measured there yet.
+    reuse_kernel_lowering: bool = False
     # Q4_K matrices split at load into Q4_0's codes and block scales (rounded to f16: a weight
     # moves by at most 2^-11 of its scaled code) plus an f32 offset per block and row, 22% more
     # bytes, so that Q4_0's kernels serve them: on a Hopper GPU the Mosaic matmul (its decode

@@ -10,14 +10,15 @@ every shape of a format, each shape gets its own (`matmul_decode[q4_0 4096x5504]
 beside `matmul_decode[q4_0 6144x4096]: mosaic_gpu`). Every choice is logged and
 shown on /health (e.g. `matmul_decode[q4_0]: mosaic_gpu`, `matmul[q4_0]: mosaic_gpu` for prefill,
 `matmul[q6_k]: triton`; `--kernels matmul_decode=...` forces the decode one alone); a chosen kernel
-that fails at run time raises, it never falls back.
+that fails at run time raises, it never falls back. With `EngineConfig.reuse_kernel_lowering`
+the Mosaic GPU matmuls are lowered once for all the step programs (`LoweredOnce`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,7 @@ from model import sharding
 from model.forward import Kernels
 from model.weights import Params
 from pallas_kernels import registry
+from pallas_kernels.lowering_cache import LoweredOnce
 from pallas_kernels.quant import QuantizedTensor
 
 log = logging.getLogger(__name__)
@@ -106,27 +108,30 @@ def _shard_shapes(w: QuantizedTensor, splits: set[str], tp: int) -> list[Quantiz
 
 
 def _choose_matmuls(op: str, fmt: str, shapes: list[QuantizedTensor], rows: list[int], act_dtype, forced: str | None,
-                    fns: dict, names: dict[str, str]) -> None:
+                    fns: dict, names: dict[str, str], wrap: Callable[[Any, str], Any] = lambda fn, name: fn) -> None:
     """The matmul of one format and regime: the first implementation that takes every shape,
     `{op}[{fmt}]`. Where none does, each shape (N, K) gets the first that takes it, named
     `{op}[{fmt} NxK]`: under tensor parallelism a shard can leave one kernel's tiling (the Mosaic
     decode kernel and a row-parallel 4096x5504 w_down shard of a 7B) and only that shard should
-    lose it. Forced, one implementation must take them all."""
+    lose it. Forced, one implementation must take them all. `wrap(fn, impl name)` is what the
+    chosen function is called through."""
     def probes(ws):
         return [(jax.ShapeDtypeStruct((m, w.shape[1]), act_dtype), w) for w in ws for m in rows]
 
     unique = list({w.shape: w for w in shapes}.values())
     if forced is not None:
-        fns[fmt], names[f"{op}[{fmt}]"] = _choose("matmul", forced, probes(unique))
+        fn, names[f"{op}[{fmt}]"] = _choose("matmul", forced, probes(unique))
+        fns[fmt] = wrap(fn, names[f"{op}[{fmt}]"])
         return
     # Each shape's first taker; when they agree, no implementation before it takes every shape.
     per_shape = [_choose("matmul", None, probes([w])) for w in unique]
     if len({name for _, name in per_shape}) == 1:
-        fns[fmt], names[f"{op}[{fmt}]"] = per_shape[0]
+        fn, names[f"{op}[{fmt}]"] = per_shape[0]
+        fns[fmt] = wrap(fn, names[f"{op}[{fmt}]"])
         return
     for w, (fn, name) in zip(unique, per_shape):
         n, k = w.shape
-        fns[(fmt, n, k)], names[f"{op}[{fmt} {n}x{k}]"] = fn, name
+        fns[(fmt, n, k)], names[f"{op}[{fmt} {n}x{k}]"] = wrap(fn, name), name
 
 
 def choose_kernels(
@@ -155,12 +160,13 @@ def choose_kernels(
     # Keyed by format, or by (format, N, K) for a shape whose choice differs from its format's.
     decode_fns: dict[Any, Any] = {}
     prefill_fns: dict[Any, Any] = {}
+    wrap = _lowering_reuse(engine_cfg)
     for fmt, ws in mats.items():
         for op, fns, rows, force in (
             ("matmul_decode", decode_fns, [decode_rows], forced.get("matmul_decode", forced.get("matmul"))),
             ("matmul", prefill_fns, prefill_rows, forced.get("matmul")),
         ):
-            _choose_matmuls(op, fmt, ws, rows, act_dtype, force, fns, names)
+            _choose_matmuls(op, fmt, ws, rows, act_dtype, force, fns, names, wrap)
 
     embed_w = _matrices(Params(params.embed, None, params.output_norm, None, [], False))
     embed_fn, names["embed"] = _choose(
@@ -196,6 +202,24 @@ def choose_kernels(
                    decode_few_rows_limit=few_rows_limit,
                    decode_writes_cache=bool(getattr(dec_fn, "writes_cache", False)) and not engine_cfg.separate_kv_write,
                    ), names
+
+
+def _lowering_reuse(engine_cfg: EngineConfig) -> Callable[[Any, str], Any]:
+    """`wrap` for `_choose_matmuls`: with EngineConfig.reuse_kernel_lowering on one device, each
+    Mosaic GPU matmul goes through a `LoweredOnce` of its own (shared by every program)."""
+    if not engine_cfg.reuse_kernel_lowering:
+        return lambda fn, name: fn
+    if engine_cfg.tensor_parallel != 1:
+        log.warning("reuse_kernel_lowering is for one device; with tensor parallelism every program lowers its kernels")
+        return lambda fn, name: fn
+    wrapped: dict[int, LoweredOnce] = {}  # one per implementation function: decode and prefill share theirs
+
+    def wrap(fn: Any, name: str) -> Any:
+        if not name.startswith("mosaic_gpu"):
+            return fn
+        return wrapped.setdefault(id(fn), LoweredOnce(fn, "cuda"))
+
+    return wrap
 
 
 def _few_rows_limit(dec_fn, num_rows: int, kv_heads: int, groups: int, head_dim: int, itemsize: int,

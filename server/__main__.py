@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--separate-kv-write", action="store_true",
                    help="write each decode step's keys and values with XLA scatters before the attention kernel, "
                         "not inside it (for A/B measurements)")
+    p.add_argument("--reuse-kernel-lowering", action="store_true",
+                   help="lower each Mosaic GPU matmul kernel once for all step programs (one GPU; faster start-up, "
+                        "not yet measured)")
     p.add_argument("--split-q4-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
                    help="split Q4_K matrices at load for Q4_0's kernels (Q4_0 codes, f16 block scales, f32 offsets: "
                         "22%% more weight bytes); auto (default): where Q4_0's Mosaic GPU matmul serves them (one "
@@ -183,6 +186,7 @@ def build_configs(args: argparse.Namespace, environ: dict[str, str] | os._Enviro
         unroll_decode_layers=args.unroll_decode_layers,
         few_rows_attention=args.few_rows_attention,
         separate_kv_write=args.separate_kv_write,
+        reuse_kernel_lowering=args.reuse_kernel_lowering,
         split_q4_k=args.split_q4_k,
         split_q6_k=args.split_q6_k,
     )
