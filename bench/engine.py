@@ -67,6 +67,7 @@ def build_config(
     kernels: tuple[tuple[str, str], ...] = (), tensor_parallel: int = 1, unroll_decode_layers: str = "auto",
     compile_threads: int = 0, few_rows_attention: bool = False, separate_kv_write: bool = False,
     split_q4_k: str = "auto", split_q6_k: str = "auto", reuse_kernel_lowering: bool = False,
+    prefill_cuda_graphs: bool = True,
 ) -> EngineConfig:
     """The EngineConfig `python -m server` builds from the same flags."""
     chunks = prefill_chunks_for(prefill_budget, prefill_chunks)
@@ -75,7 +76,7 @@ def build_config(
         max_queue=max_queue, kv_dtype=kv_dtype, decode_steps_per_dispatch=decode_steps,
         unroll_decode_layers=unroll_decode_layers, compile_threads=compile_threads,
         few_rows_attention=few_rows_attention, separate_kv_write=separate_kv_write, split_q4_k=split_q4_k,
-        split_q6_k=split_q6_k, reuse_kernel_lowering=reuse_kernel_lowering,
+        split_q6_k=split_q6_k, reuse_kernel_lowering=reuse_kernel_lowering, prefill_cuda_graphs=prefill_cuda_graphs,
     )
 
 
@@ -304,6 +305,7 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         *(["--few-rows-attention"] if args.few_rows_attention else []),
         *(["--separate-kv-write"] if args.separate_kv_write else []),
         *(["--reuse-kernel-lowering"] if args.reuse_kernel_lowering else []),
+        *([] if args.prefill_cuda_graphs else ["--no-prefill-cuda-graphs"]),
         "--split-q4-k", args.split_q4_k, "--split-q6-k", args.split_q6_k,
         *(["--prefill-chunks", ",".join(map(str, args.prefill_chunks))] if args.prefill_chunks else []),
         *(["--kernels", ",".join(f"{op}={impl}" for op, impl in args.kernels)] if args.kernels else []),
@@ -329,7 +331,8 @@ def startup_only(args: argparse.Namespace) -> int:
                          unroll_decode_layers=args.unroll_decode_layers, compile_threads=args.compile_threads,
                          few_rows_attention=args.few_rows_attention, separate_kv_write=args.separate_kv_write,
                          split_q4_k=args.split_q4_k, split_q6_k=args.split_q6_k,
-                         reuse_kernel_lowering=args.reuse_kernel_lowering))
+                         reuse_kernel_lowering=args.reuse_kernel_lowering,
+                         prefill_cuda_graphs=args.prefill_cuda_graphs))
     startup["cache_entries_before"] = entries
     startup["cache_entries_after"] = len(os.listdir(args.cache_dir))
     engine.shutdown(60)
@@ -357,7 +360,8 @@ def main_run(args: argparse.Namespace) -> int:
                          unroll_decode_layers=args.unroll_decode_layers, compile_threads=args.compile_threads,
                          few_rows_attention=args.few_rows_attention, separate_kv_write=args.separate_kv_write,
                          split_q4_k=args.split_q4_k, split_q6_k=args.split_q6_k,
-                         reuse_kernel_lowering=args.reuse_kernel_lowering)
+                         reuse_kernel_lowering=args.reuse_kernel_lowering,
+                         prefill_cuda_graphs=args.prefill_cuda_graphs)
         profile = cProfile.Profile() if getattr(args, "profile_engine", False) else None
         engine, startup = start_engine(args.model, config, profile)
         startup["cache_entries_before"] = entries
@@ -401,6 +405,7 @@ def main_run(args: argparse.Namespace) -> int:
                           "few_rows_attention": config.few_rows_attention,
                           "separate_kv_write": config.separate_kv_write,
                           "reuse_kernel_lowering": config.reuse_kernel_lowering,
+                          "prefill_cuda_graphs": config.prefill_cuda_graphs,
                           "split_q4_k": config.split_q4_k, "split_q6_k": config.split_q6_k,
                           "split_formats": engine_info.get("split_formats"),
                           "tensor_parallel": config.tensor_parallel},
@@ -511,6 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--separate-kv-write", action="store_true",
                     help="the decode step's KV write as XLA scatters, not in the attention kernel (server "
                          "--separate-kv-write)")
+    ap.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
+                    help="prefill programs without XLA's command buffers (server --no-prefill-cuda-graphs)")
     ap.add_argument("--reuse-kernel-lowering", action="store_true",
                     help="each Mosaic GPU matmul kernel lowered once for all programs (server --reuse-kernel-lowering)")
     ap.add_argument("--split-q4-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,

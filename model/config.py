@@ -280,6 +280,13 @@ class EngineConfig:
     # on the GPU: the kernels it emits are byte for byte the direct ones (tests), but neither the
     # start-up it saves nor the step times of its programs have been measured there yet.
     reuse_kernel_lowering: bool = False
+    # The prefill programs compiled with XLA's command buffers (CUDA graphs) on a GPU, as the
+    # decode ones are. Off (`--no-prefill-cuda-graphs`) XLA launches a prefill chunk's ~900
+    # kernels one by one, so the device starts on the first while the host launches the rest; a
+    # 7B Q4_K_M chunk's one graph launch held the host for 2.3 ms (bench/results, fifteenth
+    # session), and the engine's 512-token TTFT exceeds the program alone by 3-5 ms. For A/B
+    # measurements: not yet measured either way.
+    prefill_cuda_graphs: bool = True
     # Q4_K matrices split at load into Q4_0's codes and block scales (rounded to f16: a weight
     # moves by at most 2^-11 of its scaled code) plus an f32 offset per block and row, 22% more
     # bytes, so that Q4_0's kernels serve them: on a Hopper GPU the Mosaic matmul (its decode

@@ -259,7 +259,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             lowered = self._jitted(kind, attend, steps, few_rows).lower(*self._example_args(kind, size))
             t1 = time.perf_counter()
-            compiled = lowered.compile()
+            compiled = lowered.compile(compiler_options=self._compiler_options(kind))
             t2 = time.perf_counter()
             log.debug("compiled %s[%d]x%d attending %d%s in %.1f s (tracing and lowering %.1f s)", kind, size, steps,
                       attend, " (few rows)" if few_rows else "", t2 - t0, t1 - t0)
@@ -284,6 +284,13 @@ class ModelRunner:
             len(self._compiled), self.num_slots, list(self.decode_steps), list(self.prefill_chunks),
             list(self.context_buckets), time.perf_counter() - t_all, workers, lowering, compiling,
         )
+
+    def _compiler_options(self, kind: str) -> dict[str, str] | None:
+        """XLA options of a program of `kind`: none but, on a GPU with
+        EngineConfig.prefill_cuda_graphs off, no command buffers for the prefill programs."""
+        if kind == "prefill" and not self.engine_cfg.prefill_cuda_graphs and jax.default_backend() == "gpu":
+            return {"xla_gpu_enable_command_buffer": ""}
+        return None
 
     def _few_rows_limit(self, attend: int, steps: int) -> int:
         """The most busy slots for which decode runs its program with attention planned for few

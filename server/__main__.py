@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--separate-kv-write", action="store_true",
                    help="write each decode step's keys and values with XLA scatters before the attention kernel, "
                         "not inside it (for A/B measurements)")
+    p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
+                   help="compile the prefill programs without XLA's command buffers (CUDA graphs; for A/B "
+                        "measurements)")
     p.add_argument("--reuse-kernel-lowering", action="store_true",
                    help="lower each Mosaic GPU matmul kernel once for all step programs (one GPU; faster start-up, "
                         "not yet measured)")
@@ -187,6 +190,7 @@ def build_configs(args: argparse.Namespace, environ: dict[str, str] | os._Enviro
         few_rows_attention=args.few_rows_attention,
         separate_kv_write=args.separate_kv_write,
         reuse_kernel_lowering=args.reuse_kernel_lowering,
+        prefill_cuda_graphs=args.prefill_cuda_graphs,
         split_q4_k=args.split_q4_k,
         split_q6_k=args.split_q6_k,
     )

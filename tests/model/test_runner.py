@@ -3,10 +3,13 @@ nothing compiled after warm-up."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
+import unittest.mock
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -203,3 +206,17 @@ def test_few_busy_slots_run_the_decode_programs_planned_for_them(smollm2, prompt
     ran.clear()
     runner.dispatch(StepPlan(decode_slots=(0, 1), num_decode_steps=2)).results()  # (slot 1: no prompt, no matter)
     assert ran == [(1024, False)]  # two busy slots: the plan for all
+
+
+def test_prefill_programs_may_compile_without_cuda_graphs(smol_runner):
+    """EngineConfig.prefill_cuda_graphs off: the prefill programs' XLA options turn command
+    buffers off on a GPU; decode keeps them, and the CPU gets no options at all."""
+    runner = copy.copy(smol_runner)
+    assert runner._compiler_options("prefill") is None and runner._compiler_options("decode") is None
+    runner.engine_cfg = dataclasses.replace(smol_runner.engine_cfg, prefill_cuda_graphs=False)
+    assert runner._compiler_options("prefill") is None  # this CPU
+    with unittest.mock.patch("jax.default_backend", return_value="gpu"):
+        assert runner._compiler_options("prefill") == {"xla_gpu_enable_command_buffer": ""}
+        assert runner._compiler_options("decode") is None
+    # an option XLA takes (a misspelt one fails the compile: "No such compile option")
+    jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile(compiler_options={"xla_gpu_enable_command_buffer": ""})
