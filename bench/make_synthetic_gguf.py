@@ -421,10 +421,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quant", required=True, choices=QUANTS)
     ap.add_argument("--out", required=True, type=pathlib.Path)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=0, help="another number of layers than the shape's (0: its own)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    summary = write_gguf(args.out, SHAPES[args.shape], args.quant, args.seed)
+    shape = SHAPES[args.shape]
+    if args.layers:
+        shape = dataclasses.replace(shape, num_layers=args.layers)
+    summary = write_gguf(args.out, shape, args.quant, args.seed)
     print(
         f"wrote {summary['path']}: {summary['file_bytes'] / 2**20:,.1f} MiB, {summary['shape']} {summary['quant']} "
         f"({', '.join(f'{k} x{v}' for k, v in sorted(summary['matrix_types'].items()))}) in {summary['total_s']:.1f} s "

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
-from model.weights import Params
+from model.weights import LayerGroup, Params
 from pallas_kernels.attention import pack_decode_write
 from pallas_kernels.quant import QuantizedTensor
 
@@ -256,7 +256,9 @@ def _layer_consts(cfg: ModelConfig, params: Params, layer: jax.Array | int):
 
 
 def _run_layers(params: Params, cache: KVCache, body: Callable, unroll: bool = False):
-    """Applies body(layer_params, cache, layer_index, x) -> (x, cache) over all layers.
+    """Applies body(layer_params, cache, layer_index, x, stack_index) -> (x, cache) over all
+    layers; the body reads a stacked matrix at `stack_index`, the cache and per-layer constants
+    at `layer_index`.
 
     The body writes into the whole [L, ...] cache in place (scatter at [layer, ...]): slicing a
     layer out and setting it back copies the cache every layer, which dominated decode time.
@@ -266,30 +268,39 @@ def _run_layers(params: Params, cache: KVCache, body: Callable, unroll: bool = F
     small vectors (norms, biases) are sliced. `unroll` emits the body once per layer with the
     layer index a Python int: no while loop, and every index the kernels take is an HLO constant
     (an unrolled scan's indices are slices of an iota, one small kernel per layer on the GPU).
+    A list of layers runs in order: a layer dict once, a `LayerGroup` as a scan over its
+    repeats (each step its phases in order), unrolled with `unroll`.
     """
 
-    def layer_params(i):
+    def sliced(layers: dict, i):
         return {k: v if isinstance(v, QuantizedTensor) else jax.lax.dynamic_index_in_dim(v, i, 0, keepdims=False)
-                for k, v in params.layers.items()}
+                for k, v in layers.items()}
 
-    def step(carry, i):
-        x, c = carry
-        x, c = body(layer_params(i), c, i, x)
-        return (x, c), None
+    def run_group(group: LayerGroup, x, c):
+        def repeat(carry, r):
+            x, c = carry
+            for j, phase in enumerate(group.phases):
+                x, c = body(sliced(phase, r), c, group.start + r * group.period + j, x, r)
+            return (x, c), None
+
+        if unroll:
+            for r in range(group.repeats):
+                (x, c), _ = repeat((x, c), r)
+            return x, c
+        (x, c), _ = jax.lax.scan(repeat, (x, c), jnp.arange(group.repeats))
+        return x, c
 
     def run(x):
-        if params.is_stacked and not unroll:
-            n = cache.k.shape[0]
-            (x, c), _ = jax.lax.scan(step, (x, cache), jnp.arange(n))
-            return x, c
         if params.is_stacked:
-            c = cache
-            for i in range(cache.k.shape[0]):
-                x, c = body(layer_params(i), c, i, x)
-            return x, c
-        c = cache
-        for i, lp in enumerate(params.layers):
-            x, c = body(lp, c, i, x)
+            return run_group(LayerGroup([params.layers], 0, cache.k.shape[0]), x, cache)
+        c, i = cache, 0
+        for entry in params.layers:
+            if isinstance(entry, LayerGroup):
+                x, c = run_group(entry, x, c)
+                i += entry.period * entry.repeats
+            else:
+                x, c = body(entry, c, i, x, None)
+                i += 1
         return x, c
 
     return run
@@ -331,10 +342,10 @@ def decode(
     rows = jnp.arange(b)  # distinct and ascending: write_decode declares its indices sorted and unique
     few = {"few_rows": True} if few_rows else {}  # only implementations with such a plan take it
 
-    def body(lp, c: KVCache, i, x):  # x [B, E]
+    def body(lp, c: KVCache, i, x, w_index):  # x [B, E]
         inv_freq, window = _layer_consts(cfg, params, i)
         h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-        q, k, v = _qkv(cfg, kern, lp, i, h, pos, inv_freq)
+        q, k, v = _qkv(cfg, kern, lp, w_index, h, pos, inv_freq)
         k, v = _fit_cache(k, c.k.dtype), _fit_cache(v, c.v.dtype)
         if kern.decode_writes_cache:
             attn, ck, cv = kern.attention_decode(pack_decode_write(q, k, v), c.k, c.v, pos, cfg.scale, window,
@@ -344,7 +355,7 @@ def decode(
             c = c.write_decode(i, rows, write_pos, k, v)
             attn = kern.attention_decode(q, c.k, c.v, pos, cfg.scale, window, layer=i, span=attend or s,
                                          **few)  # [B, H, D]
-        return _attn_out_and_ffn(cfg, kern, lp, i, x, attn), c
+        return _attn_out_and_ffn(cfg, kern, lp, w_index, x, attn), c
 
     x = _embed(cfg, kern, params, tokens)
     x, cache = _run_layers(params, cache, body, unroll)(x)
@@ -366,14 +377,14 @@ def prefill(
     s = cache.max_context
     pos = start_pos + jnp.arange(t)
 
-    def body(lp, c: KVCache, i, x):  # x [T, E]
+    def body(lp, c: KVCache, i, x, w_index):  # x [T, E]
         inv_freq, window = _layer_consts(cfg, params, i)
         h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-        q, k, v = _qkv(cfg, kern, lp, i, h, pos, inv_freq)
+        q, k, v = _qkv(cfg, kern, lp, w_index, h, pos, inv_freq)
         c = c.write_prefill(i, slot, start_pos, num_valid, _fit_cache(k, c.k.dtype), _fit_cache(v, c.v.dtype))
         attn = kern.attention_prefill(q, c.k, c.v, start_pos, cfg.scale, window, layer=i, slot=slot,
                                       span=attend or s)  # [T, H, D]
-        return _attn_out_and_ffn(cfg, kern, lp, i, x, attn), c
+        return _attn_out_and_ffn(cfg, kern, lp, w_index, x, attn), c
 
     x = _embed(cfg, kern, params, tokens)
     x, cache = _run_layers(params, cache, body)(x)

@@ -33,7 +33,7 @@ import pallas_kernels.matmul_triton  # noqa: F401
 from model.config import EngineConfig, ModelConfig
 from model import sharding
 from model.forward import Kernels
-from model.weights import Params
+from model.weights import LayerGroup, Params
 from pallas_kernels import registry
 from pallas_kernels.lowering_cache import LoweredOnce
 from pallas_kernels.quant import QuantizedTensor
@@ -64,9 +64,10 @@ def _matrices(params: Params) -> dict[tuple[str, int, int], tuple[QuantizedTenso
                 found[key] = (QuantizedTensor(planes, node.fmt, node.shape), set())
             found[key][1].add(split)
 
-    for layer in [params.layers] if isinstance(params.layers, dict) else params.layers:
-        for name, value in layer.items():
-            visit(value, "row" if name in sharding.ROW_SPLIT else "column")
+    for entry in [params.layers] if isinstance(params.layers, dict) else params.layers:
+        for layer in entry.phases if isinstance(entry, LayerGroup) else [entry]:
+            for name, value in layer.items():
+                visit(value, "row" if name in sharding.ROW_SPLIT else "column")
     visit(params.embed, "column")  # vocab-parallel
     if params.output is not None:
         visit(params.output, "column")

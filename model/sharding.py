@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from model.config import ModelConfig
 from model.forward import Kernels, KVCache
-from model.weights import Params
+from model.weights import LayerGroup, Params
 from pallas_kernels.quant import QuantizedTensor
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,15 @@ def param_specs(params: Params, tp: int) -> Params:
     if params.is_stacked:
         layers: Any = _layer_specs(params.layers, tp, "blk.*")
     else:
-        layers = [_layer_specs(lp, tp, f"blk.{i}") for i, lp in enumerate(params.layers)]
+        layers, i = [], 0  # i: the model's index of the list's next layer
+        for lp in params.layers:
+            if isinstance(lp, LayerGroup):
+                layers.append(LayerGroup([_layer_specs(ph, tp, f"blk.{lp.start + j}+{lp.period}x{lp.repeats}")
+                                          for j, ph in enumerate(lp.phases)], lp.start, lp.repeats))
+                i += lp.period * lp.repeats
+            else:
+                layers.append(_layer_specs(lp, tp, f"blk.{i}"))
+                i += 1
     return Params(
         embed=tensor_spec("token_embd", "embed", params.embed, tp),
         output=None if params.output is None else tensor_spec("output", "output", params.output, tp),

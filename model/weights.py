@@ -3,7 +3,10 @@
 Each matrix is repacked once (`pallas_kernels.quant.repack`) into the planes the kernels read
 and put on the device one at a time, so the host never holds the model twice. Layers whose
 tensors share formats and shapes are stacked along a leading [L] axis so the forward pass can
-`lax.scan` over them (one compiled layer body); otherwise layers stay a list and are unrolled.
+`lax.scan` over them (one compiled layer body). Otherwise layers stay a list, in which runs
+that repeat with a short period become `LayerGroup`s, scanned too: llama.cpp's Q4_K_M gives
+Q6_K to `attn_v` and `ffn_down` in the first and last eighth of the layers and in every third
+one between, so a 32-layer file is 4 + 8 x 3 + 4 layers, five layer bodies instead of 32.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ _LAYER_TENSORS: dict[str, tuple[str, bool, bool]] = {
 
 @dataclasses.dataclass
 class Params:
-    """Device weights. `layers` is one dict of [L]-stacked leaves, or a list of per-layer dicts."""
+    """Device weights. `layers` is one dict of [L]-stacked leaves, or a list of per-layer dicts
+    and `LayerGroup`s in layer order."""
 
     embed: quant.QuantizedTensor  # [V, E]
     output: quant.QuantizedTensor | None  # [V, E]; None when tied to embed
@@ -63,6 +67,59 @@ class Params:
 
 
 jax.tree_util.register_pytree_node(Params, Params.tree_flatten, Params.tree_unflatten)
+
+
+@dataclasses.dataclass
+class LayerGroup:
+    """Layers start .. start + period x repeats - 1 of a list of layers, where layer start +
+    r x period + j has the signature of layer start + j: `phases[j]` is the dict of those
+    layers' leaves stacked on a leading [repeats] axis."""
+
+    phases: list[dict[str, Any]]
+    start: int
+    repeats: int
+
+    @property
+    def period(self) -> int:
+        return len(self.phases)
+
+    def layer(self, r: int, j: int) -> int:
+        """The model's index of phase j's layer in repeat r."""
+        return self.start + r * self.period + j
+
+    def tree_flatten(self):  # noqa: D401 - pytree protocol
+        return (self.phases,), (self.start, self.repeats)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+
+jax.tree_util.register_pytree_node(LayerGroup, LayerGroup.tree_flatten, LayerGroup.tree_unflatten)
+
+MAX_PERIOD = 4  # the longest period `layer_runs` looks for (Q4_K_M's is 3)
+
+
+def layer_runs(signatures: list[Any], max_period: int | None = None) -> list[tuple[int, int, int]]:
+    """(start, period, repeats) covering the layers in order: from each layer, the period (up to
+    `max_period`) whose repeats cover the most layers, where each layer of a repeat has the
+    signature of the same phase of the first (ties: the shorter period); a run of one repeat is
+    a single layer, (start, 1, 1). `max_period` defaults to MAX_PERIOD (0: no runs)."""
+    max_period = MAX_PERIOD if max_period is None else max_period
+    runs = []
+    start, n = 0, len(signatures)
+    while start < n:
+        best = (1, 1)  # (period, repeats)
+        for period in range(1, max_period + 1):
+            repeats = 1
+            while (start + (repeats + 1) * period <= n and all(
+                    signatures[start + repeats * period + j] == signatures[start + j] for j in range(period))):
+                repeats += 1
+            if repeats > 1 and period * repeats > best[0] * best[1]:
+                best = (period, repeats)
+        runs.append((start, *best))
+        start += best[0] * best[1]
+    return runs
 
 
 def _float_vector(info: TensorInfo) -> np.ndarray:
@@ -218,8 +275,20 @@ def load_params(gf: GGUFFile, cfg: ModelConfig, fuse: bool = True, place: Place 
         layers: Any = {key: place("blk.*", key, _stacked([layer[key] for layer in entries])) for key in entries[0]}
     else:
         differing = sorted({k for sig in signatures[1:] for k in sig if sig[k] != signatures[0].get(k)})
-        log.info("layers differ in %s: unrolling the layer loop", ", ".join(differing))
-        layers = [{key: place(f"blk.{i}", key, e.load()) for key, e in layer.items()} for i, layer in enumerate(entries)]
+        runs = layer_runs(signatures)
+        layers = []
+        for start, period, repeats in runs:
+            if repeats == 1:
+                layers.append({key: place(f"blk.{start}", key, e.load()) for key, e in entries[start].items()})
+                continue
+            phases = []
+            for j in range(period):
+                members = [entries[start + r * period + j] for r in range(repeats)]
+                where = f"blk.{start + j}+{period}x{repeats}"
+                phases.append({key: place(where, key, _stacked([m[key] for m in members])) for key in members[0]})
+            layers.append(LayerGroup(phases, start, repeats))
+        log.info("layers differ in %s: layer runs (start, period, repeats) %s", ", ".join(differing),
+                 [run for run in runs if run[2] > 1] or "none")
 
     embed = place("token_embd", "embed",
                   _matrix(gf.tensor("token_embd.weight"), host_splits if cfg.tied_output else frozenset()))

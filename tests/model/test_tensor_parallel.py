@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from model import sharding
 from model.config import EngineConfig, ModelConfig
 from model.loader import load_model
-from model.weights import Params
+from model.weights import LayerGroup, Params
 from pallas_kernels.quant import FORMATS, QuantizedTensor
 from server.__main__ import build_configs, build_parser
 
@@ -218,11 +218,20 @@ def _split_axis(qt: QuantizedTensor, split: str, lead: tuple) -> dict:
     return out
 
 
-@pytest.mark.parametrize("is_stacked", [True, False])
-def test_megatron_rules(is_stacked: bool) -> None:
-    specs = sharding.param_specs(_params(is_stacked), 4)
-    s = (None,) if is_stacked else ()
-    for layer in (specs.layers,) if is_stacked else specs.layers:
+@pytest.mark.parametrize("layout", ["stacked", "list", "groups"])
+def test_megatron_rules(layout: str) -> None:
+    params = _params(layout == "stacked")
+    if layout == "groups":  # a LayerGroup of two phases of [2] stacks, then a single layer
+        params.layers = [LayerGroup([_layer((2,)), _layer((2,))], 0, 2), _layer(())]
+    specs = sharding.param_specs(params, 4)
+    if layout == "stacked":
+        layers = [((None,), specs.layers)]
+    else:
+        layers = [(s, layer) for entry in specs.layers
+                  for s, layer in ([((None,), ph) for ph in entry.phases] if isinstance(entry, LayerGroup)
+                                   else [((), entry)])]
+    assert len(layers) == {"stacked": 1, "list": L, "groups": 3}[layout]
+    for s, layer in layers:
         for key in ("wq", "wk", "wv", "w_gate", "w_up"):  # column-parallel: rows N
             assert layer[key].planes == _split_axis(layer[key], "column", s), key
             assert layer[key].planes[layer[key].format.planes[0]] == P(*s, TP, None), key  # the codes

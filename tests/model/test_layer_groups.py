@@ -1,0 +1,87 @@
+"""Layers that differ in format but repeat with a short period (llama.cpp's Q4_K_M) load as
+`LayerGroup`s that the forward pass scans: their runs, and logits equal to the same model's
+layers loaded one by one (a 12-layer synthetic Q4_K_M on this CPU)."""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import subprocess
+import sys
+import unittest.mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import forward, weights
+from model.config import EngineConfig
+from model.loader import load_model
+from model.offline import teacher_forced_logits
+from model.weights import LayerGroup, layer_runs
+
+MAKE_GGUF = pathlib.Path(__file__).resolve().parents[2] / "bench" / "make_synthetic_gguf.py"
+
+
+def q4_k_m_signatures(n: int) -> list[str]:
+    """llama.cpp's Q4_K_M rule for which layers get Q6_K attn_v and ffn_down ("M")."""
+    return ["M" if i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2 else "N" for i in range(n)]
+
+
+def test_layer_runs():
+    # a 7B's 32 layers: 4 with more bits, 8 repeats of (N, N, M), 4 with more bits
+    assert layer_runs(q4_k_m_signatures(32)) == [(0, 1, 4), (4, 3, 8), (28, 1, 4)]
+    assert layer_runs(q4_k_m_signatures(12)) == [(0, 3, 3), (9, 1, 3)]
+    assert layer_runs(["a"] * 5) == [(0, 1, 5)]
+    assert layer_runs(list("abcd")) == [(i, 1, 1) for i in range(4)]
+    assert layer_runs(list("abab")) == [(0, 2, 2)]
+    assert layer_runs(list("aabab")) == [(0, 1, 2), (2, 1, 1), (3, 1, 1), (4, 1, 1)]
+    # ties go to the shorter period; a period longer than max_period is not looked for
+    assert layer_runs(list("aaaa")) == [(0, 1, 4)]
+    assert layer_runs(list("abcabc"), max_period=2) == [(i, 1, 1) for i in range(6)]
+    assert layer_runs(list("abcabc")) == [(0, 3, 2)]
+    assert layer_runs(list("abab"), max_period=0) == [(i, 1, 1) for i in range(4)]
+    # every layer is covered once, in order
+    for n in range(1, 40):
+        runs = layer_runs(q4_k_m_signatures(n))
+        assert [s + r * p + j for s, p, n_r in runs for r in range(n_r) for j in range(p)] == list(range(n))
+
+
+@pytest.fixture(scope="module")
+def deep_q4_k_m(tmp_path_factory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("deep-q4km") / "tiny-12-q4_k_m.gguf"
+    subprocess.run([sys.executable, str(MAKE_GGUF), "--shape", "tiny", "--quant", "q4_k_m", "--layers", "12",
+                    "--out", str(out)], check=True, capture_output=True)
+    return out
+
+
+def test_grouped_layers_give_the_logits_of_single_layers(deep_q4_k_m):
+    grouped = load_model(deep_q4_k_m, EngineConfig(max_context=128))
+    with unittest.mock.patch.object(weights, "MAX_PERIOD", 0):
+        single = load_model(deep_q4_k_m, EngineConfig(max_context=128))
+    assert not grouped.params.is_stacked
+    groups = [e for e in grouped.params.layers if isinstance(e, LayerGroup)]
+    assert [(g.start, g.period, g.repeats) for g in groups] == [(0, 3, 3), (9, 1, 3)]
+    assert len(grouped.params.layers) == 2 and len(single.params.layers) == 12
+    # the same leaves, stacked per phase
+    n_leaves = len(jax.tree_util.tree_leaves(single.params))
+    assert len(jax.tree_util.tree_leaves(grouped.params)) < n_leaves
+    assert sum(x.size for x in jax.tree_util.tree_leaves(grouped.params)) == sum(
+        x.size for x in jax.tree_util.tree_leaves(single.params))
+    rng = np.random.default_rng(0)
+    cases = [(rng.integers(0, 2048, 40).tolist(), rng.integers(0, 2048, 5).tolist()) for _ in range(2)]
+    a, b = (teacher_forced_logits(m.config, m.kernels, m.params, cases, max_context=128) for m in (single, grouped))
+    for x, y in zip(a, b):  # the same arithmetic: equal to the bit on this CPU
+        assert np.isfinite(y).all()
+        np.testing.assert_array_equal(y, x)
+    # the decode program as a GPU builds it: the layer loop unrolled, groups included
+    cache = forward.KVCache.create(grouped.config, 2, 128, jnp.float32)
+    tokens, positions = jnp.asarray([5, 7], jnp.int32), jnp.asarray([0, 3], jnp.int32)
+    step = jax.jit(functools.partial(forward.decode, grouped.config, grouped.kernels), static_argnums=(4, 5))
+    unrolled, _ = step(grouped.params, cache, tokens, positions, 128, True)
+    scanned, _ = step(grouped.params, cache, tokens, positions, 128, False)
+    ref, _ = step(single.params, cache, tokens, positions, 128, True)
+    np.testing.assert_array_equal(unrolled, ref)
+    np.testing.assert_array_equal(scanned, ref)
+
