@@ -280,7 +280,7 @@ def _run_layers(params: Params, cache: KVCache, body: Callable, unroll: bool = F
         def repeat(carry, r):
             x, c = carry
             for j, phase in enumerate(group.phases):
-                x, c = body(sliced(phase, r), c, group.start + r * group.period + j, x, r)
+                x, c = body(sliced(phase, r), c, group.layer(r, j), x, r)
             return (x, c), None
 
         if unroll:
@@ -296,6 +296,7 @@ def _run_layers(params: Params, cache: KVCache, body: Callable, unroll: bool = F
         c, i = cache, 0
         for entry in params.layers:
             if isinstance(entry, LayerGroup):
+                assert entry.start == i, (entry.start, i)
                 x, c = run_group(entry, x, c)
                 i += entry.period * entry.repeats
             else:

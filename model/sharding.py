@@ -148,6 +148,7 @@ def param_specs(params: Params, tp: int) -> Params:
         layers, i = [], 0  # i: the model's index of the list's next layer
         for lp in params.layers:
             if isinstance(lp, LayerGroup):
+                assert lp.start == i, (lp.start, i)
                 layers.append(LayerGroup([_layer_specs(ph, tp, f"blk.{lp.start + j}+{lp.period}x{lp.repeats}")
                                           for j, ph in enumerate(lp.phases)], lp.start, lp.repeats))
                 i += lp.period * lp.repeats

@@ -4,6 +4,7 @@ layers loaded one by one (a 12-layer synthetic Q4_K_M on this CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pathlib
 import subprocess
@@ -42,17 +43,23 @@ def test_layer_runs():
     assert layer_runs(list("abcabc"), max_period=2) == [(i, 1, 1) for i in range(6)]
     assert layer_runs(list("abcabc")) == [(0, 3, 2)]
     assert layer_runs(list("abab"), max_period=0) == [(i, 1, 1) for i in range(4)]
-    # every layer is covered once, in order
-    for n in range(1, 40):
-        runs = layer_runs(q4_k_m_signatures(n))
-        assert [s + r * p + j for s, p, n_r in runs for r in range(n_r) for j in range(p)] == list(range(n))
+    # every layer is covered once, in order, and each run's repeats match its first
+    rng = np.random.default_rng(0)
+    patterns = [q4_k_m_signatures(n) for n in range(1, 40)] + [list(rng.integers(0, 3, rng.integers(1, 30)))
+                                                               for _ in range(200)]
+    for sigs in patterns:
+        for max_period in range(5):
+            runs = layer_runs(sigs, max_period)
+            assert [s + r * p + j for s, p, n_r in runs for r in range(n_r) for j in range(p)] == list(range(len(sigs)))
+            assert all(sigs[s + r * p + j] == sigs[s + j] for s, p, n_r in runs for r in range(n_r) for j in range(p))
+            assert all(p <= max(max_period, 1) for _, p, _ in runs)
 
 
 @pytest.fixture(scope="module")
 def deep_q4_k_m(tmp_path_factory) -> pathlib.Path:
     out = tmp_path_factory.mktemp("deep-q4km") / "tiny-12-q4_k_m.gguf"
     subprocess.run([sys.executable, str(MAKE_GGUF), "--shape", "tiny", "--quant", "q4_k_m", "--layers", "12",
-                    "--out", str(out)], check=True, capture_output=True)
+                    "--out", str(out)], check=True, capture_output=True, timeout=300)
     return out
 
 
@@ -75,13 +82,26 @@ def test_grouped_layers_give_the_logits_of_single_layers(deep_q4_k_m):
     for x, y in zip(a, b):  # the same arithmetic: equal to the bit on this CPU
         assert np.isfinite(y).all()
         np.testing.assert_array_equal(y, x)
-    # the decode program as a GPU builds it: the layer loop unrolled, groups included
-    cache = forward.KVCache.create(grouped.config, 2, 128, jnp.float32)
-    tokens, positions = jnp.asarray([5, 7], jnp.int32), jnp.asarray([0, 3], jnp.int32)
-    step = jax.jit(functools.partial(forward.decode, grouped.config, grouped.kernels), static_argnums=(4, 5))
-    unrolled, _ = step(grouped.params, cache, tokens, positions, 128, True)
-    scanned, _ = step(grouped.params, cache, tokens, positions, 128, False)
-    ref, _ = step(single.params, cache, tokens, positions, 128, True)
-    np.testing.assert_array_equal(unrolled, ref)
-    np.testing.assert_array_equal(scanned, ref)
-
+    # gemma3's local and global layers (by the model's layer index, not a stack's): a window
+    # that changes the logits, the same grouped or not
+    windowed = dataclasses.replace(grouped.config, sliding_window=5, sliding_window_pattern=2,
+                                   rope_theta_local=grouped.config.rope_theta / 10)
+    c, d = (teacher_forced_logits(windowed, m.kernels, m.params, cases, max_context=128) for m in (single, grouped))
+    for x, y, z in zip(c, d, a):
+        np.testing.assert_array_equal(y, x)
+        assert np.abs(x - z).max() > 0.1
+    # the decode program as a GPU builds it, the layer loop unrolled (groups included), over a
+    # few steps so that each layer reads back what it wrote at its own index
+    for cfg in (grouped.config, windowed):
+        outs = []
+        for m, unroll in ((single, True), (grouped, True), (grouped, False)):
+            cache = forward.KVCache.create(cfg, 2, 128, jnp.float32)
+            step = jax.jit(functools.partial(forward.decode, cfg, m.kernels), static_argnums=(4, 5))
+            logits = []
+            for t in range(8):
+                tokens, positions = jnp.asarray([5 + t, 7 * t], jnp.int32), jnp.asarray([t, t], jnp.int32)
+                out, cache = step(m.params, cache, tokens, positions, 128, unroll)
+                logits.append(np.asarray(out))
+            outs.append(np.stack(logits))
+        np.testing.assert_array_equal(outs[1], outs[0])
+        np.testing.assert_array_equal(outs[2], outs[0])
