@@ -344,18 +344,6 @@ async def _streaming_request(client: StreamingClient, body: dict[str, Any],
         if more and pending:  # a last line without its newline
             read_sse_line(record, pending.decode().rstrip("\r"), time.perf_counter())
     return record
-    pending = b""
-    more = True
-    async for piece in response:
-        now = time.perf_counter()
-        if not more:
-            continue  # read to the end, so that the connection is reused
-        *lines, pending = (pending + piece).split(b"\n")
-        for line in lines:
-            if not read_sse_line(record, line.decode().rstrip("\r"), now):
-                more = False
-                break
-    return record
 
 
 # The server's own histograms (server/metrics.py): submit -> first token, and submit -> first
