@@ -296,6 +296,17 @@ async def trace_decode(engine, timings: TimingLog, users: int, args: argparse.Na
 # start-up in a child process (cold cache) and the main run
 
 
+def config_of(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of this script's flags (the run and its cold-start child alike)."""
+    return build_config(args.slots, args.max_context, args.kv_dtype, args.prefill_budget,
+                        decode_steps=args.decode_steps, prefill_chunks=args.prefill_chunks,
+                        kernels=args.kernels, tensor_parallel=args.tensor_parallel,
+                        unroll_decode_layers=args.unroll_decode_layers, compile_threads=args.compile_threads,
+                        few_rows_attention=args.few_rows_attention, separate_kv_write=args.separate_kv_write,
+                        split_q4_k=args.split_q4_k, split_q6_k=args.split_q6_k,
+                        reuse_kernel_lowering=args.reuse_kernel_lowering, prefill_cuda_graphs=args.prefill_cuda_graphs)
+
+
 def _engine_flags(args: argparse.Namespace) -> list[str]:
     return [
         "--model", str(args.model), "--slots", str(args.slots), "--max-context", str(args.max_context),
@@ -325,14 +336,7 @@ def cold_start_in_child(args: argparse.Namespace, cache_dir: str) -> dict[str, A
 def startup_only(args: argparse.Namespace) -> int:
     common.enable_compilation_cache(args.cache_dir)
     entries = len(os.listdir(args.cache_dir))
-    engine, startup = start_engine(args.model, build_config(args.slots, args.max_context, args.kv_dtype, args.prefill_budget,
-                         decode_steps=args.decode_steps, prefill_chunks=args.prefill_chunks,
-                         kernels=args.kernels, tensor_parallel=args.tensor_parallel,
-                         unroll_decode_layers=args.unroll_decode_layers, compile_threads=args.compile_threads,
-                         few_rows_attention=args.few_rows_attention, separate_kv_write=args.separate_kv_write,
-                         split_q4_k=args.split_q4_k, split_q6_k=args.split_q6_k,
-                         reuse_kernel_lowering=args.reuse_kernel_lowering,
-                         prefill_cuda_graphs=args.prefill_cuda_graphs))
+    engine, startup = start_engine(args.model, config_of(args))
     startup["cache_entries_before"] = entries
     startup["cache_entries_after"] = len(os.listdir(args.cache_dir))
     engine.shutdown(60)
@@ -354,14 +358,7 @@ def main_run(args: argparse.Namespace) -> int:
         copy_bytes = (args.copy_mib or (4096 if info["platform"] != "cpu" else 256)) * 2**20
         bandwidth = common.copy_bandwidth_gb_s(copy_bytes)
         log.info("device %s, copy bandwidth %.1f GB/s", info["device_kind"], bandwidth)
-        config = build_config(args.slots, args.max_context, args.kv_dtype, args.prefill_budget,
-                         decode_steps=args.decode_steps, prefill_chunks=args.prefill_chunks,
-                         kernels=args.kernels, tensor_parallel=args.tensor_parallel,
-                         unroll_decode_layers=args.unroll_decode_layers, compile_threads=args.compile_threads,
-                         few_rows_attention=args.few_rows_attention, separate_kv_write=args.separate_kv_write,
-                         split_q4_k=args.split_q4_k, split_q6_k=args.split_q6_k,
-                         reuse_kernel_lowering=args.reuse_kernel_lowering,
-                         prefill_cuda_graphs=args.prefill_cuda_graphs)
+        config = config_of(args)
         profile = cProfile.Profile() if getattr(args, "profile_engine", False) else None
         engine, startup = start_engine(args.model, config, profile)
         startup["cache_entries_before"] = entries
