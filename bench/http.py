@@ -163,7 +163,6 @@ class StreamingClient:
     own milliseconds into every TTFT it measured. This one does little more than the socket
     reads (`--client httpx` keeps the other for comparison). Plain http only."""
 
-    IDLE_S = 4.0  # a pooled connection idle longer is not reused (uvicorn closes them after 5 s)
     CONNECT_TIMEOUT_S = 30.0
 
     def __init__(self, url: str) -> None:
@@ -173,7 +172,7 @@ class StreamingClient:
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.prefix = parts.path.rstrip("/")  # a server behind a path prefix
         self.authority = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]] = []
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self._open: set[asyncio.StreamWriter] = set()
 
     @staticmethod
@@ -186,9 +185,8 @@ class StreamingClient:
     async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bool]:
         """A connection to write a request on, and whether it was reused from the pool."""
         while self._idle:
-            reader, writer, since = self._idle.pop()
-            if (not writer.is_closing() and not reader.at_eof() and time.monotonic() - since < self.IDLE_S
-                    and not self._closed_by_peer(writer)):
+            reader, writer = self._idle.pop()
+            if not writer.is_closing() and not reader.at_eof() and not self._closed_by_peer(writer):
                 return reader, writer, True
             self._close(writer)
         reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), self.CONNECT_TIMEOUT_S)
@@ -252,7 +250,7 @@ class StreamingClient:
             reusable = headers.get("connection") != "close"
         finally:
             if reusable:
-                self._idle.append((reader, writer, time.monotonic()))
+                self._idle.append((reader, writer))
             else:
                 self._close(writer)
 
