@@ -66,7 +66,7 @@ def build_config(
     decode_steps: int = 0, prefill_chunks: tuple[int, ...] | None = None,
     kernels: tuple[tuple[str, str], ...] = (), tensor_parallel: int = 1, unroll_decode_layers: str = "auto",
     compile_threads: int = 0, few_rows_attention: bool = False, separate_kv_write: bool = False,
-    split_q4_k: str = "auto", split_q6_k: str = "auto", reuse_kernel_lowering: bool = False,
+    split_q4_k: str = "auto", split_q6_k: str = "auto", reuse_kernel_lowering: bool = True,
     prefill_cuda_graphs: bool = True,
 ) -> EngineConfig:
     """The EngineConfig `python -m server` builds from the same flags."""
@@ -315,7 +315,7 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         "--compile-threads", str(args.compile_threads), "--tensor-parallel", str(args.tensor_parallel),
         *(["--few-rows-attention"] if args.few_rows_attention else []),
         *(["--separate-kv-write"] if args.separate_kv_write else []),
-        *(["--reuse-kernel-lowering"] if args.reuse_kernel_lowering else []),
+        *([] if args.reuse_kernel_lowering else ["--no-reuse-kernel-lowering"]),
         *([] if args.prefill_cuda_graphs else ["--no-prefill-cuda-graphs"]),
         "--split-q4-k", args.split_q4_k, "--split-q6-k", args.split_q6_k,
         *(["--prefill-chunks", ",".join(map(str, args.prefill_chunks))] if args.prefill_chunks else []),
@@ -515,8 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "--separate-kv-write)")
     ap.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
                     help="prefill programs without XLA's command buffers (server --no-prefill-cuda-graphs)")
-    ap.add_argument("--reuse-kernel-lowering", action="store_true",
-                    help="each Mosaic GPU matmul kernel lowered once for all programs (server --reuse-kernel-lowering)")
+    ap.add_argument("--reuse-kernel-lowering", action=argparse.BooleanOptionalAction, default=True,
+                    help="each Mosaic GPU matmul kernel lowered once for all programs (server --[no-]reuse-kernel-lowering)")
     ap.add_argument("--split-q4-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
                     help="Q4_K matrices split at load for Q4_0's kernels (server --split-q4-k)")
     ap.add_argument("--split-q6-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,

@@ -34,8 +34,7 @@ from model.config import EngineConfig, ModelConfig
 from model import sharding
 from model.forward import Kernels
 from model.weights import LayerGroup, Params
-from pallas_kernels import registry
-from pallas_kernels.lowering_cache import LoweredOnce
+from pallas_kernels import lowering_cache, registry
 from pallas_kernels.quant import QuantizedTensor
 
 log = logging.getLogger(__name__)
@@ -210,15 +209,19 @@ def _lowering_reuse(engine_cfg: EngineConfig) -> Callable[[Any, str], Any]:
     Mosaic GPU matmul goes through a `LoweredOnce` of its own (shared by every program)."""
     if not engine_cfg.reuse_kernel_lowering:
         return lambda fn, name: fn
+    if not lowering_cache.available():
+        log.warning("reuse_kernel_lowering: this jax cannot export without its forward-compatibility rules; "
+                    "every program lowers its kernels")
+        return lambda fn, name: fn
     if engine_cfg.tensor_parallel != 1:
         log.warning("reuse_kernel_lowering is for one device; with tensor parallelism every program lowers its kernels")
         return lambda fn, name: fn
-    wrapped: dict[int, LoweredOnce] = {}  # one per implementation function: decode and prefill share theirs
+    wrapped: dict[int, lowering_cache.LoweredOnce] = {}  # one per implementation function: decode and prefill share theirs
 
     def wrap(fn: Any, name: str) -> Any:
         if not name.startswith("mosaic_gpu"):
             return fn
-        return wrapped.setdefault(id(fn), LoweredOnce(fn, "cuda"))
+        return wrapped.setdefault(id(fn), lowering_cache.LoweredOnce(fn, "cuda"))
 
     return wrap
 

@@ -80,8 +80,8 @@ def test_engine_config_wraps_only_mosaic_matmuls_on_one_device():
     def fn(x, w, layer=None):
         return x
 
-    assert _lowering_reuse(EngineConfig())(fn, "mosaic_gpu") is fn  # off by default
-    on = EngineConfig(reuse_kernel_lowering=True)
+    assert _lowering_reuse(EngineConfig(reuse_kernel_lowering=False))(fn, "mosaic_gpu") is fn
+    on = EngineConfig()  # on by default
     wrap = _lowering_reuse(on)
     wrapped = wrap(fn, "mosaic_gpu")
     assert isinstance(wrapped, lowering_cache.LoweredOnce) and wrapped.fn is fn
