@@ -1,0 +1,124 @@
+"""The PTX instruction mix of the Mosaic GPU q4_0 matmul's K-step loop (static counts).
+
+The decode kernel is bound by instruction issue (bench/results, sixth session), so what each K
+step executes per thread is the figure to cut. This compiles one call of the kernel with Mosaic
+GPU's PTX dump on (`MOSAIC_GPU_DUMP_PTX`, `MOSAIC_GPU_DUMP_PTXAS`, `MOSAIC_GPU_DUMP_TO`; the
+H200's image has no nvdisasm, so no SASS), finds the largest loop in each dumped kernel (the
+code between a label and the backward branch to it: the pipeline's K steps) and counts its
+instructions by opcode (with their type suffixes: `cvt.f32.bf16` apart from `cvt.rn.bf16.f32`).
+PTX is not what runs (ptxas fuses and schedules it), but an f32 round trip or a missing lop3
+shows in it.
+
+    python3 bench/kernel_mix.py --shape 22016x4096 --m 8 [--keep] --out "$OUT"
+
+GPU only (a Hopper GPU: the kernel is compiled, then run once). Writes `kernel-mix-<stamp>.json`
+{"gpu", "jax", "shape", "m", "kernels": [{"file", "instructions", "opcodes", "loop":
+{"instructions", "opcodes"}, "ptxas"}]} (`ptxas`: its log, registers and spills).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import pathlib
+import re
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if sys.path and pathlib.Path(sys.path[0] or ".").resolve() == ROOT / "bench":
+    sys.path[0] = str(ROOT)  # bench/http.py would shadow the standard library's http
+elif str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+LABEL = re.compile(r"^\s*(\$?[\w.]+):\s*$")
+PREDICATE = re.compile(r"^@!?%\w+\s+")
+
+
+def parse(ptx: str) -> tuple[list[str], dict[str, int], list[tuple[int, str]]]:
+    """Instructions (opcodes) in order, each label's index (of the instruction after it), and the
+    branches (index, target label). Directives, declarations and braces are not instructions."""
+    instructions, labels, branches = [], {}, []
+    for line in ptx.splitlines():
+        line = line.split("//")[0].strip()
+        if not line or line[0] in ".{}":
+            continue
+        if m := LABEL.match(line):
+            labels[m.group(1)] = len(instructions)
+            continue
+        if not line.endswith(";"):
+            continue
+        text = PREDICATE.sub("", line)
+        op = text.split()[0].rstrip(";")
+        if op.startswith("bra"):
+            branches.append((len(instructions), text.split()[-1].rstrip(";")))
+        instructions.append(op)
+    return instructions, labels, branches
+
+
+def largest_loop(instructions, labels, branches) -> list[str]:
+    """The instructions of the longest backward branch's span (empty if none)."""
+    best: list[str] = []
+    for at, target in branches:
+        start = labels.get(target)
+        if start is not None and start <= at and at + 1 - start > len(best):
+            best = instructions[start : at + 1]
+    return best
+
+
+def mix(ops: list[str]) -> dict[str, int]:
+    return dict(collections.Counter(ops).most_common())
+
+
+def summarize(path: pathlib.Path) -> dict:
+    instructions, labels, branches = parse(path.read_text(errors="replace"))
+    loop = largest_loop(instructions, labels, branches)
+    log = path.with_suffix(".ptxas")
+    return {"file": path.name, "instructions": len(instructions), "opcodes": mix(instructions),
+            "loop": {"instructions": len(loop), "opcodes": mix(loop)},
+            "ptxas": log.read_text(errors="replace")[-2000:] if log.exists() else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="22016x4096", help="NxK of the q4_0 weight")
+    ap.add_argument("--m", type=int, default=8, help="rows of x")
+    ap.add_argument("--keep", action="store_true", help="copy the dumped PTX next to the JSON")
+    ap.add_argument("--out", type=pathlib.Path, default=None)
+    args = ap.parse_args()
+    dump = pathlib.Path(tempfile.mkdtemp(prefix="kernel-mix-"))
+    os.environ["MOSAIC_GPU_DUMP_PTX"] = "1"
+    os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+    os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump)
+
+    import jax
+    import jax.numpy as jnp
+
+    from bench import common
+    from bench.matmul_ablation import random_q4_0_stack
+    from pallas_kernels import matmul_mgpu
+
+    n, k = (int(v) for v in args.shape.split("x"))
+    w = random_q4_0_stack(jax.random.key(0), 2, n, k)
+    x = jax.random.normal(jax.random.key(1), (args.m, k), jnp.float32).astype(jnp.bfloat16)
+    jax.block_until_ready(matmul_mgpu.qmatmul_mgpu(x, w, layer=1))
+    files = sorted(dump.rglob("*.ptx"))
+    kernels = [summarize(p) for p in files]
+    for kern in kernels:
+        top = ", ".join(f"{op} {c}" for op, c in list(kern["loop"]["opcodes"].items())[:14])
+        print(f"{kern['file']}: {kern['instructions']} instructions; largest loop {kern['loop']['instructions']}: {top}")
+    if not kernels:
+        print("no PTX dumped; files:", [p.name for p in dump.rglob("*")])
+    if args.out:
+        stamp = common.timestamp()
+        path = common.result_path(args.out, "kernel-mix", stamp)
+        common.write_json(path, {**common.device_info(), "shape": args.shape, "m": args.m, "kernels": kernels})
+        print("wrote", path)
+        if args.keep:
+            for p in files:
+                (path.parent / f"{path.stem}-{p.name}").write_text(p.read_text(errors="replace"))
+
+
+if __name__ == "__main__":
+    main()
