@@ -51,7 +51,12 @@ wgmmas (`int8_x`: a mask and a shift per 8 codes), the gate/up kernel ran 13% fe
 call, but rounding x took separate XLA kernels (386 more per served step, +0.6 ms), so it is off.
 With about 2.6 warpgroups per SM (N / 64 of them, and K splits cost pipeline refills), each warp
 mostly waits: the latency of a step (TMA barrier, shared-memory loads, the wgmma wait) is what
-more warps or a persistent grid would have to hide.
+more warps or a persistent grid would have to hide. Writing the q4_0 conversion as PTX
+(`_ptx_pair`, sixteenth session) then took it from 3.9 to 2.1 us of gate/up's 21.0 us (19.2 us,
+80% of copy bandwidth; 17.1 us with constant codes); a K step's PTX per thread is now, besides the
+64 converted pairs, 48 shifts, 64 instructions of scaling (f16 scale loads, conversions, f32
+FMAs), 32 zeroing the blocks' accumulators and 32 of wgmma fences, commits and waits
+(`bench/kernel_mix.py`).
 
 Exact up to f32 summation by default: the codes (4 or 8 bits) and bf16 x are exact in bf16, and
 their products are exact in the f32 accumulator (with `fold_scales`, each weight is rounded to
