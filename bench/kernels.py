@@ -17,6 +17,14 @@ JSON schema: {"gpu", "jax", "copy_gbps", "bf16_tflops", "call_overhead_us", "arg
 "tuning", "error"}]}. gbps counts the bytes of the weight planes + x + the f32 output once per
 matmul; pct_hbm is gbps over the measured copy bandwidth.
 
+`us` is wall clock per matmul by default: with the call's fixed cost subtracted, but with the
+XLA work around each kernel (x's permutation, the split-K sum) and the launch gaps in it, which
+for a decode matmul of a few microseconds is most of the figure (the H200, sixteenth session:
+18.1 us for a 4096 x 4096 q4_0 matrix at M = 8 whose kernel took 6.4). `--device-time` takes
+the times from a profiler trace of the same calls instead: `us` is then the matmul's longest
+kernel (the kernel itself; its name in "kernel"), "us_device" all of its kernels, "us_wall" the
+wall-clock figure, and gbps, pct_hbm and tflops follow `us`.
+
 Q4_K also runs split for Q4_0's kernels (`pallas_kernels/q4_k_split.py`): impl
 "mosaic_gpu:q4_k_split" with `--impls mosaic_gpu` on a GPU, "reference:q4_k_split" with
 `reference`; the split is made before timing, and gbps counts its planes (0.6875 bytes per
@@ -26,6 +34,7 @@ weight).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import json
@@ -33,6 +42,7 @@ import math
 import pathlib
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 
@@ -48,6 +58,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import common  # noqa: E402
 from pallas_kernels import matmul_triton, quant  # noqa: E402
 from pallas_kernels.matmul import qmatmul_reference  # noqa: E402
 
@@ -305,11 +316,41 @@ def rel_error(y: jax.Array, ref: jax.Array) -> float:
     return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def time_impl(impl: Impl, x, weights, runs: int, overhead: float) -> float:
-    """Seconds per matmul: all weights in one jitted call (distinct matrices, in order)."""
-    f = jax.jit(lambda x, ws: [impl.fn(x, w) for w in ws])
+def calls_of(impl: Impl):
+    """One jitted call of impl on every weight (distinct matrices, in order)."""
+    return jax.jit(lambda x, ws: [impl.fn(x, w) for w in ws])
+
+
+def time_impl(f, x, weights, runs: int, overhead: float) -> float:
+    """Seconds per matmul of `calls_of(impl)` on `weights`, wall clock less the call's fixed cost."""
     t = median_time(f, x, weights, runs=runs)
     return max(t - overhead, 1e-9) / len(weights)
+
+
+def device_times(f, x, weights, runs: int) -> dict:
+    """Per matmul, from a profiler trace of `runs` calls of `calls_of(impl)`: "us_kernel", the
+    device time of the call's longest kernel (by total; the matmul kernel, one per matrix, named
+    in "kernel"), and "us_device", all of its kernels (launch gaps and the host excluded); {}
+    when the trace has no device events (the CPU)."""
+    jax.block_until_ready(f(x, weights))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        for _ in range(runs):
+            jax.block_until_ready(f(x, weights))
+        jax.profiler.stop_trace()
+        events = common.device_trace_events(d) or []
+    return per_matmul(events, runs * len(weights))
+
+
+def per_matmul(events: list[dict], matmuls: int) -> dict:
+    """`device_times`' figures from a trace's device events covering `matmuls` matmuls."""
+    if not events:
+        return {}
+    by_name: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        by_name[e["name"]] += float(e.get("dur", 0.0))
+    main = max(by_name, key=by_name.__getitem__)
+    return {"us_kernel": by_name[main] / matmuls, "us_device": sum(by_name.values()) / matmuls, "kernel": main[:80]}
 
 
 def num_matrices(w_bytes: int, args) -> int:
@@ -370,7 +411,16 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
                     ws = weights if not impl.name.startswith("reference") else weights[: args.ref_mats]
                     ws = [prepare(w) for w in ws]
                     row["mats"] = len(ws)
-                t = time_impl(impl, x, ws, args.runs, ceilings["call_overhead_s"])
+                f = calls_of(impl)
+                t = time_impl(f, x, ws, args.runs, ceilings["call_overhead_s"])
+                if args.device_time:
+                    dev = device_times(f, x, ws, args.runs)
+                    row["us_wall"] = t * 1e6
+                    if dev:
+                        row.update(us_device=dev["us_device"], kernel=dev["kernel"])
+                        t = dev["us_kernel"] * 1e-6
+                    else:
+                        row["device_error"] = "no device events in the trace"
                 moved = plane_bytes(ws[0]) + x.size * x.dtype.itemsize + m * n * 4
                 row["us"] = t * 1e6
                 row["gbps"] = moved / t / 1e9
@@ -406,9 +456,11 @@ def fmt_row(r: dict) -> str:
 
 
 def markdown(ceilings: dict, rows: list[dict]) -> str:
+    timing = ("us: the matmul kernel's own time from a profiler trace" if any("us_wall" in r for r in rows)
+              else "us: wall clock per matmul")
     head = (f"GPU {ceilings['gpu']}, jax {ceilings['jax']}: copy {ceilings['copy_gbps']:.0f} GB/s, "
             f"bf16 matmul {ceilings['bf16_tflops']:.0f} TFLOP/s, call overhead "
-            f"{ceilings['call_overhead_s'] * 1e6:.0f} us (subtracted)\n\n")
+            f"{ceilings['call_overhead_s'] * 1e6:.0f} us (subtracted from wall clock); {timing}\n\n")
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     return head + "\n".join(lines + [fmt_row(r) for r in rows]) + "\n"
 
@@ -445,6 +497,8 @@ def main(argv=None) -> None:
     ap.add_argument("--ms", default=None, help="rows of x, comma list (default 1,8,512; --interpret 1,8,20)")
     ap.add_argument("--impls", default="triton,reference", help="triton, mosaic_gpu, reference, dense_bf16")
     ap.add_argument("--x-dtype", default="bf16", choices=["bf16", "f32"])
+    ap.add_argument("--device-time", action="store_true",
+                    help="us from a profiler trace: the matmul's own kernel, not the wall clock (GPU)")
     ap.add_argument("--sweep", action="store_true", help="also time neighbours of the default triton and mosaic_gpu tunings")
     ap.add_argument("--grid", action="store_true", help="also time a grid of block sizes, stages and split-K")
     ap.add_argument("--mats", type=int, default=16, help="at least this many distinct weights per call")

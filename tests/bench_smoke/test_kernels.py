@@ -1,6 +1,7 @@
 """bench/kernels.py on the CPU (interpret mode): the Q4_K and Q6_K rows include their splits
 (for the Q4_0 kernels, for the Mosaic kernel's 8-bit path), checked against the unsplit reference
-like every other implementation."""
+like every other implementation; `--device-time` keeps the wall clock where the trace has no
+device events, and its per-matmul figures from a trace's events."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import pathlib
 import subprocess
 import sys
+
+from bench.kernels import per_matmul
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
 
@@ -27,3 +30,19 @@ def test_split_rows(tmp_path):
     assert [r["m"] for r in rows] == [1, 8]
     for r in rows:  # 1.125 bytes per weight against Q6_K's 0.8203
         assert r["ok"] and 0 < r["rel_err"] < 1e-3 and r["gbps"] * r["us"] * 1e3 >= 64 * 512 * 1.125
+
+
+def test_device_time_falls_back_to_the_wall_clock_without_device_events(tmp_path):
+    subprocess.run([sys.executable, str(SCRIPT), "--interpret", "--formats", "q4_0", "--impls", "reference",
+                    "--shapes", "64x512", "--ms", "8", "--runs", "1", "--mats", "1", "--copy-gb", "0.01",
+                    "--device-time", "--out", str(tmp_path)], check=True, timeout=600)
+    (path,) = tmp_path.glob("kernels-*.json")
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["ok"] and row["us"] == row["us_wall"] > 0 and row["device_error"]  # the CPU trace has none
+    assert "wall clock" in next(tmp_path.glob("kernels-*.md")).read_text().splitlines()[0]
+
+
+def test_per_matmul_takes_the_longest_kernel_and_sums_them_all():
+    events = [{"name": "permute", "dur": 1.0}, {"name": "mosaic", "dur": 6.0}, {"name": "sum", "dur": 2.0}] * 4
+    assert per_matmul(events, 4) == {"us_kernel": 6.0, "us_device": 9.0, "kernel": "mosaic"}
+    assert per_matmul([], 4) == {}
