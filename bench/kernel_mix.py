@@ -5,7 +5,8 @@ step executes per thread is the figure to cut. This compiles one call of the ker
 GPU's PTX dump on (`MOSAIC_GPU_DUMP_PTX`, `MOSAIC_GPU_DUMP_PTXAS`, `MOSAIC_GPU_DUMP_TO`; the
 H200's image has no nvdisasm, so no SASS), finds the largest loop in each dumped kernel (the
 code between a label and the backward branch to it: the pipeline's K steps) and counts its
-instructions by opcode (with their type suffixes: `cvt.f32.bf16` apart from `cvt.rn.bf16.f32`).
+instructions by opcode (with their type suffixes: `cvt.f32.bf16` apart from `cvt.rn.bf16.f32`),
+inline asm included (the kernel's lop3s and wgmmas are written as PTX).
 PTX is not what runs (ptxas fuses and schedules it), but an f32 round trip or a missing lop3
 shows in it.
 
@@ -23,6 +24,7 @@ import collections
 import os
 import pathlib
 import re
+import shutil
 import sys
 import tempfile
 
@@ -32,28 +34,39 @@ if sys.path and pathlib.Path(sys.path[0] or ".").resolve() == ROOT / "bench":
 elif str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-LABEL = re.compile(r"^\s*(\$?[\w.]+):\s*$")
-PREDICATE = re.compile(r"^@!?%\w+\s+")
+LABEL = re.compile(r"^([$\w.]+):(?!:)\s*")  # not the `::` of `shared::cluster`
+PREDICATE = re.compile(r"^@!?%?\w+\s+")  # `@%p1 `, `@!%p2 `, and inline asm's own `@P1 `
 
 
 def parse(ptx: str) -> tuple[list[str], dict[str, int], list[tuple[int, str]]]:
     """Instructions (opcodes) in order, each label's index (of the instruction after it), and the
-    branches (index, target label). Directives, declarations and braces are not instructions."""
+    branches (index, target label). A line may hold several statements (LLVM prints an inline
+    asm block as it was written, often on one line inside braces); directives and declarations
+    (`.reg`, `.loc`) are not instructions; labels inside an inline asm block are its own (the
+    same names recur in every copy of the block)."""
     instructions, labels, branches = [], {}, []
-    for line in ptx.splitlines():
-        line = line.split("//")[0].strip()
-        if not line or line[0] in ".{}":
-            continue
-        if m := LABEL.match(line):
-            labels[m.group(1)] = len(instructions)
-            continue
-        if not line.endswith(";"):
-            continue
-        text = PREDICATE.sub("", line)
-        op = text.split()[0].rstrip(";")
-        if op.startswith("bra"):
-            branches.append((len(instructions), text.split()[-1].rstrip(";")))
-        instructions.append(op)
+    block, in_asm = 0, False
+    for raw in ptx.splitlines():
+        if "begin inline asm" in raw:
+            block, in_asm = block + 1, True
+        elif "end inline asm" in raw:
+            in_asm = False
+
+        def scoped(name: str) -> str:
+            return f"{block}:{name}" if in_asm else name
+
+        for stmt in raw.split("//")[0].split(";"):
+            stmt = stmt.strip().strip("{}").strip()
+            while m := LABEL.match(stmt):
+                labels[scoped(m.group(1))] = len(instructions)
+                stmt = stmt[m.end():]
+            if not stmt or stmt[0] == ".":
+                continue
+            text = PREDICATE.sub("", stmt)
+            op = text.split()[0]
+            if op.startswith("bra"):
+                branches.append((len(instructions), scoped(text.split()[-1])))
+            instructions.append(op)
     return instructions, labels, branches
 
 
@@ -84,7 +97,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="22016x4096", help="NxK of the q4_0 weight")
     ap.add_argument("--m", type=int, default=8, help="rows of x")
-    ap.add_argument("--keep", action="store_true", help="copy the dumped PTX next to the JSON")
+    ap.add_argument("--keep", action="store_true", help="copy the dumped PTX next to the JSON (with --out)")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args()
     dump = pathlib.Path(tempfile.mkdtemp(prefix="kernel-mix-"))
@@ -118,6 +131,7 @@ def main() -> None:
         if args.keep:
             for p in files:
                 (path.parent / f"{path.stem}-{p.name}").write_text(p.read_text(errors="replace"))
+    shutil.rmtree(dump, ignore_errors=True)
 
 
 if __name__ == "__main__":

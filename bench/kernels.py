@@ -456,7 +456,7 @@ def fmt_row(r: dict) -> str:
 
 
 def markdown(ceilings: dict, rows: list[dict]) -> str:
-    timing = ("us: the matmul kernel's own time from a profiler trace" if any("us_wall" in r for r in rows)
+    timing = ("us: the matmul kernel's own time from a profiler trace" if any("us_device" in r for r in rows)
               else "us: wall clock per matmul")
     head = (f"GPU {ceilings['gpu']}, jax {ceilings['jax']}: copy {ceilings['copy_gbps']:.0f} GB/s, "
             f"bf16 matmul {ceilings['bf16_tflops']:.0f} TFLOP/s, call overhead "

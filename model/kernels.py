@@ -210,11 +210,11 @@ def _lowering_reuse(engine_cfg: EngineConfig) -> Callable[[Any, str], Any]:
     if not engine_cfg.reuse_kernel_lowering:
         return lambda fn, name: fn
     if not lowering_cache.available():
-        log.warning("reuse_kernel_lowering: this jax cannot export without its forward-compatibility rules; "
+        log.info("reuse_kernel_lowering: this jax cannot export without its forward-compatibility rules; "
                     "every program lowers its kernels")
         return lambda fn, name: fn
     if engine_cfg.tensor_parallel != 1:
-        log.warning("reuse_kernel_lowering is for one device; with tensor parallelism every program lowers its kernels")
+        log.info("reuse_kernel_lowering is for one device; with tensor parallelism every program lowers its kernels")
         return lambda fn, name: fn
     wrapped: dict[int, lowering_cache.LoweredOnce] = {}  # one per implementation function: decode and prefill share theirs
 

@@ -326,7 +326,7 @@ def _ptx_pair(nibbles):
     """Mosaic GPU code: the bf16 pair (q_lo - 8, q_hi - 8) of the nibbles at bits 0-3 and 16-19 of
     the i32 `nibbles`, as one lop3 ((w & mask) | exponent) and one bf16x2 subtraction, written as
     PTX. The same steps through MLIR's arith ops (and, or, a bf16 vector subf) made the decode
-    kernel 6-10% slower on the H200 (7B shapes at M = 8, bench/results, sixteenth session): the
+    kernel 6-11% slower on the H200 (7B shapes at M = 8, bench/results, sixteenth session): the
     conversion's share of gate/up's time went from 3.9 to 2.1 us."""
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import llvm

@@ -39,7 +39,7 @@ def test_device_time_falls_back_to_the_wall_clock_without_device_events(tmp_path
     (path,) = tmp_path.glob("kernels-*.json")
     (row,) = json.loads(path.read_text())["rows"]
     assert row["ok"] and row["us"] == row["us_wall"] > 0 and row["device_error"]  # the CPU trace has none
-    assert "wall clock" in next(tmp_path.glob("kernels-*.md")).read_text().splitlines()[0]
+    assert "us: wall clock per matmul" in next(tmp_path.glob("kernels-*.md")).read_text().splitlines()[0]
 
 
 def test_per_matmul_takes_the_longest_kernel_and_sums_them_all():
