@@ -67,7 +67,7 @@ def build_config(
     kernels: tuple[tuple[str, str], ...] = (), tensor_parallel: int = 1, unroll_decode_layers: str = "auto",
     compile_threads: int = 0, few_rows_attention: bool = False, separate_kv_write: bool = False,
     split_q4_k: str = "auto", split_q6_k: str = "auto", reuse_kernel_lowering: bool = True,
-    prefill_cuda_graphs: bool = True,
+    prefill_cuda_graphs: bool = True, gc_freeze: bool = True,
 ) -> EngineConfig:
     """The EngineConfig `python -m server` builds from the same flags."""
     chunks = prefill_chunks_for(prefill_budget, prefill_chunks)
@@ -77,6 +77,7 @@ def build_config(
         unroll_decode_layers=unroll_decode_layers, compile_threads=compile_threads,
         few_rows_attention=few_rows_attention, separate_kv_write=separate_kv_write, split_q4_k=split_q4_k,
         split_q6_k=split_q6_k, reuse_kernel_lowering=reuse_kernel_lowering, prefill_cuda_graphs=prefill_cuda_graphs,
+        gc_freeze=gc_freeze,
     )
 
 
@@ -304,7 +305,8 @@ def config_of(args: argparse.Namespace) -> EngineConfig:
                         unroll_decode_layers=args.unroll_decode_layers, compile_threads=args.compile_threads,
                         few_rows_attention=args.few_rows_attention, separate_kv_write=args.separate_kv_write,
                         split_q4_k=args.split_q4_k, split_q6_k=args.split_q6_k,
-                        reuse_kernel_lowering=args.reuse_kernel_lowering, prefill_cuda_graphs=args.prefill_cuda_graphs)
+                        reuse_kernel_lowering=args.reuse_kernel_lowering, prefill_cuda_graphs=args.prefill_cuda_graphs,
+                        gc_freeze=args.gc_freeze)
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:
@@ -317,6 +319,7 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
         *(["--separate-kv-write"] if args.separate_kv_write else []),
         *([] if args.reuse_kernel_lowering else ["--no-reuse-kernel-lowering"]),
         *([] if args.prefill_cuda_graphs else ["--no-prefill-cuda-graphs"]),
+        *([] if args.gc_freeze else ["--no-gc-freeze"]),
         "--split-q4-k", args.split_q4_k, "--split-q6-k", args.split_q6_k,
         *(["--prefill-chunks", ",".join(map(str, args.prefill_chunks))] if args.prefill_chunks else []),
         *(["--kernels", ",".join(f"{op}={impl}" for op, impl in args.kernels)] if args.kernels else []),
@@ -402,7 +405,7 @@ def main_run(args: argparse.Namespace) -> int:
                           "few_rows_attention": config.few_rows_attention,
                           "separate_kv_write": config.separate_kv_write,
                           "reuse_kernel_lowering": config.reuse_kernel_lowering,
-                          "prefill_cuda_graphs": config.prefill_cuda_graphs,
+                          "prefill_cuda_graphs": config.prefill_cuda_graphs, "gc_freeze": config.gc_freeze,
                           "split_q4_k": config.split_q4_k, "split_q6_k": config.split_q6_k,
                           "split_formats": engine_info.get("split_formats"),
                           "tensor_parallel": config.tensor_parallel},
@@ -515,6 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "--separate-kv-write)")
     ap.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
                     help="prefill programs without XLA's command buffers (server --no-prefill-cuda-graphs)")
+    ap.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                    help="the heap left to Python's cyclic GC after warm-up (server --no-gc-freeze)")
     ap.add_argument("--reuse-kernel-lowering", action=argparse.BooleanOptionalAction, default=True,
                     help="each Mosaic GPU matmul kernel lowered once for all programs (server --[no-]reuse-kernel-lowering)")
     ap.add_argument("--split-q4-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,

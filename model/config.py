@@ -289,6 +289,12 @@ class EngineConfig:
     # prefill ran at 23,696 tok/s with the graphs and 23,181 without, and a prompt joining 3
     # streams waited 16.2 against 16.0 ms for its first token.
     prefill_cuda_graphs: bool = True
+    # After warm-up the engine thread runs a full collection and moves every object still alive
+    # (the model, its compiled programs, JAX's and the tokenizer's tables) to Python's permanent
+    # generation (`gc.freeze`), so that later collections scan only what requests allocate. A
+    # collection holds the GIL, stalling the engine thread and the event loop alike; how long the
+    # full ones take, and how often they run, shows in /metrics (`pallas_gc_pause_seconds`).
+    gc_freeze: bool = True
     # Q4_K matrices split at load into Q4_0's codes and block scales (rounded to f16: a weight
     # moves by at most 2^-11 of its scaled code) plus an f32 offset per block and row, 22% more
     # bytes, so that Q4_0's kernels serve them: on a Hopper GPU the Mosaic matmul (its decode

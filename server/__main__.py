@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
                    help="compile the prefill programs without XLA's command buffers (CUDA graphs; for A/B "
                         "measurements)")
+    p.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                   help="leave the heap loading built to Python's cyclic GC (by default it is frozen after warm-up, "
+                        "so that full collections, which stall every thread, scan only what requests allocate)")
     p.add_argument("--reuse-kernel-lowering", action=argparse.BooleanOptionalAction, default=True,
                    help="lower each Mosaic GPU matmul kernel once for all step programs rather than once per "
                         "program (one GPU; on by default: a 7B's start-up on the H200 40%% shorter)")
@@ -191,6 +194,7 @@ def build_configs(args: argparse.Namespace, environ: dict[str, str] | os._Enviro
         separate_kv_write=args.separate_kv_write,
         reuse_kernel_lowering=args.reuse_kernel_lowering,
         prefill_cuda_graphs=args.prefill_cuda_graphs,
+        gc_freeze=args.gc_freeze,
         split_q4_k=args.split_q4_k,
         split_q6_k=args.split_q6_k,
     )

@@ -207,6 +207,7 @@ def make_engine() -> Iterator[Callable[..., tuple[Engine, FakeModel]]]:
         config.setdefault("prefill_chunks", model.prefill_chunks)
         config.setdefault("prefill_budget", model.prefill_chunks[-1] * 2)
         config.setdefault("max_top_logprobs", model.max_top_logprobs)
+        config.setdefault("gc_freeze", False)  # a full collection per engine is time the tests need not spend
         engine = Engine(
             factory or (lambda: model),
             ByteTokenizer(),

@@ -103,6 +103,29 @@ def test_generates_and_reports_usage(make_engine):
     assert info["model"] == "fake" and info["num_slots"] == 8 and info["kernels"] == {"attention": "fake"}
 
 
+def test_heap_frozen_after_warm_up_and_released_at_shutdown(make_engine):
+    """EngineConfig.gc_freeze: what loading left alive moves to the permanent generation once the
+    model is warm (a full collection then scans only later allocations), and back when the
+    engine stops, so that a process's later engines and tests can collect it."""
+    import gc
+
+    gc.unfreeze()
+    engine, _ = make_engine(gc_freeze=True)
+    frozen = gc.get_freeze_count()
+    assert frozen > 1000  # the test process's modules, this engine and its model
+    assert run(collect_one(engine, req("hello a", max_tokens=3))).text == "bcd"
+    engine.shutdown(timeout=10)
+    assert gc.get_freeze_count() == 0
+
+
+def test_heap_left_alone_without_gc_freeze(make_engine):
+    import gc
+
+    gc.unfreeze()
+    engine, _ = make_engine(gc_freeze=False)
+    assert engine.stats().state == "ready" and gc.get_freeze_count() == 0
+
+
 async def collect_one(engine, request) -> Result:
     return await collect(engine.submit(request))
 

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 
+from server import metrics
 from server.app import EngineHolder, create_app
 from server.config import ServerConfig
 from tests.server.fakes import BOS, MODEL_NAME, FakeEngine, client_for, make_app, tok
@@ -145,6 +146,25 @@ async def test_metrics_without_an_engine_and_per_app_registries() -> None:
     async with client_for(apps[1]) as c:
         m = _samples((await c.get("/metrics")).text)
     assert m[("pallas_engine_ready", ())] == 0 and m[("pallas_slots", ())] == 0
+
+
+async def test_gc_pauses_are_in_the_metrics_by_generation(client: httpx.AsyncClient) -> None:
+    import gc
+
+    def full_collections() -> tuple[float, float]:
+        return m[("pallas_gc_pause_seconds_count", (("generation", "2"),))], m[("pallas_gc_pause_seconds_sum", (("generation", "2"),))]
+
+    m = _samples((await client.get("/metrics")).text)
+    before = full_collections()
+    gc.collect()
+    gc.collect()
+    m = _samples((await client.get("/metrics")).text)
+    count, total = full_collections()
+    assert count == before[0] + 2 and total > before[1]
+    for generation in "012":  # cumulative buckets ending in +Inf = the count
+        labels = (("generation", generation), ("le", "+Inf"))
+        assert m[("pallas_gc_pause_seconds_bucket", labels)] == m[("pallas_gc_pause_seconds_count", (("generation", generation),))]
+    assert metrics.gc_pauses() is metrics.gc_pauses() and gc.callbacks.count(metrics.gc_pauses().callback) == 1
 
 
 async def test_models(client: httpx.AsyncClient) -> None:

@@ -54,7 +54,7 @@ def test_defaults() -> None:
     # Q4_K and Q6_K split where the Mosaic GPU matmul serves them: one Hopper GPU, the matmul not forced elsewhere
     both = {"q4_k", "q6_k"}
     assert engine.split_q4_k == engine.split_q6_k == "auto"
-    assert engine.reuse_kernel_lowering and engine.prefill_cuda_graphs
+    assert engine.reuse_kernel_lowering and engine.prefill_cuda_graphs and engine.gc_freeze
     assert split_formats(engine) == set() and split_formats(engine, mosaic_available=True) == both
     for other in (dataclasses.replace(engine, kernels=(("matmul", "triton"),)),
                   dataclasses.replace(engine, tensor_parallel=2)):
@@ -87,7 +87,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
             "--kernels", "attention=xla, matmul=triton", "--chat-template", str(template), "--log-level", "debug",
             "--unroll-decode-layers", "off", "--decode-steps", "4", "--compile-threads", "3",
             "--few-rows-attention", "--separate-kv-write", "--split-q4-k", "--no-reuse-kernel-lowering",
-            "--no-prefill-cuda-graphs",
+            "--no-prefill-cuda-graphs", "--no-gc-freeze",
         ]
     )  # fmt: skip
     engine, server = build_configs(args, {})
@@ -99,7 +99,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
     assert engine.compile_workers("gpu", 12) == engine.compile_workers("cpu", 12) == 3
     assert engine.compile_workers("gpu", 2) == 2
     assert engine.few_rows_attention and engine.separate_kv_write and engine.split_q4_k == "on"
-    assert not engine.reuse_kernel_lowering and not engine.prefill_cuda_graphs
+    assert not engine.reuse_kernel_lowering and not engine.prefill_cuda_graphs and not engine.gc_freeze
     assert split_formats(engine, mosaic_available=False) == {"q4_k"}  # "on" splits whatever serves it
     assert (server.model_name, server.host, server.port, server.log_level) == ("m.gguf", "0.0.0.0", 0, "debug")
     assert server.chat_template == "{{ messages[0]['content'] }}"
