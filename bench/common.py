@@ -38,6 +38,19 @@ LLAMA_CPP_H200 = {
 # memory and device
 
 
+def full_collection() -> dict[str, Any]:
+    """One full cyclic-GC collection timed, with the objects it had to scan and those frozen out of
+    its reach (`gc.freeze`, EngineConfig.gc_freeze): what a full collection, which holds the GIL,
+    would stall the engine and the event loop for at this point."""
+    import gc
+
+    tracked, frozen = len(gc.get_objects()), gc.get_freeze_count()
+    started = time.perf_counter()
+    gc.collect()
+    return {"ms": round(1e3 * (time.perf_counter() - started), 2), "tracked_objects": tracked,
+            "frozen_objects": frozen}
+
+
 def rss_mib() -> dict[str, float]:
     """Current and peak resident set size of this process, MiB."""
     try:

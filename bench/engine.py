@@ -369,6 +369,7 @@ def main_run(args: argparse.Namespace) -> int:
         engine.add_observer(timings)
         engine_info = engine.info()
         memory_ready = {"device": common.device_memory(), **common.rss_mib()}
+        gc_ready = common.full_collection()
         try:
             suite = asyncio.run(run_suite(engine, timings, args, int(engine_info["max_context"])))
         finally:
@@ -425,6 +426,7 @@ def main_run(args: argparse.Namespace) -> int:
         "startup_s": startup_s,
         "startup": {"cold": cold, "this_process": startup},
         "memory": {"after_ready": memory_ready, "after_suite": memory_end},
+        "gc_after_ready": gc_ready,
         "details": suite,
         "llama_cpp_h200": common.LLAMA_CPP_H200,
     }
@@ -454,6 +456,9 @@ def print_summary(r: dict[str, Any]) -> None:
           f"per step -> weight-read floor {r['hbm_floor_tok_s']} steps/s")
     mem = r["memory"]["after_suite"]
     print(f"  memory: device {mem['device']}, RSS {mem['rss_mib']:.0f} MiB (peak {mem['peak_rss_mib']:.0f} MiB)")
+    g = r["gc_after_ready"]
+    print(f"  a full GC collection after warm-up: {g['ms']} ms over {g['tracked_objects']:,} tracked objects "
+          f"({g['frozen_objects']:,} frozen)")
 
 
 def plot(results: list[dict[str, Any]], path: pathlib.Path) -> None:
