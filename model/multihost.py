@@ -109,12 +109,16 @@ class LeaderRunner:
             broadcast_bytes(pickle.dumps(None))
 
 
-def follow(runner: Any, on_step: Callable[[StepPlan, list[StepOutput]], None] | None = None) -> int:
+def follow(runner: Any, on_step: Callable[[StepPlan, list[StepOutput]], None] | None = None,
+           after_warmup: Callable[[], None] | None = None) -> int:
     """Runs the leader's plans on `runner` (compiled first) until the leader closes; returns the
     number of steps run. `on_step` sees each plan and its outputs (tests compare them with the
-    leader's)."""
+    leader's); `after_warmup` runs once the programs are compiled, before the first plan (the
+    engine's heap freeze: a follower's GC pause stalls the leader's step through the broadcast)."""
     runner.warmup()
     warm_broadcasts()
+    if after_warmup is not None:
+        after_warmup()
     log.info("process %d: following process 0's step plans", jax.process_index())
     steps = 0
     while True:

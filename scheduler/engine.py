@@ -137,7 +137,7 @@ class RequestStream:
         self._events.put_nowait(event)
 
 
-def _freeze_heap() -> None:
+def freeze_heap() -> None:
     """`EngineConfig.gc_freeze`: a full collection, then everything alive moves to the permanent
     generation. Objects frozen there are never collected, so the heap frozen is what loading left,
     freed of its garbage first; what requests allocate later is collected as usual."""
@@ -359,7 +359,7 @@ class Engine:
             self._adopt(model)
             model.warmup()
             if self.config.gc_freeze:
-                _freeze_heap()
+                freeze_heap()
         except BaseException as exc:  # noqa: BLE001 - whatever it is, streams and /health must know
             log.exception("the model failed to load")
             self._fail(exc)

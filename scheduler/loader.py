@@ -5,6 +5,7 @@ the runner and compiles every step program before it reports ready."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import pathlib
@@ -13,7 +14,7 @@ import jax
 
 from model.config import EngineConfig
 from model.loader import load_model
-from scheduler.engine import Engine
+from scheduler.engine import Engine, freeze_heap
 
 log = logging.getLogger(__name__)
 
@@ -82,4 +83,8 @@ def run_follower(model_path: str | os.PathLike[str], engine_config: EngineConfig
     from model.multihost import follow
 
     loaded, engine_config = _load(model_path, engine_config)
-    return follow(loaded.make_runner(engine_config))
+    try:
+        return follow(loaded.make_runner(engine_config), after_warmup=freeze_heap if engine_config.gc_freeze else None)
+    finally:
+        if engine_config.gc_freeze:
+            gc.unfreeze()

@@ -182,3 +182,49 @@ def test_nothing_compiles_while_the_leader_serves(two_processes):
     active-slot mask on the multi-process mesh (17 ms on this CPU)."""
     leader, _ = two_processes
     assert set(leader["compiles"]) <= {"jit(stage)"}, leader["compiles"]
+
+
+def test_a_follower_runs_after_warmup_between_its_compiles_and_the_first_plan(monkeypatch):
+    """`follow(after_warmup=...)` (the engine's heap freeze on processes other than 0): after the
+    runner's warm-up and the broadcasts', before the first plan is read."""
+    import pickle
+
+    from model import multihost
+
+    calls = []
+
+    class Runner:
+        def warmup(self):
+            calls.append("warmup")
+
+    monkeypatch.setattr(multihost, "warm_broadcasts", lambda: calls.append("warm_broadcasts"))
+    monkeypatch.setattr(multihost, "broadcast_bytes", lambda payload: calls.append("plan") or pickle.dumps(None))
+    assert multihost.follow(Runner(), after_warmup=lambda: calls.append("after_warmup")) == 0
+    assert calls == ["warmup", "warm_broadcasts", "after_warmup", "plan"]
+
+
+@pytest.mark.parametrize("gc_freeze", [True, False])
+def test_run_follower_freezes_the_heap_while_it_follows(monkeypatch, gc_freeze):
+    import gc
+
+    from model import multihost
+    from scheduler import loader
+
+    class Loaded:
+        def make_runner(self, config):
+            return "runner"
+
+    frozen_while_following = []
+
+    def follow(runner, after_warmup=None):
+        if after_warmup is not None:
+            after_warmup()
+        frozen_while_following.append(gc.get_freeze_count())
+        return 3
+
+    gc.unfreeze()
+    config = EngineConfig(gc_freeze=gc_freeze)
+    monkeypatch.setattr(loader, "_load", lambda path, cfg: (Loaded(), cfg))
+    monkeypatch.setattr(multihost, "follow", follow)
+    assert loader.run_follower("model.gguf", config) == 3
+    assert (frozen_while_following[0] > 1000) == gc_freeze and gc.get_freeze_count() == 0
