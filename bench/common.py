@@ -303,6 +303,21 @@ def trace_events(log_dir: str | os.PathLike[str]) -> tuple[list[dict], list[dict
             [e for e in complete if e.get("pid") not in gpu and str(e.get("name", "")).startswith("cu")])
 
 
+def traced_device_events(fn: Any, reps: int) -> list[dict]:
+    """The device events of a profiler trace of `reps` calls of `fn` (each waited for); [] where
+    the trace has none (the CPU)."""
+    import tempfile
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        for _ in range(reps):
+            jax.block_until_ready(fn())
+        jax.profiler.stop_trace()
+        return device_trace_events(d) or []
+
+
 def device_trace_events(log_dir: str | os.PathLike[str]) -> list[dict] | None:
     """The device events of `trace_events`; None when there is no trace file."""
     events = trace_events(log_dir)

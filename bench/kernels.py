@@ -42,7 +42,6 @@ import math
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 
@@ -333,13 +332,7 @@ def device_times(f, x, weights, runs: int) -> dict:
     in "kernel"), and "us_device", all of its kernels (launch gaps and the host excluded); {}
     when the trace has no device events (the CPU)."""
     jax.block_until_ready(f(x, weights))
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        for _ in range(runs):
-            jax.block_until_ready(f(x, weights))
-        jax.profiler.stop_trace()
-        events = common.device_trace_events(d) or []
-    return per_matmul(events, runs * len(weights))
+    return per_matmul(common.traced_device_events(lambda: f(x, weights), runs), runs * len(weights))
 
 
 def per_matmul(events: list[dict], matmuls: int) -> dict:

@@ -24,7 +24,6 @@ if __package__ in (None, ""):  # run as a script: put the repository root first 
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
-import tempfile  # noqa: E402
 
 from bench import common  # noqa: E402
 
@@ -56,12 +55,7 @@ def measure(n: int, k: int, reps: int) -> dict:
         return jnp.concatenate(outs, axis=1)
 
     jax.block_until_ready(chain(w, x))
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        for _ in range(reps):
-            jax.block_until_ready(chain(w, x))
-        jax.profiler.stop_trace()
-        events = common.device_trace_events(d) or []
+    events = common.traced_device_events(lambda: chain(w, x), reps)
     kernels = sorted((e for e in events if "mosaic" in e["name"]), key=lambda e: e["ts"])
     durs = [float(e.get("dur", 0.0)) for e in kernels]
     if len(durs) != reps * LAYERS * 2:

@@ -6,6 +6,18 @@ from __future__ import annotations
 
 from bench.kernel_mix import largest_loop, mix, parse
 
+WAIT = """	// begin inline asm
+	{
+	.reg .pred       P1;
+	LAB_WAIT:
+	mbarrier.try_wait.parity.shared.b64 P1, [%r2], %r3, %r4;
+	@P1 bra.uni DONE;
+	bra.uni     LAB_WAIT;
+	DONE:
+	}
+	// end inline asm
+"""  # Mosaic's barrier wait: the same labels in every copy
+
 PTX = """
 .visible .entry k(
 .reg .b32 %r<9>;
@@ -14,17 +26,7 @@ PTX = """
 	bra.uni 	$L__BB0_1;
 $L__BB0_1:
 	.loc	1 0 4
-	// begin inline asm
-	{
-	.reg .pred       P1;
-	LAB_WAIT:
-	mbarrier.try_wait.parity.shared.b64 P1, [%r2], %r3, %r4;
-	@P1 bra.uni DONE;
-	bra.uni     LAB_WAIT;
-	DONE:
-	}
-	// end inline asm
-	ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r5, %r6, %r7, %r8}, [%rd1];
+{WAIT}	ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r5, %r6, %r7, %r8}, [%rd1];
 	cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%r1], [%rd2, {%r3, %r4}], [%r2];
 	// begin inline asm
 	{ .reg .b32 t, c; lop3.b32 t, %r5, 0x000f000f, 0x43004300, 0xEA; mov.b32 c, 0x43084308; sub.bf16x2 %r6, t, c; }
@@ -33,20 +35,10 @@ $L__BB0_1:
 	// begin inline asm
 	{ .reg .pred p; setp.ne.b32 p, 1, 0; wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%r1,%r2,%r3,%r4}, {%r5,%r6,%r7,%r8}, %rd28, p, 1, 1, 0; }
 	// end inline asm
-	// begin inline asm
-	{
-	.reg .pred       P1;
-	LAB_WAIT:
-	mbarrier.try_wait.parity.shared.b64 P1, [%r2], %r3, %r4;
-	@P1 bra.uni DONE;
-	bra.uni     LAB_WAIT;
-	DONE:
-	}
-	// end inline asm
-	@%p1 bra 	$L__BB0_1;
+{WAIT}	@%p1 bra 	$L__BB0_1;
 	ret;
 }
-"""
+""".replace("{WAIT}", WAIT)
 
 
 def test_inline_asm_statements_count_and_their_labels_stay_in_their_block():
