@@ -61,24 +61,12 @@ USER_COUNTS = (1, 4, 8, 16, 32)
 # engine set-up (also used by bench/http.py and bench/endurance.py)
 
 
-def build_config(
-    slots: int, max_context: int, kv_dtype: str = "float32", prefill_budget: int = 512, max_queue: int = 64,
-    decode_steps: int = 0, prefill_chunks: tuple[int, ...] | None = None,
-    kernels: tuple[tuple[str, str], ...] = (), tensor_parallel: int = 1, unroll_decode_layers: str = "auto",
-    compile_threads: int = 0, few_rows_attention: bool = False, separate_kv_write: bool = False,
-    split_q4_k: str = "auto", split_q6_k: str = "auto", reuse_kernel_lowering: bool = True,
-    prefill_cuda_graphs: bool = True, gc_freeze: bool = True,
-) -> EngineConfig:
-    """The EngineConfig `python -m server` builds from the same flags."""
-    chunks = prefill_chunks_for(prefill_budget, prefill_chunks)
-    return EngineConfig(kernels=kernels, tensor_parallel=tensor_parallel,
-        num_slots=slots, max_context=max_context, prefill_budget=prefill_budget, prefill_chunks=chunks,
-        max_queue=max_queue, kv_dtype=kv_dtype, decode_steps_per_dispatch=decode_steps,
-        unroll_decode_layers=unroll_decode_layers, compile_threads=compile_threads,
-        few_rows_attention=few_rows_attention, separate_kv_write=separate_kv_write, split_q4_k=split_q4_k,
-        split_q6_k=split_q6_k, reuse_kernel_lowering=reuse_kernel_lowering, prefill_cuda_graphs=prefill_cuda_graphs,
-        gc_freeze=gc_freeze,
-    )
+def build_config(slots: int, max_context: int, kv_dtype: str = "float32", prefill_budget: int = 512,
+                 max_queue: int = 64) -> EngineConfig:
+    """An EngineConfig with the server's defaults but these (bench/endurance.py and
+    bench/serving_overhead.py; this script's own runs take every server flag, `config_of`)."""
+    return EngineConfig(num_slots=slots, max_context=max_context, kv_dtype=kv_dtype, prefill_budget=prefill_budget,
+                        prefill_chunks=prefill_chunks_for(prefill_budget, None), max_queue=max_queue)
 
 
 def start_engine(model_path: str | os.PathLike[str], config: EngineConfig, profile: cProfile.Profile | None = None):
@@ -298,15 +286,13 @@ async def trace_decode(engine, timings: TimingLog, users: int, args: argparse.Na
 
 
 def config_of(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig of this script's flags (the run and its cold-start child alike)."""
-    return build_config(args.slots, args.max_context, args.kv_dtype, args.prefill_budget,
-                        decode_steps=args.decode_steps, prefill_chunks=args.prefill_chunks,
-                        kernels=args.kernels, tensor_parallel=args.tensor_parallel,
-                        unroll_decode_layers=args.unroll_decode_layers, compile_threads=args.compile_threads,
-                        few_rows_attention=args.few_rows_attention, separate_kv_write=args.separate_kv_write,
-                        split_q4_k=args.split_q4_k, split_q6_k=args.split_q6_k,
-                        reuse_kernel_lowering=args.reuse_kernel_lowering, prefill_cuda_graphs=args.prefill_cuda_graphs,
-                        gc_freeze=args.gc_freeze)
+    """The EngineConfig `python -m server` builds from this script's engine flags (`_engine_flags`,
+    through the server's own parser, so that a server flag needs no second copy of its mapping
+    here): the run and its cold-start child alike."""
+    from server.__main__ import build_configs, build_parser
+
+    engine_config, _ = build_configs(build_parser().parse_args(_engine_flags(args)), {})
+    return engine_config
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:
