@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
-from model.weights import LayerGroup, Params
+from model.weights import LayerGroup, Params, numbered
 from pallas_kernels.attention import pack_decode_write
 from pallas_kernels.quant import QuantizedTensor
 
@@ -293,15 +293,12 @@ def _run_layers(params: Params, cache: KVCache, body: Callable, unroll: bool = F
     def run(x):
         if params.is_stacked:
             return run_group(LayerGroup([params.layers], 0, cache.k.shape[0]), x, cache)
-        c, i = cache, 0
-        for entry in params.layers:
+        c = cache
+        for i, entry in numbered(params.layers):
             if isinstance(entry, LayerGroup):
-                assert entry.start == i, (entry.start, i)
                 x, c = run_group(entry, x, c)
-                i += entry.period * entry.repeats
             else:
                 x, c = body(entry, c, i, x, None)
-                i += 1
         return x, c
 
     return run

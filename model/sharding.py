@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from model.config import ModelConfig
 from model.forward import Kernels, KVCache
-from model.weights import LayerGroup, Params
+from model.weights import LayerGroup, Params, numbered
 from pallas_kernels.quant import QuantizedTensor
 
 log = logging.getLogger(__name__)
@@ -145,16 +145,13 @@ def param_specs(params: Params, tp: int) -> Params:
     if params.is_stacked:
         layers: Any = _layer_specs(params.layers, tp, "blk.*")
     else:
-        layers, i = [], 0  # i: the model's index of the list's next layer
-        for lp in params.layers:
+        layers = []
+        for i, lp in numbered(params.layers):
             if isinstance(lp, LayerGroup):
-                assert lp.start == i, (lp.start, i)
-                layers.append(LayerGroup([_layer_specs(ph, tp, f"blk.{lp.start + j}+{lp.period}x{lp.repeats}")
-                                          for j, ph in enumerate(lp.phases)], lp.start, lp.repeats))
-                i += lp.period * lp.repeats
+                layers.append(LayerGroup([_layer_specs(ph, tp, f"blk.{i + j}+{lp.period}x{lp.repeats}")
+                                          for j, ph in enumerate(lp.phases)], i, lp.repeats))
             else:
                 layers.append(_layer_specs(lp, tp, f"blk.{i}"))
-                i += 1
     return Params(
         embed=tensor_spec("token_embd", "embed", params.embed, tp),
         output=None if params.output is None else tensor_spec("output", "output", params.output, tp),

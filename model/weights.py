@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +96,20 @@ class LayerGroup:
 
 
 jax.tree_util.register_pytree_node(LayerGroup, LayerGroup.tree_flatten, LayerGroup.tree_unflatten)
+
+def numbered(layers: list[Any]) -> Iterator[tuple[int, Any]]:
+    """A list of layers (per-layer dicts and `LayerGroup`s, `Params.layers` unstacked) with each
+    entry's first layer index in the model."""
+    i = 0
+    for entry in layers:
+        if isinstance(entry, LayerGroup):
+            assert entry.start == i, (entry.start, i)
+            yield i, entry
+            i += entry.period * entry.repeats
+        else:
+            yield i, entry
+            i += 1
+
 
 MAX_PERIOD = 4  # the longest period `layer_runs` looks for (Q4_K_M's is 3)
 
