@@ -211,7 +211,7 @@ def _lowering_reuse(engine_cfg: EngineConfig) -> Callable[[Any, str], Any]:
         return lambda fn, name: fn
     if not lowering_cache.available():
         log.info("reuse_kernel_lowering: this jax cannot export without its forward-compatibility rules; "
-                    "every program lowers its kernels")
+                 "every program lowers its kernels")
         return lambda fn, name: fn
     if engine_cfg.tensor_parallel != 1:
         log.info("reuse_kernel_lowering is for one device; with tensor parallelism every program lowers its kernels")

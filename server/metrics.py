@@ -5,14 +5,15 @@ running, waiting, rejected, token totals), and one `RequestTiming` per finished 
 to `Metrics.observe` (registered with `Engine.add_observer`; it runs on the engine thread, and
 prometheus_client metrics are thread-safe). Besides, the process's cyclic-GC pauses
 (`pallas_gc_pause_seconds`, by generation): a collection holds the GIL, so it stalls the engine
-thread and the event loop alike, and a full one over a large heap is a p99 of its own. The engine measures time to first token and
-inter-token gaps where it hands tokens to the stream, including queue time the server cannot
-see, so the server reads no clock for request metrics. HTTP responses are counted by the app's
-outermost middleware.
+thread and the event loop alike, and a full one over a large heap is a p99 of its own. The
+engine measures time to first token and inter-token gaps where it hands tokens to the stream,
+including queue time the server cannot see, so the server reads no clock for request metrics.
+HTTP responses are counted by the app's outermost middleware.
 """
 
 from __future__ import annotations
 
+import bisect
 import gc
 import threading
 import time
@@ -52,8 +53,7 @@ class GcPauses:
         pause, self._started = time.perf_counter() - self._started, None
         generation = min(int(info.get("generation", 2)), 2)
         self.sums[generation] += pause
-        bucket = next((i for i, le in enumerate(GC_BUCKETS) if pause <= le), len(GC_BUCKETS))
-        self.counts[generation][bucket] += 1
+        self.counts[generation][bisect.bisect_left(GC_BUCKETS, pause)] += 1  # the first bound >= pause
 
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(
