@@ -27,7 +27,7 @@ wall-clock figure, and gbps, pct_hbm and tflops follow `us`.
 
 Q4_K also runs split for Q4_0's kernels (`pallas_kernels/q4_k_split.py`): impl
 "mosaic_gpu:q4_k_split" with `--impls mosaic_gpu` on a GPU, "reference:q4_k_split" with
-`reference`; the split is made before timing, and gbps counts its planes (0.6875 bytes per
+`reference`; the split is made before timing, and gbps counts its planes (0.625 bytes per
 weight).
 """
 
@@ -168,7 +168,7 @@ def q4_k_split_impls(impl_names: list[str], interpret: bool, m: int) -> list[Imp
     from pallas_kernels import matmul_mgpu, q4_k_split
 
     def impl(name, fn):
-        return Impl(name, fn, "q4_0 codes + f32 offsets", prepare=jax.jit(q4_k_split.split_q4_k))
+        return Impl(name, fn, "q4_0 codes + f16 offsets", prepare=jax.jit(q4_k_split.split_q4_k))
 
     out = []
     if "mosaic_gpu" in impl_names and not interpret:

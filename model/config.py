@@ -296,7 +296,7 @@ class EngineConfig:
     # full ones take, and how often they run, shows in /metrics (`pallas_gc_pause_seconds`).
     gc_freeze: bool = True
     # Q4_K matrices split at load into Q4_0's codes and block scales (rounded to f16: a weight
-    # moves by at most 2^-11 of its scaled code) plus an f32 offset per block and row, 22% more
+    # moves by at most 2^-11 of its scaled code) plus an f16 offset per block and row, 11% more
     # bytes, so that Q4_0's kernels serve them: on a Hopper GPU the Mosaic matmul (its decode
     # kernel adds the offsets itself), the Triton Q4_0 kernel where Mosaic refuses a shape.
     # "auto" splits where the Mosaic matmul serves them (one device, a Hopper GPU, the matmul not

@@ -253,10 +253,10 @@ def stage_bytes(fmt: str, m: int, tile_k: int, rows: int = BLOCK_N, int8_x: bool
                 offsets: bool = False) -> int:
     """Shared memory of one pipeline step: x [M, tile_k] bf16, codes [rows, tile_k], scales. With
     `int8_x`, x's two int8 copies take the bytes of the bf16 one, and its two f32 factors per block
-    and row come on top; with `offsets` (q4_k_split), x's f32 block sums and the f32 offsets."""
+    and row come on top; with `offsets` (q4_k_split), x's f32 block sums and the f16 offsets."""
     extra = 2 * padded_rows(m) * (tile_k // 32) * 4 if int8_x else 0
     if offsets:
-        extra += (padded_rows(m) + rows) * (tile_k // 32) * 4
+        extra += (padded_rows(m) * 4 + rows * 2) * (tile_k // 32)
     scales = rows * (tile_k // BLOCK_K[fmt]) * 2
     return padded_rows(m) * tile_k * 2 + rows * tile_k * CODE_BITS[fmt] // 8 + scales + extra
 
@@ -470,7 +470,7 @@ def _scale_and_sum(acc: jax.Array, parts: list[jax.Array], d_smem) -> jax.Array:
 
 
 def _add_offsets(acc: jax.Array, f_smem, xs_smem, nb: int) -> jax.Array:
-    """acc [64, M] + sum over the step's nb blocks b of block b's 64 offsets (f_smem [nb, 64] f32,
+    """acc [64, M] + sum over the step's nb blocks b of block b's 64 offsets (f_smem [nb, 64] f16,
     down the rows) times x's sums over block b (xs_smem [nb, M] f32, across the columns)."""
     plgpu = _plgpu()
     column = plgpu.Layout.WGMMA.reduce(0)
@@ -520,7 +520,7 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
     the m rows of its tile (grid axis "mtile" when m_tiles > 1); c_gmem [L*N, K] codes (int4 or
     int8); d_gmem [L*K/B, N] f16 scales (the transposed plane; B = BLOCK_K[fmt]); with `offsets` (q4_k_split,
     unfolded scales, one tile of x), refs begin with xs_gmem [K/32, M_pad] f32, x's block sums,
-    and f_gmem [L*K/32, N] f32, the offsets (the `c` plane); then o_gmem [split, M_pad, N] f32
+    and f_gmem [L*K/32, N] f16, the offsets (the `c` plane); then o_gmem [split, M_pad, N] f32
     partial sums with o_smem [m, rows] (`rows_out`), else [split, N, M_pad] with [rows, m]. Each
     warpgroup takes `rows` rows (64-row tiles t) of the weight, one K split and one tile of x."""
     if offsets:

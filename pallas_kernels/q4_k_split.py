@@ -6,20 +6,22 @@ A Q4_K super-block of 256 weights holds per 32-weight sub-block b the codes q (0
 scale sc_b and a 6-bit min m_b, and per super-block f16 d and dmin: w = d sc_b q - dmin m_b
 (llama.cpp). That is Q4_0's form plus one offset per block and row:
 
-    w' = s_b (q - 8) + c_b,   s_b = f16(d sc_b),   c_b = 8 s_b - dmin m_b  (f32)
+    w' = s_b (q - 8) + c_b,   s_b = f16(d sc_b),   c_b = f16(8 s_b - dmin m_b)
 
 so x @ w'.T = q4_0_matmul(x, codes, s) + xsum @ C, with xsum [M, K/32] the sums of x over each
 32-block and C [K/32, N] the offsets (transposed like Q4_0's scales). w' = s_b q - dmin m_b
 differs from w only where d sc_b (up to 17 significant bits) does not fit f16's 11: by at most
-2^-11 of d sc_b times q, i.e. 2^-11 of the weight's scaled code; in a dot with bf16 x (the GPU
-path) that is below x's own rounding. The codes keep their bits; they move from Q4_K's nibble
+2^-11 of d sc_b times q, i.e. 2^-11 of the weight's scaled code, and where c_b does not fit f16,
+by at most 2^-11 of c_b; in a dot with bf16 x (the GPU path) that is below x's own rounding
+(2^-9). The offsets were f32 until the seventeenth session: half their bytes, 9% of the
+split's, for nothing the GPU path could resolve. The codes keep their bits; they move from Q4_K's nibble
 order (per 64 weights, 32 bytes: low nibbles weights 0..31, high nibbles 32..63) to Q4_0's (per
 32 weights, 16 bytes: low nibbles 0..15, high 16..31).
 
-Bytes per weight: 0.5 (codes) + 2/32 (s) + 4/32 (C) = 0.6875, against Q4_K's 0.5625.
+Bytes per weight: 0.5 (codes) + 2/32 (s) + 2/32 (C) = 0.625, against Q4_K's 0.5625.
 
 The split is a weight format of its own, "q4_k_split" (`quant.DERIVED_FORMATS`: planes `qs` and
-`d` as Q4_0's, `c` [K/32, N] f32), made at load with `EngineConfig.split_q4_k` (`--split-q4-k`),
+`d` as Q4_0's, `c` [K/32, N] f16), made at load with `EngineConfig.split_q4_k` (`--split-q4-k`),
 so the forward pass is unchanged: the reference dequantizes it (d (q - 8) + c); the Mosaic GPU
 matmul's decode kernel adds the offsets itself (its `fuse_offsets`: on the H200 a 7B Q4_K_M
 decode step took 4.22 ms, against 4.65 ms with them as XLA dots after it, bench/results,
@@ -62,7 +64,7 @@ def split_q4_k(w: QuantizedTensor) -> QuantizedTensor:
             sub_vals).astype(np.float32)
 
     scales = per_block(p["d"], p["sc"]).astype(np.float16)  # s_b
-    offsets = CODE_OFFSET * scales.astype(np.float32) - per_block(p["dmin"], p["m"])  # c_b
+    offsets = (CODE_OFFSET * scales.astype(np.float32) - per_block(p["dmin"], p["m"])).astype(np.float16)  # c_b
 
     def transposed(a):  # [.., N, K/32] -> [.., K/32, N], contiguous
         a = xp.swapaxes(a, -1, -2)
@@ -91,6 +93,7 @@ def offset_term(x: jax.Array, w: QuantizedTensor, layer: jax.Array | int | None 
     c = w.planes["c"]
     if layer is not None:
         c = jax.lax.dynamic_index_in_dim(c, layer, axis=0, keepdims=False)
+    c = c.astype(jnp.float32)
     xs = block_sums(x)
     return jax.lax.dot_general(xs, c, (((xs.ndim - 1,), (0,)), ((), ())), precision=precision,
                                preferred_element_type=jnp.float32)

@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lower each Mosaic GPU matmul kernel once for all step programs rather than once per "
                         "program (one GPU; on by default: a 7B's start-up on the H200 40%% shorter)")
     p.add_argument("--split-q4-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
-                   help="split Q4_K matrices at load for Q4_0's kernels (Q4_0 codes, f16 block scales, f32 offsets: "
-                        "22%% more weight bytes); auto (default): where Q4_0's Mosaic GPU matmul serves them (one "
+                   help="split Q4_K matrices at load for Q4_0's kernels (Q4_0 codes, f16 block scales, f16 offsets: "
+                        "11%% more weight bytes); auto (default): where Q4_0's Mosaic GPU matmul serves them (one "
                         "Hopper GPU, the matmul not forced elsewhere); the bare flag means on")
     p.add_argument("--split-q6-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
                    help="split Q6_K matrices at load into int8 codes and f16 scales per 16 weights (37%% more weight "

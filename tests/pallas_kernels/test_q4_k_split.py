@@ -29,27 +29,42 @@ def random_q4_k(seed: int, n: int, k: int, d_values=None) -> QuantizedTensor:
     return QuantizedTensor(planes, "q4_k", (n, k))
 
 
-def test_split_is_exact_where_the_block_scales_fit_f16():
-    # d a power of two: d * sc (sc < 64) is exact in f16, so the split dequantizes to w up to f32 rounding
+def per_block(w: QuantizedTensor, super_plane: str, sub_plane: str) -> np.ndarray:
+    """f64 [N, K/32]: a super-block's f16 value times each sub-block's 6-bit int (d sc_b, dmin m_b)."""
+    sup = np.repeat(np.asarray(w.planes[super_plane], np.float64), 8, axis=1)
+    return sup * np.asarray(w.planes[sub_plane], np.float64)
+
+
+def offset_bound(w: QuantizedTensor) -> np.ndarray:
+    """[N, K] f64: how far c_b's rounding to f16 may move each weight, 2^-11 |8 s_b - dmin m_b|
+    (2^-14 absolute below f16's normal range), s_b taken at its largest, d sc_b (1 + 2^-11)."""
+    c = 8 * per_block(w, "d", "sc") * (1 + 2.0**-11) + per_block(w, "dmin", "m")
+    return np.repeat(np.maximum(2.0**-11 * c, 2.0**-25), 32, axis=1)
+
+
+def test_split_is_exact_where_the_block_scales_and_offsets_fit_f16():
+    # d a power of two and dmin = 0: d * sc (sc < 64) and 8 d sc are exact in f16, so the split
+    # dequantizes to w up to f32 rounding
     w = random_q4_k(0, 64, 512, d_values=[2.0**-7, 2.0**-9, 2.0**-12])
+    w.planes["dmin"][:] = 0
     split = q4_k_split.split_q4_k(w)
     assert split.fmt == "q4_k_split" and split.shape == (64, 512)
     assert {k: v.shape for k, v in split.planes.items()} == {"qs": (64, 256), "d": (16, 64), "c": (16, 64)}
+    assert {k: v.dtype for k, v in split.planes.items()} == {"qs": np.uint8, "d": np.float16, "c": np.float16}
     assert all(isinstance(v, np.ndarray) for v in split.planes.values())  # the loader's host planes stay numpy
     ref = np.asarray(dequantize_reference(w), np.float64)
     got = np.asarray(dequantize_reference(split), np.float64)
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
 
 
-def test_split_moves_each_weight_by_at_most_the_f16_rounding_of_its_scale():
+def test_split_moves_each_weight_by_at_most_the_f16_rounding_of_its_scale_and_offset():
     w = random_q4_k(1, 96, 768)
     split = q4_k_split.split_q4_k(w)
     ref = np.asarray(dequantize_reference(w), np.float64)
     diff = np.abs(np.asarray(dequantize_reference(split), np.float64) - ref)
-    # |(s_b - d sc_b) q| <= 2^-11 d sc_b * 15
-    d_sc = np.repeat(np.asarray(w.planes["d"], np.float64), 8, axis=1) * np.asarray(w.planes["sc"], np.float64)
-    bound = 2.0**-11 * 15 * np.repeat(d_sc, 32, axis=1) + 1e-6 * np.abs(ref).max()
-    assert (diff <= bound).all()
+    # |(s_b - d sc_b) q| <= 2^-11 d sc_b * 15, plus c_b's own rounding
+    bound = 2.0**-11 * 15 * np.repeat(per_block(w, "d", "sc"), 32, axis=1) + offset_bound(w)
+    assert (diff <= bound + 1e-6 * np.abs(ref).max()).all()
     assert diff.max() > 0  # random d: some scales do not fit f16
 
 
