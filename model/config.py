@@ -295,9 +295,9 @@ class EngineConfig:
     # collection holds the GIL, stalling the engine thread and the event loop alike; how long the
     # full ones take, and how often they run, shows in /metrics (`pallas_gc_pause_seconds`).
     gc_freeze: bool = True
-    # Q4_K matrices split at load into Q4_0's codes and block scales (rounded to f16: a weight
-    # moves by at most 2^-11 of its scaled code) plus an f16 offset per block and row, 11% more
-    # bytes, so that Q4_0's kernels serve them: on a Hopper GPU the Mosaic matmul (its decode
+    # Q4_K matrices split at load into Q4_0's codes and block scales plus an offset per block and
+    # row, all f16 (a weight moves by at most 2^-11 of its scaled code plus 2^-11 of its block's
+    # offset), 11% more bytes, so that Q4_0's kernels serve them: on a Hopper GPU the Mosaic matmul (its decode
     # kernel adds the offsets itself), the Triton Q4_0 kernel where Mosaic refuses a shape.
     # "auto" splits where the Mosaic matmul serves them (one device, a Hopper GPU, the matmul not
     # forced to another implementation: `model.loader.split_formats`): on the H200 a 7B Q4_K_M

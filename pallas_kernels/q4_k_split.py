@@ -9,14 +9,17 @@ scale sc_b and a 6-bit min m_b, and per super-block f16 d and dmin: w = d sc_b q
     w' = s_b (q - 8) + c_b,   s_b = f16(d sc_b),   c_b = f16(8 s_b - dmin m_b)
 
 so x @ w'.T = q4_0_matmul(x, codes, s) + xsum @ C, with xsum [M, K/32] the sums of x over each
-32-block and C [K/32, N] the offsets (transposed like Q4_0's scales). w' = s_b q - dmin m_b
-differs from w only where d sc_b (up to 17 significant bits) does not fit f16's 11: by at most
-2^-11 of d sc_b times q, i.e. 2^-11 of the weight's scaled code, and where c_b does not fit f16,
-by at most 2^-11 of c_b; in a dot with bf16 x (the GPU path) that is below x's own rounding
-(2^-9). The offsets were f32 until the seventeenth session: half their bytes, 9% of the
-split's, for nothing the GPU path could resolve. The codes keep their bits; they move from Q4_K's nibble
-order (per 64 weights, 32 bytes: low nibbles weights 0..31, high nibbles 32..63) to Q4_0's (per
-32 weights, 16 bytes: low nibbles 0..15, high 16..31).
+32-block and C [K/32, N] the offsets (transposed like Q4_0's scales). w' differs from w = d sc_b q
+- dmin m_b where d sc_b (up to 17 significant bits) does not fit f16's 11, by at most 2^-11 of
+d sc_b times q (2^-11 of the weight's scaled code), and where c_b does not fit f16, by at most
+2^-11 of c_b more (2^-25 absolute below f16's normal range); in a dot with bf16 x (the GPU path)
+both are below x's own rounding (2^-8). The offsets were f32 until the seventeenth session: half
+their bytes, 9% of the split's, for a precision the GPU path could not use. |8 s_b| must stay
+within f16's range (65504), as s_b itself must: scales that large are not found in real
+files (a Q4_K weight of that scale would reach 10^5). The codes keep
+their bits; they move from Q4_K's nibble order (per 64 weights, 32 bytes: low nibbles weights
+0..31, high nibbles 32..63) to Q4_0's (per 32 weights, 16 bytes: low nibbles 0..15, high
+16..31).
 
 Bytes per weight: 0.5 (codes) + 2/32 (s) + 2/32 (C) = 0.625, against Q4_K's 0.5625.
 

@@ -344,6 +344,9 @@ def test_rows_per_warpgroup_divide_n():
         matmul_mgpu.rows_per_cta(96, two)
     assert matmul_mgpu.split_for(4096, 11008, two) == 9  # 32 row blocks x 9 >= 264
     assert matmul_mgpu.stage_bytes("q4_0", 8, 256, 128) == 8 * 256 * 2 + 128 * 128 + 128 * 8 * 2
+    # q4_k_split: x's f32 block sums [8 blocks, 8 rows] and the f16 offsets [8 blocks, 64 rows] on top
+    assert matmul_mgpu.stage_bytes("q4_0", 8, 256, 64, offsets=True) == (
+        matmul_mgpu.stage_bytes("q4_0", 8, 256, 64) + 8 * 8 * 4 + 8 * 64 * 2)
 
 
 def test_split_reaches_the_target_grid():

@@ -37,7 +37,7 @@ def per_block(w: QuantizedTensor, super_plane: str, sub_plane: str) -> np.ndarra
 
 def offset_bound(w: QuantizedTensor) -> np.ndarray:
     """[N, K] f64: how far c_b's rounding to f16 may move each weight, 2^-11 |8 s_b - dmin m_b|
-    (2^-14 absolute below f16's normal range), s_b taken at its largest, d sc_b (1 + 2^-11)."""
+    (2^-25 absolute below f16's normal range, 2^-14), s_b taken at its largest, d sc_b (1 + 2^-11)."""
     c = 8 * per_block(w, "d", "sc") * (1 + 2.0**-11) + per_block(w, "dmin", "m")
     return np.repeat(np.maximum(2.0**-11 * c, 2.0**-25), 32, axis=1)
 
