@@ -32,6 +32,17 @@ LLAMA_CPP_H200 = {
     "tg128_tok_s": 356,
     "batched_generation_tok_s": {"1": 347, "4": 1021, "8": 1374, "16": 2317, "32": 3469},
 }
+# The same build and GPU on the synthetic Llama-3-8B Q4_0 (issue 6's anchor): llama-bench only.
+LLAMA_CPP_H200_LLAMA3_8B = {"model": "synthetic Llama-3-8B Q4_0", "pp512_tok_s": 10858, "tg128_tok_s": 334}
+
+
+def llama_cpp_anchor(model_name: str | None) -> dict[str, Any]:
+    """llama.cpp's H200 figures for the model's shape where they were measured (by the names
+    bench/make_synthetic_gguf.py gives its files), else the Llama-2-7B Q4_0 ones; each names its
+    model."""
+    if model_name and "llama3-8b-q4_0" in model_name:
+        return LLAMA_CPP_H200_LLAMA3_8B
+    return LLAMA_CPP_H200
 
 
 # ---------------------------------------------------------------------------------------------

@@ -414,7 +414,7 @@ def main_run(args: argparse.Namespace) -> int:
         "memory": {"after_ready": memory_ready, "after_suite": memory_end},
         "gc_after_ready": gc_ready,
         "details": suite,
-        "llama_cpp_h200": common.LLAMA_CPP_H200,
+        "llama_cpp_h200": common.llama_cpp_anchor(engine_info.get("model")),
     }
     path = common.result_path(args.out, "engine", stamp)
     common.write_json(path, result)
