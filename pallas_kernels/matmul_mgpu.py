@@ -56,7 +56,12 @@ more warps or a persistent grid would have to hide. Writing the q4_0 conversion 
 80% of copy bandwidth; 17.1 us with constant codes); a K step's PTX per thread is now, besides the
 64 converted pairs, 48 shifts, 64 instructions of scaling (f16 scale loads, conversions, f32
 FMAs), 32 zeroing the blocks' accumulators and 32 of wgmma fences, commits and waits
-(`bench/kernel_mix.py`).
+(`bench/kernel_mix.py`). Each call also costs a fixed 3.5-3.9 us beyond its bytes at the copy
+rate, whatever the matrix (seventeenth session, M = 8: 4096 x 4096 in 6.3 us for 2.7 us of
+bytes, 32000 x 4096 in 25.1 for 21.3): launch, the first loads' latency, the last steps and the
+store, which is most of the small matrices' time and about 480 us of a 7B decode step's 129
+calls. The tuning's neighbours (the K split, stages, K step, code loads) were all slower or tied
+after the PTX conversion, and a store that waits only for its shared-memory read gained nothing.
 
 Exact up to f32 summation by default: the codes (4 or 8 bits) and bf16 x are exact in bf16, and
 their products are exact in the f32 accumulator (with `fold_scales`, each weight is rounded to
