@@ -10,7 +10,7 @@ import pathlib
 import subprocess
 import sys
 
-from bench.kernels import per_matmul
+from bench.kernels import fmt_row, per_matmul
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
 
@@ -46,3 +46,11 @@ def test_per_matmul_takes_the_longest_kernel_and_sums_them_all():
     events = [{"name": "permute", "dur": 1.0}, {"name": "mosaic", "dur": 6.0}, {"name": "sum", "dur": 2.0}] * 4
     assert per_matmul(events, 4) == {"us_kernel": 6.0, "us_device": 9.0, "kernel": "mosaic"}
     assert per_matmul([], 4) == {}
+
+
+def test_a_row_notes_the_time_of_all_its_kernels_where_the_kernel_alone_flatters_it():
+    row = {"format": "q4_k", "impl": "mosaic_gpu:q4_k_split:offsets_after", "m": 8, "n": 64, "k": 512, "us": 10.0,
+           "us_device": 12.0, "pct_hbm_device": 90.0, "tflops_device": 1.5}
+    assert "all kernels 12.0 us, 90.0% of copy, 1.50 TFLOP/s" in fmt_row(row)
+    assert "all kernels" not in fmt_row({**row, "us_device": 10.2})
+    assert "all kernels" not in fmt_row({k: v for k, v in row.items() if k != "us_device"})
