@@ -102,13 +102,10 @@ def numbered(layers: list[Any]) -> Iterator[tuple[int, Any]]:
     entry's first layer index in the model."""
     i = 0
     for entry in layers:
-        if isinstance(entry, LayerGroup):
-            assert entry.start == i, (entry.start, i)
-            yield i, entry
-            i += entry.period * entry.repeats
-        else:
-            yield i, entry
-            i += 1
+        group = isinstance(entry, LayerGroup)
+        assert not group or entry.start == i, (entry.start, i)
+        yield i, entry
+        i += entry.period * entry.repeats if group else 1
 
 
 MAX_PERIOD = 4  # the longest period `layer_runs` looks for (Q4_K_M's is 3)
