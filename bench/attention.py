@@ -15,6 +15,10 @@ smallest context bucket) and at start 3584 (S = 4096); TFLOP/s counts 4 * H * D 
 Timing: each measured call is one jitted program that runs the op on `copies` distinct K/V
 buffers in a row (enough to exceed the L2 cache, at most --max-copies), so host dispatch is
 paid once per program and the cache is read from HBM; us = median program time / copies.
+Where a cache is large enough to take a single copy, that wall time holds the host's dispatch
+and sync (~0.1 ms on the H200): `--device-time` adds each call's kernel time from a profiler
+trace and the bandwidth over it (`gbps_device`, `pct_hbm_device`), the kernel's own figure. A
+read-only stream can pass the copy rate, which counts reads and writes.
 `--sweep` then times a grid of kernel configurations on a few shapes (rows carry "config").
 `--sweep-decode llama2-7b:8:200,llama2-7b:8:200:1,...` times decode configurations alone at
 engine-like positions (B rows at that position, or only the first ACTIVE of them and the rest at
@@ -191,6 +195,9 @@ class Bench:
                                           error=str(e)[:300], **(extra or {})))
                 continue
             gbps = nbytes / seconds / 1e9
+            if device.get("device_us"):  # the same bytes over the kernels' own time
+                device["gbps_device"] = nbytes / device["device_us"] / 1e3
+                device["pct_hbm_device"] = 100 * device["gbps_device"] / self.copy_gbps if self.copy_gbps else None
             self.rows.append(self.row(
                 "attention_decode", impl, model, b, s, h, k, d, pos=pos, active=active, us=seconds * 1e6,
                 gbps=gbps, pct_hbm=100 * gbps / self.copy_gbps if self.copy_gbps else None,
@@ -350,7 +357,8 @@ def print_table(rows: list[dict[str, Any]], copy_gbps: float | None, device: dic
         if r.get("error"):
             cfg_s = f"FAILED: {r['error'][:80]} {cfg_s}"
         if r.get("device_us") is not None:
-            cfg_s = f"device {r['device_us']:.2f} us, {r['kernels_per_call']:.0f} kernels; {cfg_s}"
+            pct = f" = {r['pct_hbm_device']:.1f}% of copy" if r.get("pct_hbm_device") is not None else ""
+            cfg_s = f"device {r['device_us']:.2f} us{pct}, {r['kernels_per_call']:.0f} kernels; {cfg_s}"
         print(f"{r['op'].removeprefix('attention_'):8} {r['impl']:9} {r['model']:10} {r['b']:>3} {r['s']:>5} "
               f"{ts:>9} {fmt(r['us'], '10.1f')} {fmt(r['gbps'], '7.0f')} {fmt(r['pct_hbm'], '6.1f')} "
               f"{fmt(r['tflops'], '8.2f')} {fmt(r['rel_err'], '8.1e')}  {cfg_s}")
