@@ -15,7 +15,9 @@ loop (the way `server/` drives it):
 - device memory (jax memory_stats) and process RSS; the device copy bandwidth and from it the
   weight-read floor: the decode rate at which one step reads every weight at that bandwidth.
 
-Every request has ignore_eos and a fixed max_tokens, so lengths are controlled. Writes
+The engine flags are the server's own, with its defaults (`python -m server --help`; e.g.
+--kv-dtype auto: bf16 on a GPU). Every request has ignore_eos and a fixed max_tokens, so lengths
+are controlled. Writes
 bench/results/engine-<date>.json and a PNG plot beside it (needs matplotlib).
 `--plot-only RESULT.json [...]` redraws the plot from saved results (several runs, e.g. --slots
 8 and --slots 32, become one figure).
@@ -47,8 +49,8 @@ from typing import Any, Sequence  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
-from model.config import KV_DTYPES, SPLIT_Q4_K, UNROLL_DECODE_LAYERS, EngineConfig, prefill_chunks_for  # noqa: E402
-from server.__main__ import parse_kernels, parse_sizes  # noqa: E402  (the server's flag parsers)
+from model.config import EngineConfig, prefill_chunks_for  # noqa: E402
+from server.__main__ import add_engine_arguments, engine_config_from_args  # noqa: E402  (the server's flags)
 from model.step_types import SamplingParams  # noqa: E402
 from scheduler.types import GenerationRequest, QueueFullError  # noqa: E402
 
@@ -286,35 +288,15 @@ async def trace_decode(engine, timings: TimingLog, users: int, args: argparse.Na
 
 
 def config_of(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig `python -m server` builds from this script's engine flags (`_engine_flags`,
-    through the server's own parser, so that a server flag needs no second copy of its mapping
-    here): the run and its cold-start child alike."""
-    from server.__main__ import build_configs, build_parser
-
-    engine_config, _ = build_configs(build_parser().parse_args(_engine_flags(args)), {})
-    return engine_config
-
-
-def _engine_flags(args: argparse.Namespace) -> list[str]:
-    return [
-        "--model", str(args.model), "--slots", str(args.slots), "--max-context", str(args.max_context),
-        "--kv-dtype", args.kv_dtype, "--prefill-budget", str(args.prefill_budget),
-        "--decode-steps", str(args.decode_steps), "--unroll-decode-layers", args.unroll_decode_layers,
-        "--compile-threads", str(args.compile_threads), "--tensor-parallel", str(args.tensor_parallel),
-        *(["--few-rows-attention"] if args.few_rows_attention else []),
-        *(["--separate-kv-write"] if args.separate_kv_write else []),
-        *([] if args.reuse_kernel_lowering else ["--no-reuse-kernel-lowering"]),
-        *([] if args.prefill_cuda_graphs else ["--no-prefill-cuda-graphs"]),
-        *([] if args.gc_freeze else ["--no-gc-freeze"]),
-        "--split-q4-k", args.split_q4_k, "--split-q6-k", args.split_q6_k,
-        *(["--prefill-chunks", ",".join(map(str, args.prefill_chunks))] if args.prefill_chunks else []),
-        *(["--kernels", ",".join(f"{op}={impl}" for op, impl in args.kernels)] if args.kernels else []),
-    ]
+    """The EngineConfig `python -m server` builds from the same engine flags (they are the
+    server's own, `add_engine_arguments`): the run and its cold-start child alike."""
+    return engine_config_from_args(args)
 
 
 def cold_start_in_child(args: argparse.Namespace, cache_dir: str) -> dict[str, Any]:
-    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *_engine_flags(args), "--startup-only",
-           "--cache-dir", cache_dir]
+    """Start-up in a child process given this run's own flags (`args.argv`), into `cache_dir`."""
+    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *args.argv, "--startup-only", "--cache-dir",
+           cache_dir]
     log.info("cold start in a child process: %s", " ".join(cmd))
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=common.ROOT)
     if proc.returncode != 0:
@@ -384,7 +366,8 @@ def main_run(args: argparse.Namespace) -> int:
         "model": {**common.model_facts(args.model), "arch": engine_info.get("arch"),
                   "engine_name": engine_info.get("model")},
         "engine_config": {"slots": config.num_slots, "max_context": int(engine_info["max_context"]),
-                          "kv_dtype": config.kv_dtype, "prefill_budget": config.prefill_budget,
+                          "kv_dtype": engine_info.get("kv_dtype", config.kv_dtype),  # "auto" resolved
+                          "prefill_budget": config.prefill_budget,
                           "prefill_chunks": list(config.prefill_chunks), "kernels": engine_info.get("kernels"),
                           "decode_steps": config.decode_steps(info["platform"]),
                           "unroll_decode_layers": config.unroll_decode_layers,
@@ -487,36 +470,7 @@ def plot(results: list[dict[str, Any]], path: pathlib.Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--model", type=pathlib.Path, help="GGUF file")
-    ap.add_argument("--slots", type=int, default=8)
-    ap.add_argument("--max-context", type=int, default=4096)
-    ap.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES[1:])
-    ap.add_argument("--prefill-budget", type=int, default=512)
-    ap.add_argument("--kernels", type=parse_kernels, default=(),
-                    help="force kernels, op=impl[,op=impl...] (server --kernels)")
-    ap.add_argument("--prefill-chunks", type=parse_sizes, default=None,
-                    help="compiled prompt chunk sizes (server --prefill-chunks; default the server's)")
-    ap.add_argument("--decode-steps", type=int, default=0,
-                    help="decode steps per dispatch (server --decode-steps; 0 = auto: 2 on GPU, 1 on CPU)")
-    ap.add_argument("--tensor-parallel", type=int, default=1, help="GPUs the model is sharded over (server --tensor-parallel)")
-    ap.add_argument("--compile-threads", type=int, default=0,
-                    help="threads compiling the step programs (server --compile-threads; 0 = auto)")
-    ap.add_argument("--unroll-decode-layers", default="auto", choices=UNROLL_DECODE_LAYERS,
-                    help="the decode program's layer loop (server --unroll-decode-layers)")
-    ap.add_argument("--few-rows-attention", action="store_true",
-                    help="decode attention planned for few busy slots (server --few-rows-attention)")
-    ap.add_argument("--separate-kv-write", action="store_true",
-                    help="the decode step's KV write as XLA scatters, not in the attention kernel (server "
-                         "--separate-kv-write)")
-    ap.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
-                    help="prefill programs without XLA's command buffers (server --no-prefill-cuda-graphs)")
-    ap.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
-                    help="the heap left to Python's cyclic GC after warm-up (server --no-gc-freeze)")
-    ap.add_argument("--reuse-kernel-lowering", action=argparse.BooleanOptionalAction, default=True,
-                    help="each Mosaic GPU matmul kernel lowered once for all programs (server --[no-]reuse-kernel-lowering)")
-    ap.add_argument("--split-q4-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
-                    help="Q4_K matrices split at load for Q4_0's kernels (server --split-q4-k)")
-    ap.add_argument("--split-q6-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
-                    help="Q6_K matrices split at load for the Mosaic matmul (server --split-q6-k)")
+    add_engine_arguments(ap)  # the server's engine flags and defaults (server --help)
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of the decode runs")
     ap.add_argument("--decode-tokens", type=int, default=256, help="max_tokens of the decode runs")
     ap.add_argument("--prefill-len", type=int, default=512)
@@ -541,6 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.plot_only:
         results = [json.loads(p.read_text()) for p in args.plot_only]

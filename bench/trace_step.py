@@ -11,6 +11,9 @@ which are bytes a step moves beyond the weights and KV it must read.
     python3 bench/trace_step.py --model M.gguf [--slots 8] [--max-context 1024] [--position 200]
         [--out DIR]   # DIR gets decode_summary.json and decode_hlo.txt
 
+The engine flags are the server's (`python -m server --help`), defaulting here to --max-context
+1024, --kv-dtype bfloat16 and --decode-steps 1.
+
 With `--few-rows-attention`, where the decode attention has a plan for few busy slots at that
 position's context bucket (the Triton kernel from 1024 keys), one busy slot runs the program
 built with it (the runner builds it for its steady-state program, the most decode steps per
@@ -45,10 +48,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
-from model.config import SPLIT_Q4_K, UNROLL_DECODE_LAYERS, EngineConfig  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.weights import params_nbytes  # noqa: E402
-from server.__main__ import parse_kernels  # noqa: E402  (the server's flag parser)
+from server.__main__ import add_engine_arguments, engine_config_from_args  # noqa: E402  (the server's flags)
 
 
 def summarize(log_dir: str, steps: int, top: int = 40) -> dict:
@@ -161,30 +163,15 @@ def trace_prefill(args, t: int, m, runner, out) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--slots", type=int, default=8)
-    ap.add_argument("--max-context", type=int, default=1024)
+    add_engine_arguments(ap)  # the server's engine flags (server --help), with these defaults:
+    ap.set_defaults(max_context=1024, kv_dtype="bfloat16", decode_steps=1)
     ap.add_argument("--position", type=int, default=200, help="cache length of the active slots")
-    ap.add_argument("--kv-dtype", default="bfloat16")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--decode-steps", type=int, default=1,
-                    help="decode steps per program (the engine's multi-step dispatch); times and trace are per call")
     ap.add_argument("--prefill", type=lambda v: [int(t) for t in v.split(",")], default=[],
                     help="trace the prefill programs of these chunk sizes (comma list) instead")
-    ap.add_argument("--unroll-decode-layers", default="auto", choices=UNROLL_DECODE_LAYERS)
-    ap.add_argument("--kernels", type=parse_kernels, default=(),
-                    help="force kernels, as the server's --kernels (e.g. attention_decode=reference)")
-    ap.add_argument("--few-rows-attention", action="store_true",
-                    help="the decode attention's plan for few busy slots (server --few-rows-attention)")
-    ap.add_argument("--separate-kv-write", action="store_true",
-                    help="the decode step's KV write as XLA scatters, not in the attention kernel (server "
-                         "--separate-kv-write)")
-    ap.add_argument("--split-q4-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
-                    help="Q4_K matrices split at load for Q4_0's kernels (server --split-q4-k)")
-    ap.add_argument("--split-q6-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
-                    help="Q6_K matrices split at load for the Mosaic matmul (server --split-q6-k)")
     ap.add_argument("--matmul-warps", type=int, default=None,
                     help="a variant: this many warps in the Triton decode matmuls (M <= 64) instead of the default")
     args = ap.parse_args()
@@ -202,10 +189,7 @@ def main() -> None:
         matmul_triton.default_tuning = patched
     out = pathlib.Path(args.out) if args.out else None
 
-    ecfg = EngineConfig(num_slots=args.slots, max_context=args.max_context, kv_dtype=args.kv_dtype,
-                        unroll_decode_layers=args.unroll_decode_layers, kernels=args.kernels,
-                        few_rows_attention=args.few_rows_attention, separate_kv_write=args.separate_kv_write,
-                        split_q4_k=args.split_q4_k, split_q6_k=args.split_q6_k)
+    ecfg = engine_config_from_args(args)
     m = load_model(args.model, ecfg)
     runner = m.make_runner(ecfg)
     if args.prefill:

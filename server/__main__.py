@@ -61,15 +61,10 @@ def parse_sizes(value: str) -> tuple[int, ...]:
     return sizes
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m server",
-        description="Serve a GGUF model over an OpenAI-compatible HTTP API.",
-        allow_abbrev=False,  # a misspelt flag is an error, not a guess
-    )
-    p.add_argument("--model", type=pathlib.Path, help="GGUF file (default: SmolLM2-135M-Instruct, fetched on first use)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags the EngineConfig is made of (`engine_config_from_args`): the server's, and the
+    bench scripts' that build an engine of their own (bench/engine.py, bench/trace_step.py), so
+    that a flag, its default and its mapping live here only."""
     p.add_argument("--slots", type=int, default=8, help="concurrent sequences (decode batch)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     p.add_argument("--prefill-budget", type=int, default=512, help="prompt tokens per engine step")
@@ -78,8 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "default %(default)s")
     p.add_argument("--max-context", type=int, default=4096, help="tokens per sequence (capped at the model's)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
-    p.add_argument("--api-key", help=f"require Authorization: Bearer KEY (also ${API_KEY_ENV})")
-    p.add_argument("--chat-template", type=pathlib.Path, help="Jinja chat template replacing the GGUF's")
     p.add_argument("--kernels", type=parse_kernels, default=(), help="force kernels: op=impl[,op=impl...]")
     p.add_argument("--decode-steps", type=int, default=0, metavar="N",
                    help="decode steps per device dispatch while no prompt is waiting (one lax.scan program; "
@@ -115,10 +108,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="KV cache dtype (auto: float32 on CPU, bfloat16 on GPU; float8_e4m3fn: 8-bit float, half "
                         "of bfloat16's memory and attention reads, values saturating at +-448)")
-    p.add_argument("--compile-cache", type=pathlib.Path, default=None,
-                   help="JAX persistent compilation cache directory (default: in the model cache; 'none' disables)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model over N devices of this host (or of every host after jax.distributed)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of `add_engine_arguments`' flags."""
+    return EngineConfig(
+        num_slots=args.slots,
+        max_context=args.max_context,
+        prefill_budget=args.prefill_budget,
+        prefill_chunks=prefill_chunks_for(args.prefill_budget, args.prefill_chunks),
+        max_queue=args.max_queue,
+        timeout_s=args.timeout,
+        kernels=args.kernels,
+        kv_dtype=args.kv_dtype,
+        tensor_parallel=args.tensor_parallel,
+        compile_threads=args.compile_threads,
+        decode_steps_per_dispatch=args.decode_steps,
+        unroll_decode_layers=args.unroll_decode_layers,
+        few_rows_attention=args.few_rows_attention,
+        separate_kv_write=args.separate_kv_write,
+        reuse_kernel_lowering=args.reuse_kernel_lowering,
+        prefill_cuda_graphs=args.prefill_cuda_graphs,
+        gc_freeze=args.gc_freeze,
+        split_q4_k=args.split_q4_k,
+        split_q6_k=args.split_q6_k,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m server",
+        description="Serve a GGUF model over an OpenAI-compatible HTTP API.",
+        allow_abbrev=False,  # a misspelt flag is an error, not a guess
+    )
+    p.add_argument("--model", type=pathlib.Path, help="GGUF file (default: SmolLM2-135M-Instruct, fetched on first use)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    add_engine_arguments(p)
+    p.add_argument("--api-key", help=f"require Authorization: Bearer KEY (also ${API_KEY_ENV})")
+    p.add_argument("--chat-template", type=pathlib.Path, help="Jinja chat template replacing the GGUF's")
+    p.add_argument("--compile-cache", type=pathlib.Path, default=None,
+                   help="JAX persistent compilation cache directory (default: in the model cache; 'none' disables)")
     p.add_argument("--coordinator", metavar="HOST:PORT",
                    help="serve from several processes (hosts): process 0's address for jax.distributed; "
                         "with --num-processes and --process-id. Process 0 serves HTTP, the others follow it")
@@ -177,27 +209,7 @@ def _follow(model: pathlib.Path | None, engine_config: EngineConfig, compile_cac
 def build_configs(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str]) -> tuple[EngineConfig, ServerConfig]:
     """Raises ValueError for values the configs refuse (ChatTemplateError for a bad template file)."""
     check_distributed(args)
-    engine_config = EngineConfig(
-        num_slots=args.slots,
-        max_context=args.max_context,
-        prefill_budget=args.prefill_budget,
-        prefill_chunks=prefill_chunks_for(args.prefill_budget, args.prefill_chunks),
-        max_queue=args.max_queue,
-        timeout_s=args.timeout,
-        kernels=args.kernels,
-        kv_dtype=args.kv_dtype,
-        tensor_parallel=args.tensor_parallel,
-        compile_threads=args.compile_threads,
-        decode_steps_per_dispatch=args.decode_steps,
-        unroll_decode_layers=args.unroll_decode_layers,
-        few_rows_attention=args.few_rows_attention,
-        separate_kv_write=args.separate_kv_write,
-        reuse_kernel_lowering=args.reuse_kernel_lowering,
-        prefill_cuda_graphs=args.prefill_cuda_graphs,
-        gc_freeze=args.gc_freeze,
-        split_q4_k=args.split_q4_k,
-        split_q6_k=args.split_q6_k,
-    )
+    engine_config = engine_config_from_args(args)
     model_name = args.model.name if args.model is not None else DEFAULT_MODEL_FILENAME
     server_config = ServerConfig(
         model_name=model_name,
