@@ -63,7 +63,7 @@ USER_COUNTS = (1, 4, 8, 16, 32)
 # engine set-up (also used by bench/http.py and bench/endurance.py)
 
 
-def build_config(slots: int, max_context: int, kv_dtype: str = "float32", prefill_budget: int = 512,
+def build_config(slots: int, max_context: int, kv_dtype: str = "auto", prefill_budget: int = 512,
                  max_queue: int = 64) -> EngineConfig:
     """An EngineConfig with the server's defaults but these (bench/endurance.py and
     bench/serving_overhead.py; this script's own runs take every server flag, `config_of`)."""
@@ -293,10 +293,15 @@ def config_of(args: argparse.Namespace) -> EngineConfig:
     return engine_config_from_args(args)
 
 
+def cold_start_argv(args: argparse.Namespace, cache_dir: str) -> list[str]:
+    """The cold-start child's flags: this run's own (`args.argv`), then --startup-only into
+    `cache_dir` (the last --cache-dir wins)."""
+    return [*args.argv, "--startup-only", "--cache-dir", cache_dir]
+
+
 def cold_start_in_child(args: argparse.Namespace, cache_dir: str) -> dict[str, Any]:
-    """Start-up in a child process given this run's own flags (`args.argv`), into `cache_dir`."""
-    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *args.argv, "--startup-only", "--cache-dir",
-           cache_dir]
+    """Start-up in a child process on `cache_dir` (`cold_start_argv`)."""
+    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *cold_start_argv(args, cache_dir)]
     log.info("cold start in a child process: %s", " ".join(cmd))
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=common.ROOT)
     if proc.returncode != 0:

@@ -12,7 +12,9 @@ which are bytes a step moves beyond the weights and KV it must read.
         [--out DIR]   # DIR gets decode_summary.json and decode_hlo.txt
 
 The engine flags are the server's (`python -m server --help`), defaulting here to --max-context
-1024, --kv-dtype bfloat16 and --decode-steps 1.
+1024, --kv-dtype bfloat16 and --decode-steps 1, and resolved as the server resolves them (the KV
+dtype of "auto", the context capped at the model's, 0 decode steps the engine's own choice);
+--max-queue, --timeout, --compile-threads and --no-gc-freeze change nothing here.
 
 With `--few-rows-attention`, where the decode attention has a plan for few busy slots at that
 position's context bucket (the Triton kernel from 1024 keys), one busy slot runs the program
@@ -48,8 +50,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
-from model.loader import load_model  # noqa: E402
 from model.weights import params_nbytes  # noqa: E402
+from scheduler.loader import load_resolved  # noqa: E402
 from server.__main__ import add_engine_arguments, engine_config_from_args  # noqa: E402  (the server's flags)
 
 
@@ -189,8 +191,9 @@ def main() -> None:
         matmul_triton.default_tuning = patched
     out = pathlib.Path(args.out) if args.out else None
 
-    ecfg = engine_config_from_args(args)
-    m = load_model(args.model, ecfg)
+    # as the server resolves it: the KV dtype of "auto", the context capped at the model's
+    m, ecfg = load_resolved(args.model, engine_config_from_args(args))
+    args.decode_steps = ecfg.decode_steps(jax.default_backend())  # 0: the engine's auto choice
     runner = m.make_runner(ecfg)
     if args.prefill:
         reports = [trace_prefill(args, t, m, runner, out) for t in args.prefill]

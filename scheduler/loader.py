@@ -34,9 +34,9 @@ def resolve_kv_dtype(engine_config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(engine_config, kv_dtype=kv)
 
 
-def _load(model_path: str | os.PathLike[str], engine_config: EngineConfig):
+def load_resolved(model_path: str | os.PathLike[str], engine_config: EngineConfig):
     """The loaded model and the engine config resolved for it (KV dtype, context cap): the same
-    on every process of a multi-process job."""
+    on every process of a multi-process job, and what bench/trace_step.py builds its programs of."""
     engine_config = resolve_kv_dtype(engine_config)
     loaded = load_model(model_path, engine_config)
     return loaded, fit_engine_config(engine_config, loaded.config.context_length)
@@ -48,7 +48,7 @@ def build_engine(
     chat_template_path: pathlib.Path | None = None,  # rendered by the server; accepted for the seam
 ) -> Engine:
     del chat_template_path
-    loaded, engine_config = _load(model_path, engine_config)
+    loaded, engine_config = load_resolved(model_path, engine_config)
     info = {
         "model_path": loaded.path,
         "arch": loaded.config.arch,
@@ -82,7 +82,7 @@ def run_follower(model_path: str | os.PathLike[str], engine_config: EngineConfig
     its engine stops (model/multihost.py). Returns the number of steps run."""
     from model.multihost import follow
 
-    loaded, engine_config = _load(model_path, engine_config)
+    loaded, engine_config = load_resolved(model_path, engine_config)
     try:
         return follow(loaded.make_runner(engine_config), after_warmup=freeze_heap if engine_config.gc_freeze else None)
     finally:

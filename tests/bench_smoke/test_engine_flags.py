@@ -1,0 +1,31 @@
+"""bench/engine.py takes the server's engine flags (`server.__main__.add_engine_arguments`): the
+same argv gives the server's EngineConfig, and its cold-start child's argv parses."""
+
+from __future__ import annotations
+
+from bench import engine
+from server.__main__ import build_configs
+from server.__main__ import build_parser as server_parser
+
+FLAGS = ["--model", "m.gguf", "--slots", "4", "--max-context", "256", "--kv-dtype", "bfloat16", "--decode-steps",
+         "3", "--few-rows-attention", "--split-q4-k", "off", "--kernels", "attention_decode=reference",
+         "--prefill-budget", "64", "--no-gc-freeze"]
+
+
+def test_the_bench_builds_the_servers_engine_config():
+    args = engine.build_parser().parse_args([*FLAGS, "--decode-tokens", "8", "--no-cold-start"])
+    want, _ = build_configs(server_parser().parse_args(FLAGS), {})
+    assert engine.config_of(args) == want
+    # and the server's defaults where no flag is given (e.g. the KV dtype: auto)
+    bare = engine.build_parser().parse_args(["--model", "m.gguf"])
+    assert engine.config_of(bare) == build_configs(server_parser().parse_args(["--model", "m.gguf"]), {})[0]
+    assert engine.config_of(bare).kv_dtype == "auto"
+
+
+def test_the_cold_start_child_parses_the_parents_own_flags():
+    argv = [*FLAGS, "--decode-tokens", "8", "--cache-dir", "/tmp/a"]
+    parent = engine.build_parser().parse_args(argv)
+    parent.argv = argv
+    child = engine.build_parser().parse_args(engine.cold_start_argv(parent, "/tmp/b"))
+    assert child.startup_only and str(child.cache_dir) == "/tmp/b"
+    assert engine.config_of(child) == engine.config_of(parent)
