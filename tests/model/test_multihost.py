@@ -224,7 +224,7 @@ def test_run_follower_freezes_the_heap_while_it_follows(monkeypatch, gc_freeze):
 
     gc.unfreeze()
     config = EngineConfig(gc_freeze=gc_freeze)
-    monkeypatch.setattr(loader, "_load", lambda path, cfg: (Loaded(), cfg))
+    monkeypatch.setattr(loader, "load_resolved", lambda path, cfg: (Loaded(), cfg))
     monkeypatch.setattr(multihost, "follow", follow)
     assert loader.run_follower("model.gguf", config) == 3
     assert (frozen_while_following[0] > 1000) == gc_freeze and gc.get_freeze_count() == 0
