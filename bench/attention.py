@@ -16,7 +16,7 @@ Timing: each measured call is one jitted program that runs the op on `copies` di
 buffers in a row (enough to exceed the L2 cache, at most --max-copies), so host dispatch is
 paid once per program and the cache is read from HBM; us = median program time / copies.
 Where a cache is large enough to take a single copy, that wall time holds the host's dispatch
-and sync (~0.1 ms on the H200): `--device-time` adds each call's kernel time from a profiler
+and sync (0.1-0.4 ms on the H200): `--device-time` adds each call's kernel time from a profiler
 trace and the bandwidth over it (`gbps_device`, `pct_hbm_device`), the kernel's own figure. A
 read-only stream can pass the copy rate, which counts reads and writes.
 `--sweep` then times a grid of kernel configurations on a few shapes (rows carry "config").

@@ -446,10 +446,16 @@ def plot(results: list[dict[str, Any]], path: pathlib.Path) -> None:
         print("warning: matplotlib is missing; no plot (redraw later with --plot-only RESULT.json)", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ref = common.LLAMA_CPP_H200
-    users = sorted(int(u) for u in ref["batched_generation_tok_s"])
-    ax.plot(users, [ref["batched_generation_tok_s"][str(u)] for u in users], "s--", color="gray",
-            label=f"llama.cpp batched-bench, H200 ({ref['model']})")
+    # the llama.cpp figures the (first) run recorded for its model's shape (older files: the 7B's)
+    ref = results[0].get("llama_cpp_h200") or common.LLAMA_CPP_H200
+    batched = ref.get("batched_generation_tok_s")
+    if batched:
+        users = sorted(int(u) for u in batched)
+        ax.plot(users, [batched[str(u)] for u in users], "s--", color="gray",
+                label=f"llama.cpp batched-bench, H200 ({ref['model']})")
+    else:  # llama-bench alone: its one-stream decode
+        users = sorted({int(u) for r in results for u in r["decode_tok_s"]})
+        ax.plot([1], [ref["tg128_tok_s"]], "s", color="gray", label=f"llama.cpp tg128, H200 ({ref['model']})")
     for r in results:
         xs = sorted(int(u) for u in r["decode_tok_s"] if r["decode_tok_s"][u])
         label = f"pallas-serve {r['engine_config']['slots']} slots ({r['model']['name']}, {r['device']['device_kind']})"
