@@ -11,7 +11,7 @@ block's scale fields overwritten so that every matrix has a standard deviation n
 
 Shapes: llama2-7b, llama3-8b, qwen2.5-7b (real sizes), tiny and tiny-qwen2 (2 layers, E=256,
 for CPU smoke tests), tiny-tp (tiny-qwen2 with 8 heads and 4 kv heads, for tensor-parallel
-tests). Quants: q4_0, q4_k_m, q8_0, f16.
+tests). Quants: q4_0, q4_k_m, q5_k_m, q8_0, f16.
 """
 
 from __future__ import annotations
@@ -74,9 +74,11 @@ SHAPES: dict[str, Shape] = {
     )
 }
 
-QUANTS = ("q4_0", "q4_k_m", "q8_0", "f16")
+QUANTS = ("q4_0", "q4_k_m", "q5_k_m", "q8_0", "f16")
 # llama.cpp's general.file_type values (LLAMA_FTYPE_MOSTLY_*)
-_FILE_TYPE = {"f16": 1, "q4_0": 2, "q8_0": 7, "q4_k_m": 15}
+_FILE_TYPE = {"f16": 1, "q4_0": 2, "q8_0": 7, "q4_k_m": 15, "q5_k_m": 17}
+# The K-quant mixes: Q6_K for attn_v and ffn_down in llama.cpp's `use_more_bits` layers
+_K_MIXES = ("q4_k_m", "q5_k_m")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,7 +86,7 @@ _FILE_TYPE = {"f16": 1, "q4_0": 2, "q8_0": 7, "q4_k_m": 15}
 
 
 def _use_more_bits(i_layer: int, num_layers: int) -> bool:
-    """llama.cpp's rule (llama-quant.cpp) for the layers Q4_K_M gives Q6_K."""
+    """llama.cpp's rule (llama-quant.cpp) for the layers Q4_K_M and Q5_K_M give Q6_K."""
     return i_layer < num_layers // 8 or i_layer >= 7 * num_layers // 8 or (i_layer - num_layers // 8) % 3 == 2
 
 
@@ -94,13 +96,13 @@ def tensor_types(shape: Shape, quant: str) -> dict[str, tuple[tuple[int, ...], Q
         raise ValueError(f"unknown quant {quant!r}; choose from {', '.join(QUANTS)}")
     e, f, v = shape.embed_dim, shape.ffn_dim, shape.vocab_size
     q_dim, kv_dim = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    base = {"q4_0": Q.Q4_0, "q4_k_m": Q.Q4_K, "q8_0": Q.Q8_0, "f16": Q.F16}[quant]
-    # The output matrix: Q6_K in llama.cpp's 4-bit files, the base type otherwise.
-    output = Q.Q6_K if quant in ("q4_0", "q4_k_m") else base
+    base = {"q4_0": Q.Q4_0, "q4_k_m": Q.Q4_K, "q5_k_m": Q.Q5_K, "q8_0": Q.Q8_0, "f16": Q.F16}[quant]
+    # The output matrix: Q6_K in llama.cpp's 4- and 5-bit files, the base type otherwise.
+    output = Q.Q6_K if quant in ("q4_0", *_K_MIXES) else base
 
     def fit(qtype: Q, k: int) -> Q:
         # llama.cpp falls back when a row is not a whole number of K-quant super-blocks
-        if qtype in (Q.Q4_K, Q.Q6_K) and k % QK_K:
+        if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) and k % QK_K:
             return Q.Q8_0
         return qtype
 
@@ -110,7 +112,7 @@ def tensor_types(shape: Shape, quant: str) -> dict[str, tuple[tuple[int, ...], Q
         "output.weight": ((v, e), fit(output, e)),
     }
     for i in range(shape.num_layers):
-        more = quant == "q4_k_m" and _use_more_bits(i, shape.num_layers)
+        more = quant in _K_MIXES and _use_more_bits(i, shape.num_layers)
         p = f"blk.{i}."
         out[p + "attn_norm.weight"] = ((e,), Q.F32)
         out[p + "attn_q.weight"] = ((q_dim, e), fit(base, e))
@@ -160,7 +162,7 @@ def _pack_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
 
 
 # Standard deviation of the integer part of one element with uniform random bits
-_Q_STD = {Q.Q4_0: 4.61, Q.Q8_0: 73.9, Q.Q4_K: 4.61, Q.Q6_K: 18.5}
+_Q_STD = {Q.Q4_0: 4.61, Q.Q8_0: 73.9, Q.Q4_K: 4.61, Q.Q5_K: 9.23, Q.Q6_K: 18.5}
 
 
 def random_matrix(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -174,12 +176,15 @@ def random_matrix(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndar
     blocks = _random_bytes(rng, num_blocks * type_size).reshape(num_blocks, type_size)
     if qtype in (Q.Q4_0, Q.Q8_0):  # d at bytes 0..1; w = d q
         blocks[:, 0:2].view(np.float16)[:, 0] = _f16_scales(rng, target / _Q_STD[qtype], num_blocks)
-    elif qtype == Q.Q4_K:  # w = d sc q - dmin m, q in [0, 15]; m = sc and dmin = 7.5 d: zero mean
+    elif qtype in (Q.Q4_K, Q.Q5_K):
+        # w = d sc q - dmin m, q in [0, 15] (Q5_K: [0, 31], its fifth bits in qh at 16..47);
+        # m = sc and dmin = 7.5 d (15.5 d): zero mean
         sc = rng.integers(32, 64, size=(4096, 8))
         sc_rms = float(np.sqrt(np.mean(sc.astype(np.float64) ** 2)))
         d = _f16_scales(rng, target / (_Q_STD[qtype] * sc_rms), num_blocks)
         blocks[:, 0:2].view(np.float16)[:, 0] = d
-        blocks[:, 2:4].view(np.float16)[:, 0] = (d.astype(np.float32) * 7.5).astype(np.float16)
+        mean_q = 7.5 if qtype == Q.Q4_K else 15.5
+        blocks[:, 2:4].view(np.float16)[:, 0] = (d.astype(np.float32) * mean_q).astype(np.float16)
         blocks[:, 4:16] = _tiled(_pack_k_scales(sc, sc), num_blocks, rng)
     elif qtype == Q.Q6_K:  # w = d sc q, q in [-32, 31]; int8 scales at 192..207, d at 208..209
         sc = rng.integers(16, 64, size=(4096, 16)).astype(np.int8)

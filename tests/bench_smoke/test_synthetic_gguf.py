@@ -62,13 +62,17 @@ def test_tiny_file_loads(written, shape: str, quant_name: str, arch: str, kind: 
     assert tok.decode(tok.encode(text)) == text
 
 
-def test_q4_k_m_mix_and_weight_scale(written) -> None:
-    gf = written("tiny", "q4_k_m")
+@pytest.mark.parametrize(("quant_name", "base"), [("q4_k_m", "Q4_K"), ("q5_k_m", "Q5_K")])
+def test_k_quant_mix_and_weight_scale(written, quant_name: str, base: str) -> None:
+    gf = written("tiny", quant_name)
+    assert gf.metadata["general.file_type"] == {"q4_k_m": 15, "q5_k_m": 17}[quant_name]
     # llama.cpp's use_more_bits over 2 layers picks layer 1 for Q6_K attn_v and ffn_down
-    assert gf.tensor("blk.0.attn_v.weight").ggml_type.name == "Q4_K"
+    assert gf.tensor("blk.0.attn_v.weight").ggml_type.name == base
     assert gf.tensor("blk.1.attn_v.weight").ggml_type.name == "Q6_K"
     assert gf.tensor("blk.1.ffn_down.weight").ggml_type.name == "Q6_K"
-    assert gf.tensor("blk.1.ffn_up.weight").ggml_type.name == "Q4_K"
+    assert gf.tensor("blk.1.ffn_up.weight").ggml_type.name == base
+    assert gf.tensor("token_embd.weight").ggml_type.name == base
+    assert gf.tensor("output.weight").ggml_type.name == "Q6_K"
     for name in ("blk.0.attn_q.weight", "blk.1.ffn_down.weight", "token_embd.weight"):
         info = gf.tensor(name)
         w = gguf.quants.dequantize(np.asarray(info.data), info.ggml_type)  # llama.cpp's math, in numpy
