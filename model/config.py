@@ -196,7 +196,7 @@ def prefill_chunks_for(budget: int, sizes: tuple[int, ...] | None = None) -> tup
 
 
 UNROLL_DECODE_LAYERS = ("auto", "on", "off")  # EngineConfig.unroll_decode_layers
-SPLIT_Q4_K = ("auto", "on", "off")  # EngineConfig.split_q4_k and split_q6_k
+SPLIT_Q4_K = ("auto", "on", "off")  # EngineConfig.split_q4_k, split_q5_k and split_q6_k
 MAX_AUTO_COMPILE_THREADS = {"cpu": 8, "gpu": 4}  # EngineConfig.compile_threads = 0, per backend
 
 
@@ -308,6 +308,12 @@ class EngineConfig:
     # weights (37% more bytes) for the Mosaic GPU matmul's 8-bit path (pallas_kernels/q6_k_split.py;
     # no other GPU kernel serves them). "auto" as split_q4_k.
     split_q6_k: str = "auto"
+    # Q5_K matrices split at load into Q8_0's int8 codes and f16 block scales plus an f16 offset
+    # per block and row (64% more bytes) for the Mosaic GPU matmul's 8-bit path, the Triton Q8_0
+    # kernel where Mosaic refuses a shape (pallas_kernels/q5_k_split.py; its rounding is
+    # split_q4_k's). "auto" as split_q4_k: on the H200 a 7B Q5_K_M decoded at 136 tok/s for one
+    # user through the Triton Q5_K kernel (bench/results, nineteenth session).
+    split_q5_k: str = "auto"
 
     def compile_workers(self, backend: str, programs: int) -> int:
         """Threads to compile `programs` programs on `backend`, "auto" (0) resolved: the cores
@@ -364,9 +370,9 @@ class EngineConfig:
             raise ValueError(f"unknown compute dtype {self.compute_dtype!r}")
         if self.unroll_decode_layers not in UNROLL_DECODE_LAYERS:
             raise ValueError(f"unroll decode layers must be auto, on or off, got {self.unroll_decode_layers!r}")
-        if self.split_q4_k not in SPLIT_Q4_K or self.split_q6_k not in SPLIT_Q4_K:
-            raise ValueError(
-                f"split Q4_K / Q6_K must be auto, on or off, got {self.split_q4_k!r} / {self.split_q6_k!r}")
+        if {self.split_q4_k, self.split_q5_k, self.split_q6_k} - set(SPLIT_Q4_K):
+            raise ValueError(f"split Q4_K / Q5_K / Q6_K must be auto, on or off, got {self.split_q4_k!r} / "
+                             f"{self.split_q5_k!r} / {self.split_q6_k!r}")
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor parallel must be >= 1, got {self.tensor_parallel}")
         if self.compile_threads < 0:

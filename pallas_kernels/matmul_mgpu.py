@@ -83,7 +83,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import q4_k_split, registry
+from pallas_kernels import q4_k_split, q5_k_split, registry
 from pallas_kernels.quant import QuantizedTensor, check_layer
 
 SUPPORTED_FORMATS = ("q4_0", "q8_0", "q6_k_split")
@@ -95,6 +95,11 @@ MAX_ROWS = 64  # rows of x in one tile of the decode kernel (unfolded scales: an
 # Beyond MAX_ROWS (prefill), the folded-scale kernel runs x in tiles of `m_tile` rows (a grid axis;
 # one [64, m_tile] accumulator, carried across K steps); the unfolded one refuses.
 BLOCK_N = 64  # weight rows per warpgroup: the wgmma M
+# Split formats with an offset per block and row (the `c` plane): the format whose kernel runs
+# their codes and scales (a view of their planes), and the matmul that adds the offsets after
+# another kernel's call where this one does not (`fuses_offsets`)
+OFFSET_SPLITS = {"q4_k_split": (q4_k_split.as_q4_0, q4_k_split.matmul_via_q4_0),
+                 "q5_k_split": (q5_k_split.as_q8_0, q5_k_split.matmul_via_q8_0)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,20 +196,20 @@ def _plgpu():
 
 
 def fuses_offsets(tuning: MosaicMatmulTuning) -> bool:
-    """Whether the kernel adds a "q4_k_split" matrix's offsets itself (`fuse_offsets`; only the
+    """Whether the kernel adds a "q4_k_split" or "q5_k_split" matrix's offsets itself (`fuse_offsets`; only the
     unfolded decode kernel with bf16 x, and K steps of at least 128: a step's block sums of x,
     [tile_k / 32, 8] f32, must fill a 128-byte copy)."""
     return tuning.fuse_offsets and not tuning.fold_scales and not tuning.int8_x and tuning.tile_k >= 128
 
 
 def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatmulTuning) -> None:
-    offsets = w.fmt == "q4_k_split"
+    offsets = w.fmt in OFFSET_SPLITS
     if offsets and not fuses_offsets(tuning):
-        raise NotImplementedError("mosaic_gpu matmul adds q4_k_split offsets in the unfolded decode kernel only")
+        raise NotImplementedError(f"mosaic_gpu matmul adds {w.fmt} offsets in the unfolded decode kernel only")
     if offsets:
-        w = q4_k_split.as_q4_0(w)
+        w = OFFSET_SPLITS[w.fmt][0](w)
     if w.fmt not in SUPPORTED_FORMATS:
-        raise NotImplementedError(f"mosaic_gpu matmul takes {', '.join(SUPPORTED_FORMATS)} and q4_k_split; "
+        raise NotImplementedError(f"mosaic_gpu matmul takes {', '.join(SUPPORTED_FORMATS)}, q4_k_split and q5_k_split; "
                                   f"not {w.fmt}")
     check_layer(w, layer)
     n, k = w.shape
@@ -698,8 +703,8 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
     plgpu = _plgpu()
     n, k = w.shape
     m = x2.shape[0]
-    offsets = w.fmt == "q4_k_split"  # the kernel adds the offsets (`fuses_offsets`): Q4_0's kernel otherwise
-    q = q4_k_split.as_q4_0(w) if offsets else w
+    offsets = w.fmt in OFFSET_SPLITS  # the kernel adds the offsets (`fuses_offsets`): Q4_0's or Q8_0's otherwise
+    q = OFFSET_SPLITS[w.fmt][0](w) if offsets else w
     m_tile = tile_rows(m, tuning)
     m_tiles = -(-m // m_tile)
     m_pad = m_tile * m_tiles
@@ -757,16 +762,16 @@ def qmatmul_mgpu(
     """x @ dequant(w).T through the Mosaic GPU kernel; without a tuning, `default_tuning` of x's
     rows (decode up to 64, prefill beyond). "q4_k_split" (Q4_K split at load,
     pallas_kernels/q4_k_split.py) runs as Q4_0 with its offsets added in the decode kernel
-    (`fuse_offsets`), else as its Q4_0 part plus an XLA dot for them. Raises
-    NotImplementedError for what it does not take (formats other than q4_0, q8_0, q4_k_split and
-    q6_k_split, x not bf16, more than 64 rows of x with unfolded scales, N not a multiple of 64,
+    (`fuse_offsets`), else as its Q4_0 part plus an XLA dot for them; "q5_k_split"
+    (pallas_kernels/q5_k_split.py) likewise as Q8_0. Raises NotImplementedError for what it does
+    not take (formats other than q4_0, q8_0, q4_k_split, q5_k_split and q6_k_split, x not bf16, more than 64 rows of x with unfolded scales, N not a multiple of 64,
     K not a multiple of the tuning's K step, too many rows for shared memory, interpret mode)."""
     if interpret:
         raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
     tuning = tuning or default_tuning(math.prod(x.shape[:-1]))
-    if w.fmt == "q4_k_split" and not fuses_offsets(tuning):  # Q4_0's kernel, plus the offsets' XLA dot
-        return q4_k_split.matmul_via_q4_0(qmatmul_mgpu, x, w, layer, tuning=tuning,
-                                          offset_precision=q4_k_split.KERNEL_OFFSET_PRECISION)
+    if w.fmt in OFFSET_SPLITS and not fuses_offsets(tuning):  # Q4_0's or Q8_0's kernel, plus the offsets' XLA dot
+        return OFFSET_SPLITS[w.fmt][1](qmatmul_mgpu, x, w, layer, tuning=tuning,
+                                       offset_precision=q4_k_split.KERNEL_OFFSET_PRECISION)
     _check_supported(x, w, layer, tuning)
     n, k = w.shape
     lead = x.shape[:-1]

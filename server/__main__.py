@@ -102,6 +102,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="split Q4_K matrices at load for Q4_0's kernels (Q4_0 codes, f16 block scales, f16 offsets: "
                         "11%% more weight bytes); auto (default): where Q4_0's Mosaic GPU matmul serves them (one "
                         "Hopper GPU, the matmul not forced elsewhere); the bare flag means on")
+    p.add_argument("--split-q5-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
+                   help="split Q5_K matrices at load for Q8_0's kernels (int8 codes, f16 block scales, f16 "
+                        "offsets: 64%% more weight bytes); auto (default) and the bare flag as --split-q4-k")
     p.add_argument("--split-q6-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
                    help="split Q6_K matrices at load into int8 codes and f16 scales per 16 weights (37%% more weight "
                         "bytes) for the Mosaic GPU matmul; auto (default) and the bare flag as --split-q4-k")
@@ -133,6 +136,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefill_cuda_graphs=args.prefill_cuda_graphs,
         gc_freeze=args.gc_freeze,
         split_q4_k=args.split_q4_k,
+        split_q5_k=args.split_q5_k,
         split_q6_k=args.split_q6_k,
     )
 

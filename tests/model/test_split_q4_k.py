@@ -74,3 +74,43 @@ def test_host_and_device_splits_agree(tiny_q4_k_m):
     for (path, x), (_, y) in zip(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
     assert {"q4_k_split", "q6_k_split"} <= formats(on_host)
+
+
+@pytest.fixture(scope="module")
+def tiny_q5_k_m(tmp_path_factory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("tiny-q5km") / "tiny-tp-q5_k_m.gguf"
+    subprocess.run([sys.executable, str(MAKE_GGUF), "--shape", "tiny-tp", "--quant", "q5_k_m", "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=60)
+    return out
+
+
+def test_split_q5_k_model_gives_the_same_logits_and_host_and_device_splits_agree(tiny_q5_k_m):
+    """Q5_K split for Q8_0's kernels (pallas_kernels/q5_k_split.py), as Q4_K's above."""
+    from model.config import ModelConfig
+    from model.gguf_file import GGUFFile
+    from model.weights import _to_device, load_params
+
+    base = load_model(tiny_q5_k_m, EngineConfig(max_context=128))
+    split = load_model(tiny_q5_k_m, EngineConfig(max_context=128, split_q5_k="on"))
+    assert split.splits == {"q5_k"} and not base.splits  # "auto": not on a CPU
+    assert "q5_k" in formats(base.params) and "q5_k_split" not in formats(base.params)
+    assert "q5_k_split" in formats(split.params.layers) and "q5_k" not in formats(split.params.layers)
+    assert split.params.embed.fmt == "q5_k"  # untied: only gathered from
+    assert split.kernel_names["matmul_decode[q5_k_split]"] == "reference"  # the CPU
+    rng = np.random.default_rng(1)
+    cases = [(rng.integers(0, 2048, 40).tolist(), rng.integers(0, 2048, 6).tolist()) for _ in range(2)]
+    forced = [teacher_forced_logits(m.config, m.kernels, m.params, cases, max_context=128) for m in (base, split)]
+    for a, b in zip(*forced):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.isfinite(b).all()
+        assert np.linalg.norm(a - b) / np.linalg.norm(a) < 5e-3  # the f16 block scales' and offsets' rounding
+        assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.8
+
+    gf = GGUFFile(tiny_q5_k_m)
+    cfg = ModelConfig.from_gguf_metadata(gf.metadata, frozenset(gf.tensors))
+    on_device = load_params(gf, cfg, splits={"q5_k"})
+    on_host = load_params(gf, cfg, place=_to_device, splits={"q5_k"})
+    for (path, x), (_, y) in zip(jax.tree_util.tree_leaves_with_path(on_device),
+                                 jax.tree_util.tree_leaves_with_path(on_host)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+    assert "q5_k_split" in formats(on_host)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import matmul_mgpu, q4_k_split, q6_k_split, quant, registry
+from pallas_kernels import matmul_mgpu, q4_k_split, q5_k_split, q6_k_split, quant, registry
 from pallas_kernels.matmul import qmatmul_reference
 from tests.pallas_kernels.test_matmul_conformance import Case, MatmulConformance, random_weight, relative_error
 from tests.pallas_kernels.test_matmul_conformance import pytest_generate_tests  # noqa: F401  (parametrizes `case`)
@@ -64,6 +64,25 @@ class TestMosaicGpuQ4KSplit(TestMosaicGpu):
 
     def matmul(self, x, w, case, layer=None):
         return matmul_mgpu.qmatmul_mgpu(x, q4_k_split.split_q4_k(w), layer=layer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+class TestMosaicGpuQ5KSplit(TestMosaicGpu):
+    """Q5_K split at load (pallas_kernels/q5_k_split.py): Q8_0's kernel on its int8 codes and
+    scales plus the offsets (in the decode kernel; a dot after the prefill one), against the Q5_K
+    reference."""
+
+    CASES = (
+        Case("q5_k", 1, 256, 1024, "bfloat16"),
+        Case("q5_k", 8, 512, 4096, "bfloat16", stack=True),
+        Case("q5_k", 8, 4096, 11008, "bfloat16", stack=True),
+        Case("q5_k", 64, 1024, 2048, "bfloat16"),
+        Case("q5_k", 200, 1024, 2048, "bfloat16"),  # prefill rows: the folded-scale kernel
+    )
+
+    def matmul(self, x, w, case, layer=None):
+        return matmul_mgpu.qmatmul_mgpu(x, q5_k_split.split_q5_k(w), layer=layer)
 
 
 @pytest.mark.gpu
@@ -389,6 +408,22 @@ def test_q4_k_split_lowers_for_cuda(m, fuse):
     itself (`fuse_offsets`: no dot left in the program), the prefill one leaves them to a dot."""
     pytest.importorskip("absl")
     w = _spec("q4_k_split", 4096, 11008, 3)
+    x = jax.ShapeDtypeStruct((m, 11008), jnp.bfloat16)
+    tuning = dataclasses.replace(matmul_mgpu.default_tuning(m), fuse_offsets=fuse)
+    fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, tuning, layer=i)  # noqa: E731
+    assert jax.eval_shape(fn, x, w, jax.ShapeDtypeStruct((), jnp.int32)).shape == (m, 4096)
+    lowered = jax.jit(fn).trace(x, w, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "mosaic_gpu" in text
+    assert ("dot_general" in text) == (not matmul_mgpu.fuses_offsets(tuning)), text.count("dot_general")
+
+
+@pytest.mark.parametrize("m,fuse", [(1, True), (8, True), (8, False), (512, True)])
+def test_q5_k_split_lowers_for_cuda(m, fuse):
+    """A Q5_K matrix split at load runs Q8_0's kernel on its int8 codes and scales, the decode
+    kernel adding the offsets itself, the prefill one leaving them to a dot (as Q4_K's split)."""
+    pytest.importorskip("absl")
+    w = _spec("q5_k_split", 4096, 11008, 3)
     x = jax.ShapeDtypeStruct((m, 11008), jnp.bfloat16)
     tuning = dataclasses.replace(matmul_mgpu.default_tuning(m), fuse_offsets=fuse)
     fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, tuning, layer=i)  # noqa: E731

@@ -51,9 +51,10 @@ def test_defaults() -> None:
     assert (engine.decode_steps("gpu"), engine.decode_steps("cpu")) == (2, 1)  # 0: auto
     assert not engine.few_rows_attention  # batch-invariant by default
     assert not engine.separate_kv_write  # the attention kernel writes the keys and values where it can
-    # Q4_K and Q6_K split where the Mosaic GPU matmul serves them: one Hopper GPU, the matmul not forced elsewhere
-    both = {"q4_k", "q6_k"}
-    assert engine.split_q4_k == engine.split_q6_k == "auto"
+    # Q4_K, Q5_K and Q6_K split where the Mosaic GPU matmul serves them: one Hopper GPU, the matmul not forced
+    # elsewhere
+    both = {"q4_k", "q5_k", "q6_k"}
+    assert engine.split_q4_k == engine.split_q5_k == engine.split_q6_k == "auto"
     assert engine.reuse_kernel_lowering and engine.prefill_cuda_graphs and engine.gc_freeze
     assert split_formats(engine) == set() and split_formats(engine, mosaic_available=True) == both
     for other in (dataclasses.replace(engine, kernels=(("matmul", "triton"),)),
@@ -63,8 +64,11 @@ def test_defaults() -> None:
     assert split_formats(mosaic, mosaic_available=True) == both
     prefill_elsewhere = (("matmul_decode", "mosaic_gpu"), ("matmul", "triton"))  # Triton takes no Q6_K split
     assert split_formats(dataclasses.replace(engine, kernels=prefill_elsewhere), mosaic_available=True) == set()
-    off = build_configs(build_parser().parse_args(["--split-q4-k", "off", "--split-q6-k", "on"]), {})[0]
+    off = build_configs(build_parser().parse_args(["--split-q4-k", "off", "--split-q5-k", "off", "--split-q6-k", "on"]),
+                        {})[0]
     assert split_formats(off, True) == split_formats(off, False) == {"q6_k"}
+    bare = build_configs(build_parser().parse_args(["--split-q5-k"]), {})[0]
+    assert bare.split_q5_k == "on" and split_formats(bare, False) == {"q5_k"}
     # 0: auto, one thread per usable core up to the backend's cap (never more than programs);
     # one on a backend not measured
     assert engine.compile_threads == 0
