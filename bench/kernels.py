@@ -31,7 +31,8 @@ kernel, `us` alone can exceed the copy rate).
 Q4_K also runs split for Q4_0's kernels (`pallas_kernels/q4_k_split.py`): impl
 "mosaic_gpu:q4_k_split" with `--impls mosaic_gpu` on a GPU, "reference:q4_k_split" with
 `reference`; the split is made before timing, and gbps counts its planes (0.625 bytes per
-weight).
+weight). Q5_K likewise for Q8_0's ("mosaic_gpu:q5_k_split", `pallas_kernels/q5_k_split.py`,
+1.125 bytes per weight).
 """
 
 from __future__ import annotations
@@ -164,25 +165,26 @@ class Impl:
     prepare: object = None
 
 
-def q4_k_split_impls(impl_names: list[str], interpret: bool, m: int) -> list[Impl]:
-    """Q4_K through Q4_0's kernels (`pallas_kernels.q4_k_split`): its Mosaic GPU kernel on a GPU
-    (the offsets added in the decode kernel, and, as "...:offsets_after", in an XLA dot after
-    it), the reference with --interpret (a CPU check of the plumbing)."""
-    from pallas_kernels import matmul_mgpu, q4_k_split
+def offset_split_impls(fmt: str, impl_names: list[str], interpret: bool, m: int) -> list[Impl]:
+    """Q4_K through Q4_0's kernels (`pallas_kernels.q4_k_split`), Q5_K through Q8_0's
+    (`pallas_kernels.q5_k_split`): the Mosaic GPU kernel on a GPU (the offsets added in the
+    decode kernel, and, as "...:offsets_after", in an XLA dot after it), the reference with
+    --interpret (a CPU check of the plumbing)."""
+    from pallas_kernels import matmul_mgpu, q4_k_split, q5_k_split
 
-    def impl(name, fn):
-        return Impl(name, fn, "q4_0 codes + f16 offsets", prepare=jax.jit(q4_k_split.split_q4_k))
+    split, tag = {"q4_k": (q4_k_split.split_q4_k, "q4_0 codes + f16 offsets"),
+                  "q5_k": (q5_k_split.split_q5_k, "int8 codes + f16 offsets")}[fmt]
 
     out = []
     if "mosaic_gpu" in impl_names and not interpret:
-        out.append(impl("mosaic_gpu:q4_k_split", matmul_mgpu.qmatmul_mgpu))
+        out.append(Impl(f"mosaic_gpu:{fmt}_split", matmul_mgpu.qmatmul_mgpu, tag, prepare=jax.jit(split)))
         tuning = matmul_mgpu.default_tuning(m)
         if matmul_mgpu.fuses_offsets(tuning):
             after = dataclasses.replace(tuning, fuse_offsets=False)
-            out.append(impl("mosaic_gpu:q4_k_split:offsets_after",
-                            lambda x, w: matmul_mgpu.qmatmul_mgpu(x, w, after)))
+            out.append(Impl(f"mosaic_gpu:{fmt}_split:offsets_after",
+                            lambda x, w: matmul_mgpu.qmatmul_mgpu(x, w, after), tag, prepare=jax.jit(split)))
     if "reference" in impl_names:
-        out.append(impl("reference:q4_k_split", qmatmul_reference))
+        out.append(Impl(f"reference:{fmt}_split", qmatmul_reference, tag, prepare=jax.jit(split)))
     return out
 
 
@@ -229,7 +231,8 @@ def mosaic_impls(sweep: bool, m: int) -> list[Impl]:
         for tag, kw in [("ctas132", dict(target_ctas=132)), ("ctas396", dict(target_ctas=396)),
                         ("ctas528", dict(target_ctas=528)), ("stages6", dict(stages=6)),
                         ("tile512", dict(tile_k=512, stages=3)), ("wgmma_loads", dict(upcast_loads=False, word_unpack=False)),
-                        ("shuffle_unpack", dict(word_unpack=False))]:
+                        ("shuffle_unpack", dict(word_unpack=False)), ("rows2", dict(row_tiles=2)),
+                        ("rows2_split1", dict(row_tiles=2, target_ctas=1))]:
             tunings.append((f"mosaic_gpu:{tag}", dataclasses.replace(base, **kw)))
     return [Impl(name, lambda x, w, t=t: matmul_mgpu.qmatmul_mgpu(x, w, t), str(t or matmul_mgpu.default_tuning(m)))
             for name, t in tunings]
@@ -379,8 +382,8 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
                 impls.append(Impl("dense_bf16", lambda x, w: jnp.dot(x.astype(jnp.bfloat16), w.T,
                                                                      preferred_element_type=jnp.float32),
                                   "bf16 weights, xla dot"))
-        if fmt == "q4_k":
-            impls += q4_k_split_impls(impl_names, args.interpret, m)
+        if fmt in ("q4_k", "q5_k"):
+            impls += offset_split_impls(fmt, impl_names, args.interpret, m)
         if fmt == "q6_k":
             impls += q6_k_split_impls(impl_names, args.interpret)
         for impl in impls:
