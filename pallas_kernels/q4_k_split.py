@@ -61,19 +61,26 @@ def split_q4_k(w: QuantizedTensor) -> QuantizedTensor:
     codes = (qs >> xp.asarray([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F  # [.., N, S, 4, 2, 32]
     codes = xp.reshape(codes, (*lead, n, blocks, BLOCK))  # sub-block 8 s + 2 run + nibble, in order
     qs40 = xp.reshape(codes[..., :16] | (codes[..., 16:] << 4), (*lead, n, k // 2)).astype(np.uint8)
+    scales, offsets = block_scales_and_offsets(xp, p, CODE_OFFSET)
+    return QuantizedTensor({"qs": qs40, "d": scales, "c": offsets}, "q4_k_split", (n, k))
+
+
+def block_scales_and_offsets(xp, planes, code_offset: int):
+    """The s and C planes of a split K-quant with 6-bit scales and mins (Q4_K, Q5_K): s_b = f16(d
+    sc_b) and c_b = f16(code_offset s_b - dmin m_b), each [.., K/32, N] (transposed, contiguous)."""
 
     def per_block(super_vals, sub_vals):  # f32 [.., N, K/32]: a super-block's f16 value times its 6-bit ints
         return xp.repeat(xp.asarray(super_vals).astype(np.float32), QK_K // BLOCK, axis=-1) * xp.asarray(
             sub_vals).astype(np.float32)
 
-    scales = per_block(p["d"], p["sc"]).astype(np.float16)  # s_b
-    offsets = (CODE_OFFSET * scales.astype(np.float32) - per_block(p["dmin"], p["m"])).astype(np.float16)  # c_b
+    scales = per_block(planes["d"], planes["sc"]).astype(np.float16)  # s_b
+    offsets = (code_offset * scales.astype(np.float32) - per_block(planes["dmin"], planes["m"])).astype(np.float16)
 
     def transposed(a):  # [.., N, K/32] -> [.., K/32, N], contiguous
         a = xp.swapaxes(a, -1, -2)
         return np.ascontiguousarray(a) if xp is np else a
 
-    return QuantizedTensor({"qs": qs40, "d": transposed(scales), "c": transposed(offsets)}, "q4_k_split", (n, k))
+    return transposed(scales), transposed(offsets)
 
 
 def as_q4_0(w: QuantizedTensor) -> QuantizedTensor:

@@ -58,21 +58,10 @@ def split_q5_k(w: QuantizedTensor) -> QuantizedTensor:
     high = (qh >> xp.asarray(bit)) & 0x01
     q = (low | (high << 4)).astype(np.int8) - np.int8(CODE_OFFSET)
     codes = xp.reshape(q, (*lead, n, k))  # weight 256 s + 64 j + 32 h + l, in order
-
-    def per_block(super_vals, sub_vals):  # f32 [.., N, K/32]: a super-block's f16 value times its 6-bit ints
-        return xp.repeat(xp.asarray(super_vals).astype(np.float32), QK_K // BLOCK, axis=-1) * xp.asarray(
-            sub_vals).astype(np.float32)
-
-    scales = per_block(p["d"], p["sc"]).astype(np.float16)  # s_b
-    offsets = (CODE_OFFSET * scales.astype(np.float32) - per_block(p["dmin"], p["m"])).astype(np.float16)  # c_b
-
-    def transposed(a):  # [.., N, K/32] -> [.., K/32, N], contiguous
-        a = xp.swapaxes(a, -1, -2)
-        return np.ascontiguousarray(a) if xp is np else a
-
     if xp is np:
         codes = np.ascontiguousarray(codes)
-    return QuantizedTensor({"qs": codes, "d": transposed(scales), "c": transposed(offsets)}, "q5_k_split", (n, k))
+    scales, offsets = q4_k_split.block_scales_and_offsets(xp, p, CODE_OFFSET)
+    return QuantizedTensor({"qs": codes, "d": scales, "c": offsets}, "q5_k_split", (n, k))
 
 
 def as_q8_0(w: QuantizedTensor) -> QuantizedTensor:
