@@ -166,14 +166,18 @@ class Impl:
 
 
 def offset_split_impls(fmt: str, impl_names: list[str], interpret: bool, m: int) -> list[Impl]:
-    """Q4_K through Q4_0's kernels (`pallas_kernels.q4_k_split`), Q5_K through Q8_0's
-    (`pallas_kernels.q5_k_split`): the Mosaic GPU kernel on a GPU (the offsets added in the
-    decode kernel, and, as "...:offsets_after", in an XLA dot after it), the reference with
-    --interpret (a CPU check of the plumbing)."""
-    from pallas_kernels import matmul_mgpu, q4_k_split, q5_k_split
+    """Q4_K (and Q4_1) through Q4_0's kernels (`pallas_kernels.q4_k_split`), Q5_K (and Q5_1)
+    through Q8_0's (`pallas_kernels.q5_k_split`), Q5_0 as Q8_0 (`pallas_kernels.legacy_split`):
+    the Mosaic GPU kernel on a GPU (the offsets added in the decode kernel, and, as
+    "...:offsets_after", in an XLA dot after it), the reference with --interpret (a CPU check of
+    the plumbing)."""
+    from pallas_kernels import legacy_split, matmul_mgpu, q4_k_split, q5_k_split
 
     split, tag = {"q4_k": (q4_k_split.split_q4_k, "q4_0 codes + f16 offsets"),
-                  "q5_k": (q5_k_split.split_q5_k, "int8 codes + f16 offsets")}[fmt]
+                  "q5_k": (q5_k_split.split_q5_k, "int8 codes + f16 offsets"),
+                  "q4_1": (legacy_split.split_q4_1, "q4_0 codes + f16 offsets"),
+                  "q5_1": (legacy_split.split_q5_1, "int8 codes + f16 offsets"),
+                  "q5_0": (legacy_split.q5_0_as_q8_0, "q8_0 (exact)")}[fmt]
 
     out = []
     if "mosaic_gpu" in impl_names and not interpret:
@@ -382,7 +386,7 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
                 impls.append(Impl("dense_bf16", lambda x, w: jnp.dot(x.astype(jnp.bfloat16), w.T,
                                                                      preferred_element_type=jnp.float32),
                                   "bf16 weights, xla dot"))
-        if fmt in ("q4_k", "q5_k"):
+        if fmt in ("q4_k", "q5_k", "q4_1", "q5_0", "q5_1"):
             impls += offset_split_impls(fmt, impl_names, args.interpret, m)
         if fmt == "q6_k":
             impls += q6_k_split_impls(impl_names, args.interpret)

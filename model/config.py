@@ -196,7 +196,7 @@ def prefill_chunks_for(budget: int, sizes: tuple[int, ...] | None = None) -> tup
 
 
 UNROLL_DECODE_LAYERS = ("auto", "on", "off")  # EngineConfig.unroll_decode_layers
-SPLIT_Q4_K = ("auto", "on", "off")  # EngineConfig.split_q4_k, split_q5_k and split_q6_k
+SPLIT_Q4_K = ("auto", "on", "off")  # EngineConfig.split_q4_k, split_q5_k, split_q6_k and split_legacy
 MAX_AUTO_COMPILE_THREADS = {"cpu": 8, "gpu": 4}  # EngineConfig.compile_threads = 0, per backend
 
 
@@ -314,6 +314,13 @@ class EngineConfig:
     # split_q4_k's). "auto" as split_q4_k: on the H200 a 7B Q5_K_M decoded at 136 tok/s for one
     # user through the Triton Q5_K kernel (bench/results, nineteenth session).
     split_q5_k: str = "auto"
+    # Q4_1, Q5_0 and Q5_1 matrices in the forms of the splits above (pallas_kernels/legacy_split.py:
+    # Q5_0 as Q8_0 exactly, Q4_1 as q4_k_split's form with the same bytes, Q5_1 as q5_k_split's),
+    # so that the Mosaic GPU matmul serves them rather than the Triton kernels (20-38% of copy
+    # bandwidth at M = 8 on the H200, bench/results, nineteenth session). "auto" as split_q4_k;
+    # "off" by default until a GPU run has measured it (the kernels it reaches are the K-quant
+    # splits' and Q8_0's, measured; the splits themselves are tested on the CPU).
+    split_legacy: str = "off"
 
     def compile_workers(self, backend: str, programs: int) -> int:
         """Threads to compile `programs` programs on `backend`, "auto" (0) resolved: the cores
@@ -370,9 +377,9 @@ class EngineConfig:
             raise ValueError(f"unknown compute dtype {self.compute_dtype!r}")
         if self.unroll_decode_layers not in UNROLL_DECODE_LAYERS:
             raise ValueError(f"unroll decode layers must be auto, on or off, got {self.unroll_decode_layers!r}")
-        if {self.split_q4_k, self.split_q5_k, self.split_q6_k} - set(SPLIT_Q4_K):
-            raise ValueError(f"split Q4_K / Q5_K / Q6_K must be auto, on or off, got {self.split_q4_k!r} / "
-                             f"{self.split_q5_k!r} / {self.split_q6_k!r}")
+        if {self.split_q4_k, self.split_q5_k, self.split_q6_k, self.split_legacy} - set(SPLIT_Q4_K):
+            raise ValueError(f"split Q4_K / Q5_K / Q6_K / legacy must be auto, on or off, got {self.split_q4_k!r} / "
+                             f"{self.split_q5_k!r} / {self.split_q6_k!r} / {self.split_legacy!r}")
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor parallel must be >= 1, got {self.tensor_parallel}")
         if self.compile_threads < 0:

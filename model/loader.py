@@ -47,7 +47,8 @@ def _rss_mib() -> float:
 
 
 def split_formats(engine_cfg: EngineConfig, mosaic_available: bool | None = None) -> frozenset[str]:
-    """The GGML formats split at load ("q4_k", "q5_k", "q6_k"): EngineConfig.split_q4_k, split_q5_k and split_q6_k
+    """The GGML formats split at load ("q4_k", "q5_k", "q6_k", and "q4_1", "q5_0", "q5_1" with
+    split_legacy): EngineConfig.split_q4_k, split_q5_k, split_q6_k and split_legacy
     resolved. "on" and "off" say; "auto" splits where the Mosaic GPU matmul will serve the split
     matrices (`mosaic_available`: by default, whether that implementation is available here, i.e.
     on a Hopper GPU): one device (a tensor-parallel shard of a row-parallel matrix may not fit
@@ -60,7 +61,8 @@ def split_formats(engine_cfg: EngineConfig, mosaic_available: bool | None = None
         mosaic_available = any(impl.name == "mosaic_gpu" and impl.is_available()
                                for impl in registry.implementations("matmul"))
     auto = auto and bool(mosaic_available)
-    settings = {"q4_k": engine_cfg.split_q4_k, "q5_k": engine_cfg.split_q5_k, "q6_k": engine_cfg.split_q6_k}
+    settings = {"q4_k": engine_cfg.split_q4_k, "q5_k": engine_cfg.split_q5_k, "q6_k": engine_cfg.split_q6_k,
+                "q4_1": engine_cfg.split_legacy, "q5_0": engine_cfg.split_legacy, "q5_1": engine_cfg.split_legacy}
     return frozenset(fmt for fmt, s in settings.items() if s == "on" or (s == "auto" and auto))
 
 

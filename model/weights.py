@@ -21,7 +21,7 @@ import numpy as np
 
 from model.config import ModelConfig
 from model.gguf_file import GGUFFile, GGUFLoadError, TensorInfo
-from pallas_kernels import q4_k_split, q5_k_split, q6_k_split, quant
+from pallas_kernels import legacy_split, q4_k_split, q5_k_split, q6_k_split, quant
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +143,11 @@ def _float_vector(info: TensorInfo) -> np.ndarray:
     return arr.astype(np.float32).reshape(-1)
 
 
-# Formats split at load for other kernels (EngineConfig.split_q4_k, split_q5_k, split_q6_k): the
-# GGML format -> (the derived format, the split).
+# Formats split at load for other kernels (EngineConfig.split_q4_k, split_q5_k, split_q6_k,
+# split_legacy): the GGML format -> (the derived format, the split).
 SPLITS = {"q4_k": ("q4_k_split", q4_k_split.split_q4_k), "q5_k": ("q5_k_split", q5_k_split.split_q5_k),
-          "q6_k": ("q6_k_split", q6_k_split.split_q6_k)}
+          "q6_k": ("q6_k_split", q6_k_split.split_q6_k), "q4_1": ("q4_1_split", legacy_split.split_q4_1),
+          "q5_0": ("q8_0", legacy_split.q5_0_as_q8_0), "q5_1": ("q5_1_split", legacy_split.split_q5_1)}
 _SPLITS_JIT = {fmt: jax.jit(fn) for fmt, (_, fn) in SPLITS.items()}
 
 
@@ -270,8 +271,8 @@ def load_params(gf: GGUFFile, cfg: ModelConfig, fuse: bool = True, place: Place 
     it), so the host holds at most one key's stack beside the memory-mapped file, never the
     model. `place` puts each value on its device(s) (tensor parallelism: each device receives
     only its shards; default: the default device). Matrices of the formats in `splits` ("q4_k",
-    "q5_k", "q6_k") are split for other kernels (`SPLITS`; EngineConfig.split_q4_k, split_q5_k,
-    split_q6_k)."""
+    "q5_k", "q6_k", "q4_1", "q5_0", "q5_1") are split for other kernels (`SPLITS`;
+    EngineConfig.split_q4_k, split_q5_k, split_q6_k, split_legacy)."""
     # Splits: jitted on the device after placement where the params go whole to the default
     # device (numpy on the host took 0.34 s per 4096 x 11008 Q4_K matrix); on the host where
     # `place` shards them as it places them. The embedding is split only when it is also the

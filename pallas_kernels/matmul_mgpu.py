@@ -98,8 +98,8 @@ BLOCK_N = 64  # weight rows per warpgroup: the wgmma M
 # Split formats with an offset per block and row (the `c` plane): the format whose kernel runs
 # their codes and scales (a view of their planes), and the matmul that adds the offsets after
 # another kernel's call where this one does not (`fuses_offsets`)
-OFFSET_SPLITS = {"q4_k_split": (q4_k_split.as_q4_0, q4_k_split.matmul_via_q4_0),
-                 "q5_k_split": (q5_k_split.as_q8_0, q5_k_split.matmul_via_q8_0)}
+OFFSET_SPLITS = {fmt: (q4_k_split.as_q4_0, q4_k_split.matmul_via_q4_0) for fmt in ("q4_k_split", "q4_1_split")}
+OFFSET_SPLITS.update({fmt: (q5_k_split.as_q8_0, q5_k_split.matmul_via_q8_0) for fmt in ("q5_k_split", "q5_1_split")})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +209,7 @@ def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatm
     if offsets:
         w = OFFSET_SPLITS[w.fmt][0](w)
     if w.fmt not in SUPPORTED_FORMATS:
-        raise NotImplementedError(f"mosaic_gpu matmul takes {', '.join(SUPPORTED_FORMATS)}, q4_k_split and q5_k_split; "
+        raise NotImplementedError(f"mosaic_gpu matmul takes {', '.join((*SUPPORTED_FORMATS, *OFFSET_SPLITS))}; "
                                   f"not {w.fmt}")
     check_layer(w, layer)
     n, k = w.shape
@@ -763,9 +763,11 @@ def qmatmul_mgpu(
     rows (decode up to 64, prefill beyond). "q4_k_split" (Q4_K split at load,
     pallas_kernels/q4_k_split.py) runs as Q4_0 with its offsets added in the decode kernel
     (`fuse_offsets`), else as its Q4_0 part plus an XLA dot for them; "q5_k_split"
-    (pallas_kernels/q5_k_split.py) likewise as Q8_0. Raises NotImplementedError for what it does
-    not take (formats other than q4_0, q8_0, q4_k_split, q5_k_split and q6_k_split, x not bf16, more than 64 rows of x with unfolded scales, N not a multiple of 64,
-    K not a multiple of the tuning's K step, too many rows for shared memory, interpret mode)."""
+    (pallas_kernels/q5_k_split.py) likewise as Q8_0, and Q4_1 and Q5_1 split into those forms
+    (pallas_kernels/legacy_split.py) as they are (`OFFSET_SPLITS`). Raises NotImplementedError for
+    what it does not take (formats other than q4_0, q8_0, q6_k_split and those of `OFFSET_SPLITS`,
+    x not bf16, more than 64 rows of x with unfolded scales, N not a multiple of 64, K not a
+    multiple of the tuning's K step, too many rows for shared memory, interpret mode)."""
     if interpret:
         raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
     tuning = tuning or default_tuning(math.prod(x.shape[:-1]))

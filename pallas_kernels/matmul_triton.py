@@ -521,9 +521,9 @@ def qmatmul_triton(
     is read in place at `layer` (no copy of the matrix is made). "q4_k_split" (Q4_K split at
     load, pallas_kernels/q4_k_split.py) runs as its Q4_0 part plus an XLA dot for its offsets,
     "q5_k_split" (pallas_kernels/q5_k_split.py) as its Q8_0 part plus that dot."""
-    if w.fmt == "q4_k_split":
+    if w.fmt in ("q4_k_split", "q4_1_split"):  # and Q4_1 in that form (pallas_kernels/legacy_split.py)
         return q4_k_split.matmul_via_q4_0(qmatmul_triton, x, w, layer, tuning=tuning, interpret=interpret)
-    if w.fmt == "q5_k_split":
+    if w.fmt in ("q5_k_split", "q5_1_split"):
         return q5_k_split.matmul_via_q8_0(qmatmul_triton, x, w, layer, tuning=tuning, interpret=interpret)
     _check_supported(w, layer)
     n, k = w.shape

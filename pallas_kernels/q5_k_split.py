@@ -12,8 +12,8 @@ d and dmin: w = d sc_b q - dmin m_b (llama.cpp). Split, as `q4_k_split` does for
 
 so x @ w'.T = q8_0_matmul(x, codes, s) + xsum @ C (`q4_k_split.offset_term`). The rounding is
 q4_k_split's: w' - w = (s_b - d sc_b) q + (c_b's rounding), so a weight moves by at most 2^-11 of
-d sc_b q (its scaled code) plus 2^-11 of c_b; both below bf16 x's own rounding on the GPU path. The codes keep their five bits as
-int8 (q - 16, -16..15) in natural order.
+d sc_b q (its scaled code) plus 2^-11 of c_b; both below bf16 x's own rounding on the GPU path.
+The codes keep their five bits as int8 (q - 16, -16..15) in natural order.
 
 Bytes per weight: 1 (codes) + 2/32 (s) + 2/32 (C) = 1.125, against Q5_K's 0.6875 (64% more):
 the price of running on the 8-bit kernel, which reads them at a higher share of the bandwidth than

@@ -123,13 +123,19 @@ _BY_TYPE = {f.ggml_type: f for f in FORMATS.values()}
 # and row, `c` (pallas_kernels/q4_k_split.py), so that Q4_0's kernels can serve it; "q6_k_split"
 # is Q6_K as int8 codes and an f16 scale per 16 weights (pallas_kernels/q6_k_split.py), for the
 # Mosaic GPU matmul's 8-bit path; "q5_k_split" is Q5_K as Q8_0's codes and block scales plus an
-# offset per block and row, `c` (pallas_kernels/q5_k_split.py), for the same path.
+# offset per block and row, `c` (pallas_kernels/q5_k_split.py), for the same path; "q4_1_split"
+# and "q5_1_split" are Q4_1 and Q5_1 in q4_k_split's and q5_k_split's forms
+# (pallas_kernels/legacy_split.py).
 DERIVED_FORMATS: dict[str, QuantFormat] = {
     "q4_k_split": QuantFormat("q4_k_split", Q.Q4_K, 32, 16 + 2 + 2, ("qs", "d", "c"), ("u8", "f16", "f16"),
                               (16, 1, 1), transposed=("d", "c")),
     "q6_k_split": QuantFormat("q6_k_split", Q.Q6_K, 16, 16 + 2, ("qs", "d"), ("i8", "f16"), (16, 1),
                               transposed=("d",)),
     "q5_k_split": QuantFormat("q5_k_split", Q.Q5_K, 32, 32 + 2 + 2, ("qs", "d", "c"), ("i8", "f16", "f16"),
+                              (32, 1, 1), transposed=("d", "c")),
+    "q4_1_split": QuantFormat("q4_1_split", Q.Q4_1, 32, 16 + 2 + 2, ("qs", "d", "c"), ("u8", "f16", "f16"),
+                              (16, 1, 1), transposed=("d", "c")),
+    "q5_1_split": QuantFormat("q5_1_split", Q.Q5_1, 32, 32 + 2 + 2, ("qs", "d", "c"), ("i8", "f16", "f16"),
                               (32, 1, 1), transposed=("d", "c")),
 }
 ALL_FORMATS: dict[str, QuantFormat] = {**FORMATS, **DERIVED_FORMATS}
@@ -387,7 +393,7 @@ def layout(fmt: str, k: int) -> tuple[int, int, int]:
     """(P, G, g): phases, groups and group width of a row of K elements in format `fmt`."""
     num_phases, width = {
         "q4_0": (2, 16), "q4_1": (2, 16), "q5_0": (2, 16), "q5_1": (2, 16), "q8_0": (1, 32), "q4_k_split": (2, 16),
-        "q6_k_split": (1, 16), "q5_k_split": (1, 32),
+        "q6_k_split": (1, 16), "q5_k_split": (1, 32), "q4_1_split": (2, 16), "q5_1_split": (1, 32),
         "q2_k": (8, 32), "q3_k": (8, 32), "q4_k": (8, 32), "q5_k": (8, 32), "q6_k": (8, 32),
     }.get(fmt, (1, k))
     return num_phases, k // (num_phases * width), width
@@ -405,10 +411,11 @@ def dequantize_phase(qt: QuantizedTensor, ph: int) -> jax.Array:
     _, num_groups, width = layout(f, qt.shape[1])
     if f in ("f32", "f16", "bf16"):
         return _f32(p["w"])[..., None, :]
-    if f in ("q8_0", "q6_k_split", "q5_k_split"):  # G = block of 32 or 16, one scale each
+    if f in ("q8_0", "q6_k_split", "q5_k_split", "q5_1_split"):  # G = block of 32 or 16, one scale each
         w = _f32(p["d"])[..., None] * _f32(_rows(p["qs"], num_groups, width))
-        return w + _f32(p["c"])[..., None] if f == "q5_k_split" else w
-    if f in ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k_split"):  # G = block; qs byte l: element l (low nibble), 16 + l
+        return w + _f32(p["c"])[..., None] if "c" in p else w
+    # G = block; qs byte l: element l (low nibble), 16 + l
+    if f in ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k_split", "q4_1_split"):
         q = (_rows(p["qs"], num_groups, 16) >> (4 * ph)) & 0x0F
         if f in ("q5_0", "q5_1"):  # qh bit j (byte j / 8, bit j % 8) -> element j = 16 ph + l
             qh = _rows(p["qh"], num_groups, 4)[..., 2 * ph : 2 * ph + 2, None]  # [.., B, 2, 1]
@@ -417,7 +424,7 @@ def dequantize_phase(qt: QuantizedTensor, ph: int) -> jax.Array:
         d = _f32(p["d"])[..., None]
         if f == "q4_0":
             return d * _f32(q.astype(jnp.int8) - jnp.int8(8))
-        if f == "q4_k_split":
+        if f in ("q4_k_split", "q4_1_split"):
             return d * _f32(q.astype(jnp.int8) - jnp.int8(8)) + _f32(p["c"])[..., None]
         if f == "q5_0":
             return d * _f32(q.astype(jnp.int8) - jnp.int8(16))

@@ -114,3 +114,26 @@ def test_split_q5_k_model_gives_the_same_logits_and_host_and_device_splits_agree
                                  jax.tree_util.tree_leaves_with_path(on_host)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
     assert "q5_k_split" in formats(on_host)
+
+
+def test_split_legacy_smollm2_gives_the_same_logits(smollm2, smollm2_path, fixtures_dir):
+    """SmolLM2's Q4_1 matrices in q4_k_split's form (pallas_kernels/legacy_split.py), teacher-forced
+    on two of the llama.cpp fixture's prompts: the logits move by the f16 offsets' rounding only."""
+    import dataclasses
+    import json
+
+    from tests.model.conftest import SMOL_ENGINE
+
+    split = load_model(smollm2_path, dataclasses.replace(SMOL_ENGINE, split_legacy="on"))
+    assert split.splits == {"q4_1", "q5_0", "q5_1"} and not smollm2.splits
+    assert "q4_1_split" in formats(split.params.layers) and "q4_1" not in formats(split.params)
+    assert split.kernel_names["matmul_decode[q4_1_split]"] == "reference"  # the CPU
+    cases = json.loads((fixtures_dir / "generation_smollm2.json").read_text())["cases"]
+    cases = sorted(cases, key=lambda c: len(c["prompt_ids"]))[:2]
+    pairs = [(c["prompt_ids"], c["generated_ids"]) for c in cases]
+    forced = [teacher_forced_logits(m.config, m.kernels, m.params, pairs, max_context=1024) for m in (smollm2, split)]
+    for a, b in zip(*forced):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.isfinite(b).all()
+        assert np.abs(a - b).max() < 0.01, np.abs(a - b).max()  # measured 2.5e-4 and 2.6e-4
+        assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.9  # measured 1.0

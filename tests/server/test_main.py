@@ -55,6 +55,9 @@ def test_defaults() -> None:
     # elsewhere
     both = {"q4_k", "q5_k", "q6_k"}
     assert engine.split_q4_k == engine.split_q5_k == engine.split_q6_k == "auto"
+    assert engine.split_legacy == "off"  # until measured on a GPU
+    legacy = build_configs(build_parser().parse_args(["--split-legacy", "auto"]), {})[0]
+    assert split_formats(legacy, True) == both | {"q4_1", "q5_0", "q5_1"} and split_formats(legacy, False) == set()
     assert engine.reuse_kernel_lowering and engine.prefill_cuda_graphs and engine.gc_freeze
     assert split_formats(engine) == set() and split_formats(engine, mosaic_available=True) == both
     for other in (dataclasses.replace(engine, kernels=(("matmul", "triton"),)),
@@ -64,8 +67,8 @@ def test_defaults() -> None:
     assert split_formats(mosaic, mosaic_available=True) == both
     prefill_elsewhere = (("matmul_decode", "mosaic_gpu"), ("matmul", "triton"))  # Triton takes no Q6_K split
     assert split_formats(dataclasses.replace(engine, kernels=prefill_elsewhere), mosaic_available=True) == set()
-    off = build_configs(build_parser().parse_args(["--split-q4-k", "off", "--split-q5-k", "off", "--split-q6-k", "on"]),
-                        {})[0]
+    off = build_configs(build_parser().parse_args(["--split-q4-k", "off", "--split-q5-k", "off", "--split-legacy", "off",
+                                                   "--split-q6-k", "on"]), {})[0]
     assert split_formats(off, True) == split_formats(off, False) == {"q6_k"}
     bare = build_configs(build_parser().parse_args(["--split-q5-k"]), {})[0]
     assert bare.split_q5_k == "on" and split_formats(bare, False) == {"q5_k"}
