@@ -32,7 +32,8 @@ Q4_K also runs split for Q4_0's kernels (`pallas_kernels/q4_k_split.py`): impl
 "mosaic_gpu:q4_k_split" with `--impls mosaic_gpu` on a GPU, "reference:q4_k_split" with
 `reference`; the split is made before timing, and gbps counts its planes (0.625 bytes per
 weight). Q5_K likewise for Q8_0's ("mosaic_gpu:q5_k_split", `pallas_kernels/q5_k_split.py`,
-1.125 bytes per weight).
+1.125 bytes per weight), and Q4_1, Q5_1 and Q5_0 in the forms of `pallas_kernels/legacy_split.py`
+("mosaic_gpu:q4_1_split", "mosaic_gpu:q5_1_split", "mosaic_gpu:q5_0_as_q8_0").
 """
 
 from __future__ import annotations
@@ -179,16 +180,17 @@ def offset_split_impls(fmt: str, impl_names: list[str], interpret: bool, m: int)
                   "q5_1": (legacy_split.split_q5_1, "int8 codes + f16 offsets"),
                   "q5_0": (legacy_split.q5_0_as_q8_0, "q8_0 (exact)")}[fmt]
 
+    form = "q5_0_as_q8_0" if fmt == "q5_0" else f"{fmt}_split"  # Q5_0's form has no offsets
     out = []
     if "mosaic_gpu" in impl_names and not interpret:
-        out.append(Impl(f"mosaic_gpu:{fmt}_split", matmul_mgpu.qmatmul_mgpu, tag, prepare=jax.jit(split)))
+        out.append(Impl(f"mosaic_gpu:{form}", matmul_mgpu.qmatmul_mgpu, tag, prepare=jax.jit(split)))
         tuning = matmul_mgpu.default_tuning(m)
-        if matmul_mgpu.fuses_offsets(tuning):
+        if matmul_mgpu.fuses_offsets(tuning) and fmt != "q5_0":
             after = dataclasses.replace(tuning, fuse_offsets=False)
-            out.append(Impl(f"mosaic_gpu:{fmt}_split:offsets_after",
+            out.append(Impl(f"mosaic_gpu:{form}:offsets_after",
                             lambda x, w: matmul_mgpu.qmatmul_mgpu(x, w, after), tag, prepare=jax.jit(split)))
     if "reference" in impl_names:
-        out.append(Impl(f"reference:{fmt}_split", qmatmul_reference, tag, prepare=jax.jit(split)))
+        out.append(Impl(f"reference:{form}", qmatmul_reference, tag, prepare=jax.jit(split)))
     return out
 
 

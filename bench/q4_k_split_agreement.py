@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (q4_k, q6_k) in settings.items():
         t0 = time.perf_counter()
         model = load_model(args.model, EngineConfig(num_slots=8, max_context=args.max_context, split_q4_k=q4_k,
-                                                    split_q6_k=q6_k))
+                                                    split_q6_k=q6_k, split_q5_k="off", split_legacy="off"))
         formats = sorted({op for op in model.kernel_names if op.startswith("matmul[")})
         logits[name] = forced_logits(model, cases, "float32", args.max_context)
         row = {**against_llama_cpp(cases, logits[name]), "matmuls": formats,

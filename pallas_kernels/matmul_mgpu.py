@@ -148,7 +148,8 @@ class MosaicMatmulTuning:
     # Rows of x per CTA when x has more than MAX_ROWS (with `fold_scales` only): the wgmma N,
     # a multiple of 8 up to 256 (fewer rows of x run as one tile of their own size).
     m_tile: int = 256
-    # "q4_k_split" (Q4_K split at load, pallas_kernels/q4_k_split.py): the decode kernel adds each
+    # "q4_k_split" (Q4_K split at load, pallas_kernels/q4_k_split.py) and the other formats with
+    # offsets (`OFFSET_SPLITS`): the decode kernel adds each
     # block's offsets (its row of the `c` plane times x's sums over the block) to the block's
     # scaled result, so a split matrix costs one kernel; False, and where the kernel cannot
     # (folded scales, int8 x, K steps under 128), they are an XLA dot after the call
@@ -196,7 +197,7 @@ def _plgpu():
 
 
 def fuses_offsets(tuning: MosaicMatmulTuning) -> bool:
-    """Whether the kernel adds a "q4_k_split" or "q5_k_split" matrix's offsets itself (`fuse_offsets`; only the
+    """Whether the kernel adds the offsets of a matrix in `OFFSET_SPLITS` itself (`fuse_offsets`; only the
     unfolded decode kernel with bf16 x, and K steps of at least 128: a step's block sums of x,
     [tile_k / 32, 8] f32, must fill a 128-byte copy)."""
     return tuning.fuse_offsets and not tuning.fold_scales and not tuning.int8_x and tuning.tile_k >= 128
@@ -263,7 +264,7 @@ def stage_bytes(fmt: str, m: int, tile_k: int, rows: int = BLOCK_N, int8_x: bool
                 offsets: bool = False) -> int:
     """Shared memory of one pipeline step: x [M, tile_k] bf16, codes [rows, tile_k], scales. With
     `int8_x`, x's two int8 copies take the bytes of the bf16 one, and its two f32 factors per block
-    and row come on top; with `offsets` (q4_k_split), x's f32 block sums and the f16 offsets."""
+    and row come on top; with `offsets` (`OFFSET_SPLITS`), x's f32 block sums and the f16 offsets."""
     extra = 2 * padded_rows(m) * (tile_k // 32) * 4 if int8_x else 0
     if offsets:
         extra += (padded_rows(m) * 4 + rows * 2) * (tile_k // 32)
@@ -528,7 +529,7 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
             fold_scales: bool, rows_out: bool, m_tiles: int = 1, offsets: bool = False):
     """layer_gmem [1] int32; x_gmem [M_pad, K] bf16 (permuted for q4_0), of which this CTA takes
     the m rows of its tile (grid axis "mtile" when m_tiles > 1); c_gmem [L*N, K] codes (int4 or
-    int8); d_gmem [L*K/B, N] f16 scales (the transposed plane; B = BLOCK_K[fmt]); with `offsets` (q4_k_split,
+    int8); d_gmem [L*K/B, N] f16 scales (the transposed plane; B = BLOCK_K[fmt]); with `offsets` (`OFFSET_SPLITS`,
     unfolded scales, one tile of x), refs begin with xs_gmem [K/32, M_pad] f32, x's block sums,
     and f_gmem [L*K/32, N] f16, the offsets (the `c` plane); then o_gmem [split, M_pad, N] f32
     partial sums with o_smem [m, rows] (`rows_out`), else [split, N, M_pad] with [rows, m]. Each

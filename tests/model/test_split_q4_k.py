@@ -110,8 +110,9 @@ def test_split_q5_k_model_gives_the_same_logits_and_host_and_device_splits_agree
     cfg = ModelConfig.from_gguf_metadata(gf.metadata, frozenset(gf.tensors))
     on_device = load_params(gf, cfg, splits={"q5_k"})
     on_host = load_params(gf, cfg, place=_to_device, splits={"q5_k"})
-    for (path, x), (_, y) in zip(jax.tree_util.tree_leaves_with_path(on_device),
-                                 jax.tree_util.tree_leaves_with_path(on_host)):
+    a, b = jax.tree_util.tree_leaves_with_path(on_device), jax.tree_util.tree_leaves_with_path(on_host)
+    assert [path for path, _ in a] == [path for path, _ in b]
+    for (path, x), (_, y) in zip(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
     assert "q5_k_split" in formats(on_host)
 
