@@ -300,7 +300,8 @@ class EngineConfig:
     # offset), 11% more bytes, so that Q4_0's kernels serve them: on a Hopper GPU the Mosaic matmul (its decode
     # kernel adds the offsets itself), the Triton Q4_0 kernel where Mosaic refuses a shape.
     # "auto" splits where the Mosaic matmul serves them (one device, a Hopper GPU, the matmul not
-    # forced to another implementation: `model.loader.split_formats`): on the H200 a 7B Q4_K_M
+    # forced to another implementation: `model.loader.split_formats`) and the split weights fit
+    # the device's memory beside the KV cache (`model.loader.splits_that_fit`): on the H200 a 7B Q4_K_M
     # decode step took 4.2 ms split against 7.6 ms through the Triton Q4_K kernel (bench/results,
     # fourteenth session).
     split_q4_k: str = "auto"

@@ -10,6 +10,7 @@ import resource
 import time
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from model import sharding
@@ -18,9 +19,9 @@ from model.forward import Kernels
 from model.gguf_file import GGUFFile, GGUFLoadError
 from model.runner import ModelRunner
 from model.tokenizer import Tokenizer
-from model.weights import Params, load_params, params_nbytes
+from model.weights import SPLITS, Params, is_split, load_params, params_nbytes
 from model.kernels import choose_kernels
-from pallas_kernels import registry
+from pallas_kernels import quant, registry
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,68 @@ def split_formats(engine_cfg: EngineConfig, mosaic_available: bool | None = None
         mosaic_available = any(impl.name == "mosaic_gpu" and impl.is_available()
                                for impl in registry.implementations("matmul"))
     auto = auto and bool(mosaic_available)
-    settings = {"q4_k": engine_cfg.split_q4_k, "q5_k": engine_cfg.split_q5_k, "q6_k": engine_cfg.split_q6_k,
-                "q4_1": engine_cfg.split_legacy, "q5_0": engine_cfg.split_legacy, "q5_1": engine_cfg.split_legacy}
-    return frozenset(fmt for fmt, s in settings.items() if s == "on" or (s == "auto" and auto))
+    return frozenset(fmt for fmt, s in _split_settings(engine_cfg).items() if s == "on" or (s == "auto" and auto))
+
+
+def _split_settings(engine_cfg: EngineConfig) -> dict[str, str]:
+    legacy = engine_cfg.split_legacy
+    return {"q4_k": engine_cfg.split_q4_k, "q5_k": engine_cfg.split_q5_k, "q6_k": engine_cfg.split_q6_k,
+            "q4_1": legacy, "q5_0": legacy, "q5_1": legacy}
+
+
+# Of a device's memory, the share the weights (as placed) and the KV cache may take for the "auto"
+# splits to stay on: the rest is left to activations, the compiled programs and XLA's buffers.
+SPLIT_MEMORY_SHARE = 0.85
+
+
+def weight_bytes(gf: GGUFFile, splits: frozenset[str]) -> int:
+    """Device bytes of the model's weights as `load_params` places them with `splits` (norms and
+    other vectors as f32; the token embedding split only where it is also the output)."""
+    total = 0
+    for name, info in gf.tensors.items():
+        if len(info.shape) != 2:
+            total += int(np.prod(info.shape)) * 4
+            continue
+        fmt = quant.format_for(info.ggml_type)
+        n, k = (int(d) for d in info.shape)
+        untied_embed = name == "token_embd.weight" and "output.weight" in gf.tensors
+        if not untied_embed and is_split(fmt.name, n, splits):
+            fmt = quant.format_for(SPLITS[fmt.name][0])
+        dtypes = fmt.plane_dtypes()
+        total += sum(int(np.prod(s)) * dtypes[p].itemsize for p, s in fmt.plane_shapes(n, k).items())
+    return total
+
+
+def kv_cache_bytes(cfg: ModelConfig, engine_cfg: EngineConfig) -> int:
+    """The KV cache's bytes: keys and values of every layer, slot and position (the context
+    capped at the model's); 2 bytes per value for a dtype still "auto" (a GPU's bf16)."""
+    itemsize = 2 if engine_cfg.kv_dtype == "auto" else np.dtype(jax.numpy.dtype(engine_cfg.kv_dtype)).itemsize
+    context = min(engine_cfg.max_context, cfg.context_length or engine_cfg.max_context)
+    return 2 * cfg.num_layers * engine_cfg.num_slots * context * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def splits_that_fit(gf: GGUFFile, splits: frozenset[str], optional: frozenset[str], budget: int | None
+                    ) -> frozenset[str]:
+    """`splits` less those of `optional` (the "auto" ones) whose extra bytes would take the
+    weights past `budget` (None: no limit known), the costliest dropped first, each with a
+    warning; the splits asked for with "on" are kept whatever they cost."""
+    chosen = set(splits)
+    while budget is not None and weight_bytes(gf, frozenset(chosen)) > budget and chosen & optional:
+        cost = {f: weight_bytes(gf, frozenset(chosen)) - weight_bytes(gf, frozenset(chosen - {f}))
+                for f in chosen & optional}
+        worst = max(sorted(cost), key=cost.get)
+        chosen.remove(worst)
+        log.warning("not splitting %s matrices (auto): they would add %.2f GiB and the weights would not fit "
+                    "%.2f GiB of this device's memory beside the KV cache", worst, cost[worst] / 2**30, budget / 2**30)
+    return frozenset(chosen)
+
+
+def _split_budget(cfg: ModelConfig, engine_cfg: EngineConfig) -> int | None:
+    """The bytes the weights may take on the one device (`SPLIT_MEMORY_SHARE` of its memory less
+    the KV cache); None where the device reports no limit (the CPU)."""
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    limit = (stats or {}).get("bytes_limit")
+    return None if not limit else int(SPLIT_MEMORY_SHARE * limit) - kv_cache_bytes(cfg, engine_cfg)
 
 
 def load_model(path: str | os.PathLike[str], engine_cfg: EngineConfig) -> LoadedModel:
@@ -76,6 +136,9 @@ def load_model(path: str | os.PathLike[str], engine_cfg: EngineConfig) -> Loaded
         raise GGUFLoadError(f"{gf.path}: cannot build the tokenizer: {e}") from e
     forced, mesh = dict(engine_cfg.kernels), None
     splits = split_formats(engine_cfg)
+    if splits and engine_cfg.tensor_parallel == 1:  # "auto" splits only where the weights still fit
+        on = {fmt for fmt, s in _split_settings(engine_cfg).items() if s == "on"}
+        splits = splits_that_fit(gf, splits, splits - on, _split_budget(cfg, engine_cfg))
     if engine_cfg.tensor_parallel == 1:
         params = load_params(gf, cfg, splits=splits)
     else:

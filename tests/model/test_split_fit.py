@@ -1,0 +1,69 @@
+"""model/loader.py: the "auto" splits stay on only where the split weights fit the device's
+memory beside the KV cache (`splits_that_fit`), costliest dropped first; "on" is kept."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from model import loader
+from model.config import EngineConfig, ModelConfig
+from model.gguf_file import GGUFFile
+
+MAKE_GGUF = pathlib.Path(__file__).resolve().parents[2] / "bench" / "make_synthetic_gguf.py"
+ALL = frozenset({"q4_k", "q5_k", "q6_k"})
+
+
+@pytest.fixture(scope="module")
+def tiny_q5_k_m(tmp_path_factory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("fit") / "tiny-q5_k_m.gguf"
+    subprocess.run([sys.executable, str(MAKE_GGUF), "--shape", "tiny", "--quant", "q5_k_m", "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=60)
+    return out
+
+
+def test_weight_bytes_are_what_the_loader_places(tiny_q5_k_m):
+    gf = GGUFFile(tiny_q5_k_m)
+    for splits, setting in ((frozenset(), "off"), (frozenset({"q5_k", "q6_k"}), "on")):
+        model = loader.load_model(tiny_q5_k_m, EngineConfig(max_context=128, split_q5_k=setting, split_q6_k=setting))
+        assert model.splits == splits
+        assert loader.weight_bytes(gf, splits) == loader.params_nbytes(model.params)
+    # Q5_K's matrices (all but layer 1's attn_v and ffn_down, and the untied embedding, which is
+    # never split) grow from 180 bytes per 256 weights as repacked (6-bit scales and mins a byte
+    # each) to 36 per 32
+    q5_k = sum(int(np.prod(i.shape)) for name, i in gf.tensors.items()
+               if i.ggml_type.name == "Q5_K" and name != "token_embd.weight")
+    grown = loader.weight_bytes(gf, frozenset({"q5_k"})) - loader.weight_bytes(gf, frozenset())
+    assert grown == q5_k * (36 / 32 - 180 / 256)
+
+
+def test_auto_splits_are_dropped_costliest_first_until_the_weights_fit(tiny_q5_k_m, caplog):
+    gf = GGUFFile(tiny_q5_k_m)
+    size = {s: loader.weight_bytes(gf, frozenset(s)) for s in (ALL, ())}
+    assert loader.splits_that_fit(gf, ALL, ALL, None) == ALL  # no limit known (the CPU)
+    assert loader.splits_that_fit(gf, ALL, ALL, size[ALL]) == ALL
+    # a byte short: Q5_K's split adds the most (64%, against Q6_K's 37%), so it goes first
+    assert loader.splits_that_fit(gf, ALL, ALL, size[ALL] - 1) == ALL - {"q5_k"}
+    assert "not splitting q5_k matrices (auto)" in caplog.text
+    # (this file has no Q4_K matrix: that split costs nothing and stays)
+    assert loader.splits_that_fit(gf, ALL, ALL, size[()]) == {"q4_k"}
+    # a split asked for with "on" stays, whatever it costs
+    assert loader.splits_that_fit(gf, ALL, ALL - {"q5_k"}, size[()]) == {"q5_k"}
+
+
+def test_kv_cache_bytes():
+    gf_cfg = dict(num_layers=2, num_kv_heads=3, head_dim=64, context_length=100)
+    cfg = ModelConfig.__new__(ModelConfig)
+    for k, v in gf_cfg.items():
+        object.__setattr__(cfg, k, v)
+    # keys and values, 2 layers, 8 slots, the context capped at the model's 100, 3 x 64 per position
+    want = 2 * 2 * 8 * 100 * 3 * 64
+    assert loader.kv_cache_bytes(cfg, EngineConfig(num_slots=8, max_context=128, kv_dtype="bfloat16")) == 2 * want
+    assert loader.kv_cache_bytes(cfg, EngineConfig(num_slots=8, max_context=128, kv_dtype="auto")) == 2 * want
+    assert loader.kv_cache_bytes(cfg, EngineConfig(num_slots=8, max_context=128, kv_dtype="float32")) == 4 * want
+    assert loader.kv_cache_bytes(cfg, EngineConfig(num_slots=8, max_context=64, kv_dtype="float8_e4m3fn")) == (
+        2 * 2 * 8 * 64 * 3 * 64)
