@@ -146,28 +146,16 @@ def copy_bandwidth_gb_s(num_bytes: int, repeats: int = 10) -> float:
 
 def weight_bytes_per_decode(model_path: str | os.PathLike[str], splits: Collection[str] = ()) -> int:
     """Device bytes of the weights one decode step reads: every layer, the output matrix and
-    the norms, as the loader repacks them (the formats in `splits` split, model.weights.SPLITS); the token
-    embedding only when it is also the output (otherwise a decode gathers B rows of it).
-    KV-cache reads are not included."""
-    from model import weights
+    the norms, as the loader places them (`model.loader.tensor_bytes`, the formats in `splits`
+    split); the token embedding only when it is also the output (otherwise a decode gathers B
+    rows of it). KV-cache reads are not included."""
     from model.gguf_file import GGUFFile
-    from pallas_kernels import quant
+    from model.loader import tensor_bytes
 
     gf = GGUFFile(model_path)
-    total = 0
-    for name, info in gf.tensors.items():
-        if name == "token_embd.weight" and "output.weight" in gf.tensors:
-            continue
-        if len(info.shape) == 2:
-            fmt = quant.format_for(info.ggml_type)
-            n, k = info.shape
-            if weights.is_split(fmt.name, n, frozenset(splits)):
-                fmt = quant.format_for(weights.SPLITS[fmt.name][0])
-            dtypes = fmt.plane_dtypes()
-            total += sum(int(np.prod(s)) * dtypes[p].itemsize for p, s in fmt.plane_shapes(n, k).items())
-        else:
-            total += int(np.prod(info.shape)) * 4  # vectors become f32
-    return total
+    untied = "output.weight" in gf.tensors
+    return sum(tensor_bytes(gf, name, frozenset(splits)) for name in gf.tensors
+               if not (untied and name == "token_embd.weight"))
 
 
 # ---------------------------------------------------------------------------------------------

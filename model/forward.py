@@ -64,8 +64,13 @@ class KVCache:
     v: jax.Array  # [L, B, S, K, D]
 
     @staticmethod
+    def shape(cfg: ModelConfig, num_slots: int, max_context: int) -> tuple[int, ...]:
+        """The shape of the keys, and of the values."""
+        return (cfg.num_layers, num_slots, max_context, cfg.num_kv_heads, cfg.head_dim)
+
+    @staticmethod
     def create(cfg: ModelConfig, num_slots: int, max_context: int, dtype: jnp.dtype) -> "KVCache":
-        shape = (cfg.num_layers, num_slots, max_context, cfg.num_kv_heads, cfg.head_dim)
+        shape = KVCache.shape(cfg, num_slots, max_context)
         return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
     @property

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from model import sharding
 from model.config import EngineConfig, ModelConfig
-from model.forward import Kernels
+from model.forward import Kernels, KVCache
 from model.gguf_file import GGUFFile, GGUFLoadError
 from model.runner import ModelRunner
 from model.tokenizer import Tokenizer
@@ -76,45 +76,53 @@ def _split_settings(engine_cfg: EngineConfig) -> dict[str, str]:
 SPLIT_MEMORY_SHARE = 0.85
 
 
+def tensor_bytes(gf: GGUFFile, name: str, splits: frozenset[str]) -> int:
+    """Device bytes of tensor `name` as `load_params` places it with `splits` (a vector as f32;
+    the token embedding split only where it is also the output)."""
+    info = gf.tensors[name]
+    if len(info.shape) != 2:
+        return int(np.prod(info.shape)) * 4
+    fmt = quant.format_for(info.ggml_type)
+    n, k = (int(d) for d in info.shape)
+    untied_embed = name == "token_embd.weight" and "output.weight" in gf.tensors
+    if not untied_embed and is_split(fmt.name, n, splits):
+        fmt = quant.format_for(SPLITS[fmt.name][0])
+    dtypes = fmt.plane_dtypes()
+    return sum(int(np.prod(s)) * dtypes[p].itemsize for p, s in fmt.plane_shapes(n, k).items())
+
+
 def weight_bytes(gf: GGUFFile, splits: frozenset[str]) -> int:
-    """Device bytes of the model's weights as `load_params` places them with `splits` (norms and
-    other vectors as f32; the token embedding split only where it is also the output)."""
-    total = 0
-    for name, info in gf.tensors.items():
-        if len(info.shape) != 2:
-            total += int(np.prod(info.shape)) * 4
-            continue
-        fmt = quant.format_for(info.ggml_type)
-        n, k = (int(d) for d in info.shape)
-        untied_embed = name == "token_embd.weight" and "output.weight" in gf.tensors
-        if not untied_embed and is_split(fmt.name, n, splits):
-            fmt = quant.format_for(SPLITS[fmt.name][0])
-        dtypes = fmt.plane_dtypes()
-        total += sum(int(np.prod(s)) * dtypes[p].itemsize for p, s in fmt.plane_shapes(n, k).items())
-    return total
+    """Device bytes of the model's weights as `load_params` places them with `splits`."""
+    return sum(tensor_bytes(gf, name, splits) for name in gf.tensors)
 
 
 def kv_cache_bytes(cfg: ModelConfig, engine_cfg: EngineConfig) -> int:
-    """The KV cache's bytes: keys and values of every layer, slot and position (the context
-    capped at the model's); 2 bytes per value for a dtype still "auto" (a GPU's bf16)."""
+    """The KV cache's bytes (keys and values, the context capped at the model's); 2 bytes per
+    value for a dtype still "auto" (a GPU's bf16)."""
     itemsize = 2 if engine_cfg.kv_dtype == "auto" else np.dtype(jax.numpy.dtype(engine_cfg.kv_dtype)).itemsize
     context = min(engine_cfg.max_context, cfg.context_length or engine_cfg.max_context)
-    return 2 * cfg.num_layers * engine_cfg.num_slots * context * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return 2 * int(np.prod(KVCache.shape(cfg, engine_cfg.num_slots, context))) * itemsize
 
 
 def splits_that_fit(gf: GGUFFile, splits: frozenset[str], optional: frozenset[str], budget: int | None
                     ) -> frozenset[str]:
     """`splits` less those of `optional` (the "auto" ones) whose extra bytes would take the
     weights past `budget` (None: no limit known), the costliest dropped first, each with a
-    warning; the splits asked for with "on" are kept whatever they cost."""
+    warning; the splits asked for with "on" are kept whatever they cost. A matrix has one
+    format, so each split's extra bytes add up independently."""
     chosen = set(splits)
-    while budget is not None and weight_bytes(gf, frozenset(chosen)) > budget and chosen & optional:
-        cost = {f: weight_bytes(gf, frozenset(chosen)) - weight_bytes(gf, frozenset(chosen - {f}))
-                for f in chosen & optional}
-        worst = max(sorted(cost), key=cost.get)
-        chosen.remove(worst)
+    if budget is None:
+        return frozenset(chosen)
+    total = weight_bytes(gf, frozenset(chosen))
+    base = weight_bytes(gf, frozenset())
+    extra = {f: weight_bytes(gf, frozenset({f})) - base for f in chosen & optional}
+    for fmt in sorted(extra, key=lambda f: (-extra[f], f)):
+        if total <= budget:
+            break
+        chosen.remove(fmt)
+        total -= extra[fmt]
         log.warning("not splitting %s matrices (auto): they would add %.2f GiB and the weights would not fit "
-                    "%.2f GiB of this device's memory beside the KV cache", worst, cost[worst] / 2**30, budget / 2**30)
+                    "%.2f GiB of this device's memory beside the KV cache", fmt, extra[fmt] / 2**30, budget / 2**30)
     return frozenset(chosen)
 
 

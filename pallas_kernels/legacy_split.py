@@ -17,29 +17,24 @@ Bytes per weight: Q4_1's split 0.625, as Q4_1; Q5_0 as Q8_0 1.0625 against 0.687
 
 Formats "q4_1_split" and "q5_1_split" (`quant.DERIVED_FORMATS`: planes `qs`, `d`, `c` as
 q4_k_split's and q5_k_split's); Q5_0 becomes plain "q8_0". Made with `EngineConfig.split_legacy`
-(`--split-legacy`, off by default until a GPU run has measured it); the kernels treat them as the K-quant splits of the same form
-(`matmul_mgpu.OFFSET_SPLITS`, `q4_k_split.matmul_via_q4_0`, `q5_k_split.matmul_via_q8_0`).
+(`--split-legacy`, off by default until a GPU run has measured it); the kernels treat them as the
+K-quant splits of the same form (`q4_k_split.OFFSET_FORMS`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from pallas_kernels.q4_k_split import transposed
 from pallas_kernels.quant import QuantizedTensor, array_module
 
 BLOCK = 32
 
 
-def _transposed(xp, a):
-    """[.., N, K/32] -> [.., K/32, N] (contiguous on the host)."""
-    a = xp.swapaxes(a, -1, -2)
-    return np.ascontiguousarray(a) if xp is np else a
-
-
 def _offsets(xp, w: QuantizedTensor, code_offset: int):
     """c = f16(m + code_offset d), [.., K/32, N]."""
     d, m = (xp.asarray(w.planes[p]).astype(np.float32) for p in ("d", "m"))
-    return _transposed(xp, (m + code_offset * d).astype(np.float16))
+    return transposed(xp, (m + code_offset * d).astype(np.float16))
 
 
 def _five_bit_codes(xp, w: QuantizedTensor):
@@ -59,7 +54,7 @@ def _five_bit_codes(xp, w: QuantizedTensor):
 
 
 def _scales(xp, w: QuantizedTensor):
-    return _transposed(xp, xp.asarray(w.planes["d"]))
+    return transposed(xp, xp.asarray(w.planes["d"]))
 
 
 def q5_0_as_q8_0(w: QuantizedTensor) -> QuantizedTensor:

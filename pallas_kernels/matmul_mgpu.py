@@ -83,7 +83,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import q4_k_split, q5_k_split, registry
+from pallas_kernels import q4_k_split, registry
+from pallas_kernels.q4_k_split import OFFSET_FORMS
 from pallas_kernels.quant import QuantizedTensor, check_layer
 
 SUPPORTED_FORMATS = ("q4_0", "q8_0", "q6_k_split")
@@ -95,11 +96,6 @@ MAX_ROWS = 64  # rows of x in one tile of the decode kernel (unfolded scales: an
 # Beyond MAX_ROWS (prefill), the folded-scale kernel runs x in tiles of `m_tile` rows (a grid axis;
 # one [64, m_tile] accumulator, carried across K steps); the unfolded one refuses.
 BLOCK_N = 64  # weight rows per warpgroup: the wgmma M
-# Split formats with an offset per block and row (the `c` plane): the format whose kernel runs
-# their codes and scales (a view of their planes), and the matmul that adds the offsets after
-# another kernel's call where this one does not (`fuses_offsets`)
-OFFSET_SPLITS = {fmt: (q4_k_split.as_q4_0, q4_k_split.matmul_via_q4_0) for fmt in ("q4_k_split", "q4_1_split")}
-OFFSET_SPLITS.update({fmt: (q5_k_split.as_q8_0, q5_k_split.matmul_via_q8_0) for fmt in ("q5_k_split", "q5_1_split")})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +145,7 @@ class MosaicMatmulTuning:
     # a multiple of 8 up to 256 (fewer rows of x run as one tile of their own size).
     m_tile: int = 256
     # "q4_k_split" (Q4_K split at load, pallas_kernels/q4_k_split.py) and the other formats with
-    # offsets (`OFFSET_SPLITS`): the decode kernel adds each
+    # offsets (`OFFSET_FORMS`): the decode kernel adds each
     # block's offsets (its row of the `c` plane times x's sums over the block) to the block's
     # scaled result, so a split matrix costs one kernel; False, and where the kernel cannot
     # (folded scales, int8 x, K steps under 128), they are an XLA dot after the call
@@ -197,20 +193,20 @@ def _plgpu():
 
 
 def fuses_offsets(tuning: MosaicMatmulTuning) -> bool:
-    """Whether the kernel adds the offsets of a matrix in `OFFSET_SPLITS` itself (`fuse_offsets`; only the
+    """Whether the kernel adds the offsets of a matrix in `OFFSET_FORMS` itself (`fuse_offsets`; only the
     unfolded decode kernel with bf16 x, and K steps of at least 128: a step's block sums of x,
     [tile_k / 32, 8] f32, must fill a 128-byte copy)."""
     return tuning.fuse_offsets and not tuning.fold_scales and not tuning.int8_x and tuning.tile_k >= 128
 
 
 def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatmulTuning) -> None:
-    offsets = w.fmt in OFFSET_SPLITS
+    offsets = w.fmt in OFFSET_FORMS
     if offsets and not fuses_offsets(tuning):
         raise NotImplementedError(f"mosaic_gpu matmul adds {w.fmt} offsets in the unfolded decode kernel only")
     if offsets:
-        w = OFFSET_SPLITS[w.fmt][0](w)
+        w = q4_k_split.codes_and_scales(w)
     if w.fmt not in SUPPORTED_FORMATS:
-        raise NotImplementedError(f"mosaic_gpu matmul takes {', '.join((*SUPPORTED_FORMATS, *OFFSET_SPLITS))}; "
+        raise NotImplementedError(f"mosaic_gpu matmul takes {', '.join((*SUPPORTED_FORMATS, *OFFSET_FORMS))}; "
                                   f"not {w.fmt}")
     check_layer(w, layer)
     n, k = w.shape
@@ -264,7 +260,7 @@ def stage_bytes(fmt: str, m: int, tile_k: int, rows: int = BLOCK_N, int8_x: bool
                 offsets: bool = False) -> int:
     """Shared memory of one pipeline step: x [M, tile_k] bf16, codes [rows, tile_k], scales. With
     `int8_x`, x's two int8 copies take the bytes of the bf16 one, and its two f32 factors per block
-    and row come on top; with `offsets` (`OFFSET_SPLITS`), x's f32 block sums and the f16 offsets."""
+    and row come on top; with `offsets` (`OFFSET_FORMS`), x's f32 block sums and the f16 offsets."""
     extra = 2 * padded_rows(m) * (tile_k // 32) * 4 if int8_x else 0
     if offsets:
         extra += (padded_rows(m) * 4 + rows * 2) * (tile_k // 32)
@@ -529,7 +525,7 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
             fold_scales: bool, rows_out: bool, m_tiles: int = 1, offsets: bool = False):
     """layer_gmem [1] int32; x_gmem [M_pad, K] bf16 (permuted for q4_0), of which this CTA takes
     the m rows of its tile (grid axis "mtile" when m_tiles > 1); c_gmem [L*N, K] codes (int4 or
-    int8); d_gmem [L*K/B, N] f16 scales (the transposed plane; B = BLOCK_K[fmt]); with `offsets` (`OFFSET_SPLITS`,
+    int8); d_gmem [L*K/B, N] f16 scales (the transposed plane; B = BLOCK_K[fmt]); with `offsets` (`OFFSET_FORMS`,
     unfolded scales, one tile of x), refs begin with xs_gmem [K/32, M_pad] f32, x's block sums,
     and f_gmem [L*K/32, N] f16, the offsets (the `c` plane); then o_gmem [split, M_pad, N] f32
     partial sums with o_smem [m, rows] (`rows_out`), else [split, N, M_pad] with [rows, m]. Each
@@ -704,8 +700,8 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
     plgpu = _plgpu()
     n, k = w.shape
     m = x2.shape[0]
-    offsets = w.fmt in OFFSET_SPLITS  # the kernel adds the offsets (`fuses_offsets`): Q4_0's or Q8_0's otherwise
-    q = OFFSET_SPLITS[w.fmt][0](w) if offsets else w
+    offsets = w.fmt in OFFSET_FORMS  # the kernel adds the offsets (`fuses_offsets`): Q4_0's or Q8_0's otherwise
+    q = q4_k_split.codes_and_scales(w) if offsets else w
     m_tile = tile_rows(m, tuning)
     m_tiles = -(-m // m_tile)
     m_pad = m_tile * m_tiles
@@ -765,16 +761,16 @@ def qmatmul_mgpu(
     pallas_kernels/q4_k_split.py) runs as Q4_0 with its offsets added in the decode kernel
     (`fuse_offsets`), else as its Q4_0 part plus an XLA dot for them; "q5_k_split"
     (pallas_kernels/q5_k_split.py) likewise as Q8_0, and Q4_1 and Q5_1 split into those forms
-    (pallas_kernels/legacy_split.py) as they are (`OFFSET_SPLITS`). Raises NotImplementedError for
-    what it does not take (formats other than q4_0, q8_0, q6_k_split and those of `OFFSET_SPLITS`,
+    (pallas_kernels/legacy_split.py) as they are (`OFFSET_FORMS`). Raises NotImplementedError for
+    what it does not take (formats other than q4_0, q8_0, q6_k_split and those of `OFFSET_FORMS`,
     x not bf16, more than 64 rows of x with unfolded scales, N not a multiple of 64, K not a
     multiple of the tuning's K step, too many rows for shared memory, interpret mode)."""
     if interpret:
         raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
     tuning = tuning or default_tuning(math.prod(x.shape[:-1]))
-    if w.fmt in OFFSET_SPLITS and not fuses_offsets(tuning):  # Q4_0's or Q8_0's kernel, plus the offsets' XLA dot
-        return OFFSET_SPLITS[w.fmt][1](qmatmul_mgpu, x, w, layer, tuning=tuning,
-                                       offset_precision=q4_k_split.KERNEL_OFFSET_PRECISION)
+    if w.fmt in OFFSET_FORMS and not fuses_offsets(tuning):  # Q4_0's or Q8_0's kernel, plus the offsets' XLA dot
+        return q4_k_split.matmul_via(qmatmul_mgpu, x, w, layer, tuning=tuning,
+                                     offset_precision=q4_k_split.KERNEL_OFFSET_PRECISION)
     _check_supported(x, w, layer, tuning)
     n, k = w.shape
     lead = x.shape[:-1]

@@ -51,7 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import q4_k_split, q5_k_split, registry
+from pallas_kernels import q4_k_split, registry
 from pallas_kernels.quant import QuantizedTensor, check_layer, row_major_planes
 
 # jax 0.10.2 and 0.11.x name it CompilerParams; older releases TritonCompilerParams. Looked up by
@@ -520,11 +520,9 @@ def qmatmul_triton(
     and shapes it does not take (float weights, q2_k/q3_k, N not a multiple of 16). A stacked w
     is read in place at `layer` (no copy of the matrix is made). "q4_k_split" (Q4_K split at
     load, pallas_kernels/q4_k_split.py) runs as its Q4_0 part plus an XLA dot for its offsets,
-    "q5_k_split" (pallas_kernels/q5_k_split.py) as its Q8_0 part plus that dot."""
-    if w.fmt in ("q4_k_split", "q4_1_split"):  # and Q4_1 in that form (pallas_kernels/legacy_split.py)
-        return q4_k_split.matmul_via_q4_0(qmatmul_triton, x, w, layer, tuning=tuning, interpret=interpret)
-    if w.fmt in ("q5_k_split", "q5_1_split"):
-        return q5_k_split.matmul_via_q8_0(qmatmul_triton, x, w, layer, tuning=tuning, interpret=interpret)
+    and the other formats of `q4_k_split.OFFSET_FORMS` likewise on their block format's kernel."""
+    if w.fmt in q4_k_split.OFFSET_FORMS:
+        return q4_k_split.matmul_via(qmatmul_triton, x, w, layer, tuning=tuning, interpret=interpret)
     _check_supported(w, layer)
     n, k = w.shape
     if x.shape[-1] != k:

@@ -29,7 +29,7 @@ so the forward pass is unchanged: the reference dequantizes it (d (q - 8) + c); 
 matmul's decode kernel adds the offsets itself (its `fuse_offsets`: on the H200 a 7B Q4_K_M
 decode step took 4.22 ms, against 4.65 ms with them as XLA dots after it, bench/results,
 fourteenth session); its prefill kernel and the Triton matmul serve the format through
-`matmul_via_q4_0`: their Q4_0 kernel on `as_q4_0`, plus `offset_term` (at tf32 beside the
+`matmul_via`: their Q4_0 kernel on `codes_and_scales`, plus `offset_term` (at tf32 beside the
 Mosaic GPU kernel, `KERNEL_OFFSET_PRECISION`; f32 beside Triton's). (Triton takes the
 shapes and GPUs Mosaic refuses: a row-parallel shard with K = 5504, a GPU before Hopper).
 `bench/kernels.py` times it on the GPU as impl "mosaic_gpu:q4_k_split".
@@ -76,16 +76,26 @@ def block_scales_and_offsets(xp, planes, code_offset: int):
     scales = per_block(planes["d"], planes["sc"]).astype(np.float16)  # s_b
     offsets = (code_offset * scales.astype(np.float32) - per_block(planes["dmin"], planes["m"])).astype(np.float16)
 
-    def transposed(a):  # [.., N, K/32] -> [.., K/32, N], contiguous
-        a = xp.swapaxes(a, -1, -2)
-        return np.ascontiguousarray(a) if xp is np else a
-
-    return transposed(scales), transposed(offsets)
+    return transposed(xp, scales), transposed(xp, offsets)
 
 
-def as_q4_0(w: QuantizedTensor) -> QuantizedTensor:
-    """The Q4_0 part of a "q4_k_split" tensor (its codes and scales: views, stacked as `w` is)."""
-    return QuantizedTensor({"qs": w.planes["qs"], "d": w.planes["d"]}, "q4_0", w.shape)
+def transposed(xp, a):
+    """[.., N, K/32] -> [.., K/32, N]: a per-block plane in the kernels' transposed layout
+    (contiguous on the host)."""
+    a = xp.swapaxes(a, -1, -2)
+    return np.ascontiguousarray(a) if xp is np else a
+
+
+# The formats made at load as a GGML block format's codes and scales plus an offset plane `c`
+# (this module's form, pallas_kernels/q5_k_split.py's and pallas_kernels/legacy_split.py's) ->
+# that block format, whose kernels serve them (`codes_and_scales`, `matmul_via`).
+OFFSET_FORMS = {"q4_k_split": "q4_0", "q4_1_split": "q4_0", "q5_k_split": "q8_0", "q5_1_split": "q8_0"}
+
+
+def codes_and_scales(w: QuantizedTensor) -> QuantizedTensor:
+    """The block-format part of a tensor in an `OFFSET_FORMS` format (its codes and scales:
+    views, stacked as `w` is)."""
+    return QuantizedTensor({"qs": w.planes["qs"], "d": w.planes["d"]}, OFFSET_FORMS[w.fmt], w.shape)
 
 
 def block_sums(x: jax.Array) -> jax.Array:
@@ -116,8 +126,10 @@ def offset_term(x: jax.Array, w: QuantizedTensor, layer: jax.Array | int | None 
 KERNEL_OFFSET_PRECISION = jax.lax.Precision.HIGH
 
 
-def matmul_via_q4_0(q4_0_matmul, x: jax.Array, w: QuantizedTensor, layer: jax.Array | int | None = None,
-                    offset_precision: jax.lax.Precision = jax.lax.Precision.HIGHEST, **kwargs) -> jax.Array:
-    """x @ w.T for a "q4_k_split" w: `q4_0_matmul(x, as_q4_0(w), layer=layer, **kwargs)` (an
-    implementation of op "matmul" that takes Q4_0) plus `offset_term` at `offset_precision`."""
-    return q4_0_matmul(x, as_q4_0(w), layer=layer, **kwargs) + offset_term(x, w, layer, offset_precision)
+def matmul_via(base_matmul, x: jax.Array, w: QuantizedTensor, layer: jax.Array | int | None = None,
+               offset_precision: jax.lax.Precision = jax.lax.Precision.HIGHEST, **kwargs) -> jax.Array:
+    """x @ w.T for w in an `OFFSET_FORMS` format: `base_matmul(x, codes_and_scales(w),
+    layer=layer, **kwargs)` (an implementation of op "matmul" that takes the block format) plus
+    `offset_term` at `offset_precision`."""
+    return base_matmul(x, codes_and_scales(w), layer=layer, **kwargs) + offset_term(x, w, layer, offset_precision)
+

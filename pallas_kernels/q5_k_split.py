@@ -22,13 +22,12 @@ the Triton Q5_K kernel reads the packed bits.
 Format "q5_k_split" (`quant.DERIVED_FORMATS`: planes `qs` [N, K] int8 and `d` as Q8_0's, `c`
 [K/32, N] f16), made at load with `EngineConfig.split_q5_k` (`--split-q5-k`). The reference
 dequantizes it (d q + c); the Mosaic GPU decode kernel adds the offsets itself (`fuse_offsets`),
-its prefill kernel and the Triton matmul serve it through `matmul_via_q8_0`: their Q8_0 kernel on
-`as_q8_0` plus `q4_k_split.offset_term`.
+its prefill kernel and the Triton matmul serve it through `q4_k_split.matmul_via`: their Q8_0
+kernel on its codes and scales plus the offsets' dot (`q4_k_split.OFFSET_FORMS`).
 """
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 
 from pallas_kernels import q4_k_split
@@ -63,15 +62,3 @@ def split_q5_k(w: QuantizedTensor) -> QuantizedTensor:
     scales, offsets = q4_k_split.block_scales_and_offsets(xp, p, CODE_OFFSET)
     return QuantizedTensor({"qs": codes, "d": scales, "c": offsets}, "q5_k_split", (n, k))
 
-
-def as_q8_0(w: QuantizedTensor) -> QuantizedTensor:
-    """The Q8_0 part of a "q5_k_split" tensor (its codes and scales: views, stacked as `w` is)."""
-    return QuantizedTensor({"qs": w.planes["qs"], "d": w.planes["d"]}, "q8_0", w.shape)
-
-
-def matmul_via_q8_0(q8_0_matmul, x: jax.Array, w: QuantizedTensor, layer: jax.Array | int | None = None,
-                    offset_precision: jax.lax.Precision = jax.lax.Precision.HIGHEST, **kwargs) -> jax.Array:
-    """x @ w.T for a "q5_k_split" w: `q8_0_matmul(x, as_q8_0(w), layer=layer, **kwargs)` (an
-    implementation of op "matmul" that takes Q8_0) plus `q4_k_split.offset_term` at
-    `offset_precision`."""
-    return q8_0_matmul(x, as_q8_0(w), layer=layer, **kwargs) + q4_k_split.offset_term(x, w, layer, offset_precision)

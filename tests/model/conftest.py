@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pathlib
+import subprocess
+import sys
+
 import pytest
 
 from model.config import EngineConfig
@@ -14,6 +18,28 @@ SMOL_ENGINE = EngineConfig(num_slots=8, max_context=4096, context_buckets=(1024,
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path):
     return load_model(smollm2_path, SMOL_ENGINE)
+
+
+MAKE_GGUF = pathlib.Path(__file__).resolve().parents[2] / "bench" / "make_synthetic_gguf.py"
+
+
+@pytest.fixture(scope="session")
+def synthetic_gguf(tmp_path_factory):
+    """synthetic_gguf(shape, quant, layers=None) -> the path of bench/make_synthetic_gguf.py's
+    file (run as a script: nothing imports bench/), each written once per test run."""
+    files: dict[tuple, pathlib.Path] = {}
+
+    def write(shape: str, quant: str, layers: int | None = None) -> pathlib.Path:
+        key = (shape, quant, layers)
+        if key not in files:
+            out = tmp_path_factory.mktemp("synthetic") / f"{shape}-{quant}-{layers or 'all'}.gguf"
+            cmd = [sys.executable, str(MAKE_GGUF), "--shape", shape, "--quant", quant, "--out", str(out)]
+            subprocess.run(cmd + (["--layers", str(layers)] if layers else []), check=True, capture_output=True,
+                           text=True, timeout=300)
+            files[key] = out
+        return files[key]
+
+    return write
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
-import subprocess
-import sys
 import unittest.mock
 
 import jax
@@ -21,8 +19,6 @@ from model.config import EngineConfig
 from model.loader import load_model
 from model.offline import teacher_forced_logits
 from model.weights import LayerGroup, layer_runs
-
-MAKE_GGUF = pathlib.Path(__file__).resolve().parents[2] / "bench" / "make_synthetic_gguf.py"
 
 
 def q4_k_m_signatures(n: int) -> list[str]:
@@ -56,11 +52,8 @@ def test_layer_runs():
 
 
 @pytest.fixture(scope="module")
-def deep_q4_k_m(tmp_path_factory) -> pathlib.Path:
-    out = tmp_path_factory.mktemp("deep-q4km") / "tiny-12-q4_k_m.gguf"
-    subprocess.run([sys.executable, str(MAKE_GGUF), "--shape", "tiny", "--quant", "q4_k_m", "--layers", "12",
-                    "--out", str(out)], check=True, capture_output=True, timeout=300)
-    return out
+def deep_q4_k_m(synthetic_gguf) -> pathlib.Path:
+    return synthetic_gguf("tiny", "q4_k_m", layers=12)
 
 
 def test_grouped_layers_give_the_logits_of_single_layers(deep_q4_k_m):

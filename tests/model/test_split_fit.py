@@ -4,8 +4,6 @@ memory beside the KV cache (`splits_that_fit`), costliest dropped first; "on" is
 from __future__ import annotations
 
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,16 +12,12 @@ from model import loader
 from model.config import EngineConfig, ModelConfig
 from model.gguf_file import GGUFFile
 
-MAKE_GGUF = pathlib.Path(__file__).resolve().parents[2] / "bench" / "make_synthetic_gguf.py"
 ALL = frozenset({"q4_k", "q5_k", "q6_k"})
 
 
 @pytest.fixture(scope="module")
-def tiny_q5_k_m(tmp_path_factory) -> pathlib.Path:
-    out = tmp_path_factory.mktemp("fit") / "tiny-q5_k_m.gguf"
-    subprocess.run([sys.executable, str(MAKE_GGUF), "--shape", "tiny", "--quant", "q5_k_m", "--out", str(out)],
-                   check=True, capture_output=True, text=True, timeout=60)
-    return out
+def tiny_q5_k_m(synthetic_gguf) -> pathlib.Path:
+    return synthetic_gguf("tiny-tp", "q5_k_m")
 
 
 def test_weight_bytes_are_what_the_loader_places(tiny_q5_k_m):

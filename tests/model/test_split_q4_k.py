@@ -5,8 +5,6 @@ to the f16 rounding of the block scales."""
 from __future__ import annotations
 
 import pathlib
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -17,15 +15,10 @@ from model.loader import load_model
 from model.offline import teacher_forced_logits
 from pallas_kernels.quant import QuantizedTensor
 
-MAKE_GGUF = pathlib.Path(__file__).resolve().parents[2] / "bench" / "make_synthetic_gguf.py"
-
 
 @pytest.fixture(scope="module")
-def tiny_q4_k_m(tmp_path_factory) -> pathlib.Path:
-    out = tmp_path_factory.mktemp("tiny-q4km") / "tiny-tp-q4_k_m.gguf"
-    subprocess.run([sys.executable, str(MAKE_GGUF), "--shape", "tiny-tp", "--quant", "q4_k_m", "--out", str(out)],
-                   check=True, capture_output=True, text=True, timeout=60)
-    return out
+def tiny_q4_k_m(synthetic_gguf) -> pathlib.Path:
+    return synthetic_gguf("tiny-tp", "q4_k_m")
 
 
 def formats(params) -> set[str]:
@@ -77,11 +70,8 @@ def test_host_and_device_splits_agree(tiny_q4_k_m):
 
 
 @pytest.fixture(scope="module")
-def tiny_q5_k_m(tmp_path_factory) -> pathlib.Path:
-    out = tmp_path_factory.mktemp("tiny-q5km") / "tiny-tp-q5_k_m.gguf"
-    subprocess.run([sys.executable, str(MAKE_GGUF), "--shape", "tiny-tp", "--quant", "q5_k_m", "--out", str(out)],
-                   check=True, capture_output=True, text=True, timeout=60)
-    return out
+def tiny_q5_k_m(synthetic_gguf) -> pathlib.Path:
+    return synthetic_gguf("tiny-tp", "q5_k_m")
 
 
 def test_split_q5_k_model_gives_the_same_logits_and_host_and_device_splits_agree(tiny_q5_k_m):

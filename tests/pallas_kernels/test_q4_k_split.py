@@ -70,12 +70,12 @@ def test_split_moves_each_weight_by_at_most_the_f16_rounding_of_its_scale_and_of
 
 @pytest.mark.parametrize("m", [1, 8, 20])
 def test_q4_0_part_plus_offsets_is_the_q4_k_matmul(m):
-    # what the Mosaic GPU matmul runs for the split: Q4_0's matmul on `as_q4_0`, plus `offset_term`
+    # what the Mosaic GPU matmul runs for the split: Q4_0's matmul on `codes_and_scales`, plus `offset_term`
     w = random_q4_k(2, 128, 512)
     split = jax.device_put(q4_k_split.split_q4_k(w))
     x = jax.random.normal(jax.random.key(m), (m, 512), jnp.float32)
     want = np.asarray(qmatmul_reference(x, w), np.float64)
-    composed = jax.jit(lambda x, s: q4_k_split.matmul_via_q4_0(qmatmul_reference, x, s))
+    composed = jax.jit(lambda x, s: q4_k_split.matmul_via(qmatmul_reference, x, s))
     for got in (composed(x, split), qmatmul_reference(x, split)):
         got = np.asarray(got, np.float64)
         assert np.isfinite(got).all() and np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-4
@@ -90,7 +90,7 @@ def test_stacked_split_and_a_layer_of_it():
         one = q4_k_split.split_q4_k(w)
         for name in one.planes:
             np.testing.assert_array_equal(split.planes[name][layer], one.planes[name])
-        got = q4_k_split.matmul_via_q4_0(qmatmul_reference, x, split, layer)
+        got = q4_k_split.matmul_via(qmatmul_reference, x, split, layer)
         want = np.asarray(qmatmul_reference(x, one))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 

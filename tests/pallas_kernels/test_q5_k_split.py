@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import q5_k_split, quant
+from pallas_kernels import q4_k_split, q5_k_split, quant
 from pallas_kernels.matmul import qmatmul_reference
 from pallas_kernels.quant import QuantizedTensor, dequantize_reference
 
@@ -78,13 +78,13 @@ def test_device_split_equals_the_host_split_and_keeps_the_stack():
 
 @pytest.mark.parametrize("m", [1, 8, 20])
 def test_q8_0_part_plus_offsets_is_the_q5_k_matmul(m):
-    # what the Triton and the Mosaic GPU prefill matmuls run: Q8_0's matmul on `as_q8_0`, plus the offsets
+    # what the Triton and the Mosaic GPU prefill matmuls run: Q8_0's matmul on its codes and scales, plus the offsets
     n, k = 128, 512
     w = q5_k_tensor(random_q5_k_blocks(5, n, k), n, k)
     split = jax.device_put(q5_k_split.split_q5_k(w))
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
     want = np.asarray(qmatmul_reference(x, w), np.float64)
-    composed = jax.jit(lambda x, s: q5_k_split.matmul_via_q8_0(qmatmul_reference, x, s))
+    composed = jax.jit(lambda x, s: q4_k_split.matmul_via(qmatmul_reference, x, s))
     for got in (composed(x, split), qmatmul_reference(x, split)):
         got = np.asarray(got, np.float64)
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-3  # f16 scales and offsets
