@@ -11,7 +11,7 @@ block's scale fields overwritten so that every matrix has a standard deviation n
 
 Shapes: llama2-7b, llama3-8b, qwen2.5-7b (real sizes), tiny and tiny-qwen2 (2 layers, E=256,
 for CPU smoke tests), tiny-tp (tiny-qwen2 with 8 heads and 4 kv heads, for tensor-parallel
-tests). Quants: q4_0, q4_k_m, q5_k_m, q8_0, f16.
+tests). Quants: q4_0, q4_1, q5_0, q5_1, q4_k_m, q5_k_m, q8_0, f16.
 """
 
 from __future__ import annotations
@@ -74,9 +74,9 @@ SHAPES: dict[str, Shape] = {
     )
 }
 
-QUANTS = ("q4_0", "q4_k_m", "q5_k_m", "q8_0", "f16")
+QUANTS = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q5_k_m", "q8_0", "f16")
 # llama.cpp's general.file_type values (LLAMA_FTYPE_MOSTLY_*)
-_FILE_TYPE = {"f16": 1, "q4_0": 2, "q8_0": 7, "q4_k_m": 15, "q5_k_m": 17}
+_FILE_TYPE = {"f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q4_k_m": 15, "q5_k_m": 17}
 # The K-quant mixes: Q6_K for attn_v and ffn_down in llama.cpp's `use_more_bits` layers
 _K_MIXES = ("q4_k_m", "q5_k_m")
 
@@ -96,9 +96,10 @@ def tensor_types(shape: Shape, quant: str) -> dict[str, tuple[tuple[int, ...], Q
         raise ValueError(f"unknown quant {quant!r}; choose from {', '.join(QUANTS)}")
     e, f, v = shape.embed_dim, shape.ffn_dim, shape.vocab_size
     q_dim, kv_dim = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    base = {"q4_0": Q.Q4_0, "q4_k_m": Q.Q4_K, "q5_k_m": Q.Q5_K, "q8_0": Q.Q8_0, "f16": Q.F16}[quant]
+    base = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q4_k_m": Q.Q4_K, "q5_k_m": Q.Q5_K,
+            "q8_0": Q.Q8_0, "f16": Q.F16}[quant]
     # The output matrix: Q6_K in llama.cpp's 4- and 5-bit files, the base type otherwise.
-    output = Q.Q6_K if quant in ("q4_0", *_K_MIXES) else base
+    output = Q.Q6_K if quant in ("q4_0", "q4_1", "q5_0", "q5_1", *_K_MIXES) else base
 
     def fit(qtype: Q, k: int) -> Q:
         # llama.cpp falls back when a row is not a whole number of K-quant super-blocks
@@ -162,7 +163,8 @@ def _pack_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
 
 
 # Standard deviation of the integer part of one element with uniform random bits
-_Q_STD = {Q.Q4_0: 4.61, Q.Q8_0: 73.9, Q.Q4_K: 4.61, Q.Q5_K: 9.23, Q.Q6_K: 18.5}
+_Q_STD = {Q.Q4_0: 4.61, Q.Q4_1: 4.61, Q.Q5_0: 9.23, Q.Q5_1: 9.23, Q.Q8_0: 73.9, Q.Q4_K: 4.61, Q.Q5_K: 9.23,
+          Q.Q6_K: 18.5}
 
 
 def random_matrix(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -174,8 +176,13 @@ def random_matrix(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndar
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     num_blocks = n * k // block
     blocks = _random_bytes(rng, num_blocks * type_size).reshape(num_blocks, type_size)
-    if qtype in (Q.Q4_0, Q.Q8_0):  # d at bytes 0..1; w = d q
+    if qtype in (Q.Q4_0, Q.Q5_0, Q.Q8_0):  # d at bytes 0..1; w = d q (Q5_0's fifth bits at 2..5)
         blocks[:, 0:2].view(np.float16)[:, 0] = _f16_scales(rng, target / _Q_STD[qtype], num_blocks)
+    elif qtype in (Q.Q4_1, Q.Q5_1):  # w = d q + m, q in [0, 15] ([0, 31]); d, m at 0..3; m = -7.5 d (-15.5 d)
+        d = _f16_scales(rng, target / _Q_STD[qtype], num_blocks)
+        blocks[:, 0:2].view(np.float16)[:, 0] = d
+        mean_q = 7.5 if qtype == Q.Q4_1 else 15.5
+        blocks[:, 2:4].view(np.float16)[:, 0] = (-mean_q * d.astype(np.float32)).astype(np.float16)
     elif qtype in (Q.Q4_K, Q.Q5_K):
         # w = d sc q - dmin m, q in [0, 15] (Q5_K: [0, 31], its fifth bits in qh at 16..47);
         # m = sc and dmin = 7.5 d (15.5 d): zero mean

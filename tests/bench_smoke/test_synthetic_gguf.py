@@ -81,3 +81,20 @@ def test_k_quant_mix_and_weight_scale(written, quant_name: str, base: str) -> No
         # about unit gain: std near 1/sqrt(K), mean near zero
         assert 0.5 / np.sqrt(k) < w.std() < 2.0 / np.sqrt(k), (name, w.std() * np.sqrt(k))
         assert abs(w.mean()) < 0.2 / np.sqrt(k), (name, w.mean() * np.sqrt(k))
+
+
+@pytest.mark.parametrize(("quant_name", "base", "file_type"), [("q4_1", "Q4_1", 3), ("q5_0", "Q5_0", 8),
+                                                              ("q5_1", "Q5_1", 9)])
+def test_legacy_quant_files_and_weight_scale(written, quant_name: str, base: str, file_type: int) -> None:
+    gf = written("tiny", quant_name)
+    assert gf.metadata["general.file_type"] == file_type
+    for name in ("blk.0.attn_q.weight", "blk.1.attn_v.weight", "blk.1.ffn_down.weight", "token_embd.weight"):
+        assert gf.tensor(name).ggml_type.name == base
+    assert gf.tensor("output.weight").ggml_type.name == "Q6_K"  # llama.cpp's rule for its 4- and 5-bit files
+    for name in ("blk.0.attn_q.weight", "blk.1.ffn_down.weight"):
+        info = gf.tensor(name)
+        w = gguf.quants.dequantize(np.asarray(info.data), info.ggml_type)
+        k = info.shape[1]
+        assert np.isfinite(w).all()
+        assert 0.5 / np.sqrt(k) < w.std() < 2.0 / np.sqrt(k), (name, w.std() * np.sqrt(k))
+        assert abs(w.mean()) < 0.2 / np.sqrt(k), (name, w.mean() * np.sqrt(k))

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import matmul_mgpu, q4_k_split, q5_k_split, q6_k_split, quant, registry
+from pallas_kernels import legacy_split, matmul_mgpu, q4_k_split, q5_k_split, q6_k_split, quant, registry
 from pallas_kernels.matmul import qmatmul_reference
 from tests.pallas_kernels.test_matmul_conformance import Case, MatmulConformance, random_weight, relative_error
 from tests.pallas_kernels.test_matmul_conformance import pytest_generate_tests  # noqa: F401  (parametrizes `case`)
@@ -101,6 +101,24 @@ class TestMosaicGpuQ6KSplit(TestMosaicGpu):
 
     def matmul(self, x, w, case, layer=None):
         return matmul_mgpu.qmatmul_mgpu(x, q6_k_split.split_q6_k(w), layer=layer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+class TestMosaicGpuLegacySplit(TestMosaicGpu):
+    """Q4_1, Q5_0 and Q5_1 split at load (pallas_kernels/legacy_split.py): Q5_0 as Q8_0, Q4_1 in
+    the Q4_K split's form, Q5_1 in the Q5_K split's, against each format's reference."""
+
+    SPLIT = {"q4_1": legacy_split.split_q4_1, "q5_0": legacy_split.q5_0_as_q8_0, "q5_1": legacy_split.split_q5_1}
+    CASES = tuple(c for fmt in ("q4_1", "q5_0", "q5_1") for c in (
+        Case(fmt, 1, 256, 1024, "bfloat16"),
+        Case(fmt, 8, 4096, 11008, "bfloat16", stack=True),
+        Case(fmt, 64, 1024, 2048, "bfloat16"),
+        Case(fmt, 200, 1024, 2048, "bfloat16"),  # prefill rows: the folded-scale kernel
+    ))
+
+    def matmul(self, x, w, case, layer=None):
+        return matmul_mgpu.qmatmul_mgpu(x, self.SPLIT[case.fmt](w), layer=layer)
 
 
 @pytest.mark.gpu

@@ -51,13 +51,12 @@ def test_defaults() -> None:
     assert (engine.decode_steps("gpu"), engine.decode_steps("cpu")) == (2, 1)  # 0: auto
     assert not engine.few_rows_attention  # batch-invariant by default
     assert not engine.separate_kv_write  # the attention kernel writes the keys and values where it can
-    # Q4_K, Q5_K and Q6_K split where the Mosaic GPU matmul serves them: one Hopper GPU, the matmul not forced
-    # elsewhere
-    both = {"q4_k", "q5_k", "q6_k"}
-    assert engine.split_q4_k == engine.split_q5_k == engine.split_q6_k == "auto"
-    assert engine.split_legacy == "off"  # until measured on a GPU
-    legacy = build_configs(build_parser().parse_args(["--split-legacy", "auto"]), {})[0]
-    assert split_formats(legacy, True) == both | {"q4_1", "q5_0", "q5_1"} and split_formats(legacy, False) == set()
+    # Q4_K, Q5_K, Q6_K, Q4_1, Q5_0 and Q5_1 split where the Mosaic GPU matmul serves them: one Hopper GPU,
+    # the matmul not forced elsewhere
+    both = {"q4_k", "q5_k", "q6_k", "q4_1", "q5_0", "q5_1"}
+    assert engine.split_q4_k == engine.split_q5_k == engine.split_q6_k == engine.split_legacy == "auto"
+    no_legacy = build_configs(build_parser().parse_args(["--split-legacy", "off"]), {})[0]
+    assert split_formats(no_legacy, True) == {"q4_k", "q5_k", "q6_k"} and split_formats(no_legacy, False) == set()
     assert engine.reuse_kernel_lowering and engine.prefill_cuda_graphs and engine.gc_freeze
     assert split_formats(engine) == set() and split_formats(engine, mosaic_available=True) == both
     for other in (dataclasses.replace(engine, kernels=(("matmul", "triton"),)),
