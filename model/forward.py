@@ -32,6 +32,8 @@ class Kernels:
     # ("column" | "row" | "vocab") is how the matrix divides under tensor parallelism
     # (model/sharding.py; "vocab": column-split output head whose logits are gathered whole);
     # single-device kernels ignore it.
+    # (x, w, layer, split, elementwise_x=False) -> x @ w.T f32; elementwise_x: x is made by
+    # elementwise ops (an implementation that permutes x may then do it in a form XLA fuses there)
     matmul: Callable
     embed: Callable  # (w, ids [T]) -> [T, E] f32
     # Both read the whole [L, B, S, K, D] cache in place at (traced) `layer` (and `slot`), keys
@@ -190,11 +192,13 @@ def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return jax.nn.silu(x)
 
 
-def _mm(kern: Kernels, x: jax.Array, w: QuantizedTensor, layer, split: str) -> jax.Array:
+def _mm(kern: Kernels, x: jax.Array, w: QuantizedTensor, layer, split: str, elementwise_x: bool = False
+        ) -> jax.Array:
     """x @ w.T; a stacked w (the scanned layers) is read at `layer` by the kernel itself.
     split: "column" (output features split under tensor parallelism), "row" (input features) or
-    "vocab" (the output head: split like "column", its logits gathered whole on every device)."""
-    return kern.matmul(x, w, layer if w.stack_shape else None, split)
+    "vocab" (the output head: split like "column", its logits gathered whole on every device).
+    elementwise_x: x is made by elementwise ops, not a reduction (`Kernels.matmul`)."""
+    return kern.matmul(x, w, layer if w.stack_shape else None, split, elementwise_x=elementwise_x)
 
 
 def _split_cols(y: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
@@ -231,7 +235,7 @@ def _qkv(cfg: ModelConfig, kern: Kernels, lp: dict, layer, h: jax.Array, pos: ja
 def _attn_out_and_ffn(cfg: ModelConfig, kern: Kernels, lp: dict, layer, x: jax.Array, attn: jax.Array) -> jax.Array:
     """The rest of a layer after attention: output projection, residual, FFN block.
     x [M, E], attn [M, H, D] -> [M, E]."""
-    out = _mm(kern, attn.reshape(attn.shape[0], cfg.q_dim), lp["wo"], layer, "row")
+    out = _mm(kern, attn.reshape(attn.shape[0], cfg.q_dim), lp["wo"], layer, "row", elementwise_x=True)
     if "post_attn_norm" in lp:
         out = rms_norm(out, lp["post_attn_norm"], cfg.rms_eps)
     return _ffn(cfg, kern, lp, layer, x + out)
@@ -244,7 +248,7 @@ def _ffn(cfg: ModelConfig, kern: Kernels, lp: dict, layer, x: jax.Array) -> jax.
     else:
         gate = _mm(kern, h, lp["w_gate"], layer, "column")
         up = _mm(kern, h, lp["w_up"], layer, "column")
-    out = _mm(kern, _act(cfg, gate) * up, lp["w_down"], layer, "row")
+    out = _mm(kern, _act(cfg, gate) * up, lp["w_down"], layer, "row", elementwise_x=True)
     if "post_ffn_norm" in lp:
         out = rms_norm(out, lp["post_ffn_norm"], cfg.rms_eps)
     return x + out

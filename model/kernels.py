@@ -190,13 +190,17 @@ def choose_kernels(
         jax.ShapeDtypeStruct((max(s, t), kh, d), kv), jax.ShapeDtypeStruct((), jnp.int32), cfg.scale, window,
     )])
 
-    def matmul(x: jax.Array, w: QuantizedTensor, layer=None, split: str | None = None) -> jax.Array:
+    def matmul(x: jax.Array, w: QuantizedTensor, layer=None, split: str | None = None,
+               elementwise_x: bool = False) -> jax.Array:
         del split  # one device: nothing is split (model/sharding.py wraps this for tensor parallelism)
         fns = decode_fns if math.prod(x.shape[:-1]) <= decode_rows else prefill_fns
         fn = fns.get((w.fmt, *w.shape)) or fns.get(w.fmt)
         if fn is None:
             raise KeyError(f"no matmul was chosen for a {w.fmt} matrix {list(w.shape)}: not a shape of this model")
-        return fn(x.astype(act_dtype), w, layer=layer)
+        # x made by elementwise ops: an implementation that permutes x does it as a gather, which
+        # XLA fuses into them (pallas_kernels/matmul_mgpu.py, `gather_x`)
+        options = {"gather_x": True} if elementwise_x and getattr(fn, "takes_gather_x", False) else {}
+        return fn(x.astype(act_dtype), w, layer=layer, **options)
 
     return Kernels(matmul=matmul, embed=embed_fn, attention_decode=dec_fn, attention_prefill=pre_fn,
                    decode_few_rows_limit=few_rows_limit,

@@ -229,7 +229,7 @@ def shard_kernels(kern: Kernels, mesh: Mesh) -> Kernels:
 
         return [jnp.asarray(values[i], jnp.int32) for i in traced], [P()] * len(traced), rebuild
 
-    def matmul(x, w: QuantizedTensor, layer=None, split: str | None = None):
+    def matmul(x, w: QuantizedTensor, layer=None, split: str | None = None, elementwise_x: bool = False):
         if split not in ("column", "row", "vocab"):
             raise ValueError(f"a tensor-parallel matmul needs split='column', 'row' or 'vocab', got {split!r}")
         w_spec = (_row_spec if split == "row" else _column_spec)("matmul", w, tp)
@@ -238,7 +238,7 @@ def shard_kernels(kern: Kernels, mesh: Mesh) -> Kernels:
 
         def local(x, w, *ops):
             (layer_,) = rebuild(ops)
-            y = kern.matmul(x, _local(w, local_split, tp), layer_, local_split)
+            y = kern.matmul(x, _local(w, local_split, tp), layer_, local_split, elementwise_x)
             if split == "row":  # partial sums over K
                 return jax.lax.psum(y, TP_AXIS)
             if split == "vocab":  # the whole logits on every device: one gather

@@ -8,8 +8,9 @@ took about 1.5 s to lower (most of it Mosaic's layout inference): 11.1 of a 7B Q
 program's 12.5 s of lowering, all under the GIL, so that lowering is what compile threads wait
 on (bench/results, fifteenth session).
 
-`LoweredOnce(fn)` calls `fn(x, w, layer=...)` through a `jax.export` of it, made once per input
-shapes and dtypes (`w`'s tree included) and kept for the process; a program that calls it again
+`LoweredOnce(fn)` calls `fn(x, w, layer=..., **options)` through a `jax.export` of it, made once
+per input shapes and dtypes (`w`'s tree included) and static keyword options (such as the Mosaic
+matmul's `gather_x`) and kept for the process; a program that calls it again
 inlines the exported module instead of lowering the kernel. The export runs with JAX's forward
 compatibility rules off (the exported module is never serialized, only called in this process),
 so the kernels in it are byte for byte those of a direct call (a test compares them).
@@ -35,8 +36,9 @@ def available() -> bool:
 
 
 class LoweredOnce:
-    """`fn(x, w, layer=...)` (a matmul implementation) through exports of it, one per input
-    shapes, for `platform` ("cuda")."""
+    """`fn(x, w, layer=..., **options)` (a matmul implementation) through exports of it, one per
+    input shapes and options (static, hashable), for `platform` ("cuda"). Other attributes are
+    fn's (the implementation's optional protocol, e.g. `takes_gather_x`)."""
 
     def __init__(self, fn: Callable[..., jax.Array], platform: str) -> None:
         if not available():
@@ -46,22 +48,27 @@ class LoweredOnce:
         self.exports: dict[Any, export.Exported] = {}
         self._lock = threading.Lock()  # compile threads build programs concurrently
 
-    def __call__(self, x: jax.Array, w: Any, layer: jax.Array | int | None = None) -> jax.Array:
+    def __getattr__(self, name: str) -> Any:
+        if name == "fn":  # not set yet
+            raise AttributeError(name)
+        return getattr(self.fn, name)
+
+    def __call__(self, x: jax.Array, w: Any, layer: jax.Array | int | None = None, **options: Any) -> jax.Array:
         args = (x, w) if layer is None else (x, w, jnp.asarray(layer, jnp.int32))
         leaves, tree = jax.tree_util.tree_flatten(args)
-        key = (tree, tuple((leaf.shape, jnp.dtype(leaf.dtype)) for leaf in leaves))
+        key = (tree, tuple((leaf.shape, jnp.dtype(leaf.dtype)) for leaf in leaves), tuple(sorted(options.items())))
         with self._lock:
             exported = self.exports.get(key)
             if exported is None:
-                exported = self.exports[key] = self._export(args)
+                exported = self.exports[key] = self._export(args, options)
         return exported.call(*args)
 
-    def _export(self, args: tuple) -> export.Exported:
+    def _export(self, args: tuple, options: dict[str, Any]) -> export.Exported:
         fn = self.fn
         if len(args) == 2:
-            jitted = jax.jit(lambda x, w: fn(x, w, layer=None))
+            jitted = jax.jit(lambda x, w: fn(x, w, layer=None, **options))
         else:
-            jitted = jax.jit(lambda x, w, layer: fn(x, w, layer=layer))
+            jitted = jax.jit(lambda x, w, layer: fn(x, w, layer=layer, **options))
         specs = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
         with _ignore_forward_compat(True):
             return export.export(jitted, platforms=[self.platform])(*specs)

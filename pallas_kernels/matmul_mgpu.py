@@ -285,10 +285,25 @@ def split_for(n: int, k: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, m_til
     return max(1, min(k // tuning.tile_k, -(-tuning.target_ctas // ctas)))
 
 
-def permute_x(x2: jax.Array) -> jax.Array:
-    """x [M, K] in the order of the int4 view of the codes: [:, 32 g + 2 l + h] = [:, 32 g + 16 h + l]."""
+def permute_x(x2: jax.Array, gather: bool = False) -> jax.Array:
+    """x [M, K] in the order of the int4 view of the codes: [:, 32 g + 2 l + h] = [:, 32 g + 16 h + l].
+    `gather`: the same as a gather (`_permuted`)."""
+    return _permuted(x2, (2, 16), gather)
+
+
+def _permuted(x2: jax.Array, block: tuple[int, int], gather: bool) -> jax.Array:
+    """x [M, K] with each 32-block, seen as `block` [a, b], transposed to [b, a]: as a reshape and
+    transpose, or with `gather` as a gather of the columns. The same values either way; what
+    differs is what XLA fuses: it fuses the transpose into a reduction before it (the RMS norm
+    before the q/k/v and gate/up matrices) but not the gather; the gather, not the transpose,
+    into the elementwise ops before the output and down projections at some shapes (the
+    attention's split merge; SiLU at FFN widths of 14,336 and 18,944: the transpose took a
+    kernel of its own there on the H200, bench/results, twentieth session)."""
     m, k = x2.shape
-    return jnp.reshape(jnp.swapaxes(jnp.reshape(x2, (m, k // 32, 2, 16)), 2, 3), (m, k))
+    if gather:
+        order = np.arange(k).reshape(k // 32, *block).swapaxes(1, 2).reshape(k)
+        return jnp.take(x2, jnp.asarray(order, jnp.int32), axis=1)
+    return jnp.reshape(jnp.swapaxes(jnp.reshape(x2, (m, k // 32, *block)), 2, 3), (m, k))
 
 
 def codes_view(qs: jax.Array, k: int) -> jax.Array:
@@ -305,11 +320,10 @@ BF16_128_PAIR = 0x43004300
 BF16_136_PAIR = 0x43084308
 
 
-def permute_x_words(x2: jax.Array) -> jax.Array:
+def permute_x_words(x2: jax.Array, gather: bool = False) -> jax.Array:
     """x [M, K] in the column order `_q4_0_words_to_bf16` gives the codes: within each 32-block
-    the even weights, then the odd ones."""
-    m, k = x2.shape
-    return jnp.reshape(jnp.swapaxes(jnp.reshape(x2, (m, k // 32, 16, 2)), 2, 3), (m, k))
+    the even weights, then the odd ones. `gather`: the same as a gather (`_permuted`)."""
+    return _permuted(x2, (16, 2), gather)
 
 
 def _registers_for(codes, layout, per_block: int, fallback: str) -> np.ndarray:
@@ -695,8 +709,9 @@ def codes_of(w: QuantizedTensor) -> jax.Array:
     return jnp.reshape(w.planes["qs"], (-1, k))  # q8_0, q6_k_split
 
 
-@functools.partial(jax.jit, static_argnames=("tuning",))
-def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning: MosaicMatmulTuning) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("tuning", "gather_x"))
+def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning: MosaicMatmulTuning,
+                 gather_x: bool = False) -> jax.Array:
     plgpu = _plgpu()
     n, k = w.shape
     m = x2.shape[0]
@@ -714,7 +729,7 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
         x_inputs = quantize_x_blocks(x2, m_pad)
     else:
         if q.fmt == "q4_0":
-            xp = permute_x_words(x2) if tuning.word_unpack else permute_x(x2)
+            xp = permute_x_words(x2, gather_x) if tuning.word_unpack else permute_x(x2, gather_x)
         else:
             xp = x2
         if m_pad != m:
@@ -755,6 +770,7 @@ def qmatmul_mgpu(
     *,
     layer: jax.Array | int | None = None,
     interpret: bool = False,
+    gather_x: bool = False,
 ) -> jax.Array:  # [..., N] f32
     """x @ dequant(w).T through the Mosaic GPU kernel; without a tuning, `default_tuning` of x's
     rows (decode up to 64, prefill beyond). "q4_k_split" (Q4_K split at load,
@@ -764,13 +780,17 @@ def qmatmul_mgpu(
     (pallas_kernels/legacy_split.py) as they are (`OFFSET_FORMS`). Raises NotImplementedError for
     what it does not take (formats other than q4_0, q8_0, q6_k_split and those of `OFFSET_FORMS`,
     x not bf16, more than 64 rows of x with unfolded scales, N not a multiple of 64, K not a
-    multiple of the tuning's K step, too many rows for shared memory, interpret mode)."""
+    multiple of the tuning's K step, too many rows for shared memory, interpret mode).
+
+    `gather_x`: x's column permutation (Q4_0's kernels read x in the order they unpack the codes)
+    as a gather rather than a transpose, for x made by elementwise ops, into which XLA then fuses
+    it (`_permuted`); the result is the same."""
     if interpret:
         raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
     tuning = tuning or default_tuning(math.prod(x.shape[:-1]))
     if w.fmt in OFFSET_FORMS and not fuses_offsets(tuning):  # Q4_0's or Q8_0's kernel, plus the offsets' XLA dot
         return q4_k_split.matmul_via(qmatmul_mgpu, x, w, layer, tuning=tuning,
-                                     offset_precision=q4_k_split.KERNEL_OFFSET_PRECISION)
+                                     offset_precision=q4_k_split.KERNEL_OFFSET_PRECISION, gather_x=gather_x)
     _check_supported(x, w, layer, tuning)
     n, k = w.shape
     lead = x.shape[:-1]
@@ -778,7 +798,7 @@ def qmatmul_mgpu(
     if x2.shape[0] == 0:
         return jnp.zeros((*lead, n), jnp.float32)
     layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
-    return jnp.reshape(_qmatmul_jit(x2, w, layer_arr, tuning), (*lead, n))
+    return jnp.reshape(_qmatmul_jit(x2, w, layer_arr, tuning, gather_x), (*lead, n))
 
 
 def _is_available() -> bool:
@@ -793,4 +813,7 @@ def _is_available() -> bool:
     return True
 
 
+# The optional protocol of a matmul implementation that permutes x (model/kernels.py reads it):
+# it takes `gather_x=True` for x made by elementwise ops.
+qmatmul_mgpu.takes_gather_x = True
 registry.register("matmul", "mosaic_gpu", qmatmul_mgpu, is_available=_is_available, priority=20)

@@ -96,6 +96,39 @@ def test_a_shape_the_first_kernel_refuses_gets_its_own_choice(tiny_tp_path, with
     assert loaded.kernel_names["matmul[q8_0]"] == "reference"
 
 
+def test_x_made_by_elementwise_ops_is_announced_only_to_a_matmul_that_takes_it(tiny_tp_path, with_decode_only):
+    """Kernels.matmul(..., elementwise_x=True) (the forward pass's output and down projections)
+    passes `gather_x=True` to an implementation with a `takes_gather_x` attribute (the Mosaic GPU
+    matmul's), nothing to the others; and the forward pass says it for exactly those matrices."""
+    options: list[dict] = []
+
+    def gathers(x, w, tuning=None, *, layer=None, interpret=False, **kw):
+        options.append((tuple(w.shape), kw))
+        return qmatmul_reference(x, w, layer=layer)
+
+    gathers.takes_gather_x = True
+    loaded, _ = _loaded(tiny_tp_path)
+    w = loaded.params.layers["wo"]
+    x = jnp.ones((8, w.shape[1]), jnp.float32)
+    CALLS.clear()
+    loaded.kernels.matmul(x, w, 0, elementwise_x=True)  # decode_only: no `takes_gather_x`, takes no option
+    assert CALLS == [8]
+    registry.register("matmul", "gathers", gathers, priority=2000)
+    loaded, cfg = _loaded(tiny_tp_path)
+    assert loaded.kernel_names["matmul_decode[q8_0]"] == "gathers"
+    options.clear()
+    loaded.kernels.matmul(x, w, 0, elementwise_x=True)
+    loaded.kernels.matmul(x, w, 0)
+    assert options == [(tuple(w.shape), {"gather_x": True}), (tuple(w.shape), {})]
+    options.clear()
+    loaded.make_runner(cfg).warmup()  # traces the decode programs (8 rows: this implementation)
+    layers = loaded.params.layers
+    gathered = {tuple(layers[k].shape) for k in ("wo", "w_down")}
+    assert {s for s, kw in options if kw} == gathered
+    assert {s for s, kw in options if not kw} == {tuple(layers[k].shape) for k in ("wqkv", "w_gate_up")} | {
+        tuple(loaded.params.output.shape)}
+
+
 def test_unknown_forced_op_is_an_error(tiny_tp_path):
     with pytest.raises(ValueError, match="unknown ops"):
         _loaded(tiny_tp_path, kernels=(("matmul_prefill", "reference"),))

@@ -141,7 +141,7 @@ def test_decode_with_the_cache_write_in_the_attention_kernel(tiny_tp_path, kv, w
     dec = functools.partial(attention_triton.attention_decode_triton, interpret=True, config=(
         attention_triton.DecodeAttentionConfig(block_s=16, min_split_keys=16, target_programs=8) if few_rows
         else attention_triton.DecodeAttentionConfig(block_s=16)))
-    mm = lambda x, w, layer=None, split=None: qmatmul_reference(x, w, layer=layer)  # noqa: E731
+    mm = lambda x, w, layer=None, split=None, elementwise_x=False: qmatmul_reference(x, w, layer=layer)  # noqa: E731
     rng = np.random.default_rng(5)
     shape = (cfg.num_layers, 3, 64, cfg.num_kv_heads, cfg.head_dim)
     cache = KVCache(*(jnp.asarray(rng.standard_normal(shape), kv) for _ in range(2)))
@@ -196,7 +196,7 @@ def test_decode_with_an_8bit_float_cache(tiny_tp_path):
     gf = GGUFFile(tiny_tp_path)
     cfg = ModelConfig.from_gguf_metadata(gf.metadata, frozenset(gf.tensors))
     params = load_params(gf, cfg)
-    mm = lambda x, w, layer=None, split=None: qmatmul_reference(x, w, layer=layer)  # noqa: E731
+    mm = lambda x, w, layer=None, split=None, elementwise_x=False: qmatmul_reference(x, w, layer=layer)  # noqa: E731
     kern = Kernels(mm, embed_reference, attention_decode_reference, attention_prefill_reference)
     prefill = jax.jit(functools.partial(forward.prefill, cfg, kern))
     decode = jax.jit(functools.partial(forward.decode, cfg, kern), static_argnums=(4,))

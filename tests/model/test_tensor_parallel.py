@@ -315,7 +315,7 @@ gf = GGUFFile(sys.argv[1])
 cfg = ModelConfig.from_gguf_metadata(gf.metadata, frozenset(gf.tensors))
 seen = []
 
-def mm(x, w, layer=None, split=None):
+def mm(x, w, layer=None, split=None, elementwise_x=False):
     seen.append([split, list(w.shape)])
     return matmul_triton.qmatmul_triton(x.astype(jnp.float32), w, layer=layer, interpret=True)
 

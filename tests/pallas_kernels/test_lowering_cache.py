@@ -88,3 +88,18 @@ def test_engine_config_wraps_only_mosaic_matmuls_on_one_device():
     assert wrap(fn, "mosaic_gpu") is wrapped  # decode and prefill share one
     assert wrap(fn, "triton") is fn and wrap(fn, "reference") is fn
     assert _lowering_reuse(dataclasses.replace(on, tensor_parallel=2))(fn, "mosaic_gpu") is fn
+
+
+def test_options_are_part_of_the_key_and_attributes_are_the_implementation_s():
+    pytest.importorskip("absl")
+    w = _spec("q4_0", 512, 1024, None)
+    x = jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16)
+    once = lowering_cache.LoweredOnce(matmul_mgpu.qmatmul_mgpu, "cuda")
+    assert once.takes_gather_x  # the implementation's protocol attribute, through the wrapper
+    plain = lowered(lambda x, w: once(x, w), x, w)
+    gathered = lowered(lambda x, w: once(x, w, gather_x=True), x, w)
+    assert len(once.exports) == 2
+    assert "gather" in gathered and "gather" not in plain
+    assert kernel_hashes(gathered) == kernel_hashes(plain)  # the same kernel: only x's permutation differs
+    lowered(lambda x, w: once(x, w, gather_x=True) * 2.0, x, w)
+    assert len(once.exports) == 2

@@ -419,6 +419,30 @@ def test_lowers_for_cuda(fmt, m, n, k, stack, tile_k, word_unpack, fold, tiles):
     assert "mosaic_gpu" in lowered.as_text()
 
 
+@pytest.mark.parametrize("permute", [matmul_mgpu.permute_x, matmul_mgpu.permute_x_words])
+def test_x_permutations_as_gathers_are_the_transposes(permute):
+    """`gather_x`: the same permutation of x's columns, as a gather (what XLA fuses into
+    elementwise producers) rather than a transpose."""
+    x = jax.random.normal(jax.random.key(0), (3, 128), jnp.float32)
+    as_transpose, as_gather = permute(x), permute(x, gather=True)
+    np.testing.assert_array_equal(np.asarray(as_gather), np.asarray(as_transpose))
+    assert not np.array_equal(np.asarray(as_transpose), np.asarray(x))
+    assert "gather" in str(jax.make_jaxpr(lambda x: permute(x, gather=True))(x))
+    assert "transpose" in str(jax.make_jaxpr(permute)(x))
+
+
+@pytest.mark.parametrize("fmt,m", [("q4_0", 8), ("q4_0", 512), ("q4_k_split", 8), ("q8_0", 8)])
+def test_gather_x_lowers_for_cuda(fmt, m):
+    """With `gather_x` the Q4_0 kernels' x is permuted by a gather; Q8_0's x is not permuted."""
+    pytest.importorskip("absl")
+    w = _spec(fmt, 512, 1024, 2)
+    fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, layer=i, gather_x=True)  # noqa: E731
+    text = jax.jit(fn).trace(jax.ShapeDtypeStruct((m, 1024), jnp.bfloat16), w,
+                             jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert ("gather" in text) == (fmt != "q8_0")
+
+
 @pytest.mark.parametrize("m,fuse", [(1, True), (8, True), (64, True), (8, False), (512, True)])
 def test_q4_k_split_lowers_for_cuda(m, fuse):
     """A Q4_K matrix split at load runs Q4_0's kernel (decode or prefill tuning by its rows)
