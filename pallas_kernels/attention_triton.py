@@ -118,7 +118,10 @@ class DecodeAttentionConfig:
     # every length tried (200, 1000 and 4000 keys), and any second split, even an idle one,
     # cost: 32.8 against 36.5 us at 1000 keys with 2 splits of which each row used one, 10.0
     # against 11.0 at 200. One busy row of the 8 took 23.7 us at 1000 keys in one split and
-    # 12.1 sharing 8; at 4000 keys 89.6 against 28.9 sharing 8: the few-rows plan.
+    # 12.1 sharing 8; at 4000 keys 89.6 against 28.9 sharing 8: the few-rows plan. Measured again
+    # with the merge fused into the next kernel (twentieth session): 2 or 4 splits per row still
+    # cost 8 busy rows (attention 372 -> 388-432 us per step at 200 keys, 1,099 -> 1,255 at 1,000)
+    # while helping one (849 -> 450 us at 1,000 keys).
     target_programs: int = 256
     min_split_keys: int = 128
     max_splits: int = 16
@@ -549,9 +552,10 @@ def _merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     """acc [P, ...rows, D], m / l [P, ...rows] partials of P splits -> [...rows, D]. A split with
     no visible key has acc = 0, m = _NEG, l = 0: weight 0. Written split by split with
     elementwise ops only: XLA makes it one loop kernel, where reductions over the split axis
-    ran as two at 8 splits on the H200 (bench/results, eleventh session). It stays a kernel of
-    its own in the engine's step (XLA does not fuse it into the cast and reordering before the
-    output projection)."""
+    ran as two at 8 splits on the H200 (bench/results, eleventh session). In the engine's step
+    XLA fuses it into the permutation of x before the output projection where that is a gather
+    (the Mosaic GPU matmul's `gather_x`), not where it is a transpose (bench/results, twentieth
+    session)."""
     m_all = m[0]
     for i in range(1, m.shape[0]):
         m_all = jnp.maximum(m_all, m[i])
