@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     engine, startup = bench_engine.start_engine(args.model, config)
     timings = bench_engine.TimingLog()
     engine.add_observer(timings)
-    max_context = int(engine.info()["max_context"])
+    engine_info = engine.info()
+    max_context = int(engine_info["max_context"])
     try:
         run = asyncio.run(run_workload(engine, timings, args, max_context))
     finally:
@@ -211,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": info,
         "model": common.model_facts(args.model),
         "settings": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+        "kv_dtype": engine_info.get("kv_dtype", args.kv_dtype),  # "auto" resolved
         "startup": startup,
         "rss_second_half": rss,
         "device_second_half": device,

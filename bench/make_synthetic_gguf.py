@@ -176,7 +176,7 @@ def random_matrix(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndar
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     num_blocks = n * k // block
     blocks = _random_bytes(rng, num_blocks * type_size).reshape(num_blocks, type_size)
-    if qtype in (Q.Q4_0, Q.Q5_0, Q.Q8_0):  # d at bytes 0..1; w = d q (Q5_0's fifth bits at 2..5)
+    if qtype in (Q.Q4_0, Q.Q5_0, Q.Q8_0):  # d at bytes 0..1; w = d (q - 8), d (q - 16), d q (Q5_0's qh at 2..5)
         blocks[:, 0:2].view(np.float16)[:, 0] = _f16_scales(rng, target / _Q_STD[qtype], num_blocks)
     elif qtype in (Q.Q4_1, Q.Q5_1):  # w = d q + m, q in [0, 15] ([0, 31]); d, m at 0..3; m = -7.5 d (-15.5 d)
         d = _f16_scales(rng, target / _Q_STD[qtype], num_blocks)

@@ -318,9 +318,11 @@ class EngineConfig:
     # Q4_1, Q5_0 and Q5_1 matrices in the forms of the splits above (pallas_kernels/legacy_split.py:
     # Q5_0 as Q8_0 exactly, Q4_1 as q4_k_split's form with the same bytes, Q5_1 as q5_k_split's),
     # so that the Mosaic GPU matmul serves them rather than the Triton kernels (20-38% of copy
-    # bandwidth at M = 8 on the H200, bench/results, nineteenth session). "auto" as split_q4_k: on
-    # the H200 synthetic 7B Q4_1, Q5_0 and Q5_1 files decoded 1.75-1.81x faster split than through
-    # the Triton kernels (bench/results, twentieth session).
+    # bandwidth at M = 8 on the H200, bench/results, nineteenth session), only matrices whose shape
+    # the Mosaic kernel takes (`model.weights.is_split`). "auto" as split_q4_k: on the H200
+    # synthetic 7B Q4_1, Q5_0 and Q5_1 files decoded 1.75-1.81x faster split than through the
+    # Triton kernels, their cold start compiling for 32-53 s against 20-23 (bench/results,
+    # twentieth session).
     split_legacy: str = "auto"
 
     def compile_workers(self, backend: str, programs: int) -> int:

@@ -28,12 +28,11 @@ from pallas_kernels.quant import QuantizedTensor
 class Kernels:
     """The op implementations one compiled program uses (hashable: a static jit argument)."""
 
-    # (x [M, K], w, layer, split) -> [M, N] f32; a stacked w is read at `layer` in place. `split`
-    # ("column" | "row" | "vocab") is how the matrix divides under tensor parallelism
-    # (model/sharding.py; "vocab": column-split output head whose logits are gathered whole);
-    # single-device kernels ignore it.
-    # (x, w, layer, split, elementwise_x=False) -> x @ w.T f32; elementwise_x: x is made by
-    # elementwise ops (an implementation that permutes x may then do it in a form XLA fuses there)
+    # (x [M, K], w, layer, split, elementwise_x=False) -> [M, N] f32; a stacked w is read at
+    # `layer` in place. `split` ("column" | "row" | "vocab") is how the matrix divides under tensor
+    # parallelism (model/sharding.py; "vocab": column-split output head whose logits are gathered
+    # whole); single-device kernels ignore it. `elementwise_x`: x is made by elementwise ops (an
+    # implementation that permutes x may then do it in a form XLA fuses into them).
     matmul: Callable
     embed: Callable  # (w, ids [T]) -> [T, E] f32
     # Both read the whole [L, B, S, K, D] cache in place at (traced) `layer` (and `slot`), keys

@@ -85,7 +85,7 @@ def tensor_bytes(gf: GGUFFile, name: str, splits: frozenset[str]) -> int:
     fmt = quant.format_for(info.ggml_type)
     n, k = (int(d) for d in info.shape)
     untied_embed = name == "token_embd.weight" and "output.weight" in gf.tensors
-    if not untied_embed and is_split(fmt.name, n, splits):
+    if not untied_embed and is_split(fmt.name, n, k, splits):
         fmt = quant.format_for(SPLITS[fmt.name][0])
     dtypes = fmt.plane_dtypes()
     return sum(int(np.prod(s)) * dtypes[p].itemsize for p, s in fmt.plane_shapes(n, k).items())

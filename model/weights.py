@@ -21,7 +21,7 @@ import numpy as np
 
 from model.config import ModelConfig
 from model.gguf_file import GGUFFile, GGUFLoadError, TensorInfo
-from pallas_kernels import legacy_split, q4_k_split, q5_k_split, q6_k_split, quant
+from pallas_kernels import legacy_split, matmul_mgpu, q4_k_split, q5_k_split, q6_k_split, quant
 
 log = logging.getLogger(__name__)
 
@@ -151,13 +151,24 @@ SPLITS = {"q4_k": ("q4_k_split", q4_k_split.split_q4_k), "q5_k": ("q5_k_split", 
 _SPLITS_JIT = {fmt: jax.jit(fn) for fmt, (_, fn) in SPLITS.items()}
 
 
-def is_split(fmt: str, n: int, splits: frozenset[str]) -> bool:
-    """Whether a matrix of format `fmt` and N rows is split, given the formats to split."""
-    return fmt in splits and (fmt != "q6_k" or q6_k_split.takes(n))
+# Split only where the Mosaic GPU matmul takes the shape: no other GPU kernel serves Q6_K's split,
+# and Q4_1, Q5_0 and Q5_1 have Triton kernels of their own (Q5_0 as Q8_0 would read 55% more bytes
+# through Triton's Q8_0 kernel). SmolLM2's K of 576 and Gemma 3 270M's 640 are not multiples of
+# the decode kernel's K step (256).
+_SPLIT_ONLY_FOR_MOSAIC = ("q6_k", "q4_1", "q5_0", "q5_1")
+
+
+def is_split(fmt: str, n: int, k: int, splits: frozenset[str]) -> bool:
+    """Whether a matrix of format `fmt` and shape [N, K] is split, given the formats to split."""
+    if fmt not in splits:
+        return False
+    if fmt == "q6_k":
+        return q6_k_split.takes(n)
+    return fmt not in _SPLIT_ONLY_FOR_MOSAIC or matmul_mgpu.takes_shape(n, k)
 
 
 def _split(w: quant.QuantizedTensor, splits: frozenset[str], jit: bool = False) -> quant.QuantizedTensor:
-    if not is_split(w.fmt, w.shape[0], splits):
+    if not is_split(w.fmt, w.shape[0], w.shape[1], splits):
         return w
     return (_SPLITS_JIT[w.fmt] if jit else SPLITS[w.fmt][1])(w)
 
@@ -226,7 +237,8 @@ def _format(info: TensorInfo, splits: frozenset[str] = frozenset(), rows: int | 
         name = quant.format_for(info.ggml_type).name
     except NotImplementedError as e:
         raise GGUFLoadError(f"tensor {info.name!r}: unsupported tensor type {info.ggml_type.name} ({e})") from e
-    return SPLITS[name][0] if is_split(name, int(info.shape[0]) if rows is None else rows, splits) else name
+    n = int(info.shape[0]) if rows is None else rows
+    return SPLITS[name][0] if is_split(name, n, int(info.shape[1]), splits) else name
 
 
 def _layer_entries(gf: GGUFFile, i: int, fuse: bool, splits: frozenset[str] = frozenset()) -> dict[str, _Entry]:

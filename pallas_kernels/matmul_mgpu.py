@@ -180,6 +180,12 @@ DEFAULT_TUNING = MosaicMatmulTuning()
 PREFILL_TUNING = MosaicMatmulTuning(tile_k=64, stages=4, fold_scales=True, m_tile=256)
 
 
+def takes_shape(n: int, k: int) -> bool:
+    """Whether the default decode and prefill tunings take a weight of [N, K] (N a multiple of
+    the warpgroup's rows, K of both K steps); formats aside."""
+    return n % BLOCK_N == 0 and k % DEFAULT_TUNING.tile_k == 0 and k % PREFILL_TUNING.tile_k == 0
+
+
 def default_tuning(m: int) -> MosaicMatmulTuning:
     """The tuning for m rows of x: DEFAULT_TUNING for decode (up to MAX_ROWS), else PREFILL_TUNING."""
     return DEFAULT_TUNING if m <= MAX_ROWS else PREFILL_TUNING

@@ -100,7 +100,7 @@ def test_x_made_by_elementwise_ops_is_announced_only_to_a_matmul_that_takes_it(t
     """Kernels.matmul(..., elementwise_x=True) (the forward pass's output and down projections)
     passes `gather_x=True` to an implementation with a `takes_gather_x` attribute (the Mosaic GPU
     matmul's), nothing to the others; and the forward pass says it for exactly those matrices."""
-    options: list[dict] = []
+    options: list[tuple] = []
 
     def gathers(x, w, tuning=None, *, layer=None, interpret=False, **kw):
         options.append((tuple(w.shape), kw))
@@ -121,7 +121,7 @@ def test_x_made_by_elementwise_ops_is_announced_only_to_a_matmul_that_takes_it(t
     loaded.kernels.matmul(x, w, 0)
     assert options == [(tuple(w.shape), {"gather_x": True}), (tuple(w.shape), {})]
     options.clear()
-    loaded.make_runner(cfg).warmup()  # traces the decode programs (8 rows: this implementation)
+    loaded.make_runner(cfg).warmup()  # traces the decode and prefill programs (all through `gathers`)
     layers = loaded.params.layers
     gathered = {tuple(layers[k].shape) for k in ("wo", "w_down")}
     assert {s for s, kw in options if kw} == gathered

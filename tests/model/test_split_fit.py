@@ -61,3 +61,20 @@ def test_kv_cache_bytes():
     assert loader.kv_cache_bytes(cfg, EngineConfig(num_slots=8, max_context=128, kv_dtype="float32")) == 4 * want
     assert loader.kv_cache_bytes(cfg, EngineConfig(num_slots=8, max_context=64, kv_dtype="float8_e4m3fn")) == (
         2 * 2 * 8 * 64 * 3 * 64)
+
+
+def test_formats_with_kernels_of_their_own_are_split_only_where_the_mosaic_matmul_takes_the_shape():
+    """Q4_1, Q5_0 and Q5_1 keep their Triton kernels where the Mosaic GPU matmul would refuse the
+    split (K not a multiple of its K step, N not of 64: SmolLM2's K = 576, Gemma 3's 640); Q6_K's
+    split needs N in 64s; Q4_K and Q5_K split whatever the shape (the Triton Q4_0 / Q8_0 kernels
+    take their splits)."""
+    from model.weights import is_split
+
+    every = frozenset({"q4_k", "q5_k", "q6_k", "q4_1", "q5_0", "q5_1"})
+    for fmt in ("q4_1", "q5_0", "q5_1"):
+        assert is_split(fmt, 576, 1536, every) and is_split(fmt, 4096, 11008 - 11008 % 256, every)
+        assert not is_split(fmt, 1728, 576, every) and not is_split(fmt, 1024, 640, every)
+        assert not is_split(fmt, 1000, 1024, every)  # N
+        assert not is_split(fmt, 576, 1536, every - {fmt})
+    assert is_split("q6_k", 576, 1536, every) and not is_split("q6_k", 1000, 1536, every)
+    assert is_split("q4_k", 1000, 768, every) and is_split("q5_k", 1000, 768, every)

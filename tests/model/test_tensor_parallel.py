@@ -316,7 +316,7 @@ cfg = ModelConfig.from_gguf_metadata(gf.metadata, frozenset(gf.tensors))
 seen = []
 
 def mm(x, w, layer=None, split=None, elementwise_x=False):
-    seen.append([split, list(w.shape)])
+    seen.append([split, list(w.shape), elementwise_x])
     return matmul_triton.qmatmul_triton(x.astype(jnp.float32), w, layer=layer, interpret=True)
 
 kern = Kernels(mm, embed_reference, functools.partial(attention_triton.attention_decode_triton, interpret=True),
@@ -359,11 +359,15 @@ def test_pallas_kernels_run_per_shard(tiny_tp_path: pathlib.Path) -> None:
         assert err < 1e-4, f"{what}: relative error {err:.3g}"
         assert int(np.argmax(got)) == int(np.argmax(ref))
     # tiny-tp: E 256, 8 heads of 32, 4 kv heads, F 768, V 2048 (tied output)
-    one = {(split, tuple(shape)) for split, shape in runs[1]["shapes"]}
-    four = {(split, tuple(shape)) for split, shape in runs[4]["shapes"]}
+    one = {(split, tuple(shape)) for split, shape, _ in runs[1]["shapes"]}
+    four = {(split, tuple(shape)) for split, shape, _ in runs[4]["shapes"]}
     assert ("column", (256, 256)) in one and ("row", (256, 768)) in one
     assert four == {("column", (64, 256)), ("column", (32, 256)), ("row", (256, 64)), ("column", (192, 256)),
                     ("row", (256, 192)), ("column", (512, 256))}
+    # the forward pass's elementwise_x (wo's and w_down's x) reaches each shard's kernel: those two
+    # are the row-parallel matrices
+    assert {(split, ew) for split, _, ew in runs[1]["shapes"]} == {("column", False), ("row", True), ("vocab", False)}
+    assert {(split, ew) for split, _, ew in runs[4]["shapes"]} == {("column", False), ("row", True)}  # vocab: column
 
 
 def test_kernels_are_probed_on_per_device_shapes() -> None:

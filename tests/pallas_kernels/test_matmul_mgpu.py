@@ -122,6 +122,24 @@ class TestMosaicGpuLegacySplit(TestMosaicGpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+class TestMosaicGpuGatherX(TestMosaicGpu):
+    """x's permutation as a gather (`gather_x`, the output and down projections' x in the engine)."""
+
+    CASES = (
+        Case("q4_0", 8, 512, 4096, "bfloat16", stack=True),
+        Case("q4_0", 200, 1024, 2048, "bfloat16"),
+        Case("q4_k", 8, 4096, 11008, "bfloat16", stack=True),
+        Case("q4_k", 200, 1024, 2048, "bfloat16"),
+    )
+
+    def matmul(self, x, w, case, layer=None):
+        if case.fmt == "q4_k":
+            w = q4_k_split.split_q4_k(w)
+        return matmul_mgpu.qmatmul_mgpu(x, w, layer=layer, gather_x=True)
+
+
+@pytest.mark.gpu
 @pytest.mark.variant
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 class TestMosaicGpuQ4KSplitOffsetsAfter(TestMosaicGpuQ4KSplit):
@@ -431,7 +449,8 @@ def test_x_permutations_as_gathers_are_the_transposes(permute):
     assert "transpose" in str(jax.make_jaxpr(permute)(x))
 
 
-@pytest.mark.parametrize("fmt,m", [("q4_0", 8), ("q4_0", 512), ("q4_k_split", 8), ("q8_0", 8)])
+@pytest.mark.parametrize("fmt,m", [("q4_0", 8), ("q4_0", 512), ("q4_k_split", 8), ("q4_k_split", 512),
+                                   ("q4_1_split", 512), ("q8_0", 8)])
 def test_gather_x_lowers_for_cuda(fmt, m):
     """With `gather_x` the Q4_0 kernels' x is permuted by a gather; Q8_0's x is not permuted."""
     pytest.importorskip("absl")

@@ -53,17 +53,17 @@ def test_defaults() -> None:
     assert not engine.separate_kv_write  # the attention kernel writes the keys and values where it can
     # Q4_K, Q5_K, Q6_K, Q4_1, Q5_0 and Q5_1 split where the Mosaic GPU matmul serves them: one Hopper GPU,
     # the matmul not forced elsewhere
-    both = {"q4_k", "q5_k", "q6_k", "q4_1", "q5_0", "q5_1"}
+    every = {"q4_k", "q5_k", "q6_k", "q4_1", "q5_0", "q5_1"}
     assert engine.split_q4_k == engine.split_q5_k == engine.split_q6_k == engine.split_legacy == "auto"
     no_legacy = build_configs(build_parser().parse_args(["--split-legacy", "off"]), {})[0]
     assert split_formats(no_legacy, True) == {"q4_k", "q5_k", "q6_k"} and split_formats(no_legacy, False) == set()
     assert engine.reuse_kernel_lowering and engine.prefill_cuda_graphs and engine.gc_freeze
-    assert split_formats(engine) == set() and split_formats(engine, mosaic_available=True) == both
+    assert split_formats(engine) == set() and split_formats(engine, mosaic_available=True) == every
     for other in (dataclasses.replace(engine, kernels=(("matmul", "triton"),)),
                   dataclasses.replace(engine, tensor_parallel=2)):
         assert split_formats(other, mosaic_available=True) == set()
     mosaic = dataclasses.replace(engine, kernels=(("matmul", "mosaic_gpu"),))
-    assert split_formats(mosaic, mosaic_available=True) == both
+    assert split_formats(mosaic, mosaic_available=True) == every
     prefill_elsewhere = (("matmul_decode", "mosaic_gpu"), ("matmul", "triton"))  # Triton takes no Q6_K split
     assert split_formats(dataclasses.replace(engine, kernels=prefill_elsewhere), mosaic_available=True) == set()
     off = build_configs(build_parser().parse_args(["--split-q4-k", "off", "--split-q5-k", "off", "--split-legacy", "off",
