@@ -102,9 +102,10 @@ def tensor_types(shape: Shape, quant: str) -> dict[str, tuple[tuple[int, ...], Q
     output = Q.Q6_K if quant in ("q4_0", "q4_1", "q5_0", "q5_1", *_K_MIXES) else base
 
     def fit(qtype: Q, k: int) -> Q:
-        # llama.cpp falls back when a row is not a whole number of K-quant super-blocks
+        # llama.cpp's fallback (llama-quant.cpp) where a row is not a whole number of K-quant
+        # super-blocks: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0
         if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) and k % QK_K:
-            return Q.Q8_0
+            return {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}[qtype]
         return qtype
 
     out: dict[str, tuple[tuple[int, ...], Q]] = {

@@ -98,3 +98,27 @@ def test_legacy_quant_files_and_weight_scale(written, quant_name: str, base: str
         assert np.isfinite(w).all()
         assert 0.5 / np.sqrt(k) < w.std() < 2.0 / np.sqrt(k), (name, w.std() * np.sqrt(k))
         assert abs(w.mean()) < 0.2 / np.sqrt(k), (name, w.mean() * np.sqrt(k))
+
+
+def test_k_quant_fallback_for_rows_of_partial_super_blocks_is_llama_cpp_s() -> None:
+    """Where K is not a multiple of 256, llama.cpp's K-quant mixes fall back per type (Q4_K ->
+    Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0); the table is read from the script's module (no file)."""
+    import dataclasses
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_make_synthetic_gguf", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules[spec.name]
+    shape = dataclasses.replace(mod.SHAPES["tiny"], embed_dim=320, ffn_dim=640, num_heads=5, num_kv_heads=5)
+    Q = gguf.GGMLQuantizationType
+    for quant, low in (("q4_k_m", Q.Q5_0), ("q5_k_m", Q.Q5_1)):
+        types = {name: t for name, (_, t) in mod.tensor_types(shape, quant).items()}
+        assert types["blk.0.attn_q.weight"] == types["blk.0.ffn_down.weight"] == low  # K 320, 640
+        assert types["blk.1.attn_v.weight"] == types["blk.1.ffn_down.weight"] == Q.Q8_0  # Q6_K's layers
+        assert types["output.weight"] == Q.Q8_0
+    big = {name: t for name, (_, t) in mod.tensor_types(mod.SHAPES["tiny"], "q4_k_m").items()}
+    assert big["blk.0.attn_q.weight"] == Q.Q4_K  # K 256: no fallback
