@@ -151,11 +151,12 @@ SPLITS = {"q4_k": ("q4_k_split", q4_k_split.split_q4_k), "q5_k": ("q5_k_split", 
 _SPLITS_JIT = {fmt: jax.jit(fn) for fmt, (_, fn) in SPLITS.items()}
 
 
-# Split only where the Mosaic GPU matmul takes the shape: no other GPU kernel serves Q6_K's split,
-# and Q4_1, Q5_0 and Q5_1 have Triton kernels of their own (Q5_0 as Q8_0 would read 55% more bytes
-# through Triton's Q8_0 kernel). SmolLM2's K of 576 and Gemma 3 270M's 640 are not multiples of
-# the decode kernel's K step (256).
-_SPLIT_ONLY_FOR_MOSAIC = ("q6_k", "q4_1", "q5_0", "q5_1")
+# Q4_1, Q5_0 and Q5_1 are split only where the Mosaic GPU matmul takes the shape: they have Triton
+# kernels of their own (Q5_0 as Q8_0 would read 55% more bytes through Triton's Q8_0 kernel).
+# SmolLM2's K of 576 and Gemma 3 270M's 640 are not multiples of the decode kernel's K step (256).
+# Q6_K's split needs N in 64s (no other GPU kernel serves it); Q4_K's and Q5_K's go to the Triton
+# Q4_0 / Q8_0 kernels where the Mosaic one refuses them.
+_SPLIT_WHERE_MOSAIC_TAKES = ("q4_1", "q5_0", "q5_1")
 
 
 def is_split(fmt: str, n: int, k: int, splits: frozenset[str]) -> bool:
@@ -164,7 +165,7 @@ def is_split(fmt: str, n: int, k: int, splits: frozenset[str]) -> bool:
         return False
     if fmt == "q6_k":
         return q6_k_split.takes(n)
-    return fmt not in _SPLIT_ONLY_FOR_MOSAIC or matmul_mgpu.takes_shape(n, k)
+    return fmt not in _SPLIT_WHERE_MOSAIC_TAKES or matmul_mgpu.takes_shape(n, k)
 
 
 def _split(w: quant.QuantizedTensor, splits: frozenset[str], jit: bool = False) -> quant.QuantizedTensor:

@@ -15,9 +15,8 @@ D] tiles of K and V of its kv head once for all G = H / K query heads of that he
 queries padded to >= 16 rows, the smallest Triton dot), keeps an online softmax in f32 and
 writes a partial (max, sum, unnormalised output); an elementwise jnp step merges the splits
 (XLA fuses it into what follows where it can, `_merge_splits`; with one split the kernel writes
-the final output itself). The grid's
-splits are static (`DecodeAttentionConfig.plan`: enough to fill about `target_programs`
-programs with all B rows). By default a row's tiles are divided among them by its own length
+the final output itself). The grid's splits are static (`DecodeAttentionConfig.plan`: enough to
+fill about `target_programs` programs with all B rows). By default a row's tiles are divided among them by its own length
 alone, never by the span (the context bucket) or the other rows, so a row's output does not
 depend on what else is in the batch (the engine's batch invariance). Under `few_rows` (opt-in:
 the engine's `few_rows_attention`) the plan is made for a lone busy row and each row takes
