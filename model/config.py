@@ -274,6 +274,12 @@ class EngineConfig:
     # For A/B measurements: the kernel's own write saved 64 kernels and 89-97 us per step of a 7B
     # at 200 tokens of context on the H200 (bench/results, twelfth session).
     separate_kv_write: bool = False
+    # x of the output and down projections (made by elementwise ops) permuted for the Mosaic GPU
+    # matmul by a gather, which XLA fuses into those ops, rather than a transpose (its `gather_x`;
+    # `Kernels.matmul`'s `elementwise_x`). For A/B measurements: on the H200 a Llama-3-8B Q4_0
+    # step took 405 kernels with it against 469 and decoded 3-4% faster (bench/results, twentieth
+    # session); measured on Q4_0 files only.
+    gather_x: bool = True
     # The Mosaic GPU matmuls called through `pallas_kernels.lowering_cache.LoweredOnce`: each
     # kernel lowered once per shape for all the step programs instead of once per program (on
     # the H200, 1.5 s per kernel and program, under the GIL). One device only, and a jax that can

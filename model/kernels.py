@@ -199,7 +199,8 @@ def choose_kernels(
             raise KeyError(f"no matmul was chosen for a {w.fmt} matrix {list(w.shape)}: not a shape of this model")
         # x made by elementwise ops: an implementation that permutes x does it as a gather, which
         # XLA fuses into them (pallas_kernels/matmul_mgpu.py, `gather_x`)
-        options = {"gather_x": True} if elementwise_x and getattr(fn, "takes_gather_x", False) else {}
+        gathers = elementwise_x and engine_cfg.gather_x and getattr(fn, "takes_gather_x", False)
+        options = {"gather_x": True} if gathers else {}
         return fn(x.astype(act_dtype), w, layer=layer, **options)
 
     return Kernels(matmul=matmul, embed=embed_fn, attention_decode=dec_fn, attention_prefill=pre_fn,

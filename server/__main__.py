@@ -89,6 +89,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--separate-kv-write", action="store_true",
                    help="write each decode step's keys and values with XLA scatters before the attention kernel, "
                         "not inside it (for A/B measurements)")
+    p.add_argument("--no-gather-x", dest="gather_x", action="store_false",
+                   help="permute the output and down projections' x for the Mosaic GPU matmul by a transpose, not "
+                        "a gather XLA fuses into the ops before it (for A/B measurements)")
     p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
                    help="compile the prefill programs without XLA's command buffers (CUDA graphs; for A/B "
                         "measurements)")
@@ -137,6 +140,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         unroll_decode_layers=args.unroll_decode_layers,
         few_rows_attention=args.few_rows_attention,
         separate_kv_write=args.separate_kv_write,
+        gather_x=args.gather_x,
         reuse_kernel_lowering=args.reuse_kernel_lowering,
         prefill_cuda_graphs=args.prefill_cuda_graphs,
         gc_freeze=args.gc_freeze,

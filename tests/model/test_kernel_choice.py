@@ -99,7 +99,8 @@ def test_a_shape_the_first_kernel_refuses_gets_its_own_choice(tiny_tp_path, with
 def test_x_made_by_elementwise_ops_is_announced_only_to_a_matmul_that_takes_it(tiny_tp_path, with_decode_only):
     """Kernels.matmul(..., elementwise_x=True) (the forward pass's output and down projections)
     passes `gather_x=True` to an implementation with a `takes_gather_x` attribute (the Mosaic GPU
-    matmul's), nothing to the others; and the forward pass says it for exactly those matrices."""
+    matmul's), nothing to the others, nor with EngineConfig.gather_x off; and the forward pass
+    says it for exactly those matrices."""
     options: list[tuple] = []
 
     def gathers(x, w, tuning=None, *, layer=None, interpret=False, **kw):
@@ -127,6 +128,10 @@ def test_x_made_by_elementwise_ops_is_announced_only_to_a_matmul_that_takes_it(t
     assert {s for s, kw in options if kw} == gathered
     assert {s for s, kw in options if not kw} == {tuple(layers[k].shape) for k in ("wqkv", "w_gate_up")} | {
         tuple(loaded.params.output.shape)}
+    loaded, _ = _loaded(tiny_tp_path, gather_x=False)  # --no-gather-x (A/B): never asked
+    options.clear()
+    loaded.kernels.matmul(x, w, 0, elementwise_x=True)
+    assert options == [(tuple(w.shape), {})]
 
 
 def test_unknown_forced_op_is_an_error(tiny_tp_path):
