@@ -21,7 +21,7 @@ import numpy as np
 
 from model.config import ModelConfig
 from model.gguf_file import GGUFFile, GGUFLoadError, TensorInfo
-from pallas_kernels import legacy_split, matmul_mgpu, q4_k_split, q5_k_split, q6_k_split, quant
+from pallas_kernels import legacy_split, mgpu_tuning, q4_k_split, q5_k_split, q6_k_split, quant
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def is_split(fmt: str, n: int, k: int, splits: frozenset[str]) -> bool:
         return False
     if fmt == "q6_k":
         return q6_k_split.takes(n)
-    return fmt not in _SPLIT_WHERE_MOSAIC_TAKES or matmul_mgpu.takes_shape(n, k)
+    return fmt not in _SPLIT_WHERE_MOSAIC_TAKES or mgpu_tuning.takes_shape(n, k)
 
 
 def _split(w: quant.QuantizedTensor, splits: frozenset[str], jit: bool = False) -> quant.QuantizedTensor:

@@ -73,7 +73,6 @@ bench/matmul_ablation.py (variant `mgpu_mma`) and bench/kernels.py (`--impls mos
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -84,111 +83,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import q4_k_split, registry
+from pallas_kernels.mgpu_tuning import (  # noqa: F401  (re-exported: the kernel's tuning and plan)
+    BLOCK_K, BLOCK_N, CODE_BITS, DEFAULT_TUNING, MAX_ROWS, PREFILL_TUNING, SMEM_BYTES, SUPPORTED_FORMATS,
+    MosaicMatmulTuning, default_tuning, fuses_offsets, padded_rows, rows_per_cta, split_for, stage_bytes, stages_for,
+    takes_shape, tile_rows,
+)
 from pallas_kernels.q4_k_split import OFFSET_FORMS
 from pallas_kernels.quant import QuantizedTensor, check_layer
-
-SUPPORTED_FORMATS = ("q4_0", "q8_0", "q6_k_split")
-CODE_BITS = {"q4_0": 4, "q8_0": 8, "q6_k_split": 8}  # bits per code as the kernel views them
-# Weights per scale: a block meets x in wgmmas of this K (Q6_K split at load,
-# pallas_kernels/q6_k_split.py, has a scale per 16 weights and runs as int8 codes, as Q8_0 does).
-BLOCK_K = {"q4_0": 32, "q8_0": 32, "q6_k_split": 16}
-MAX_ROWS = 64  # rows of x in one tile of the decode kernel (unfolded scales: an accumulator per block)
-# Beyond MAX_ROWS (prefill), the folded-scale kernel runs x in tiles of `m_tile` rows (a grid axis;
-# one [64, m_tile] accumulator, carried across K steps); the unfolded one refuses.
-BLOCK_N = 64  # weight rows per warpgroup: the wgmma M
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicMatmulTuning:
-    """Tiling of one call. The defaults won on the H200 (gate/up, q/k/v, down and output
-    projection of a 7B at M = 8, the kernel's first cut): `tile_k` 128 or 512, and 3 or 8
-    stages, were slower."""
-
-    tile_k: int = 256  # K elements per pipeline step: a power of 2, 64..512 (2..16 blocks of 32, or 4..32 of 16)
-    stages: int = 4  # pipeline steps in flight per warpgroup
-    target_ctas: int = 264  # K is split until the grid reaches this many (about two per SM)
-    # Codes come out of shared memory 32 bits per thread (Mosaic's upcast layouts: 8 int4 or 4
-    # int8 per load) and are moved to the wgmma layout in registers before conversion; False
-    # loads them in the wgmma layout itself (8 or 16 bits per load); q4_0 with `word_unpack`
-    # always loads 32 bits, so False there is refused.
-    upcast_loads: bool = True
-    # q4_0: each thread turns the 32-bit word of 8 codes it loads into its four bf16 pairs of the
-    # wgmma operand with shifts, masks and one subtraction (`_q4_0_words_to_bf16`), with x
-    # permuted to match; False moves the codes to the wgmma layout first (two warp shuffles per
-    # word) and converts them there.
-    word_unpack: bool = True
-    # Each block's scales multiply its bf16 codes before the wgmma (the scale and then the
-    # product rounded to bf16: a weight is off by up to about 2^-7 of itself), so all of a
-    # 64-row tile's wgmmas add into one accumulator carried across K steps and a step never
-    # waits for its own wgmmas (only for the previous step's, before that step's x is
-    # released); False keeps the codes exact, one accumulator per block, and scales the block's
-    # [64, M] f32 result after waiting for the step's wgmmas. Slower on the H200 (bench/results,
-    # sixth session).
-    fold_scales: bool = False
-    # 64-row tiles of the weight per warpgroup (fewer where N does not divide): they share each
-    # step's x tile, so x is read from L2 once per 64 * row_tiles rows of weights rather than
-    # once per 64 (with 8 rows of x, x is half as many bytes as a 64-row tile of q4_0 codes).
-    row_tiles: int = 1
-    # q4_0: x is rounded to int8 per 32-block (scale amax / 127, as llama.cpp's MMQ kernels and
-    # its CPU dot products do) and the codes meet it in int8 wgmmas (s32 accumulators): a word of
-    # 8 codes becomes the two s8 registers of the wgmma operand with a mask and a shift (no
-    # conversion to bf16, no x permutation; `_q4_0_words_to_s8`). Each block's integer result is
-    # scaled by d_w * d_x after the step's wait. Not exact: x's rounding moves a product by about
-    # 0.5% (relative norm error; bench/results, seventh session).
-    int8_x: bool = False
-    # The kernel writes its partial sums as [split, M, N] (each [64, M] accumulator stored
-    # through a transposed view of shared memory), so the result needs no transpose after the
-    # call and XLA can fuse the split-K sum into whatever reads the rows (the residual add and
-    # the next norm); False writes [split, N, M], transposed by XLA after the call.
-    rows_out: bool = True
-    # Rows of x per CTA when x has more than MAX_ROWS (with `fold_scales` only): the wgmma N,
-    # a multiple of 8 up to 256 (fewer rows of x run as one tile of their own size).
-    m_tile: int = 256
-    # "q4_k_split" (Q4_K split at load, pallas_kernels/q4_k_split.py) and the other formats with
-    # offsets (`OFFSET_FORMS`): the decode kernel adds each
-    # block's offsets (its row of the `c` plane times x's sums over the block) to the block's
-    # scaled result, so a split matrix costs one kernel; False, and where the kernel cannot
-    # (folded scales, int8 x, K steps under 128), they are an XLA dot after the call
-    # (`q4_k_split.offset_term`).
-    fuse_offsets: bool = True
-
-    def __post_init__(self) -> None:
-        if self.row_tiles not in (1, 2, 4):
-            raise ValueError(f"row_tiles must be 1, 2 or 4, got {self.row_tiles!r}")
-        if self.tile_k not in (64, 128, 256, 512):
-            raise ValueError(f"tile_k must be 64, 128, 256 or 512, got {self.tile_k!r}")
-        if not isinstance(self.stages, int) or self.stages < 1:
-            raise ValueError(f"stages must be an int >= 1, got {self.stages!r}")
-        if not isinstance(self.m_tile, int) or not 8 <= self.m_tile <= 256 or self.m_tile % 8:
-            raise ValueError(f"m_tile must be a multiple of 8 from 8 to 256, got {self.m_tile!r}")
-        if not isinstance(self.target_ctas, int) or self.target_ctas < 1:
-            raise ValueError(f"target_ctas must be an int >= 1, got {self.target_ctas!r}")
-        if self.word_unpack and not self.upcast_loads:
-            raise ValueError("word_unpack reads the codes 32 bits per thread: it needs upcast_loads")
-        if self.int8_x and (self.fold_scales or self.row_tiles != 1 or not self.upcast_loads or self.tile_k < 128):
-            # tile_k >= 128: a step's x factors [tile_k / 32, 8] f32 must fill a 128-byte copy
-            raise ValueError("int8_x takes one 64-row tile, unfolded scales, 32-bit code loads and tile_k >= 128")
-
-
-DEFAULT_TUNING = MosaicMatmulTuning()
-# More than MAX_ROWS rows of x (prefill chunks): folded scales, tiles of up to 256 rows of x, K
-# steps of 64. On the H200 at M = 512 (7B shapes, bench/results, eighth session), the kernel
-# alone: 410-475 TFLOP/s, 58-61% of XLA's bf16 dot in the same run, against 263-291 for the
-# Triton kernel's; the split-K sum and x's permutation add 6.5-18 us per call outside it (4096 x
-# 4096: 54 us in all, 46% of the dot). Tiles of 128 rows were 2-7% slower with K steps of 128 and
-# 22-28% slower with K steps of 64; tiles of 256 with K steps of 128 (3 stages), 30% slower.
-PREFILL_TUNING = MosaicMatmulTuning(tile_k=64, stages=4, fold_scales=True, m_tile=256)
-
-
-def takes_shape(n: int, k: int) -> bool:
-    """Whether the default decode and prefill tunings take a weight of [N, K] (N a multiple of
-    the warpgroup's rows, K of both K steps); formats aside."""
-    return n % BLOCK_N == 0 and k % DEFAULT_TUNING.tile_k == 0 and k % PREFILL_TUNING.tile_k == 0
-
-
-def default_tuning(m: int) -> MosaicMatmulTuning:
-    """The tuning for m rows of x: DEFAULT_TUNING for decode (up to MAX_ROWS), else PREFILL_TUNING."""
-    return DEFAULT_TUNING if m <= MAX_ROWS else PREFILL_TUNING
 
 
 def _plgpu():
@@ -196,13 +97,6 @@ def _plgpu():
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     return plgpu
-
-
-def fuses_offsets(tuning: MosaicMatmulTuning) -> bool:
-    """Whether the kernel adds the offsets of a matrix in `OFFSET_FORMS` itself (`fuse_offsets`; only the
-    unfolded decode kernel with bf16 x, and K steps of at least 128: a step's block sums of x,
-    [tile_k / 32, 8] f32, must fill a 128-byte copy)."""
-    return tuning.fuse_offsets and not tuning.fold_scales and not tuning.int8_x and tuning.tile_k >= 128
 
 
 def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatmulTuning) -> None:
@@ -233,62 +127,6 @@ def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatm
     if stages_for(w.fmt, tile_rows(m, tuning), tuning, rows_per_cta(n, tuning), offsets) < 2:
         raise NotImplementedError(f"mosaic_gpu matmul: {m} rows with K steps of {tuning.tile_k} leave shared memory "
                                   "for fewer than 2 steps in flight")
-
-
-SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on the H100/H200
-
-
-def padded_rows(m: int) -> int:
-    """Rows of x as the kernel runs them: a multiple of 8 (the wgmma N)."""
-    return -(-m // 8) * 8
-
-
-def tile_rows(m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING) -> int:
-    """Rows of x per CTA (a multiple of 8): all of them up to MAX_ROWS; beyond, the fewest tiles
-    of at most `tuning.m_tile` rows, balanced (300 rows: two tiles of 152, not 256 + 256)."""
-    if m <= MAX_ROWS:
-        return padded_rows(m)
-    tiles = -(-m // tuning.m_tile)
-    return padded_rows(-(-m // tiles))
-
-
-def rows_per_cta(n: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING) -> int:
-    """Weight rows per warpgroup: 64 * `tuning.row_tiles`, halved until they divide N (a multiple of 64)."""
-    if n % BLOCK_N:
-        raise ValueError(f"N={n} is not a multiple of {BLOCK_N}")
-    tiles = tuning.row_tiles
-    while n % (BLOCK_N * tiles):
-        tiles //= 2
-    return BLOCK_N * tiles
-
-
-def stage_bytes(fmt: str, m: int, tile_k: int, rows: int = BLOCK_N, int8_x: bool = False,
-                offsets: bool = False) -> int:
-    """Shared memory of one pipeline step: x [M, tile_k] bf16, codes [rows, tile_k], scales. With
-    `int8_x`, x's two int8 copies take the bytes of the bf16 one, and its two f32 factors per block
-    and row come on top; with `offsets` (`OFFSET_FORMS`), x's f32 block sums and the f16 offsets."""
-    extra = 2 * padded_rows(m) * (tile_k // 32) * 4 if int8_x else 0
-    if offsets:
-        extra += (padded_rows(m) * 4 + rows * 2) * (tile_k // 32)
-    scales = rows * (tile_k // BLOCK_K[fmt]) * 2
-    return padded_rows(m) * tile_k * 2 + rows * tile_k * CODE_BITS[fmt] // 8 + scales + extra
-
-
-def stages_for(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, rows: int | None = None,
-               offsets: bool = False) -> int:
-    """Steps in flight: `tuning.stages`, or as many as fit beside the [rows, m] f32 output tile
-    (m: the CTA's rows of x, `tile_rows`; rows: `rows_per_cta(n, tuning)`, by default the most
-    the tuning allows)."""
-    rows = BLOCK_N * tuning.row_tiles if rows is None else rows
-    room = SMEM_BYTES - rows * padded_rows(m) * 4 - 1024  # barriers and alignment
-    return min(tuning.stages, room // stage_bytes(fmt, m, tuning.tile_k, rows, tuning.int8_x, offsets))
-
-
-def split_for(n: int, k: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, m_tiles: int = 1) -> int:
-    """K splits: the fewest giving `target_ctas` warpgroups (with `m_tiles` tiles of x's rows),
-    at most one per K step."""
-    ctas = (n // rows_per_cta(n, tuning)) * m_tiles
-    return max(1, min(k // tuning.tile_k, -(-tuning.target_ctas // ctas)))
 
 
 def permute_x(x2: jax.Array, gather: bool = False) -> jax.Array:
