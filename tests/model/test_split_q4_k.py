@@ -26,6 +26,39 @@ def formats(params) -> set[str]:
     return {leaf.fmt for leaf in leaves if isinstance(leaf, QuantizedTensor)}
 
 
+def assert_same_logits(base, split, seed: int) -> None:
+    """Teacher-forced on two random prompts, the split model's logits are the base model's up to
+    the f16 rounding of the split's scales (and offsets)."""
+    rng = np.random.default_rng(seed)
+    cases = [(rng.integers(0, 2048, 40).tolist(), rng.integers(0, 2048, 6).tolist()) for _ in range(2)]
+    forced = [teacher_forced_logits(m.config, m.kernels, m.params, cases, max_context=128) for m in (base, split)]
+    for a, b in zip(*forced):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.isfinite(b).all()
+        # Q4_K measured 1.8e-3 and 1.9e-3: each block scale's f16 rounding (2^-11 at most), over 2 layers
+        assert np.linalg.norm(a - b) / np.linalg.norm(a) < 5e-3
+        assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.8  # random weights: near-ties are common
+
+
+def host_and_device_splits(path: pathlib.Path, splits: set[str]):
+    """The params split on the device after placement (one device) and on the host before it (a
+    `place` of the caller's own: tensor parallelism), asserted to hold the same planes; the
+    host-split params."""
+    from model.config import ModelConfig
+    from model.gguf_file import GGUFFile
+    from model.weights import _to_device, load_params
+
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_gguf_metadata(gf.metadata, frozenset(gf.tensors))
+    on_device = load_params(gf, cfg, splits=splits)
+    on_host = load_params(gf, cfg, place=_to_device, splits=splits)
+    a, b = jax.tree_util.tree_leaves_with_path(on_device), jax.tree_util.tree_leaves_with_path(on_host)
+    assert [path for path, _ in a] == [path for path, _ in b]
+    for (path, x), (_, y) in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+    return on_host
+
+
 @pytest.mark.parametrize("q6_k", ["off", "on"])
 def test_split_model_gives_the_same_logits(tiny_q4_k_m, q6_k):
     base = load_model(tiny_q4_k_m, EngineConfig(max_context=128))
@@ -39,34 +72,12 @@ def test_split_model_gives_the_same_logits(tiny_q4_k_m, q6_k):
         assert split.kernel_names["matmul_decode[q6_k_split]"] == "reference"
     assert not split.config.tied_output and split.params.embed.fmt == "q4_k"
     assert split.kernel_names["matmul_decode[q4_k_split]"] == "reference"  # the CPU
-    rng = np.random.default_rng(0)
-    cases = [(rng.integers(0, 2048, 40).tolist(), rng.integers(0, 2048, 6).tolist()) for _ in range(2)]
-    forced = [teacher_forced_logits(m.config, m.kernels, m.params, cases, max_context=128) for m in (base, split)]
-    for a, b in zip(*forced):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        assert np.isfinite(b).all()
-        # measured 1.8e-3 and 1.9e-3: each block scale's f16 rounding (2^-11 at most), over 2 layers
-        assert np.linalg.norm(a - b) / np.linalg.norm(a) < 5e-3
-        assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.8  # random weights: near-ties are common
+    assert_same_logits(base, split, seed=0)
 
 
 def test_host_and_device_splits_agree(tiny_q4_k_m):
-    """The split made on the device after placement (one device) and on the host before it (a
-    `place` of the caller's own: tensor parallelism) give the same planes."""
-    from model.config import ModelConfig
-    from model.gguf_file import GGUFFile
-    from model.weights import _to_device, load_params
-
-    gf = GGUFFile(tiny_q4_k_m)
-    cfg = ModelConfig.from_gguf_metadata(gf.metadata, frozenset(gf.tensors))
-    on_device = load_params(gf, cfg, splits={"q4_k", "q6_k"})
-    on_host = load_params(gf, cfg, place=_to_device, splits={"q4_k", "q6_k"})
-    a = jax.tree_util.tree_leaves_with_path(on_device)
-    b = jax.tree_util.tree_leaves_with_path(on_host)
-    assert [path for path, _ in a] == [path for path, _ in b]
-    for (path, x), (_, y) in zip(a, b):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
-    assert {"q4_k_split", "q6_k_split"} <= formats(on_host)
+    """The split made on the device after placement and on the host before it give the same planes."""
+    assert {"q4_k_split", "q6_k_split"} <= formats(host_and_device_splits(tiny_q4_k_m, {"q4_k", "q6_k"}))
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +87,6 @@ def tiny_q5_k_m(synthetic_gguf) -> pathlib.Path:
 
 def test_split_q5_k_model_gives_the_same_logits_and_host_and_device_splits_agree(tiny_q5_k_m):
     """Q5_K split for Q8_0's kernels (pallas_kernels/q5_k_split.py), as Q4_K's above."""
-    from model.config import ModelConfig
-    from model.gguf_file import GGUFFile
-    from model.weights import _to_device, load_params
-
     base = load_model(tiny_q5_k_m, EngineConfig(max_context=128))
     split = load_model(tiny_q5_k_m, EngineConfig(max_context=128, split_q5_k="on"))
     assert split.splits == {"q5_k"} and not base.splits  # "auto": not on a CPU
@@ -87,24 +94,8 @@ def test_split_q5_k_model_gives_the_same_logits_and_host_and_device_splits_agree
     assert "q5_k_split" in formats(split.params.layers) and "q5_k" not in formats(split.params.layers)
     assert split.params.embed.fmt == "q5_k"  # untied: only gathered from
     assert split.kernel_names["matmul_decode[q5_k_split]"] == "reference"  # the CPU
-    rng = np.random.default_rng(1)
-    cases = [(rng.integers(0, 2048, 40).tolist(), rng.integers(0, 2048, 6).tolist()) for _ in range(2)]
-    forced = [teacher_forced_logits(m.config, m.kernels, m.params, cases, max_context=128) for m in (base, split)]
-    for a, b in zip(*forced):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        assert np.isfinite(b).all()
-        assert np.linalg.norm(a - b) / np.linalg.norm(a) < 5e-3  # the f16 block scales' and offsets' rounding
-        assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.8
-
-    gf = GGUFFile(tiny_q5_k_m)
-    cfg = ModelConfig.from_gguf_metadata(gf.metadata, frozenset(gf.tensors))
-    on_device = load_params(gf, cfg, splits={"q5_k"})
-    on_host = load_params(gf, cfg, place=_to_device, splits={"q5_k"})
-    a, b = jax.tree_util.tree_leaves_with_path(on_device), jax.tree_util.tree_leaves_with_path(on_host)
-    assert [path for path, _ in a] == [path for path, _ in b]
-    for (path, x), (_, y) in zip(a, b):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
-    assert "q5_k_split" in formats(on_host)
+    assert_same_logits(base, split, seed=1)
+    assert "q5_k_split" in formats(host_and_device_splits(tiny_q5_k_m, {"q5_k"}))
 
 
 def test_split_legacy_smollm2_gives_the_same_logits(smollm2, smollm2_path, fixtures_dir):

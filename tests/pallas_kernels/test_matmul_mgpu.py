@@ -48,77 +48,33 @@ class TestMosaicGpu(MatmulConformance):
         jax.block_until_ready(jnp.full((64 << 20,), jnp.nan, jnp.float32))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-class TestMosaicGpuQ4KSplit(TestMosaicGpu):
-    """Q4_K split at load (pallas_kernels/q4_k_split.py): Q4_0's kernel on its codes and scales
-    plus the offsets' dot, against the Q4_K reference."""
-
-    CASES = (
-        Case("q4_k", 1, 256, 1024, "bfloat16"),
-        Case("q4_k", 8, 512, 4096, "bfloat16", stack=True),
-        Case("q4_k", 8, 4096, 11008, "bfloat16", stack=True),
-        Case("q4_k", 64, 1024, 2048, "bfloat16"),
-        Case("q4_k", 200, 1024, 2048, "bfloat16"),  # prefill rows: the folded-scale kernel
-    )
-
-    def matmul(self, x, w, case, layer=None):
-        return matmul_mgpu.qmatmul_mgpu(x, q4_k_split.split_q4_k(w), layer=layer)
+# The splits made at load for the Mosaic kernel, by the GGML format they take: Q4_K and Q4_1 as
+# Q4_0's codes and scales plus f16 offsets (added in the decode kernel, a dot after the prefill
+# one), Q5_K and Q5_1 likewise as Q8_0's, Q5_0 as Q8_0 exactly, Q6_K as int8 codes with a scale
+# per 16 weights (16-wide wgmmas).
+SPLITS = {"q4_k": q4_k_split.split_q4_k, "q5_k": q5_k_split.split_q5_k, "q6_k": q6_k_split.split_q6_k,
+          "q4_1": legacy_split.split_q4_1, "q5_0": legacy_split.q5_0_as_q8_0, "q5_1": legacy_split.split_q5_1}
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-class TestMosaicGpuQ5KSplit(TestMosaicGpu):
-    """Q5_K split at load (pallas_kernels/q5_k_split.py): Q8_0's kernel on its int8 codes and
-    scales plus the offsets (in the decode kernel; a dot after the prefill one), against the Q5_K
-    reference."""
-
-    CASES = (
-        Case("q5_k", 1, 256, 1024, "bfloat16"),
-        Case("q5_k", 8, 512, 4096, "bfloat16", stack=True),
-        Case("q5_k", 8, 4096, 11008, "bfloat16", stack=True),
-        Case("q5_k", 64, 1024, 2048, "bfloat16"),
-        Case("q5_k", 200, 1024, 2048, "bfloat16"),  # prefill rows: the folded-scale kernel
-    )
-
-    def matmul(self, x, w, case, layer=None):
-        return matmul_mgpu.qmatmul_mgpu(x, q5_k_split.split_q5_k(w), layer=layer)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-class TestMosaicGpuQ6KSplit(TestMosaicGpu):
-    """Q6_K split at load (pallas_kernels/q6_k_split.py): int8 codes with a scale per 16 weights
-    (16-wide wgmmas), against the Q6_K reference."""
-
-    CASES = (
-        Case("q6_k", 1, 256, 1024, "bfloat16"),
-        Case("q6_k", 8, 512, 4096, "bfloat16", stack=True),
-        Case("q6_k", 8, 4096, 11008, "bfloat16", stack=True),
-        Case("q6_k", 64, 1024, 2048, "bfloat16"),
-        Case("q6_k", 200, 1024, 2048, "bfloat16"),  # prefill rows: the folded-scale kernel
-    )
-
-    def matmul(self, x, w, case, layer=None):
-        return matmul_mgpu.qmatmul_mgpu(x, q6_k_split.split_q6_k(w), layer=layer)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-class TestMosaicGpuLegacySplit(TestMosaicGpu):
-    """Q4_1, Q5_0 and Q5_1 split at load (pallas_kernels/legacy_split.py): Q5_0 as Q8_0, Q4_1 in
-    the Q4_K split's form, Q5_1 in the Q5_K split's, against each format's reference."""
-
-    SPLIT = {"q4_1": legacy_split.split_q4_1, "q5_0": legacy_split.q5_0_as_q8_0, "q5_1": legacy_split.split_q5_1}
-    CASES = tuple(c for fmt in ("q4_1", "q5_0", "q5_1") for c in (
+def split_cases(*fmts: str) -> tuple[Case, ...]:
+    return tuple(c for fmt in fmts for c in (
         Case(fmt, 1, 256, 1024, "bfloat16"),
+        Case(fmt, 8, 512, 4096, "bfloat16", stack=True),
         Case(fmt, 8, 4096, 11008, "bfloat16", stack=True),
         Case(fmt, 64, 1024, 2048, "bfloat16"),
         Case(fmt, 200, 1024, 2048, "bfloat16"),  # prefill rows: the folded-scale kernel
     ))
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+class TestMosaicGpuSplits(TestMosaicGpu):
+    """Each format split at load (`SPLITS`) through the kernel, against the format's reference."""
+
+    CASES = split_cases(*SPLITS)
+
     def matmul(self, x, w, case, layer=None):
-        return matmul_mgpu.qmatmul_mgpu(x, self.SPLIT[case.fmt](w), layer=layer)
+        return matmul_mgpu.qmatmul_mgpu(x, SPLITS[case.fmt](w), layer=layer)
 
 
 @pytest.mark.gpu
@@ -142,8 +98,10 @@ class TestMosaicGpuGatherX(TestMosaicGpu):
 @pytest.mark.gpu
 @pytest.mark.variant
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-class TestMosaicGpuQ4KSplitOffsetsAfter(TestMosaicGpuQ4KSplit):
+class TestMosaicGpuQ4KSplitOffsetsAfter(TestMosaicGpu):
     """The split's offsets as an XLA dot after Q4_0's kernel (`fuse_offsets=False`), not in it."""
+
+    CASES = split_cases("q4_k")
 
     def matmul(self, x, w, case, layer=None):
         tuning = dataclasses.replace(matmul_mgpu.default_tuning(x.shape[0]), fuse_offsets=False)
