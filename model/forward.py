@@ -211,9 +211,12 @@ def _split_cols(y: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
 def _qkv(cfg: ModelConfig, kern: Kernels, lp: dict, layer, h: jax.Array, pos: jax.Array, inv_freq: jax.Array):
     """h [M, E] normed hidden, pos [M] -> q [M, H, D], k/v [M, K, D] (roped)."""
     m = h.shape[0]
+    kv_dim = cfg.kv_dim
     if "wqkv" in lp:  # fused at load (model/weights.py): one read of x, one kernel
-        kv_dim = cfg.num_kv_heads * cfg.head_dim
         q, k, v = _split_cols(_mm(kern, h, lp["wqkv"], layer, "column"), (cfg.q_dim, kv_dim, kv_dim))
+    elif "wqk" in lp:  # v in a format of its own
+        q, k = _split_cols(_mm(kern, h, lp["wqk"], layer, "column"), (cfg.q_dim, kv_dim))
+        v = _mm(kern, h, lp["wv"], layer, "column")
     else:
         q = _mm(kern, h, lp["wq"], layer, "column")
         k = _mm(kern, h, lp["wk"], layer, "column")

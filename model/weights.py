@@ -181,7 +181,8 @@ def _matrix(info: TensorInfo, splits: frozenset[str] = frozenset()) -> quant.Qua
 
 # Matrices that read the same input, fused into one along N when their formats match: one
 # kernel launch and one pass over x instead of two or three (the forward pass splits the output).
-FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+# In order: q and k alone where v's format differs (Q4_K_M's Q6_K v in half the layers).
+FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up"), "wqk": ("wq", "wk")}
 
 # (where, key, host value) -> device value: where a loaded tensor goes. `where` names it for
 # errors ("blk.*" for a stack of layers, "blk.3", "token_embd", ...); key is its Params key

@@ -98,3 +98,29 @@ def test_grouped_layers_give_the_logits_of_single_layers(deep_q4_k_m):
             outs.append(np.stack(logits))
         np.testing.assert_array_equal(outs[1], outs[0])
         np.testing.assert_array_equal(outs[2], outs[0])
+
+
+def test_q_and_k_fused_where_v_differs(deep_q4_k_m):
+    """Q4_K_M's "M" layers hold a Q6_K v beside Q4_K q and k: q and k load as one matrix (one
+    kernel instead of two), v apart, and the logits are those of the three loaded apart."""
+    fused = load_model(deep_q4_k_m, EngineConfig(max_context=128))
+    with unittest.mock.patch.object(weights, "FUSED", {k: v for k, v in weights.FUSED.items() if k != "wqk"}):
+        apart = load_model(deep_q4_k_m, EngineConfig(max_context=128))
+    cfg = fused.config
+    phases = [p for e in fused.params.layers if isinstance(e, LayerGroup) for p in e.phases]
+    n = [p for p in phases if "wv" not in p]  # the runs (M, N, N) x 3 and (M) x 3
+    m = [p for p in phases if "wv" in p]
+    assert len(n) == 2 and len(m) == 2
+    assert all("wqkv" in p and not {"wq", "wk", "wv", "wqk"} & set(p) for p in n)
+    for p in m:
+        assert {"wqk", "wv"} <= set(p) and not {"wq", "wk", "wqkv"} & set(p)
+        assert (p["wqk"].fmt, p["wv"].fmt) == ("q4_k", "q6_k")
+        assert p["wqk"].shape[-2:] == (cfg.q_dim + cfg.kv_dim, cfg.embed_dim)
+    assert sum({"wq", "wk", "wv"} <= set(p) for e in apart.params.layers if isinstance(e, LayerGroup)
+               for p in e.phases) == 2
+    rng = np.random.default_rng(1)
+    cases = [(rng.integers(0, 2048, 30).tolist(), rng.integers(0, 2048, 4).tolist())]
+    a, b = (teacher_forced_logits(x.config, x.kernels, x.params, cases, max_context=128) for x in (apart, fused))
+    for x, y in zip(a, b):
+        assert np.isfinite(y).all()
+        np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-4)
