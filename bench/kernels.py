@@ -228,7 +228,8 @@ def triton_impls(fmt: str, m: int, n: int, k: int, x_dtype, interpret: bool, swe
 def mosaic_impls(sweep: bool, m: int) -> list[Impl]:
     """The Mosaic GPU kernel at its default tuning for the rows of x (`default_tuning`: decode up
     to 64 rows, prefill beyond), and with --sweep the decode tuning's neighbours: CTAs per SM (K
-    split), steps in flight, K step, the code loads and the q4_0 unpacking."""
+    split, and splits that divide the K steps evenly), steps in flight, K step, the code loads and
+    the q4_0 unpacking."""
     from pallas_kernels import matmul_mgpu
 
     base = matmul_mgpu.DEFAULT_TUNING
@@ -238,7 +239,7 @@ def mosaic_impls(sweep: bool, m: int) -> list[Impl]:
                         ("ctas528", dict(target_ctas=528)), ("stages6", dict(stages=6)),
                         ("tile512", dict(tile_k=512, stages=3)), ("wgmma_loads", dict(upcast_loads=False, word_unpack=False)),
                         ("shuffle_unpack", dict(word_unpack=False)), ("rows2", dict(row_tiles=2)),
-                        ("rows2_split1", dict(row_tiles=2, target_ctas=1))]:
+                        ("rows2_split1", dict(row_tiles=2, target_ctas=1)), ("even_split", dict(even_split=True))]:
             tunings.append((f"mosaic_gpu:{tag}", dataclasses.replace(base, **kw)))
     return [Impl(name, lambda x, w, t=t: matmul_mgpu.qmatmul_mgpu(x, w, t), str(t or matmul_mgpu.default_tuning(m)))
             for name, t in tunings]

@@ -72,6 +72,12 @@ class MosaicMatmulTuning:
     # (folded scales, int8 x, K steps under 128), they are an XLA dot after the call
     # (`q4_k_split.offset_term`).
     fuse_offsets: bool = True
+    # The K split rounded up to one that divides the K steps evenly (at most twice the split
+    # `target_ctas` gives; else that one): the CTA with the most steps bounds a latency-bound
+    # call, and the default split can leave one with a step more than the rest (8192 x 4096:
+    # 3 splits of 5, 5 and 6 steps; with this, 4 of 4). Not measured yet: a `bench/kernels.py
+    # --sweep` neighbour.
+    even_split: bool = False
 
     def __post_init__(self) -> None:
         if self.row_tiles not in (1, 2, 4):
@@ -170,6 +176,10 @@ def stages_for(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, ro
 
 def split_for(n: int, k: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, m_tiles: int = 1) -> int:
     """K splits: the fewest giving `target_ctas` warpgroups (with `m_tiles` tiles of x's rows),
-    at most one per K step."""
+    at most one per K step; with `even_split`, rounded up to divide the steps."""
     ctas = (n // rows_per_cta(n, tuning)) * m_tiles
-    return max(1, min(k // tuning.tile_k, -(-tuning.target_ctas // ctas)))
+    steps = k // tuning.tile_k
+    split = max(1, min(steps, -(-tuning.target_ctas // ctas)))
+    if tuning.even_split:
+        split = next((s for s in range(split, min(steps, 2 * split) + 1) if steps % s == 0), split)
+    return split

@@ -368,6 +368,18 @@ def test_split_reaches_the_target_grid():
     assert matmul_mgpu.split_for(256, 256) == 1  # never more splits than K steps
 
 
+def test_even_split_divides_the_k_steps():
+    even = matmul_mgpu.MosaicMatmulTuning(even_split=True)
+    assert matmul_mgpu.split_for(8192, 4096) == 3 and matmul_mgpu.split_for(8192, 4096, even) == 4  # 16 steps
+    assert matmul_mgpu.split_for(4096, 4096, even) == 8  # 5 does not divide 16; 8 does, within twice 5
+    assert matmul_mgpu.split_for(12288, 4096, even) == 2  # already even
+    assert matmul_mgpu.split_for(4096, 11008, even) == 5  # 43 steps: no divisor up to 10, the split stays
+    assert matmul_mgpu.split_for(4096, 14336, even) == 7  # 56 steps
+    for n, k in [(4096, 4096), (8192, 4096), (6144, 4096), (1024, 4096), (4096, 14336), (64, 256)]:
+        split, steps = matmul_mgpu.split_for(n, k, even), k // even.tile_k
+        assert matmul_mgpu.split_for(n, k) <= split <= steps
+
+
 @pytest.mark.parametrize("fmt,m,n,k,stack,tile_k,word_unpack,fold,tiles", [
     ("q4_0", 8, 4096, 11008, 3, 256, True, False, 1), ("q4_0", 1, 256, 1024, None, 256, True, False, 1),
     ("q4_0", 64, 512, 4096, 2, 256, True, False, 1), ("q4_0", 8, 512, 4096, 2, 512, True, False, 1),
