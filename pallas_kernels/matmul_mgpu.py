@@ -102,7 +102,8 @@ def _plgpu():
 def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatmulTuning) -> None:
     offsets = w.fmt in OFFSET_FORMS
     if offsets and not fuses_offsets(tuning):
-        raise NotImplementedError(f"mosaic_gpu matmul adds {w.fmt} offsets in the unfolded decode kernel only")
+        raise NotImplementedError(f"mosaic_gpu matmul adds {w.fmt} offsets with `fuse_offsets` (unfolded scales) or "
+                                  "`fold_offsets` (folded) only")
     if offsets:
         w = q4_k_split.codes_and_scales(w)
     if w.fmt not in SUPPORTED_FORMATS:
@@ -345,13 +346,18 @@ def _add_offsets(acc: jax.Array, f_smem, xs_smem, nb: int) -> jax.Array:
     return acc
 
 
-def _scaled_blocks(a: jax.Array, d_smem, blk: int = 32) -> list[jax.Array]:
+def _scaled_blocks(a: jax.Array, d_smem, blk: int = 32, f_smem=None) -> list[jax.Array]:
     """The step's codes a [64, tile_k] (bf16, wgmma layout) as its blocks [64, blk], each
-    multiplied by its 64 scales, rounded to bf16."""
+    multiplied by its 64 scales, rounded to bf16; with f_smem ([nb, 64] f16, `fold_offsets`),
+    plus its 64 offsets rounded to bf16."""
     blocks = []
     for b in range(a.shape[1] // blk):
+        shape = (a.shape[0], blk)
         d = _block_scales(d_smem, b).astype(jnp.bfloat16)
-        blocks.append(a[:, blk * b:blk * (b + 1)] * lax.broadcast_in_dim(d, (a.shape[0], blk), [0]))
+        block = a[:, blk * b:blk * (b + 1)] * lax.broadcast_in_dim(d, shape, [0])
+        if f_smem is not None:
+            block = block + lax.broadcast_in_dim(_block_scales(f_smem, b).astype(jnp.bfloat16), shape, [0])
+        blocks.append(block)
     return blocks
 
 
@@ -385,10 +391,14 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
     the m rows of its tile (grid axis "mtile" when m_tiles > 1); c_gmem [L*N, K] codes (int4 or
     int8); d_gmem [L*K/B, N] f16 scales (the transposed plane; B = BLOCK_K[fmt]); with `offsets` (`OFFSET_FORMS`,
     unfolded scales, one tile of x), refs begin with xs_gmem [K/32, M_pad] f32, x's block sums,
-    and f_gmem [L*K/32, N] f16, the offsets (the `c` plane); then o_gmem [split, M_pad, N] f32
+    and f_gmem [L*K/32, N] f16, the offsets (the `c` plane); with folded scales, f_gmem alone
+    (the offsets folded into the weights, `fold_offsets`); then o_gmem [split, M_pad, N] f32
     partial sums with o_smem [m, rows] (`rows_out`), else [split, N, M_pad] with [rows, m]. Each
     warpgroup takes `rows` rows (64-row tiles t) of the weight, one K split and one tile of x."""
-    if offsets:
+    xs_gmem = None
+    if offsets and fold_scales:
+        f_gmem, o_gmem, o_smem = refs
+    elif offsets:
         xs_gmem, f_gmem, o_gmem, o_smem = refs
     else:
         o_gmem, o_smem = refs
@@ -433,10 +443,12 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
             out.append(acc)
         return tuple(out)
 
-    def folded_body(acc_refs, idx, x_smem, c_smem, d_smem):
+    def folded_body(acc_refs, idx, x_smem, c_smem, d_smem, f_smem=None):
         del idx
         for t, acc_ref in enumerate(acc_refs):
-            blocks = _scaled_blocks(tile_codes(c_smem, t), d_smem.at[:, pl.ds(BLOCK_N * t, BLOCK_N)], blk)
+            tile = pl.ds(BLOCK_N * t, BLOCK_N)
+            blocks = _scaled_blocks(tile_codes(c_smem, t), d_smem.at[:, tile], blk,
+                                    None if f_smem is None else f_smem.at[:, tile])
             for b, ab in enumerate(blocks):
                 plgpu.wgmma(acc_ref, ab, x_block(x_smem, b))
         # this step's wgmmas may still run; the previous step's are done, so its x (released
@@ -454,10 +466,12 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
             plgpu.BlockSpec((nb, rows), lambda j: (lo + j, 0)),
         ]
         args = [x_gmem.at[pl.ds(x0, m)], c_gmem.at[pl.ds(row0, rows)], d_gmem.at[weight_rows]]
+        if offsets and not fold_scales:
+            in_specs.append(plgpu.BlockSpec((nb, m), lambda j: (lo + j, 0)))
+            args.append(xs_gmem)
         if offsets:
-            in_specs += [plgpu.BlockSpec((nb, m), lambda j: (lo + j, 0)),
-                         plgpu.BlockSpec((nb, rows), lambda j: (lo + j, 0))]
-            args += [xs_gmem, f_gmem.at[weight_rows]]
+            in_specs.append(plgpu.BlockSpec((nb, rows), lambda j: (lo + j, 0)))
+            args.append(f_gmem.at[weight_rows])
         return plgpu.emit_pipeline(
             body,
             grid=(steps,) if split == 1 else (hi - lo,),
@@ -586,9 +600,10 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
                                    rows_out=tuning.rows_out, m_tiles=m_tiles, offsets=offsets)
         x_inputs = (xp,)
     offset_inputs = ()
-    if offsets:  # x's block sums [K/32, M_pad] (unchanged by x's permutation within blocks) and the offsets
-        xs = jnp.pad(q4_k_split.block_sums(x2), ((0, m_pad - m), (0, 0))).T
-        offset_inputs = (xs, jnp.reshape(w.planes["c"], (-1, n)))
+    if offsets:  # the offsets, and (unless folded) x's block sums [K/32, M_pad] (unchanged by x's permutation)
+        offset_inputs = (jnp.reshape(w.planes["c"], (-1, n)),)
+        if not tuning.fold_scales:
+            offset_inputs = (jnp.pad(q4_k_split.block_sums(x2), ((0, m_pad - m), (0, 0))).T, *offset_inputs)
     if tuning.rows_out:
         out_shape, smem_shape = (split, m_pad, n), (m_tile, rows)
     else:

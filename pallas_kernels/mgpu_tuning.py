@@ -78,6 +78,10 @@ class MosaicMatmulTuning:
     # 3 splits of 5, 5 and 6 steps; with this, 4 of 4). Not measured yet: a `bench/kernels.py
     # --sweep` neighbour.
     even_split: bool = False
+    # With `fold_scales` (the prefill kernel), the formats with offsets: each block's offsets are
+    # added to its scaled bf16 codes before the wgmma (the offset rounded to bf16, then the sum),
+    # instead of an XLA dot of x's block sums and the offsets after the call. Not measured yet.
+    fold_offsets: bool = False
 
     def __post_init__(self) -> None:
         if self.row_tiles not in (1, 2, 4):
@@ -119,10 +123,12 @@ def default_tuning(m: int) -> MosaicMatmulTuning:
 
 
 def fuses_offsets(tuning: MosaicMatmulTuning) -> bool:
-    """Whether the kernel adds the offsets of a matrix in `OFFSET_FORMS` itself (`fuse_offsets`; only the
-    unfolded decode kernel with bf16 x, and K steps of at least 128: a step's block sums of x,
-    [tile_k / 32, 8] f32, must fill a 128-byte copy)."""
-    return tuning.fuse_offsets and not tuning.fold_scales and not tuning.int8_x and tuning.tile_k >= 128
+    """Whether the kernel adds the offsets of a matrix in `OFFSET_FORMS` itself: the unfolded decode
+    kernel with `fuse_offsets` (bf16 x, and K steps of at least 128: a step's block sums of x,
+    [tile_k / 32, 8] f32, must fill a 128-byte copy), the folded one with `fold_offsets`."""
+    if tuning.fold_scales:
+        return tuning.fold_offsets
+    return tuning.fuse_offsets and not tuning.int8_x and tuning.tile_k >= 128
 
 
 SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on the H100/H200

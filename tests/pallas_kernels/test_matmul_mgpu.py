@@ -111,6 +111,20 @@ class TestMosaicGpuQ4KSplitOffsetsAfter(TestMosaicGpu):
 @pytest.mark.gpu
 @pytest.mark.variant
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+class TestMosaicGpuFoldedOffsets(TestMosaicGpu):
+    """The formats with offsets through the prefill (folded-scale) kernel, their offsets folded
+    into the bf16 weights (`fold_offsets`) instead of a dot after the call."""
+
+    CASES = tuple(c for c in split_cases("q4_k", "q5_k", "q4_1", "q5_1") if c.m > matmul_mgpu.MAX_ROWS)
+
+    def matmul(self, x, w, case, layer=None):
+        tuning = dataclasses.replace(matmul_mgpu.PREFILL_TUNING, fold_offsets=True)
+        return matmul_mgpu.qmatmul_mgpu(x, SPLITS[case.fmt](w), tuning, layer=layer)
+
+
+@pytest.mark.gpu
+@pytest.mark.variant
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 class TestMosaicGpuShuffleUnpack(TestMosaicGpu):
     """q4_0 through the other conversion (codes moved to the wgmma layout by warp shuffles)."""
 
@@ -432,15 +446,17 @@ def test_gather_x_lowers_for_cuda(fmt, m):
     assert ("gather" in text) == (fmt != "q8_0")
 
 
-@pytest.mark.parametrize("m,fuse", [(1, True), (8, True), (64, True), (8, False), (512, True)])
-def test_q4_k_split_lowers_for_cuda(m, fuse):
+@pytest.mark.parametrize("m,fuse,fold", [(1, True, False), (8, True, False), (64, True, False), (8, False, False),
+                                         (512, True, False), (512, True, True), (200, True, True)])
+def test_q4_k_split_lowers_for_cuda(m, fuse, fold):
     """A Q4_K matrix split at load runs Q4_0's kernel (decode or prefill tuning by its rows)
     on its codes and scales, stacked with a layer index; the decode kernel adds the offsets
-    itself (`fuse_offsets`: no dot left in the program), the prefill one leaves them to a dot."""
+    itself (`fuse_offsets`: no dot left in the program), the prefill one leaves them to a dot
+    unless it folds them into its weights (`fold_offsets`)."""
     pytest.importorskip("absl")
     w = _spec("q4_k_split", 4096, 11008, 3)
     x = jax.ShapeDtypeStruct((m, 11008), jnp.bfloat16)
-    tuning = dataclasses.replace(matmul_mgpu.default_tuning(m), fuse_offsets=fuse)
+    tuning = dataclasses.replace(matmul_mgpu.default_tuning(m), fuse_offsets=fuse, fold_offsets=fold)
     fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, tuning, layer=i)  # noqa: E731
     assert jax.eval_shape(fn, x, w, jax.ShapeDtypeStruct((), jnp.int32)).shape == (m, 4096)
     lowered = jax.jit(fn).trace(x, w, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
@@ -449,14 +465,16 @@ def test_q4_k_split_lowers_for_cuda(m, fuse):
     assert ("dot_general" in text) == (not matmul_mgpu.fuses_offsets(tuning)), text.count("dot_general")
 
 
-@pytest.mark.parametrize("m,fuse", [(1, True), (8, True), (8, False), (512, True)])
-def test_q5_k_split_lowers_for_cuda(m, fuse):
+@pytest.mark.parametrize("m,fuse,fold", [(1, True, False), (8, True, False), (8, False, False), (512, True, False),
+                                         (512, True, True)])
+def test_q5_k_split_lowers_for_cuda(m, fuse, fold):
     """A Q5_K matrix split at load runs Q8_0's kernel on its int8 codes and scales, the decode
-    kernel adding the offsets itself, the prefill one leaving them to a dot (as Q4_K's split)."""
+    kernel adding the offsets itself, the prefill one leaving them to a dot unless it folds them
+    (as Q4_K's split)."""
     pytest.importorskip("absl")
     w = _spec("q5_k_split", 4096, 11008, 3)
     x = jax.ShapeDtypeStruct((m, 11008), jnp.bfloat16)
-    tuning = dataclasses.replace(matmul_mgpu.default_tuning(m), fuse_offsets=fuse)
+    tuning = dataclasses.replace(matmul_mgpu.default_tuning(m), fuse_offsets=fuse, fold_offsets=fold)
     fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, tuning, layer=i)  # noqa: E731
     assert jax.eval_shape(fn, x, w, jax.ShapeDtypeStruct((), jnp.int32)).shape == (m, 4096)
     lowered = jax.jit(fn).trace(x, w, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
