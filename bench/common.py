@@ -162,6 +162,50 @@ def weight_bytes_per_decode(model_path: str | os.PathLike[str], splits: Collecti
 # statistics and prompts
 
 
+def add_mosaic_tuning_arguments(ap: Any) -> None:
+    """Bench-only variants of the Mosaic GPU matmul's tunings (`pallas_kernels.mgpu_tuning`), for
+    A/B runs without scratch code: `apply_mosaic_tuning_arguments` replaces the named fields."""
+    for kind in ("decode", "prefill"):
+        ap.add_argument(f"--mosaic-{kind}-tuning", default="", metavar="FIELD=VALUE,...",
+                        help=f"a variant: these fields of the Mosaic GPU matmul's {kind} tuning replaced "
+                             "(MosaicMatmulTuning, e.g. even_split=true, fold_offsets=true)")
+
+
+def parse_tuning_fields(spec: str, base: Any) -> dict[str, Any]:
+    """'a=1,b=true' -> {'a': 1, 'b': True}, each value read as the type of `base`'s field (a
+    frozen dataclass); an unknown field or a value of the wrong kind raises ValueError."""
+    fields = {f.name for f in dataclasses.fields(base)}
+    out: dict[str, Any] = {}
+    for item in filter(None, (t.strip() for t in spec.split(","))):
+        name, sep, text = item.partition("=")
+        if not sep or name not in fields:
+            raise ValueError(f"{item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
+        current = getattr(base, name)
+        if isinstance(current, bool):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"{item!r}: {name} takes true or false")
+            out[name] = text.lower() in ("true", "1")
+        else:
+            out[name] = type(current)(text)
+    return out
+
+
+def apply_mosaic_tuning_arguments(args: Any) -> dict[str, dict[str, Any]]:
+    """Replaces `mgpu_tuning.DEFAULT_TUNING` / `PREFILL_TUNING` in this process per
+    `add_mosaic_tuning_arguments` (the kernels take `default_tuning(m)` as they are lowered);
+    returns the replaced fields, for the result file."""
+    from pallas_kernels import mgpu_tuning
+
+    changed: dict[str, dict[str, Any]] = {}
+    for kind, name in (("decode", "DEFAULT_TUNING"), ("prefill", "PREFILL_TUNING")):
+        base = getattr(mgpu_tuning, name)
+        fields = parse_tuning_fields(getattr(args, f"mosaic_{kind}_tuning", ""), base)
+        if fields:
+            setattr(mgpu_tuning, name, dataclasses.replace(base, **fields))
+            changed[kind] = fields
+    return changed
+
+
 def percentile(values: Iterable[float], q: float) -> float | None:
     arr = np.asarray(list(values), np.float64)
     return float(np.percentile(arr, q)) if arr.size else None

@@ -388,7 +388,8 @@ def main_run(args: argparse.Namespace) -> int:
                           "split_q4_k": config.split_q4_k, "split_q5_k": config.split_q5_k,
                           "split_q6_k": config.split_q6_k, "split_legacy": config.split_legacy,
                           "split_formats": engine_info.get("split_formats"),
-                          "tensor_parallel": config.tensor_parallel},
+                          "tensor_parallel": config.tensor_parallel,
+                          "mosaic_tuning": args.mosaic_tuning},
         "settings": {"prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
                      "prefill_len": args.prefill_len, "join_len": args.join_len, "repeats": args.repeats,
                      "sampling": "temperature 1.0, seeded; ignore_eos"},
@@ -507,6 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--plot-with", nargs="*", default=[], help="earlier engine-*.json results to draw beside this run")
     ap.add_argument("--plot-only", nargs="+", type=pathlib.Path, help="draw these engine-*.json results and exit")
     ap.add_argument("--startup-only", action="store_true", help=argparse.SUPPRESS)
+    common.add_mosaic_tuning_arguments(ap)
     return ap
 
 
@@ -521,6 +523,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.model is None:
         ap.error("--model is required")
+    try:
+        args.mosaic_tuning = common.apply_mosaic_tuning_arguments(args)  # the cold-start child's too (its argv)
+    except ValueError as e:
+        ap.error(str(e))
     if args.startup_only:
         if args.cache_dir is None:
             ap.error("--startup-only needs --cache-dir")

@@ -22,6 +22,11 @@ built with it (the runner builds it for its steady-state program, the most decod
 dispatch; here for `--decode-steps`), and the program planned for all slots is timed at one busy
 slot as well (`*_1_active_all_rows_plan`).
 
+`--mosaic-decode-tuning FIELD=VALUE,...` and `--mosaic-prefill-tuning ...` (also bench/engine.py's)
+replace fields of the Mosaic GPU matmul's default tunings (`pallas_kernels.mgpu_tuning`) in this
+process, for A/B runs of a tuning the engine does not use by default (`even_split=true`,
+`fold_offsets=true`); the report records them.
+
 `--decode-steps N` builds the engine's N-step decode program instead of the one-step one
 (step_ms stays per decode step; call_ms and the trace's per-"step" figures are per call).
 
@@ -154,7 +159,7 @@ def trace_prefill(args, t: int, m, runner, out) -> dict:
     ms = per_call * 1e3
     weights = params_nbytes(m.params)
     report = {"model": m.name, "weights_bytes": weights, "attend": attend, "prefill": t, "position": args.position,
-              "xla_flags": os.environ.get("XLA_FLAGS", ""), "step_ms": ms, "tok_s": t / ms * 1e3,
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "mosaic_prefill_tuning": args.mosaic_prefill_tuning, "step_ms": ms, "tok_s": t / ms * 1e3,
               "call_ms": {"p50": 1e3 * float(np.median(calls)), "min": 1e3 * min(calls)}}
     print(f"prefill[{t}] at {args.position}: {ms:.2f} ms per chunk = {t / ms * 1e3:.0f} tok/s; host time in the "
           f"call p50 {1e3 * np.median(calls):.2f} ms", flush=True)
@@ -176,7 +181,12 @@ def main() -> None:
                     help="trace the prefill programs of these chunk sizes (comma list) instead")
     ap.add_argument("--matmul-warps", type=int, default=None,
                     help="a variant: this many warps in the Triton decode matmuls (M <= 64) instead of the default")
+    common.add_mosaic_tuning_arguments(ap)
     args = ap.parse_args()
+    try:
+        mosaic_tuning = common.apply_mosaic_tuning_arguments(args)
+    except ValueError as e:
+        ap.error(str(e))
     if args.matmul_warps:
         import dataclasses
 
@@ -230,7 +240,7 @@ def main() -> None:
     report = {"model": m.name, "weights_bytes": weights, "attend": attend, "slots": args.slots,
               "position": args.position, "decode_steps": args.decode_steps, "few_rows_limit": few_limit,
               "kv_write_in_attention": runner.kernels.decode_writes_cache,
-              "xla_flags": os.environ.get("XLA_FLAGS", "")}
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "mosaic_tuning": mosaic_tuning}
     # (busy slots, the program, the report's key): the runner's choice at 1 and all slots busy;
     # where it runs the few-rows program for one, the all-rows program at one busy slot as well
     runs = [(n, few_prog if few_prog is not None and n <= few_limit else prog, f"{n}_active")
