@@ -187,7 +187,7 @@ def offset_split_impls(fmt: str, impl_names: list[str], interpret: bool, m: int)
         out.append(Impl(f"mosaic_gpu:{form}", matmul_mgpu.qmatmul_mgpu, tag, prepare=jax.jit(split)))
         tuning = matmul_mgpu.default_tuning(m)
         if matmul_mgpu.fuses_offsets(tuning) and fmt != "q5_0":
-            after = dataclasses.replace(tuning, fuse_offsets=False)
+            after = dataclasses.replace(tuning, fuse_offsets=False, fold_offsets=False)
             out.append(Impl(f"mosaic_gpu:{form}:offsets_after",
                             lambda x, w: matmul_mgpu.qmatmul_mgpu(x, w, after), tag, prepare=jax.jit(split)))
         if tuning.fold_scales and not tuning.fold_offsets and fmt != "q5_0":

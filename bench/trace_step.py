@@ -159,7 +159,8 @@ def trace_prefill(args, t: int, m, runner, out) -> dict:
     ms = per_call * 1e3
     weights = params_nbytes(m.params)
     report = {"model": m.name, "weights_bytes": weights, "attend": attend, "prefill": t, "position": args.position,
-              "xla_flags": os.environ.get("XLA_FLAGS", ""), "mosaic_prefill_tuning": args.mosaic_prefill_tuning, "step_ms": ms, "tok_s": t / ms * 1e3,
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "mosaic_tuning": args.mosaic_tuning_applied,
+              "step_ms": ms, "tok_s": t / ms * 1e3,
               "call_ms": {"p50": 1e3 * float(np.median(calls)), "min": 1e3 * min(calls)}}
     print(f"prefill[{t}] at {args.position}: {ms:.2f} ms per chunk = {t / ms * 1e3:.0f} tok/s; host time in the "
           f"call p50 {1e3 * np.median(calls):.2f} ms", flush=True)
@@ -184,7 +185,7 @@ def main() -> None:
     common.add_mosaic_tuning_arguments(ap)
     args = ap.parse_args()
     try:
-        mosaic_tuning = common.apply_mosaic_tuning_arguments(args)
+        mosaic_tuning = args.mosaic_tuning_applied = common.apply_mosaic_tuning_arguments(args)
     except ValueError as e:
         ap.error(str(e))
     if args.matmul_warps:

@@ -278,7 +278,8 @@ def _stacked(entries: list[_Entry]) -> Any:
 def load_params(gf: GGUFFile, cfg: ModelConfig, fuse: bool = True, place: Place | None = None,
                 splits: frozenset[str] | set[str] = frozenset()) -> Params:
     """Repacks and uploads every tensor of `gf`; stacks layers when they are uniform. With
-    `fuse`, q/k/v and gate/up matrices of one format become one matrix each (`FUSED`);
+    `fuse`, q/k/v and gate/up matrices of one format become one matrix each (`FUSED`; q and k
+    alone where v's format differs);
     tensor parallelism shards them one by one and loads with fuse=False.
 
     Tensors are read, repacked and placed one layer key at a time (a stacked key: all layers of

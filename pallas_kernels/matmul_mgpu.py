@@ -389,8 +389,8 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
             fold_scales: bool, rows_out: bool, m_tiles: int = 1, offsets: bool = False):
     """layer_gmem [1] int32; x_gmem [M_pad, K] bf16 (permuted for q4_0), of which this CTA takes
     the m rows of its tile (grid axis "mtile" when m_tiles > 1); c_gmem [L*N, K] codes (int4 or
-    int8); d_gmem [L*K/B, N] f16 scales (the transposed plane; B = BLOCK_K[fmt]); with `offsets` (`OFFSET_FORMS`,
-    unfolded scales, one tile of x), refs begin with xs_gmem [K/32, M_pad] f32, x's block sums,
+    int8); d_gmem [L*K/B, N] f16 scales (the transposed plane; B = BLOCK_K[fmt]); with `offsets` (`OFFSET_FORMS`)
+    and unfolded scales (one tile of x), refs begin with xs_gmem [K/32, M_pad] f32, x's block sums,
     and f_gmem [L*K/32, N] f16, the offsets (the `c` plane); with folded scales, f_gmem alone
     (the offsets folded into the weights, `fold_offsets`); then o_gmem [split, M_pad, N] f32
     partial sums with o_smem [m, rows] (`rows_out`), else [split, N, M_pad] with [rows, m]. Each
@@ -634,7 +634,8 @@ def qmatmul_mgpu(
     """x @ dequant(w).T through the Mosaic GPU kernel; without a tuning, `default_tuning` of x's
     rows (decode up to 64, prefill beyond). "q4_k_split" (Q4_K split at load,
     pallas_kernels/q4_k_split.py) runs as Q4_0 with its offsets added in the decode kernel
-    (`fuse_offsets`), else as its Q4_0 part plus an XLA dot for them; "q5_k_split"
+    (`fuse_offsets`) or folded into the prefill kernel's weights (`fold_offsets`, off by default),
+    else as its Q4_0 part plus an XLA dot for them; "q5_k_split"
     (pallas_kernels/q5_k_split.py) likewise as Q8_0, and Q4_1 and Q5_1 split into those forms
     (pallas_kernels/legacy_split.py) as they are (`OFFSET_FORMS`). Raises NotImplementedError for
     what it does not take (formats other than q4_0, q8_0, q6_k_split and those of `OFFSET_FORMS`,

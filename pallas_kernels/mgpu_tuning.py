@@ -69,8 +69,8 @@ class MosaicMatmulTuning:
     # offsets (`OFFSET_FORMS`): the decode kernel adds each
     # block's offsets (its row of the `c` plane times x's sums over the block) to the block's
     # scaled result, so a split matrix costs one kernel; False, and where the kernel cannot
-    # (folded scales, int8 x, K steps under 128), they are an XLA dot after the call
-    # (`q4_k_split.offset_term`).
+    # (int8 x, K steps under 128; folded scales unless `fold_offsets`), they are an XLA dot after
+    # the call (`q4_k_split.offset_term`).
     fuse_offsets: bool = True
     # The K split rounded up to one that divides the K steps evenly (at most twice the split
     # `target_ctas` gives; else that one): the CTA with the most steps bounds a latency-bound

@@ -115,7 +115,10 @@ class TestMosaicGpuFoldedOffsets(TestMosaicGpu):
     """The formats with offsets through the prefill (folded-scale) kernel, their offsets folded
     into the bf16 weights (`fold_offsets`) instead of a dot after the call."""
 
-    CASES = tuple(c for c in split_cases("q4_k", "q5_k", "q4_1", "q5_1") if c.m > matmul_mgpu.MAX_ROWS)
+    CASES = tuple(c for fmt in ("q4_k", "q5_k", "q4_1", "q5_1") for c in (
+        Case(fmt, 200, 1024, 2048, "bfloat16"),
+        Case(fmt, 512, 1024, 2048, "bfloat16", stack=True),  # the engine's chunk: stacked, two tiles of x
+    ))
 
     def matmul(self, x, w, case, layer=None):
         tuning = dataclasses.replace(matmul_mgpu.PREFILL_TUNING, fold_offsets=True)
