@@ -278,7 +278,7 @@ class EngineConfig:
     # matmul by a gather, which XLA fuses into those ops, rather than a transpose (its `gather_x`;
     # `Kernels.matmul`'s `elementwise_x`). For A/B measurements: on the H200 a Llama-3-8B Q4_0
     # step took 405 kernels with it against 469 and decoded 3-4% faster (bench/results, twentieth
-    # session); measured on Q4_0 files only.
+    # session); on a 7B Q4_K_M (twenty-first session) neutral, within run-to-run spread.
     gather_x: bool = True
     # The Mosaic GPU matmuls called through `pallas_kernels.lowering_cache.LoweredOnce`: each
     # kernel lowered once per shape for all the step programs instead of once per program (on
