@@ -75,12 +75,16 @@ class MosaicMatmulTuning:
     # The K split rounded up to one that divides the K steps evenly (at most twice the split
     # `target_ctas` gives; else that one): the CTA with the most steps bounds a latency-bound
     # call, and the default split can leave one with a step more than the rest (8192 x 4096:
-    # 3 splits of 5, 5 and 6 steps; with this, 4 of 4). Not measured yet: a `bench/kernels.py
-    # --sweep` neighbour.
+    # 3 splits of 5, 5 and 6 steps; with this, 4 of 4). Off: on the H200 (twenty-second
+    # session) it took a Q4_0 4096 x 4096 call from 6.2 to 5.7 us alone, but a 7B Q4_K_M decode
+    # step's Mosaic matmuls from 2,184 to 2,248 us (more partial sums for XLA to add). A
+    # `bench/kernels.py --sweep` neighbour.
     even_split: bool = False
     # With `fold_scales` (the prefill kernel), the formats with offsets: each block's offsets are
     # added to its scaled bf16 codes before the wgmma (the offset rounded to bf16, then the sum),
-    # instead of an XLA dot of x's block sums and the offsets after the call. Not measured yet.
+    # instead of an XLA dot of x's block sums and the offsets after the call. On in
+    # PREFILL_TUNING: a 7B Q4_K_M 512-token prefill went from 23.3 to 20.2 ms on the H200
+    # (1,114 kernels to 778; the Mosaic matmuls 16.67 -> 16.83 ms; twenty-second session).
     fold_offsets: bool = False
 
     def __post_init__(self) -> None:
@@ -108,7 +112,8 @@ DEFAULT_TUNING = MosaicMatmulTuning()
 # Triton kernel's; the split-K sum and x's permutation add 6.5-18 us per call outside it (4096 x
 # 4096: 54 us in all, 46% of the dot). Tiles of 128 rows were 2-7% slower with K steps of 128 and
 # 22-28% slower with K steps of 64; tiles of 256 with K steps of 128 (3 stages), 30% slower.
-PREFILL_TUNING = MosaicMatmulTuning(tile_k=64, stages=4, fold_scales=True, m_tile=256)
+PREFILL_TUNING = MosaicMatmulTuning(tile_k=64, stages=4, fold_scales=True, m_tile=256,
+                                    fold_offsets=True)
 
 
 def takes_shape(n: int, k: int) -> bool:

@@ -27,10 +27,10 @@ def test_flags_replace_the_default_tunings(monkeypatch):
     monkeypatch.setattr(mgpu_tuning, "PREFILL_TUNING", mgpu_tuning.PREFILL_TUNING)
     ap = argparse.ArgumentParser()
     common.add_mosaic_tuning_arguments(ap)
-    args = ap.parse_args(["--mosaic-decode-tuning", "even_split=true", "--mosaic-prefill-tuning", "fold_offsets=true"])
+    args = ap.parse_args(["--mosaic-decode-tuning", "even_split=true", "--mosaic-prefill-tuning", "fold_offsets=false"])
     assert common.apply_mosaic_tuning_arguments(args) == {"decode": {"even_split": True},
-                                                         "prefill": {"fold_offsets": True}}
+                                                         "prefill": {"fold_offsets": False}}
     assert mgpu_tuning.default_tuning(8).even_split and not mgpu_tuning.default_tuning(8).fold_scales
-    assert mgpu_tuning.default_tuning(512).fold_offsets and mgpu_tuning.default_tuning(512).fold_scales
+    assert not mgpu_tuning.default_tuning(512).fold_offsets and mgpu_tuning.default_tuning(512).fold_scales
     assert mgpu_tuning.split_for(8192, 4096, mgpu_tuning.default_tuning(8)) == 4
     assert common.apply_mosaic_tuning_arguments(ap.parse_args([])) == {}

@@ -111,9 +111,10 @@ class TestMosaicGpuQ4KSplitOffsetsAfter(TestMosaicGpu):
 @pytest.mark.gpu
 @pytest.mark.variant
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-class TestMosaicGpuFoldedOffsets(TestMosaicGpu):
-    """The formats with offsets through the prefill (folded-scale) kernel, their offsets folded
-    into the bf16 weights (`fold_offsets`) instead of a dot after the call."""
+class TestMosaicGpuPrefillOffsetsAfter(TestMosaicGpu):
+    """The formats with offsets through the prefill (folded-scale) kernel with their offsets left
+    to a dot after the call (`fold_offsets` off; by default they are folded into the kernel's
+    bf16 weights, which `TestMosaicGpuSplits` and the cases here at the default cover)."""
 
     CASES = tuple(c for fmt in ("q4_k", "q5_k", "q4_1", "q5_1") for c in (
         Case(fmt, 200, 1024, 2048, "bfloat16"),
@@ -121,7 +122,7 @@ class TestMosaicGpuFoldedOffsets(TestMosaicGpu):
     ))
 
     def matmul(self, x, w, case, layer=None):
-        tuning = dataclasses.replace(matmul_mgpu.PREFILL_TUNING, fold_offsets=True)
+        tuning = dataclasses.replace(matmul_mgpu.PREFILL_TUNING, fold_offsets=False)
         return matmul_mgpu.qmatmul_mgpu(x, SPLITS[case.fmt](w), tuning, layer=layer)
 
 
