@@ -35,7 +35,7 @@ variant's relative error against the reference (`pallas_kernels.matmul.qmatmul_r
 
 Measured on the H200 (twenty-second session, bench/results/persistent-spike-20261201-*): per
 pair, up (11008 x 4096) then down (4096 x 11008), Q8_0, M = 8, 264 CTAs: two_kernels 43.2-43.3
-us, persistent 42.2-42.3 us (-2.4%), with the L2 prefetch of 4 or 8 K steps 42.8-43.4 us;
+us, persistent 42.2-43.0 us (-0.6% to -2.4%), with the L2 prefetch of 4 or 8 K steps 42.8-43.7 us;
 4096 x 4096 twice: 26.0 against 26.4 us (+1.4%), prefetch 27.8 us. The semaphore barrier took
 83-111 us per pair; with 132 CTAs (work unevenly spread) the counter barrier's pair took 52.3 us.
 So a grid barrier costs about what a kernel boundary costs under CUDA graphs (about 1 us); the
