@@ -168,7 +168,7 @@ def add_mosaic_tuning_arguments(ap: Any) -> None:
     for kind in ("decode", "prefill"):
         ap.add_argument(f"--mosaic-{kind}-tuning", default="", metavar="FIELD=VALUE,...",
                         help=f"a variant: these fields of the Mosaic GPU matmul's {kind} tuning replaced "
-                             "(MosaicMatmulTuning, e.g. even_split=true, fold_offsets=true)")
+                             "(MosaicMatmulTuning, e.g. even_split=true, fold_offsets=false)")
 
 
 def parse_tuning_fields(spec: str, base: Any) -> dict[str, Any]:

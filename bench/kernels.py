@@ -170,9 +170,10 @@ def offset_split_impls(fmt: str, impl_names: list[str], interpret: bool, m: int)
     """Q4_K (and Q4_1) through Q4_0's kernels (`pallas_kernels.q4_k_split`), Q5_K (and Q5_1)
     through Q8_0's (`pallas_kernels.q5_k_split`), Q5_0 as Q8_0 (`pallas_kernels.legacy_split`):
     the Mosaic GPU kernel on a GPU (the offsets added in the decode kernel, and, as
-    "...:offsets_after", in an XLA dot after it; in prefill a dot after it, and, as
-    "...:fold_offsets", folded into the kernel's bf16 weights), the reference with --interpret (a
-    CPU check of the plumbing)."""
+    "...:offsets_after", in an XLA dot after it; in prefill folded into the kernel's bf16
+    weights by default, and, as "...:offsets_after", in a dot after it; where a tuning leaves the
+    prefill offsets to the dot, a "...:fold_offsets" row folds them), the reference with
+    --interpret (a CPU check of the plumbing)."""
     from pallas_kernels import legacy_split, matmul_mgpu, q4_k_split, q5_k_split
 
     split, tag = {"q4_k": (q4_k_split.split_q4_k, "q4_0 codes + f16 offsets"),

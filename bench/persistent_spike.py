@@ -27,7 +27,7 @@ Both variants share the per-tile code (a K-pipelined Q8_0 matmul of 64 weight ro
 one jit (z of one, cast to bf16, is x of the next), so the weights read per call exceed the L2.
 The report: device time per pair (sum of kernel durations, and the span from the first kernel's
 start to the last one's end, per call, over the pairs), the wall clock per call, and each
-variant's relative error against the reference (`pallas_kernels.matmul.qmatmul_reference`).
+variant's relative error against the reference (on the first pair alone) (`pallas_kernels.matmul.qmatmul_reference`).
 
 - "persistent_prefetch<P>": as "persistent", but before the barrier each CTA asks the L2 for the
   codes of the first P K steps of its first second-phase item (`cp.async.bulk.prefetch.L2`), so
@@ -150,11 +150,12 @@ def grid_barrier(arrive, release, ctas: int, cta) -> None:
 
 
 def counter_barrier(counter, ctas: int) -> None:
-    """A grid barrier on one ever-growing counter: one thread per CTA adds 1 (a release at GPU
-    scope) and reads the count before its add; the CTAs of one call take it from a multiple of
-    `ctas` to the next, so each spins on plain acquire loads until the count reaches the next
-    multiple (no compare-and-swap: the waiters only read). Calls on one stream do not overlap,
-    so they never mix their adds; the count wraps after 2^32 / ctas calls (a spike's limit)."""
+    """A grid barrier on one counter: one thread per CTA adds 1 (a release at GPU scope) and
+    reads the count before its add, then spins on plain acquire loads until the count reaches
+    the next multiple of `ctas` (no compare-and-swap: the waiters only read). Pallas zero-fills
+    its global scratch at every kernel call, so the count runs from 0 to `ctas`; the next
+    multiple (rather than `ctas` itself) would keep the barrier right if the count were kept
+    between calls."""
     plgpu = mm._plgpu()
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
@@ -342,7 +343,8 @@ def main(argv=None) -> None:
     ap.add_argument("--k1", type=int, default=4096)
     ap.add_argument("--n2", type=int, default=4096)
     ap.add_argument("--pairs", type=int, default=4)
-    ap.add_argument("--ctas", type=int, default=0, help="persistent CTAs (default: 2 per SM)")
+    ap.add_argument("--ctas", type=int, default=0,
+                    help="persistent CTAs (default: the larger phase's items, at most 2 per SM)")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--prefetch-steps", type=int, default=0,
                     help="K steps of second-phase codes asked of the L2 before the barrier (default: the stages)")
@@ -357,11 +359,15 @@ def main(argv=None) -> None:
     stages = min(tuning.stages, mgpu_tuning.stages_for("q8_0", args.m, tuning, ROWS))
     gpu = jax.default_backend() == "gpu"
     items = max(args.n1 // ROWS, args.n2 // ROWS * split)  # one item per CTA where they fit: as two_kernels
-    ctas = args.ctas or min(items, 2 * (jax.devices()[0].core_count if gpu else 132))
+    resident = 2 * (jax.devices()[0].core_count if gpu else 132)  # 2 CTAs per SM fit the shared memory
+    ctas = args.ctas or min(items, resident)
+    if ctas > resident:  # a CTA not yet running would never reach the barrier: the grid would hang
+        raise SystemExit(f"--ctas {ctas}: more than the {resident} CTAs that are resident at once")
     kw = dict(tile_k=tuning.tile_k, stages=stages, split=split)
-    prefetch = args.prefetch_steps or stages
-    if prefetch * split > k2 // tuning.tile_k:
-        raise SystemExit(f"--prefetch-steps {prefetch}: more than a split's {k2 // tuning.tile_k // split} K steps")
+    split_steps = k2 // tuning.tile_k // split  # the fewest K steps a second-phase item has
+    prefetch = args.prefetch_steps or min(stages, split_steps)
+    if prefetch > split_steps:
+        raise SystemExit(f"--prefetch-steps {prefetch}: more than a split's {split_steps} K steps")
     variants = {"two_kernels": functools.partial(two_kernels, **kw),
                 "persistent_semaphores": functools.partial(persistent, ctas=ctas, barrier="semaphores", **kw),
                 "persistent": functools.partial(persistent, ctas=ctas, **kw),
@@ -401,6 +407,7 @@ def main(argv=None) -> None:
             events = common.traced_device_events(lambda: f(x, pairs), args.runs)
             if events:
                 spans = spans_per_call(events)
+                row["calls_found"] = len(spans)  # should be --runs: else the gap split merged or cut calls
                 row["span_us_per_pair"] = float(np.median(spans)) / args.pairs
                 row["busy_us_per_pair"] = sum(float(e.get("dur", 0.0)) for e in events) / args.runs / args.pairs
                 row["kernels_per_call"] = len(events) / args.runs

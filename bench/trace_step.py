@@ -25,7 +25,7 @@ slot as well (`*_1_active_all_rows_plan`).
 `--mosaic-decode-tuning FIELD=VALUE,...` and `--mosaic-prefill-tuning ...` (also bench/engine.py's)
 replace fields of the Mosaic GPU matmul's default tunings (`pallas_kernels.mgpu_tuning`) in this
 process, for A/B runs of a tuning the engine does not use by default (`even_split=true`,
-`fold_offsets=true`); the report records them.
+`fold_offsets=false`); the report records them.
 
 `--decode-steps N` builds the engine's N-step decode program instead of the one-step one
 (step_ms stays per decode step; call_ms and the trace's per-"step" figures are per call).

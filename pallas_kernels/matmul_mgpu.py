@@ -634,7 +634,7 @@ def qmatmul_mgpu(
     """x @ dequant(w).T through the Mosaic GPU kernel; without a tuning, `default_tuning` of x's
     rows (decode up to 64, prefill beyond). "q4_k_split" (Q4_K split at load,
     pallas_kernels/q4_k_split.py) runs as Q4_0 with its offsets added in the decode kernel
-    (`fuse_offsets`) or folded into the prefill kernel's weights (`fold_offsets`, off by default),
+    (`fuse_offsets`) or folded into the prefill kernel's weights (`fold_offsets`, on in PREFILL_TUNING),
     else as its Q4_0 part plus an XLA dot for them; "q5_k_split"
     (pallas_kernels/q5_k_split.py) likewise as Q8_0, and Q4_1 and Q5_1 split into those forms
     (pallas_kernels/legacy_split.py) as they are (`OFFSET_FORMS`). Raises NotImplementedError for

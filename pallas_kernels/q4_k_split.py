@@ -28,9 +28,11 @@ The split is a weight format of its own, "q4_k_split" (`quant.DERIVED_FORMATS`: 
 so the forward pass is unchanged: the reference dequantizes it (d (q - 8) + c); the Mosaic GPU
 matmul's decode kernel adds the offsets itself (its `fuse_offsets`: on the H200 a 7B Q4_K_M
 decode step took 4.22 ms, against 4.65 ms with them as XLA dots after it, bench/results,
-fourteenth session); its prefill kernel and the Triton matmul serve the format through
-`matmul_via`: their Q4_0 kernel on `codes_and_scales`, plus `offset_term` (at tf32 beside the
-Mosaic GPU kernel, `KERNEL_OFFSET_PRECISION`; f32 beside Triton's). (Triton takes the
+fourteenth session); its prefill kernel adds them to its bf16 weights (`fold_offsets`: a 7B
+Q4_K_M prefill chunk of 512 tokens took 20.2 ms against 23.3 with the dot, twenty-second
+session); the Triton matmul, and the Mosaic kernel where a tuning turns both off, serve the
+format through `matmul_via`: their Q4_0 kernel on `codes_and_scales`, plus `offset_term` (at
+tf32 beside the Mosaic GPU kernel, `KERNEL_OFFSET_PRECISION`; f32 beside Triton's). (Triton takes the
 shapes and GPUs Mosaic refuses: a row-parallel shard with K = 5504, a GPU before Hopper).
 `bench/kernels.py` times it on the GPU as impl "mosaic_gpu:q4_k_split".
 """
@@ -119,8 +121,8 @@ def offset_term(x: jax.Array, w: QuantizedTensor, layer: jax.Array | int | None 
                                preferred_element_type=jnp.float32)
 
 
-# The offsets' dot beside the Mosaic GPU kernels (the prefill kernel rounds the weights to bf16
-# itself): at HIGHEST the H200 ran it as f32 SIMT GEMMs, 4.3 ms of a 26.3 ms 7B Q4_K_M prefill
+# The offsets' dot beside the Mosaic GPU kernels where they do not add the offsets themselves
+# (the prefill kernel rounds the weights to bf16 itself): at HIGHEST the H200 ran it as f32 SIMT GEMMs, 4.3 ms of a 26.3 ms 7B Q4_K_M prefill
 # chunk of 512 tokens; at HIGH, as tf32 tensor-core GEMMs (an 11-bit significand, against the
 # kernel's 8-bit bf16 weights), the chunk took 22.8 ms (bench/results, fifteenth session).
 KERNEL_OFFSET_PRECISION = jax.lax.Precision.HIGH

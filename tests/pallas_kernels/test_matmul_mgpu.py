@@ -49,8 +49,8 @@ class TestMosaicGpu(MatmulConformance):
 
 
 # The splits made at load for the Mosaic kernel, by the GGML format they take: Q4_K and Q4_1 as
-# Q4_0's codes and scales plus f16 offsets (added in the decode kernel, a dot after the prefill
-# one), Q5_K and Q5_1 likewise as Q8_0's, Q5_0 as Q8_0 exactly, Q6_K as int8 codes with a scale
+# Q4_0's codes and scales plus f16 offsets (added in the decode kernel, folded into the prefill
+# one's bf16 weights), Q5_K and Q5_1 likewise as Q8_0's, Q5_0 as Q8_0 exactly, Q6_K as int8 codes with a scale
 # per 16 weights (16-wide wgmmas).
 SPLITS = {"q4_k": q4_k_split.split_q4_k, "q5_k": q5_k_split.split_q5_k, "q6_k": q6_k_split.split_q6_k,
           "q4_1": legacy_split.split_q4_1, "q5_0": legacy_split.q5_0_as_q8_0, "q5_1": legacy_split.split_q5_1}
@@ -63,6 +63,7 @@ def split_cases(*fmts: str) -> tuple[Case, ...]:
         Case(fmt, 8, 4096, 11008, "bfloat16", stack=True),
         Case(fmt, 64, 1024, 2048, "bfloat16"),
         Case(fmt, 200, 1024, 2048, "bfloat16"),  # prefill rows: the folded-scale kernel
+        Case(fmt, 512, 1024, 2048, "bfloat16", stack=True),  # the engine's chunk: stacked, two tiles of x
     ))
 
 

@@ -78,7 +78,8 @@ def test_device_split_equals_the_host_split_and_keeps_the_stack():
 
 @pytest.mark.parametrize("m", [1, 8, 20])
 def test_q8_0_part_plus_offsets_is_the_q5_k_matmul(m):
-    # what the Triton and the Mosaic GPU prefill matmuls run: Q8_0's matmul on its codes and scales, plus the offsets
+    # what the Triton matmul runs (and the Mosaic GPU one where a tuning neither adds nor folds the offsets):
+    # Q8_0's matmul on its codes and scales, plus the offsets
     n, k = 128, 512
     w = q5_k_tensor(random_q5_k_blocks(5, n, k), n, k)
     split = jax.device_put(q5_k_split.split_q5_k(w))
