@@ -100,12 +100,13 @@ class TestMosaicGpuGatherX(TestMosaicGpu):
 @pytest.mark.variant
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 class TestMosaicGpuQ4KSplitOffsetsAfter(TestMosaicGpu):
-    """The split's offsets as an XLA dot after Q4_0's kernel (`fuse_offsets=False`), not in it."""
+    """The split's offsets as an XLA dot after Q4_0's kernel (`fuse_offsets=False`, and at
+    prefill `fold_offsets=False`), not in it."""
 
     CASES = split_cases("q4_k")
 
     def matmul(self, x, w, case, layer=None):
-        tuning = dataclasses.replace(matmul_mgpu.default_tuning(x.shape[0]), fuse_offsets=False)
+        tuning = dataclasses.replace(matmul_mgpu.default_tuning(x.shape[0]), fuse_offsets=False, fold_offsets=False)
         return matmul_mgpu.qmatmul_mgpu(x, q4_k_split.split_q4_k(w), tuning, layer=layer)
 
 
