@@ -351,7 +351,7 @@ def main(argv=None) -> None:
     ap.add_argument("--lower-only", action="store_true", help="lower both variants for CUDA and stop (CPU check)")
     args = ap.parse_args(argv)
 
-    from bench.kernels import random_weight
+    from bench.kernels import _random_weight, random_weight
 
     tuning = mgpu_tuning.DEFAULT_TUNING
     k2 = args.n1
@@ -383,16 +383,14 @@ def main(argv=None) -> None:
             print(name, "lowered:", text.count("mosaic_gpu"), "mosaic_gpu mentions")
         return
 
-    rw = jax.jit(random_weight, static_argnums=(1, 2, 3))
-    pairs = [(rw(jax.random.fold_in(key, 2 * i), "q8_0", args.n1, args.k1),
-              rw(jax.random.fold_in(key, 2 * i + 1), "q8_0", args.n2, k2)) for i in range(args.pairs)]
+    pairs = [(_random_weight(jax.random.fold_in(key, 2 * i), "q8_0", args.n1, args.k1),
+              _random_weight(jax.random.fold_in(key, 2 * i + 1), "q8_0", args.n2, k2)) for i in range(args.pairs)]
     x = jax.random.normal(jax.random.fold_in(key, 999), (args.m, args.k1), jnp.float32).astype(jnp.bfloat16)
     ref = np.asarray(jax.jit(lambda x, p: chain(reference_pair, x, p))(x, pairs[:1]), np.float32)
+    w_bytes = sum(int(p.nbytes) for w in pairs[0] for p in w.planes.values())
     report = {**common.device_info(), "git": common.git_rev(), "m": args.m, "n1": args.n1, "k1": args.k1,
               "n2": args.n2, "k2": k2, "split": split, "stages": stages, "tile_k": tuning.tile_k, "ctas": ctas,
-              "pairs": args.pairs, "weight_mb_per_pair": None, "variants": {}}
-    w_bytes = sum(int(p.nbytes) for w in pairs[0] for p in w.planes.values())
-    report["weight_mb_per_pair"] = w_bytes / 1e6
+              "pairs": args.pairs, "weight_mb_per_pair": w_bytes / 1e6, "variants": {}}
     for name, fn in variants.items():
         row: dict = {}
         try:
