@@ -2,7 +2,10 @@
 the first divergence, summed over prompts, over all recorded tokens.
 
     python bench/agreement.py [--model PATH] [--fixture tests/fixtures/generation_smollm2.json]
-        [--kernels matmul=ggml_q8] [--kv-dtype float16]
+        [--numerics ggml] [--kernels op=impl,...] [--kv-dtype float16] [--limit N]
+
+Runs the engine's own step programs (a ModelRunner with 8 slots, prompts prefilled in chunks of
+512 as the recordings were), 8 prompts at a time.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ if __package__ in (None, ""):  # run as a script: bench/ on sys.path would shado
 from model.config import EngineConfig  # noqa: E402
 from model.loader import load_model  # noqa: E402
 from model.offline import generate  # noqa: E402
+from scheduler.loader import resolve_kv_dtype  # noqa: E402
 from server.default_model import default_model_path  # noqa: E402
 
 
@@ -38,13 +42,15 @@ def main() -> None:
     ap.add_argument("--model", default=str(default_model_path()))
     ap.add_argument("--fixture", default=str(ROOT / "tests/fixtures/generation_smollm2.json"))
     ap.add_argument("--kernels", default="")
-    ap.add_argument("--kv-dtype", default="float32")
+    ap.add_argument("--kv-dtype", default="auto")
+    ap.add_argument("--numerics", default="default", choices=("default", "ggml"))
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--limit", type=int, default=0)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO)
     kernels = tuple(tuple(kv.split("=")) for kv in args.kernels.split(",") if kv)
-    ecfg = EngineConfig(num_slots=8, max_context=args.max_context, kv_dtype=args.kv_dtype, kernels=kernels)
+    ecfg = resolve_kv_dtype(EngineConfig(num_slots=8, max_context=args.max_context, kv_dtype=args.kv_dtype,
+                                         kernels=kernels, numerics=args.numerics))
     m = load_model(args.model, ecfg)
     runner = m.make_runner(ecfg)
     runner.warmup()

@@ -196,6 +196,7 @@ def prefill_chunks_for(budget: int, sizes: tuple[int, ...] | None = None) -> tup
 
 
 UNROLL_DECODE_LAYERS = ("auto", "on", "off")  # EngineConfig.unroll_decode_layers
+NUMERICS = ("default", "ggml")  # EngineConfig.numerics
 SPLIT_Q4_K = ("auto", "on", "off")  # EngineConfig.split_q4_k, split_q5_k, split_q6_k and split_legacy
 MAX_AUTO_COMPILE_THREADS = {"cpu": 8, "gpu": 4}  # EngineConfig.compile_threads = 0, per backend
 
@@ -262,6 +263,11 @@ class EngineConfig:
     # been the worry. One figure went the other way in the A/B, unexplained and within the run
     # to run spread seen before: TTFT joining 3 streams 24.4 against 19.9 ms.
     compile_threads: int = 0
+    # "default": each op's own arithmetic (f32 on CPU); "ggml": on the CPU, llama.cpp's x86-64
+    # CPU build's rounding op by op (pallas_kernels/ggml_cpu.py), so that greedy tokens equal
+    # llama.cpp's on the same file; an f16 cache; only what that build's arithmetic is
+    # reproduced for (model/kernels.py says what it refuses).
+    numerics: str = "default"
     # Decode attention planned for few busy slots (where the chosen kernel has such a plan: the
     # Triton one from 1024-key context buckets), run when at most a quarter of the slots decode:
     # it spreads a lone long row over many programs (H200, 7B Q4_0, 1,500-token prompt: 1 user
@@ -391,5 +397,9 @@ class EngineConfig:
                              f"{self.split_q5_k!r} / {self.split_q6_k!r} / {self.split_legacy!r}")
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor parallel must be >= 1, got {self.tensor_parallel}")
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {NUMERICS}, got {self.numerics!r}")
+        if self.numerics == "ggml" and self.kv_dtype not in ("auto", "float16"):
+            raise ValueError(f"numerics ggml keeps llama.cpp's f16 cache, not {self.kv_dtype}")
         if self.compile_threads < 0:
             raise ValueError(f"compile threads must be >= 1, or 0 for auto, got {self.compile_threads}")

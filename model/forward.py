@@ -50,6 +50,13 @@ class Kernels:
     # otherwise be two scatters of its own (pallas_kernels/attention_triton.py); False:
     # KVCache.write_decode first.
     decode_writes_cache: bool = False
+    # The arithmetic of the norms, RoPE and the gated activation where it must be an op's own
+    # (`--numerics ggml`: pallas_kernels/ggml_cpu.py); None: this module's jnp forms.
+    # norm(x, w, eps) -> RMS-normed x times w; rope(x [..., N, D], pos [...]) -> roped x (its own
+    # tables: the model's theta, no scaling); gated_act(gate, up) -> act(gate) * up.
+    norm: Callable | None = None
+    rope: Callable | None = None
+    gated_act: Callable | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -185,6 +192,14 @@ def apply_rope(x: jax.Array, pos: jax.Array, inv_freq: jax.Array, cfg: ModelConf
     return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
+def _norm(kern: Kernels, x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    return kern.norm(x, w, eps) if kern.norm is not None else rms_norm(x, w, eps)
+
+
+def _rope(kern: Kernels, x: jax.Array, pos: jax.Array, inv_freq: jax.Array, cfg: ModelConfig) -> jax.Array:
+    return kern.rope(x, pos) if kern.rope is not None else apply_rope(x, pos, inv_freq, cfg)
+
+
 def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
     if cfg.activation == "gelu_tanh":
         return jax.nn.gelu(x, approximate=True)
@@ -227,10 +242,10 @@ def _qkv(cfg: ModelConfig, kern: Kernels, lp: dict, layer, h: jax.Array, pos: ja
     k = k.reshape(m, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(m, cfg.num_kv_heads, cfg.head_dim)
     if "q_norm" in lp:
-        q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
-    q = apply_rope(q, pos, inv_freq, cfg)
-    k = apply_rope(k, pos, inv_freq, cfg)
+        q = _norm(kern, q, lp["q_norm"], cfg.rms_eps)
+        k = _norm(kern, k, lp["k_norm"], cfg.rms_eps)
+    q = _rope(kern, q, pos, inv_freq, cfg)
+    k = _rope(kern, k, pos, inv_freq, cfg)
     return q, k, v
 
 
@@ -239,20 +254,21 @@ def _attn_out_and_ffn(cfg: ModelConfig, kern: Kernels, lp: dict, layer, x: jax.A
     x [M, E], attn [M, H, D] -> [M, E]."""
     out = _mm(kern, attn.reshape(attn.shape[0], cfg.q_dim), lp["wo"], layer, "row", elementwise_x=True)
     if "post_attn_norm" in lp:
-        out = rms_norm(out, lp["post_attn_norm"], cfg.rms_eps)
+        out = _norm(kern, out, lp["post_attn_norm"], cfg.rms_eps)
     return _ffn(cfg, kern, lp, layer, x + out)
 
 
 def _ffn(cfg: ModelConfig, kern: Kernels, lp: dict, layer, x: jax.Array) -> jax.Array:
-    h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
+    h = _norm(kern, x, lp["ffn_norm"], cfg.rms_eps)
     if "w_gate_up" in lp:  # fused at load
         gate, up = _split_cols(_mm(kern, h, lp["w_gate_up"], layer, "column"), (cfg.ffn_dim, cfg.ffn_dim))
     else:
         gate = _mm(kern, h, lp["w_gate"], layer, "column")
         up = _mm(kern, h, lp["w_up"], layer, "column")
-    out = _mm(kern, _act(cfg, gate) * up, lp["w_down"], layer, "row", elementwise_x=True)
+    act = kern.gated_act(gate, up) if kern.gated_act is not None else _act(cfg, gate) * up
+    out = _mm(kern, act, lp["w_down"], layer, "row", elementwise_x=True)
     if "post_ffn_norm" in lp:
-        out = rms_norm(out, lp["post_ffn_norm"], cfg.rms_eps)
+        out = _norm(kern, out, lp["post_ffn_norm"], cfg.rms_eps)
     return x + out
 
 
@@ -321,7 +337,7 @@ def _embed(cfg: ModelConfig, kern: Kernels, params: Params, tokens: jax.Array) -
 
 
 def _logits(cfg: ModelConfig, kern: Kernels, params: Params, x: jax.Array) -> jax.Array:
-    h = rms_norm(x, params.output_norm, cfg.rms_eps)
+    h = _norm(kern, x, params.output_norm, cfg.rms_eps)
     w = params.output if params.output is not None else params.embed
     # vocab-parallel head; its logits are gathered once, so that sampling runs whole on every
     # device instead of XLA spreading a dozen small collectives through the sort and reductions
@@ -353,7 +369,7 @@ def decode(
 
     def body(lp, c: KVCache, i, x, w_index):  # x [B, E]
         inv_freq, window = _layer_consts(cfg, params, i)
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+        h = _norm(kern, x, lp["attn_norm"], cfg.rms_eps)
         q, k, v = _qkv(cfg, kern, lp, w_index, h, pos, inv_freq)
         k, v = _fit_cache(k, c.k.dtype), _fit_cache(v, c.v.dtype)
         if kern.decode_writes_cache:
@@ -385,14 +401,16 @@ def prefill(
     t = tokens.shape[0]
     s = cache.max_context
     pos = start_pos + jnp.arange(t)
+    # the chunk's row count, for an implementation whose arithmetic depends on it (ggml_cpu's)
+    valid = {"num_valid": num_valid} if getattr(kern.attention_prefill, "takes_num_valid", False) else {}
 
     def body(lp, c: KVCache, i, x, w_index):  # x [T, E]
         inv_freq, window = _layer_consts(cfg, params, i)
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+        h = _norm(kern, x, lp["attn_norm"], cfg.rms_eps)
         q, k, v = _qkv(cfg, kern, lp, w_index, h, pos, inv_freq)
         c = c.write_prefill(i, slot, start_pos, num_valid, _fit_cache(k, c.k.dtype), _fit_cache(v, c.v.dtype))
         attn = kern.attention_prefill(q, c.k, c.v, start_pos, cfg.scale, window, layer=i, slot=slot,
-                                      span=attend or s)  # [T, H, D]
+                                      span=attend or s, **valid)  # [T, H, D]
         return _attn_out_and_ffn(cfg, kern, lp, w_index, x, attn), c
 
     x = _embed(cfg, kern, params, tokens)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 # Importing the kernel modules registers their implementations.
 import pallas_kernels.attention  # noqa: F401
+import pallas_kernels.ggml_cpu as ggml_cpu
 import pallas_kernels.attention_triton  # noqa: F401
 import pallas_kernels.attention_triton_prefill  # noqa: F401
 import pallas_kernels.matmul  # noqa: F401
@@ -139,6 +140,8 @@ def choose_kernels(
 ) -> tuple[Kernels, dict[str, str]]:
     """Under tensor parallelism (engine_cfg.tensor_parallel > 1) every implementation is probed on
     the per-device shapes it will see inside `model.sharding.shard_kernels`."""
+    if engine_cfg.numerics == "ggml":
+        return _ggml_kernels(forced, cfg, params, engine_cfg)
     tp = engine_cfg.tensor_parallel
     unknown = sorted(set(forced) - set(OPS))
     if unknown:
@@ -207,6 +210,48 @@ def choose_kernels(
                    decode_few_rows_limit=few_rows_limit,
                    decode_writes_cache=bool(getattr(dec_fn, "writes_cache", False)) and not engine_cfg.separate_kv_write,
                    ), names
+
+
+def _ggml_kernels(forced: Mapping[str, str], cfg: ModelConfig, params: Params, engine_cfg: EngineConfig
+                  ) -> tuple[Kernels, dict[str, str]]:
+    """`--numerics ggml`: every op as llama.cpp's x86-64 CPU build rounds it
+    (pallas_kernels/ggml_cpu.py), for a model and settings that build reproduces; anything else
+    is refused with the reason."""
+    def refuse(why: str) -> None:
+        raise ValueError(f"--numerics ggml: {why}")
+
+    if forced:
+        refuse(f"it chooses every kernel itself (--kernels {dict(forced)} given)")
+    if jax.default_backend() != "cpu":
+        refuse(f"a CPU path (the backend is {jax.default_backend()})")
+    if engine_cfg.kv_dtype != "float16":
+        refuse(f"llama.cpp's cache is f16 (--kv-dtype {engine_cfg.kv_dtype})")
+    if engine_cfg.tensor_parallel != 1:
+        refuse("one device")
+    if cfg.rope_scaling.kind != "none" or params.rope_freqs is not None:
+        refuse("RoPE scaling and frequency factors are not reproduced")
+    if cfg.sliding_window or cfg.activation != "silu" or cfg.embed_scale != 1.0 or cfg.final_logit_softcap:
+        refuse(f"the {cfg.arch} arch's sliding window, GELU, embedding scale or logit softcap are not reproduced")
+    allowed = {"q4_1"}  # Q4_0 runs repacked (other sums) and Q8_0 by llamafile's GEMM in prompts
+    for (fmt, n, k), (_, splits) in _matrices(params).items():
+        head = (n == cfg.vocab_size)
+        if fmt not in allowed and not (head and fmt in ("q8_0", "q4_1")):
+            refuse(f"{fmt} matrices [{n}, {k}] are not reproduced (Q4_1, and Q8_0 for the embedding and head)")
+    cos, sin = ggml_cpu.rope_tables(cfg.rope_theta, cfg.rope_dim, engine_cfg.max_context)
+    names = {"matmul": "ggml_cpu", "embed": "reference", "attention_decode": "ggml_cpu",
+             "attention_prefill": "ggml_cpu"}
+    fns = {op: registry.choose(op, impl) for op, impl in names.items()}  # recorded for /health
+    kernels = Kernels(
+        matmul=lambda x, w, layer=None, split=None, elementwise_x=False: fns["matmul"](x, w, layer=layer),
+        embed=fns["embed"],
+        attention_decode=fns["attention_decode"],
+        attention_prefill=fns["attention_prefill"],
+        norm=ggml_cpu.rms_norm,
+        rope=ggml_cpu.make_rope(cos, sin, cfg.rope_neox),
+        gated_act=ggml_cpu.swiglu,
+    )
+    log.info("numerics ggml: llama.cpp's CPU arithmetic for every op (%s)", ", ".join(f"{k}: {v}" for k, v in names.items()))
+    return kernels, names
 
 
 def _lowering_reuse(engine_cfg: EngineConfig) -> Callable[[Any, str], Any]:

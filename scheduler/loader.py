@@ -30,7 +30,10 @@ def fit_engine_config(engine_config: EngineConfig, model_context: int) -> Engine
 def resolve_kv_dtype(engine_config: EngineConfig) -> EngineConfig:
     if engine_config.kv_dtype != "auto":
         return engine_config
-    kv = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    if engine_config.numerics == "ggml":
+        kv = "float16"  # llama.cpp's
+    else:
+        kv = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     return dataclasses.replace(engine_config, kv_dtype=kv)
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Sequence
 import uvicorn
 
 from model.chat_template import ChatTemplateError, load_template
-from model.config import KV_DTYPES, SPLIT_Q4_K, UNROLL_DECODE_LAYERS, EngineConfig, prefill_chunks_for
+from model.config import KV_DTYPES, NUMERICS, SPLIT_Q4_K, UNROLL_DECODE_LAYERS, EngineConfig, prefill_chunks_for
 from server.app import EngineHolder, create_app
 from server.config import LOG_LEVELS, ServerConfig
 from server.default_model import FILENAME as DEFAULT_MODEL_FILENAME
@@ -119,6 +119,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="KV cache dtype (auto: float32 on CPU, bfloat16 on GPU; float8_e4m3fn: 8-bit float, half "
                         "of bfloat16's memory and attention reads, values saturating at +-448)")
+    p.add_argument("--numerics", default="default", choices=NUMERICS,
+                   help="ggml: on the CPU, round every op as llama.cpp's x86-64 CPU build does, so that greedy "
+                        "tokens equal llama.cpp's on the same file (f16 cache; Q4_1 matrices, a Q8_0 or Q4_1 "
+                        "embedding and head; slower than the default)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model over N devices of this host (or of every host after jax.distributed)")
 
@@ -134,6 +138,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         timeout_s=args.timeout,
         kernels=args.kernels,
         kv_dtype=args.kv_dtype,
+        numerics=args.numerics,
         tensor_parallel=args.tensor_parallel,
         compile_threads=args.compile_threads,
         decode_steps_per_dispatch=args.decode_steps,
