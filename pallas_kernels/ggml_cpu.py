@@ -11,20 +11,21 @@ llama.cpp's own tensors; the comments there say which ggml function each op foll
 
 How XLA on the CPU is made to round as ggml does (each checked by tests/pallas_kernels/
 test_ggml_cpu.py, so that a jax whose code generation differs fails loudly):
-- A fused multiply-add is written `fma(a, b, c)`: the product exact in f64, one rounding of the
+- XLA contracts an f32 `a * b + c` (one product, one sum) into an FMA by itself: the hot
+  loops are written so. Where a sum would have two f32 products and ggml fuses only one of
+  them, the f64 form `fma(a, b, c)` says which: the product exact in f64, one rounding of the
   sum (then to f32: a second rounding that differs from a single one only in cases too rare to
-  meet). XLA contracts an f32 `a * b + c` into an FMA by itself; where a sum has two products
-  and ggml fuses only one of them, the f64 form says which.
+  meet); `add`, `mul` and the like likewise keep XLA's algebraic simplifier from regrouping.
 - An f32 `dot` is a chain of FMAs over the contraction in order (XLA's CPU dot for these
   sizes), which is what ggml's tiled attention computes.
 - libm's expf (glibc's algorithm, in f64) where ggml calls expf, ggml's vector expf where it
   calls that; cos/sin tables from the C library itself, made once on the host.
 
 Scope: Q4_1 and Q8_0 matrices (Q4_0's are repacked by that build into another order of sums;
-other formats raise NotImplementedError),
-the llama arch's RMS norm, RoPE (adjacent pairs or NeoX halves, no scaling), SwiGLU, and
-attention over an f16 cache. It is a CPU path: slower than the reference (every block's sum is
-kept per lane), and only as fast as a 135M model needs.
+other formats raise NotImplementedError), the llama arch's RMS norm, RoPE (adjacent pairs or
+NeoX halves, no scaling), SwiGLU, and attention over an f16 cache. It is a CPU path for
+correctness, far slower than the reference (every block's sum kept per lane, the f16
+accumulator's chain of roundings stepped cell by cell).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ from pallas_kernels.quant import QuantizedTensor, layer_of, row_major_planes
 
 f32, f64 = jnp.float32, jnp.float64
 
-# llama.cpp's thread count in the run being matched: a decode step over 512 or more cache cells
-# splits the cells between the threads (the fixtures record 2).
+# llama.cpp's thread count in the run being matched, unless the attention ops are given theirs: a
+# decode step over 512 or more cache cells splits the cells between the threads (the fixtures
+# record 2). Nothing else in its arithmetic depends on it (threads split rows, not sums).
 GGML_THREADS = 2
 # llama.cpp pads the cache cells a step attends to (n_kv) to a multiple of this (at least once).
 KV_PAD = 256
@@ -219,15 +221,20 @@ def _hsum8(acc: jax.Array) -> jax.Array:
     return add(add(r[..., 0], r[..., 2]), add(r[..., 1], r[..., 3]))
 
 
-def matmul(x: jax.Array, w: QuantizedTensor, *, layer=None, row_tile: int = 32, **_) -> jax.Array:
+def matmul(x: jax.Array, w: QuantizedTensor, *, layer=None, row_tile: int = 32, col_tile: int = 1024,
+           **_) -> jax.Array:
     """x [..., K] @ w [N, K].T as ggml_vec_dot_q4_1_q8_1 / q8_0_q8_0 (AVX2) compute each output:
     x rounded per 32-block to 8 bits; 8 f32 lanes, lane l the integer sum over elements
     4l..4l+3 of a block, accumulated block by block with fma(d_w * d_x, sum, lane); the lanes
     summed in hsum_float_8's tree; for Q4_1 plus the sum of m_w * s_x (by fma).
 
-    The lane sums are integers below 2^24, exact in f32 in any order. Rows run `row_tile` at a
-    time (the per-block [rows, N, 8] sums then stay in the cache: 2.5x faster for 512 rows on
-    this 2-core machine)."""
+    The lane sums are integers below 2^24, exact in f32 in any order: a block's are one dot of
+    x's codes spread over the 8 lanes ([R, 8, 32], zero outside each lane's 4 elements) with the
+    weights' codes, 8 times the multiplies of the matmul but in a GEMM of depth 32 (faster here
+    than 8 dots of depth 4). The lane update is written `dd * lanes + acc` in f32, which XLA
+    contracts into ggml's FMA (test_xla_contracts_one_product_and_sum); the sum starts as the
+    loop's carry, so that no step adds two products (XLA would be free to fuse either). Rows run `row_tile` and columns
+    `col_tile` at a time so that a block's [R, 8, N] sums stay in the cache."""
     if w.fmt not in ("q4_1", "q8_0"):
         raise NotImplementedError(f"ggml numerics: no {w.fmt} matmul (Q4_1 and Q8_0 are reproduced)")
     w = layer_of(w, layer)
@@ -237,24 +244,37 @@ def matmul(x: jax.Array, w: QuantizedTensor, *, layer=None, row_tile: int = 32, 
     m = x2.shape[0]
     nb = k // 32
     d_w, q_w, m_w = _codes(w)
-    q_w4 = q_w.reshape(n, nb, 8, 4)
+    has_m = m_w is not None
+    nt = col_tile if n % col_tile == 0 else n
+    tiles = (jnp.moveaxis(q_w.reshape(n // nt, nt, nb, 32), 2, 1),  # [T, B, Nt, 32]
+             jnp.moveaxis(d_w.reshape(n // nt, nt, nb), 2, 1),  # [T, B, Nt]
+             jnp.moveaxis((m_w if has_m else d_w).reshape(n // nt, nt, nb), 2, 1))
+    lane_of = jnp.repeat(jnp.eye(8, dtype=f32), 4, axis=1)  # [8, 32]: lane l, elements 4l..4l+3
 
     def rows(xr: jax.Array) -> jax.Array:  # [R, K] -> [R, N]
         r = xr.shape[0]
         d_x, q_x, s_x = quantize_q8(xr)
-        q_x4 = q_x.reshape(r, nb, 8, 4)
+        x_lanes = jnp.moveaxis(q_x[:, :, None, :] * lane_of, 1, 0)  # [B, R, 8, 32]
 
-        def block(b, carry):
-            acc, summs = carry
-            lanes = jnp.einsum("mlk,nlk->mnl", q_x4[:, b], q_w4[:, b], precision="highest")
-            acc = fma((d_w[None, :, b] * d_x[:, b, None])[..., None], lanes, acc)
-            if m_w is not None:
-                summs = fma(m_w[None, :, b], s_x[:, b, None], summs)
-            return acc, summs
+        def col_tile_out(tile) -> jax.Array:  # -> [R, Nt]
+            q_wt, d_wt, m_wt = tile
 
-        acc, summs = jax.lax.fori_loop(0, nb, block, (jnp.zeros((r, n, 8), f32), jnp.zeros((r, n), f32)))
-        out = _hsum8(acc)
-        return add(out, summs) if m_w is not None else out
+            def block(b, carry):
+                acc, summs = carry
+                lanes = jnp.einsum("rlk,nk->rln", x_lanes[b], q_wt[b], precision="highest")  # [R, 8, Nt]
+                dd = (d_wt[None, b] * d_x[:, b, None])[:, None, :]
+                acc = dd * lanes + acc
+                if has_m:
+                    summs = fma(m_wt[None, b], s_x[:, b, None], summs)
+                return acc, summs
+
+            zeros = (jnp.zeros((r, 8, nt), f32), jnp.zeros((r, nt), f32))
+            acc, summs = jax.lax.fori_loop(0, nb, block, zeros)
+            out = _hsum8(jnp.moveaxis(acc, 1, -1))
+            return add(out, summs) if has_m else out
+
+        outs = jax.lax.map(col_tile_out, tiles)  # [T, R, Nt]
+        return jnp.moveaxis(outs, 0, 1).reshape(r, n)
 
     if m <= row_tile:
         return rows(x2).reshape(*lead, n)
@@ -340,9 +360,12 @@ def _dot_f16(q16: jax.Array, k: jax.Array) -> jax.Array:
     d = q16.shape[-1]
     qs = q16.reshape(*q16.shape[:-1], d // 32, 4, 8)
     ks = k.reshape(*k.shape[:-1], d // 32, 4, 8)
-    acc = jnp.zeros(jnp.broadcast_shapes(qs.shape, ks.shape)[:-3] + (4, 8), f32)
-    for i in range(d // 32):
-        acc = fma(ks[..., i, :, :], qs[..., i, :, :], acc)
+    # The first step's fma onto zero is a product, rounded (in f64, so that it is no f32
+    # product XLA could fuse into the next sum); each later step one product and one sum in
+    # f32, which XLA fuses into an FMA (tests).
+    acc = mul(ks[..., 0, :, :], qs[..., 0, :, :])
+    for i in range(1, d // 32):
+        acc = ks[..., i, :, :] * qs[..., i, :, :] + acc
     a0 = add(acc[..., 0, :], acc[..., 2, :])
     a1 = add(acc[..., 1, :], acc[..., 3, :])
     a0 = add(a0, a1)
@@ -350,36 +373,62 @@ def _dot_f16(q16: jax.Array, k: jax.Array) -> jax.Array:
     return add(add(t[..., 0], t[..., 1]), add(t[..., 2], t[..., 3]))
 
 
-def _online_chunks(q16, rows_at, starts, ends, scale):
+def _online_chunks(q16, cache, starts, ends, scale, block: int = 128):
     """ggml_compute_forward_flash_attn_ext_f16_one_chunk over key ranges, all rows at once.
 
-    q16 [R, H, D] (f16 values), rows_at(key [R, C]) -> keys, values [R, C, H, D] (f16 values),
-    starts/ends [R, C] int32: chunk c of row r covers cells [start, end), in order. Per cell the
-    score (ggml_vec_dot_f16, scaled), libm's expf, and a new maximum rescaling the f16
-    accumulator. -> (M, S, VKQ) [R, C, H], [R, C, H], [R, C, H, D].
+    q16 [R, H, D] (f16 values); cache (keys, values, per_row): caches [B, S, K, D] whose row r
+    is query row r's (`per_row`), or one slot's [S, K, D] for every row; kv head h // G serves
+    query head h. starts/ends [R, C] int32: chunk c of row r covers cells [start, end), in
+    order. Per cell the score (ggml_vec_dot_f16, scaled), libm's expf, and a new maximum
+    rescaling the f16 accumulator. -> (M, S, VKQ) [R, C, H], [R, C, H], [R, C, H, D].
+
+    Cells run `block` at a time: a block's scores, running maxima (a cumulative max, which is
+    the sequential `s > M` test's M) and exps at once; only the f16 accumulator and the sum, a
+    chain of roundings, step cell by cell.
     """
+    keys, values, per_row = cache
+    if not per_row:
+        keys, values = keys[None], values[None]
     r, h, d = q16.shape
+    kv_heads = keys.shape[-2]
+    g = h // kv_heads
     c = starts.shape[1]
-    length = jnp.max(ends - starts)
+    rows = jnp.arange(r)[:, None, None] if per_row else jnp.zeros((r, 1, 1), jnp.int32)
+    qg = q16.reshape(r, 1, 1, kv_heads, g, d)
+    n_blocks = (jnp.max(ends - starts) + block - 1) // block
 
-    def step(i, carry):
-        top, total, acc = carry
-        key = starts + i  # [R, C]
-        live = key < ends
-        k, v = rows_at(jnp.where(live, key, 0))
-        s = mul(_dot_f16(q16[:, None], k), f32(scale))  # [R, C, H]
-        new_max = s > top
-        ms = jnp.where(new_max, libm_expf(sub(top, s)), f32(1))
-        vs = jnp.where(new_max, f32(1), libm_expf(sub(s, top)))
-        scaled = jnp.where(new_max[..., None], f16_round(mul(acc, ms[..., None])), acc)
-        upd_acc = f16_round(fma(v, vs[..., None], scaled))
-        upd_total = fma(total, ms, vs)
-        live3 = live[..., None]
-        return (jnp.where(live3 & new_max, s, top), jnp.where(live3, upd_total, total),
-                jnp.where(live3[..., None], upd_acc, acc))
+    def block_step(b, carry):
+        top, total, acc = carry  # [R, C, H], [R, C, H], [R, C, K, G, D]
+        key = starts[..., None] + b * block + jnp.arange(block)  # [R, C, Bk]
+        live = key < ends[..., None]
+        idx = jnp.where(live, key, 0)
+        k = keys[rows, idx].astype(f32)  # [R, C, Bk, K, D]
+        v = values[rows, idx].astype(f32)
+        s = mul(_dot_f16(qg, k[..., None, :]).reshape(r, c, block, h), f32(scale))
+        s = jnp.where(live[..., None], s, -jnp.inf)
+        seen = jnp.maximum(top[:, :, None], jax.lax.cummax(s, axis=2))  # M after each cell
+        prev = jnp.concatenate([top[:, :, None], seen[:, :, :-1]], axis=2)  # M before it
+        new_max = s > prev
+        ms = jnp.where(new_max, libm_expf(sub(prev, s)), f32(1))
+        vs = jnp.where(new_max, f32(1), libm_expf(sub(s, prev)))
+        shape = (r, c, block, kv_heads, g)
+        new_max, ms, vs = (a.reshape(shape) for a in (new_max, ms, vs))
 
-    init = (jnp.full((r, c, h), -jnp.inf, f32), jnp.zeros((r, c, h), f32), jnp.zeros((r, c, h, d), f32))
-    return jax.lax.fori_loop(0, length, step, init)
+        def cell(i, carry):
+            total, acc = carry
+            nm, m_i, v_i, lv = new_max[:, :, i], ms[:, :, i], vs[:, :, i], live[:, :, i, None, None]
+            # f32 ops, each one product and one sum where ggml has an FMA: XLA fuses it (tests)
+            scaled = jnp.where(nm[..., None], f16_round(acc * m_i[..., None]), acc)
+            upd_acc = f16_round(v[:, :, i, :, None] * v_i[..., None] + scaled)
+            upd_total = total * m_i + v_i
+            return jnp.where(lv, upd_total, total), jnp.where(lv[..., None], upd_acc, acc)
+
+        total, acc = jax.lax.fori_loop(0, block, cell, (total.reshape(r, c, kv_heads, g), acc))
+        return seen[:, :, -1], total.reshape(r, c, h), acc
+
+    init = (jnp.full((r, c, h), -jnp.inf, f32), jnp.zeros((r, c, h), f32), jnp.zeros((r, c, kv_heads, g, d), f32))
+    top, total, acc = jax.lax.fori_loop(0, n_blocks, block_step, init)
+    return top, total, acc.reshape(r, c, h, d)
 
 
 @_x64
@@ -422,39 +471,34 @@ def n_kv(used: jax.Array, cells: int) -> jax.Array:
     return jnp.minimum(cells, jnp.maximum(KV_PAD, padded))
 
 
-def _rows_one_chunk(q, rows_at, positions, scale, cells, split: bool):
-    """Query rows q [R, H, D] at `positions` [R] over cells 0..pos (rows_at as in
+def _rows_one_chunk(q, cache, positions, scale, cells, split: bool, threads: int = GGML_THREADS):
+    """Query rows q [R, H, D] at `positions` [R] over cells 0..pos (cache as in
     `_online_chunks`): ggml's one-chunk path, or, with `split` (each row a lone decode row), for
-    rows over n_kv >= 512 cells its split of the cells between GGML_THREADS threads and their
-    merge."""
+    rows over n_kv >= 512 cells its split of the cells between `threads` threads (ceil(n_kv /
+    threads) each) and their merge."""
     q16 = f16_round(q.astype(f32))
     ends = positions + 1
     if not split:
-        top, total, acc = _online_chunks(q16, rows_at, jnp.zeros_like(ends)[:, None], ends[:, None], scale)
+        top, total, acc = _online_chunks(q16, cache, jnp.zeros_like(ends)[:, None], ends[:, None], scale)
         return _finish(acc[:, 0], total[:, 0])
     cells_r = n_kv(ends, cells)
     splits = cells_r >= 2 * KV_PAD
-    size = (cells_r + GGML_THREADS - 1) // GGML_THREADS
-    c = jnp.arange(GGML_THREADS)[None, :]
+    size = (cells_r + threads - 1) // threads
+    c = jnp.arange(threads)[None, :]
     starts = jnp.where(splits[:, None], c * size[:, None], jnp.where(c == 0, 0, ends[:, None]))
     stops = jnp.where(splits[:, None], jnp.minimum((c + 1) * size[:, None], ends[:, None]), ends[:, None])
     stops = jnp.maximum(stops, starts)
-    top, total, acc = _online_chunks(q16, rows_at, starts, stops, scale)
-    merged = _reduce_partials(top, total, acc)
-    return jnp.where(splits[:, None, None], merged, _finish(acc[:, 0], total[:, 0]))
 
+    def split_rows(_):
+        top, total, acc = _online_chunks(q16, cache, starts, stops, scale)
+        merged = _reduce_partials(top, total, acc)
+        return jnp.where(splits[:, None, None], merged, _finish(acc[:, 0], total[:, 0]))
 
-def _gather(k_rows, v_rows, groups: int, per_row: bool):
-    """rows_at for `_online_chunks`: caches [B, S, K, D] read at (row, cell) (`per_row`), or one
-    slot's [S, K, D] at cell; kv head h // G serves query head h."""
-    def rows_at(key):
-        if per_row:
-            rows = jnp.arange(key.shape[0])[:, None]
-            k, v = k_rows[rows, key], v_rows[rows, key]
-        else:
-            k, v = k_rows[key], v_rows[key]
-        return (jnp.repeat(k.astype(f32), groups, axis=-2), jnp.repeat(v.astype(f32), groups, axis=-2))
-    return rows_at
+    def whole_rows(_):  # no row splits: one chunk each (the same numbers, half the work)
+        top, total, acc = _online_chunks(q16, cache, starts[:, :1], stops[:, :1], scale)
+        return _finish(acc[:, 0], total[:, 0])
+
+    return jax.lax.cond(jnp.any(splits), split_rows, whole_rows, None)
 
 
 def _expand_heads(cache_rows: jax.Array, groups: int) -> jax.Array:
@@ -462,7 +506,8 @@ def _expand_heads(cache_rows: jax.Array, groups: int) -> jax.Array:
     return jnp.repeat(cache_rows, groups, axis=-2)
 
 
-def attention_decode(q, k_cache, v_cache, positions, scale, window=0, *, layer=None, span=None, **_):
+def attention_decode(q, k_cache, v_cache, positions, scale, window=0, *, layer=None, span=None,
+                     threads: int = GGML_THREADS, **_):
     """One query per slot, q [B, H, D], over its f16 cache (positions 0..pos): ggml's decode
     path for each row as llama.cpp would run it alone."""
     if not isinstance(window, int) or window:
@@ -473,9 +518,9 @@ def attention_decode(q, k_cache, v_cache, positions, scale, window=0, *, layer=N
     if layer is not None:
         k_cache = jax.lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
         v_cache = jax.lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
-    groups = q.shape[1] // k_cache.shape[2]
     pos = jnp.maximum(positions, 0)
-    return _rows_one_chunk(q, _gather(k_cache, v_cache, groups, True), pos, scale, cells, split=True)
+    return _rows_one_chunk(q, (k_cache, v_cache, True), pos, scale, cells, split=True,
+                           threads=threads)
 
 
 def _tiled(q, keys, values, positions, scale, num_tiles):
@@ -528,7 +573,7 @@ def _tiled(q, keys, values, positions, scale, num_tiles):
 
 
 def attention_prefill(q, k_cache, v_cache, start_pos, scale, window=0, *, layer=None, slot=None, span=None,
-                      num_valid=None, **_):
+                      num_valid=None, threads: int = GGML_THREADS, **_):
     """A chunk of one slot's queries q [T, H, D] (the ubatch llama.cpp would run: its rows
     `num_valid`) over the slot's f16 cache: the tiled path for 64 rows or more, the one-chunk
     path for fewer, a lone row as a decode step."""
@@ -546,11 +591,10 @@ def attention_prefill(q, k_cache, v_cache, start_pos, scale, window=0, *, layer=
     groups = h // k_cache.shape[1]
     valid = jnp.int32(t) if num_valid is None else num_valid
     last = jnp.minimum(start_pos + jnp.arange(t), start_pos + valid - 1)  # padding rows: the last row
-    rows_at = _gather(k_cache, v_cache, groups, False)
 
     def one_chunk(lone: bool):
         # a ubatch of one row runs as a decode step (it may split its cells)
-        return lambda _: _rows_one_chunk(q, rows_at, last, scale, cells, split=lone)
+        return lambda _: _rows_one_chunk(q, (k_cache, v_cache, False), last, scale, cells, split=lone, threads=threads)
 
     if t < TILE:
         return jax.lax.cond(valid == 1, one_chunk(True), one_chunk(False), None)
@@ -578,3 +622,4 @@ def _cpu_only() -> bool:
 registry.register("matmul", "ggml_cpu", matmul, is_available=_cpu_only, priority=-100)
 registry.register("attention_decode", "ggml_cpu", attention_decode, is_available=_cpu_only, priority=-100)
 registry.register("attention_prefill", "ggml_cpu", attention_prefill, is_available=_cpu_only, priority=-100)
+

@@ -39,8 +39,9 @@ def _normal_range(rng, n: int) -> np.ndarray:
 
 
 def test_xla_contracts_one_product_and_sum():
-    """The tiled attention's V accumulation is `acc + p * v` in f32, one product and one sum per
-    step, which XLA compiles as an FMA (ggml's simd_gemm)."""
+    """Where ggml has an FMA, ggml_cpu mostly writes `acc + p * v` in f32, one product and one
+    sum (the matmul's lanes, the f16 dot's later steps, both attention paths' accumulators),
+    which XLA compiles as an FMA."""
     rng = np.random.default_rng(0)
     a, b, c = (rng.standard_normal(4096).astype(f32) for _ in range(3))
     got = jax.jit(lambda a, b, c: a + b * c)(a, b, c)
