@@ -2,7 +2,7 @@
 the first divergence, summed over prompts, over all recorded tokens.
 
     python bench/agreement.py [--model PATH] [--fixture tests/fixtures/generation_smollm2.json]
-        [--numerics ggml] [--kernels op=impl,...] [--kv-dtype float16] [--limit N]
+        [--numerics ggml [--ggml-threads N]] [--kernels op=impl,...] [--kv-dtype float16] [--limit N]
 
 Runs the engine's own step programs (a ModelRunner with 8 slots, prompts prefilled in chunks of
 512 as the recordings were), 8 prompts at a time.
@@ -21,20 +21,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a script: bench/ on sys.path would shadow the stdlib's `http`
     sys.path[0] = str(ROOT)
 
-from model.config import EngineConfig  # noqa: E402
+from model.config import NUMERICS, EngineConfig  # noqa: E402
 from model.loader import load_model  # noqa: E402
-from model.offline import generate  # noqa: E402
+from model.offline import first_divergence, generate  # noqa: E402
 from scheduler.loader import resolve_kv_dtype  # noqa: E402
 from server.default_model import default_model_path  # noqa: E402
-
-
-def first_divergence(ours: list[int], ref: list[int]) -> int:
-    n = 0
-    for a, b in zip(ours, ref):
-        if a != b:
-            break
-        n += 1
-    return n
 
 
 def main() -> None:
@@ -43,18 +34,23 @@ def main() -> None:
     ap.add_argument("--fixture", default=str(ROOT / "tests/fixtures/generation_smollm2.json"))
     ap.add_argument("--kernels", default="")
     ap.add_argument("--kv-dtype", default="auto")
-    ap.add_argument("--numerics", default="default", choices=("default", "ggml"))
+    ap.add_argument("--numerics", default="default", choices=NUMERICS)
+    ap.add_argument("--ggml-threads", type=int, default=0,
+                    help="llama.cpp's threads in the recording (default: the fixture's meta.settings.n_threads)")
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--limit", type=int, default=0)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO)
+    fixture = json.load(open(args.fixture))
+    threads = args.ggml_threads or fixture["meta"]["settings"]["n_threads"]
     kernels = tuple(tuple(kv.split("=")) for kv in args.kernels.split(",") if kv)
     ecfg = resolve_kv_dtype(EngineConfig(num_slots=8, max_context=args.max_context, kv_dtype=args.kv_dtype,
-                                         kernels=kernels, numerics=args.numerics))
+                                         kernels=kernels, numerics=args.numerics,
+                                         ggml_threads=threads))
     m = load_model(args.model, ecfg)
     runner = m.make_runner(ecfg)
     runner.warmup()
-    cases = json.load(open(args.fixture))["cases"]
+    cases = fixture["cases"]
     if args.limit:
         cases = cases[: args.limit]
     agree = total = 0

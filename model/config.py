@@ -268,6 +268,9 @@ class EngineConfig:
     # llama.cpp's on the same file; an f16 cache; only what that build's arithmetic is
     # reproduced for (model/kernels.py says what it refuses).
     numerics: str = "default"
+    # numerics "ggml": the thread count of the llama.cpp run to match (its decode attention over
+    # 512 or more cache cells splits them between its threads; nothing else depends on it).
+    ggml_threads: int = 2
     # Decode attention planned for few busy slots (where the chosen kernel has such a plan: the
     # Triton one from 1024-key context buckets), run when at most a quarter of the slots decode:
     # it spreads a lone long row over many programs (H200, 7B Q4_0, 1,500-token prompt: 1 user
@@ -399,6 +402,8 @@ class EngineConfig:
             raise ValueError(f"tensor parallel must be >= 1, got {self.tensor_parallel}")
         if self.numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {self.numerics!r}")
+        if self.ggml_threads < 1:
+            raise ValueError(f"ggml threads must be >= 1, got {self.ggml_threads}")
         if self.numerics == "ggml" and self.kv_dtype not in ("auto", "float16"):
             raise ValueError(f"numerics ggml keeps llama.cpp's f16 cache, not {self.kv_dtype}")
         if self.compile_threads < 0:

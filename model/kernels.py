@@ -16,6 +16,7 @@ the Mosaic GPU matmuls are lowered once for all the step programs (`LoweredOnce`
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any, Callable, Mapping
@@ -241,16 +242,20 @@ def _ggml_kernels(forced: Mapping[str, str], cfg: ModelConfig, params: Params, e
     names = {"matmul": "ggml_cpu", "embed": "reference", "attention_decode": "ggml_cpu",
              "attention_prefill": "ggml_cpu"}
     fns = {op: registry.choose(op, impl) for op, impl in names.items()}  # recorded for /health
+    threads = {"threads": engine_cfg.ggml_threads}
+    prefill = functools.partial(fns["attention_prefill"], **threads)
+    prefill.takes_num_valid = True
     kernels = Kernels(
         matmul=lambda x, w, layer=None, split=None, elementwise_x=False: fns["matmul"](x, w, layer=layer),
         embed=fns["embed"],
-        attention_decode=fns["attention_decode"],
-        attention_prefill=fns["attention_prefill"],
+        attention_decode=functools.partial(fns["attention_decode"], **threads),
+        attention_prefill=prefill,
         norm=ggml_cpu.rms_norm,
         rope=ggml_cpu.make_rope(cos, sin, cfg.rope_neox),
         gated_act=ggml_cpu.swiglu,
     )
-    log.info("numerics ggml: llama.cpp's CPU arithmetic for every op (%s)", ", ".join(f"{k}: {v}" for k, v in names.items()))
+    log.info("numerics ggml: llama.cpp's CPU arithmetic for every op, as run on %d threads (%s)",
+             engine_cfg.ggml_threads, ", ".join(f"{k}: {v}" for k, v in names.items()))
     return kernels, names
 
 

@@ -123,6 +123,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="ggml: on the CPU, round every op as llama.cpp's x86-64 CPU build does, so that greedy "
                         "tokens equal llama.cpp's on the same file (f16 cache; Q4_1 matrices, a Q8_0 or Q4_1 "
                         "embedding and head; slower than the default)")
+    p.add_argument("--ggml-threads", type=int, default=2, metavar="N",
+                   help="with --numerics ggml: the thread count of the llama.cpp run to match (its decode "
+                        "attention over 512 or more cached tokens splits them between its threads)")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model over N devices of this host (or of every host after jax.distributed)")
 
@@ -139,6 +142,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kernels=args.kernels,
         kv_dtype=args.kv_dtype,
         numerics=args.numerics,
+        ggml_threads=args.ggml_threads,
         tensor_parallel=args.tensor_parallel,
         compile_threads=args.compile_threads,
         decode_steps_per_dispatch=args.decode_steps,
