@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--fixture", default=str(ROOT / "tests/fixtures/generation_smollm2.json"))
     ap.add_argument("--kernels", default="")
     ap.add_argument("--kv-dtype", default="auto")
-    ap.add_argument("--numerics", default="default", choices=NUMERICS)
+    ap.add_argument("--numerics", default="native", choices=NUMERICS)
     ap.add_argument("--ggml-threads", type=int, default=0,
                     help="llama.cpp's threads in the recording (default: the fixture's meta.settings.n_threads)")
     ap.add_argument("--max-context", type=int, default=4096)

@@ -49,6 +49,16 @@ def generate(runner, prompts: list[list[int]], num_tokens: int, slots: list[int]
     return out
 
 
+def first_divergence(ours: list[int], ref: list[int]) -> int:
+    """How many tokens of `ours` equal `ref`'s before the first that differs."""
+    n = 0
+    for a, b in zip(ours, ref):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
 def teacher_forced_logits(cfg, kernels, params, cases: list[tuple[list[int], list[int]]],
                           max_context: int, chunk: int = 512, kv_dtype=jnp.float32) -> list[np.ndarray]:
     """For each (prompt, continuation), the logits [len(continuation), V] that choose each

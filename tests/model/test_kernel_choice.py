@@ -189,3 +189,16 @@ def test_the_few_rows_attention_plan_is_opt_in(tiny_tp_path):
         impls[:] = saved
         chosen.clear()
         chosen.update(saved_chosen)
+
+
+def test_ggml_numerics_refuses_what_it_does_not_reproduce(synthetic_gguf, tiny_tp_path):
+    """`--numerics ggml` runs only what ggml_cpu reproduces, and says what it refuses (the model
+    tests run it on SmolLM2: test_llama_cpp_agreement.py)."""
+    with pytest.raises(ValueError, match="f16 cache"):
+        EngineConfig(numerics="ggml", kv_dtype="float32")
+    with pytest.raises(ValueError, match="q8_0 matrices"):  # Q8_0 beyond the embedding and head
+        _loaded(tiny_tp_path, numerics="ggml", kv_dtype="float16")
+    with pytest.raises(ValueError, match="chooses every kernel itself"):
+        _loaded(synthetic_gguf("tiny", "q4_1"), numerics="ggml", kv_dtype="float16", kernels=(("matmul", "reference"),))
+    with pytest.raises(ValueError, match=r"q6_k matrices \[2048, 256\]"):  # the file's head, as llama.cpp quantizes
+        _loaded(synthetic_gguf("tiny", "q4_1"), numerics="ggml", kv_dtype="float16")
