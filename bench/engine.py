@@ -489,7 +489,7 @@ def plot(results: list[dict[str, Any]], path: pathlib.Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--model", type=pathlib.Path, help="GGUF file")
-    add_engine_arguments(ap)  # the server's engine flags and defaults (server --help)
+    add_engine_arguments(ap, numerics="native")  # the server's engine flags and defaults (server --help)
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of the decode runs")
     ap.add_argument("--decode-tokens", type=int, default=256, help="max_tokens of the decode runs")
     ap.add_argument("--prefill-len", type=int, default=512)

@@ -90,6 +90,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return [
         "--model", str(args.model), "--slots", str(args.slots), "--max-queue", str(args.max_queue),
         "--max-context", str(args.max_context), "--prefill-budget", str(args.prefill_budget),
+        "--numerics", "native",  # speed; on a GPU auto is native anyway
         *shlex.split(args.server_args),
     ]
 

@@ -173,7 +173,7 @@ def trace_prefill(args, t: int, m, runner, out) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--model", required=True)
-    add_engine_arguments(ap)  # the server's engine flags (server --help), with these defaults:
+    add_engine_arguments(ap, numerics="native")  # the server's engine flags (server --help), with these defaults:
     ap.set_defaults(max_context=1024, kv_dtype="bfloat16", decode_steps=1)
     ap.add_argument("--position", type=int, default=200, help="cache length of the active slots")
     ap.add_argument("--steps", type=int, default=20)

@@ -196,7 +196,7 @@ def prefill_chunks_for(budget: int, sizes: tuple[int, ...] | None = None) -> tup
 
 
 UNROLL_DECODE_LAYERS = ("auto", "on", "off")  # EngineConfig.unroll_decode_layers
-NUMERICS = ("default", "ggml")  # EngineConfig.numerics
+NUMERICS = ("native", "ggml", "auto")  # EngineConfig.numerics
 SPLIT_Q4_K = ("auto", "on", "off")  # EngineConfig.split_q4_k, split_q5_k, split_q6_k and split_legacy
 MAX_AUTO_COMPILE_THREADS = {"cpu": 8, "gpu": 4}  # EngineConfig.compile_threads = 0, per backend
 
@@ -263,11 +263,12 @@ class EngineConfig:
     # been the worry. One figure went the other way in the A/B, unexplained and within the run
     # to run spread seen before: TTFT joining 3 streams 24.4 against 19.9 ms.
     compile_threads: int = 0
-    # "default": each op's own arithmetic (f32 on CPU); "ggml": on the CPU, llama.cpp's x86-64
+    # "native": each op's own arithmetic (f32 on CPU); "ggml": on the CPU, llama.cpp's x86-64
     # CPU build's rounding op by op (pallas_kernels/ggml_cpu.py), so that greedy tokens equal
     # llama.cpp's on the same file; an f16 cache; only what that build's arithmetic is
-    # reproduced for (model/kernels.py says what it refuses).
-    numerics: str = "default"
+    # reproduced for (model/kernels.py says what it refuses); "auto" (the server's default):
+    # ggml where it is reproduced, else native.
+    numerics: str = "native"
     # numerics "ggml": the thread count of the llama.cpp run to match (its decode attention over
     # 512 or more cache cells splits them between its threads; nothing else depends on it).
     ggml_threads: int = 2

@@ -57,6 +57,7 @@ class Kernels:
     norm: Callable | None = None
     rope: Callable | None = None
     gated_act: Callable | None = None
+    numerics: str = "native"  # EngineConfig.numerics as resolved: "native" or "ggml"
 
 
 @jax.tree_util.register_dataclass

@@ -141,8 +141,13 @@ def choose_kernels(
 ) -> tuple[Kernels, dict[str, str]]:
     """Under tensor parallelism (engine_cfg.tensor_parallel > 1) every implementation is probed on
     the per-device shapes it will see inside `model.sharding.shard_kernels`."""
-    if engine_cfg.numerics == "ggml":
-        return _ggml_kernels(forced, cfg, params, engine_cfg)
+    if engine_cfg.numerics in ("ggml", "auto"):
+        why = ggml_refusal(forced, cfg, params, engine_cfg)
+        if why is None:
+            return _ggml_kernels(cfg, engine_cfg)
+        if engine_cfg.numerics == "ggml":
+            raise ValueError(f"--numerics ggml: {why}")
+        log.info("numerics auto: native, since llama.cpp's arithmetic is not reproduced here (%s)", why)
     tp = engine_cfg.tensor_parallel
     unknown = sorted(set(forced) - set(OPS))
     if unknown:
@@ -213,31 +218,32 @@ def choose_kernels(
                    ), names
 
 
-def _ggml_kernels(forced: Mapping[str, str], cfg: ModelConfig, params: Params, engine_cfg: EngineConfig
-                  ) -> tuple[Kernels, dict[str, str]]:
-    """`--numerics ggml`: every op as llama.cpp's x86-64 CPU build rounds it
-    (pallas_kernels/ggml_cpu.py), for a model and settings that build reproduces; anything else
-    is refused with the reason."""
-    def refuse(why: str) -> None:
-        raise ValueError(f"--numerics ggml: {why}")
-
+def ggml_refusal(forced: Mapping[str, str], cfg: ModelConfig, params: Params, engine_cfg: EngineConfig
+                 ) -> str | None:
+    """Why `--numerics ggml` cannot run this model with these settings (None: it can): it runs
+    only what pallas_kernels/ggml_cpu.py reproduces of llama.cpp's x86-64 CPU build."""
     if forced:
-        refuse(f"it chooses every kernel itself (--kernels {dict(forced)} given)")
+        return f"it chooses every kernel itself (--kernels {dict(forced)} given)"
     if jax.default_backend() != "cpu":
-        refuse(f"a CPU path (the backend is {jax.default_backend()})")
+        return f"it is a CPU path (the backend is {jax.default_backend()})"
     if engine_cfg.kv_dtype != "float16":
-        refuse(f"llama.cpp's cache is f16 (--kv-dtype {engine_cfg.kv_dtype})")
+        return f"llama.cpp's cache is f16 (--kv-dtype {engine_cfg.kv_dtype})"
     if engine_cfg.tensor_parallel != 1:
-        refuse("one device")
+        return "it runs on one device"
     if cfg.rope_scaling.kind != "none" or params.rope_freqs is not None:
-        refuse("RoPE scaling and frequency factors are not reproduced")
+        return "RoPE scaling and frequency factors are not reproduced"
     if cfg.sliding_window or cfg.activation != "silu" or cfg.embed_scale != 1.0 or cfg.final_logit_softcap:
-        refuse(f"the {cfg.arch} arch's sliding window, GELU, embedding scale or logit softcap are not reproduced")
+        return f"the {cfg.arch} arch's sliding window, GELU, embedding scale or logit softcap are not reproduced"
     allowed = {"q4_1"}  # Q4_0 runs repacked (other sums) and Q8_0 by llamafile's GEMM in prompts
-    for (fmt, n, k), (_, splits) in _matrices(params).items():
+    for (fmt, n, k), _ in _matrices(params).items():
         head = (n == cfg.vocab_size)
         if fmt not in allowed and not (head and fmt in ("q8_0", "q4_1")):
-            refuse(f"{fmt} matrices [{n}, {k}] are not reproduced (Q4_1, and Q8_0 for the embedding and head)")
+            return f"{fmt} matrices [{n}, {k}] are not reproduced (Q4_1, and Q8_0 for the embedding and head)"
+    return None
+
+
+def _ggml_kernels(cfg: ModelConfig, engine_cfg: EngineConfig) -> tuple[Kernels, dict[str, str]]:
+    """Every op as llama.cpp's x86-64 CPU build rounds it (pallas_kernels/ggml_cpu.py)."""
     cos, sin = ggml_cpu.rope_tables(cfg.rope_theta, cfg.rope_dim, engine_cfg.max_context)
     names = {"matmul": "ggml_cpu", "embed": "reference", "attention_decode": "ggml_cpu",
              "attention_prefill": "ggml_cpu"}
@@ -253,6 +259,7 @@ def _ggml_kernels(forced: Mapping[str, str], cfg: ModelConfig, params: Params, e
         norm=ggml_cpu.rms_norm,
         rope=ggml_cpu.make_rope(cos, sin, cfg.rope_neox),
         gated_act=ggml_cpu.swiglu,
+        numerics="ggml",
     )
     log.info("numerics ggml: llama.cpp's CPU arithmetic for every op, as run on %d threads (%s)",
              engine_cfg.ggml_threads, ", ".join(f"{k}: {v}" for k, v in names.items()))

@@ -30,8 +30,8 @@ def fit_engine_config(engine_config: EngineConfig, model_context: int) -> Engine
 def resolve_kv_dtype(engine_config: EngineConfig) -> EngineConfig:
     if engine_config.kv_dtype != "auto":
         return engine_config
-    if engine_config.numerics == "ggml":
-        kv = "float16"  # llama.cpp's
+    if engine_config.numerics == "ggml" or (engine_config.numerics == "auto" and jax.default_backend() == "cpu"):
+        kv = "float16"  # llama.cpp's (auto: also where the model then runs native)
     else:
         kv = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     return dataclasses.replace(engine_config, kv_dtype=kv)
@@ -60,7 +60,10 @@ def build_engine(
         "load_seconds": round(loaded.load_seconds, 2),
         "kv_dtype": engine_config.kv_dtype,
         "backend": jax.default_backend(),
+        "numerics": loaded.kernels.numerics,  # auto resolved
     }
+    if loaded.kernels.numerics == "ggml":
+        info["ggml_threads"] = engine_config.ggml_threads
     def factory():
         runner = loaded.make_runner(engine_config)
         if jax.process_count() == 1:

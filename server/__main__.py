@@ -61,10 +61,11 @@ def parse_sizes(value: str) -> tuple[int, ...]:
     return sizes
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> None:
     """The flags the EngineConfig is made of (`engine_config_from_args`): the server's, and the
     bench scripts' that build an engine of their own (bench/engine.py, bench/trace_step.py), so
-    that a flag, its default and its mapping live here only."""
+    that a flag, its default and its mapping live here only. `numerics`: the --numerics default
+    (the benches, which measure speed, pass native)."""
     p.add_argument("--slots", type=int, default=8, help="concurrent sequences (decode batch)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
     p.add_argument("--prefill-budget", type=int, default=512, help="prompt tokens per engine step")
@@ -119,10 +120,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="KV cache dtype (auto: float32 on CPU, bfloat16 on GPU; float8_e4m3fn: 8-bit float, half "
                         "of bfloat16's memory and attention reads, values saturating at +-448)")
-    p.add_argument("--numerics", default="default", choices=NUMERICS,
+    p.add_argument("--numerics", default=numerics, choices=NUMERICS,
                    help="ggml: on the CPU, round every op as llama.cpp's x86-64 CPU build does, so that greedy "
                         "tokens equal llama.cpp's on the same file (f16 cache; Q4_1 matrices, a Q8_0 or Q4_1 "
-                        "embedding and head; slower than the default)")
+                        "embedding and head; far slower than native); native: each op's own arithmetic; "
+                        f"auto: ggml where it is reproduced, else native (default: {numerics})")
     p.add_argument("--ggml-threads", type=int, default=2, metavar="N",
                    help="with --numerics ggml: the thread count of the llama.cpp run to match (its decode "
                         "attention over 512 or more cached tokens splits them between its threads)")

@@ -14,11 +14,13 @@ FLAGS = ["--model", "m.gguf", "--slots", "4", "--max-context", "256", "--kv-dtyp
 
 def test_the_bench_builds_the_servers_engine_config():
     args = engine.build_parser().parse_args([*FLAGS, "--decode-tokens", "8", "--no-cold-start"])
-    want, _ = build_configs(server_parser().parse_args(FLAGS), {})
+    # the one default of its own: --numerics native (it measures speed; on a GPU auto is native too)
+    want, _ = build_configs(server_parser().parse_args([*FLAGS, "--numerics", "native"]), {})
     assert engine.config_of(args) == want
     # and the server's defaults where no flag is given (e.g. the KV dtype: auto)
     bare = engine.build_parser().parse_args(["--model", "m.gguf"])
-    assert engine.config_of(bare) == build_configs(server_parser().parse_args(["--model", "m.gguf"]), {})[0]
+    server_bare = ["--model", "m.gguf", "--numerics", "native"]
+    assert engine.config_of(bare) == build_configs(server_parser().parse_args(server_bare), {})[0]
     assert engine.config_of(bare).kv_dtype == "auto"
 
 

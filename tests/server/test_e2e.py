@@ -1,5 +1,6 @@
 """End to end: `python -m server` as a subprocess on a free port with the real SmolLM2,
-driven by the official `openai` client and raw HTTP."""
+driven by the official `openai` client and raw HTTP (with `--numerics native`, the fast path;
+test_default_numerics_e2e.py runs the default, llama.cpp's arithmetic)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def server(smollm2_path, tmp_path_factory):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     cmd = [
         sys.executable, "-m", "server", "--model", str(smollm2_path), "--port", str(port),
-        "--max-context", "1024", "--slots", "4", "--max-queue", "4",
+        "--max-context", "1024", "--slots", "4", "--max-queue", "4", "--numerics", "native",
     ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -50,6 +50,7 @@ def test_defaults() -> None:
     assert engine.unrolls_decode("gpu") and not engine.unrolls_decode("cpu")
     assert (engine.decode_steps("gpu"), engine.decode_steps("cpu")) == (2, 1)  # 0: auto
     assert not engine.few_rows_attention  # batch-invariant by default
+    assert (engine.numerics, engine.ggml_threads) == ("auto", 2)  # llama.cpp's arithmetic where reproduced
     assert not engine.separate_kv_write  # the attention kernel writes the keys and values where it can
     assert engine.gather_x
     # Q4_K, Q5_K, Q6_K, Q4_1, Q5_0 and Q5_1 split where the Mosaic GPU matmul serves them: one Hopper GPU,
