@@ -118,7 +118,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
                    help="split Q6_K matrices at load into int8 codes and f16 scales per 16 weights (37%% more weight "
                         "bytes) for the Mosaic GPU matmul; auto (default) and the bare flag as --split-q4-k")
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
-                   help="KV cache dtype (auto: float32 on CPU, bfloat16 on GPU; float8_e4m3fn: 8-bit float, half "
+                   help="KV cache dtype (auto: on CPU float16, llama.cpp's, or float32 with --numerics native; bfloat16 "
+                        "on GPU; float8_e4m3fn: 8-bit float, half "
                         "of bfloat16's memory and attention reads, values saturating at +-448)")
     p.add_argument("--numerics", default=numerics, choices=NUMERICS,
                    help="ggml: on the CPU, round every op as llama.cpp's x86-64 CPU build does, so that greedy "
