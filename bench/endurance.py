@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--max-context", type=int, default=2048)
-    ap.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="the server's auto: f32 on the CPU, bf16 on a GPU")
+    ap.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="auto: f32 on the CPU (this bench runs native numerics), bf16 on a GPU")
     ap.add_argument("--concurrency", type=int, default=12, help="requests in flight (slots + a queue)")
     ap.add_argument("--max-prompt", type=int, default=1200, help="longest prompt (several prefill chunks)")
     ap.add_argument("--max-new-tokens", type=int, default=64)

@@ -65,8 +65,9 @@ USER_COUNTS = (1, 4, 8, 16, 32)
 
 def build_config(slots: int, max_context: int, kv_dtype: str = "auto", prefill_budget: int = 512,
                  max_queue: int = 64) -> EngineConfig:
-    """An EngineConfig with the server's defaults but these (bench/endurance.py and
-    bench/serving_overhead.py; this script's own runs take every server flag, `config_of`)."""
+    """An EngineConfig with the server's defaults but these, and native numerics (EngineConfig's
+    default; bench/endurance.py and bench/serving_overhead.py; this script's own runs take every
+    server flag, `config_of`)."""
     return EngineConfig(num_slots=slots, max_context=max_context, kv_dtype=kv_dtype, prefill_budget=prefill_budget,
                         prefill_chunks=prefill_chunks_for(prefill_budget, None), max_queue=max_queue)
 
