@@ -209,7 +209,8 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-# the KV cache dtypes an engine takes ("auto": f32 on CPU, bf16 on GPU)
+# the KV cache dtypes an engine takes ("auto": on CPU f16 unless numerics are native, then f32;
+# bf16 on GPU)
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "float8_e4m3fn")
 
 @dataclasses.dataclass(frozen=True)
@@ -223,8 +224,9 @@ class EngineConfig:
     prefill_chunks: tuple[int, ...] = (64, 128, 256, 512)
     max_queue: int = 64
     timeout_s: float = 600.0
-    # "float32" | "bfloat16" | "float16" | "float8_e4m3fn" | "auto" (resolved at load: f32 on CPU,
-    # bf16 on GPU). An 8-bit float cache (fp8 e4m3, no scale: values saturate at +-448) halves
+    # "float32" | "bfloat16" | "float16" | "float8_e4m3fn" | "auto" (resolved at load,
+    # scheduler.loader.resolve_kv_dtype: on CPU f16, llama.cpp's, unless numerics are native, then
+    # f32; bf16 on GPU). An 8-bit float cache (fp8 e4m3, no scale: values saturate at +-448) halves
     # the bytes attention reads and the cache's memory; its keys and values carry 3 mantissa bits.
     # Its attention is not faster in proportion: on the H200 (7B, 3,900 tokens of context) 3,095
     # against bf16's 3,720 us per step with 8 busy slots, 3,297 against 2,793 with one, whose 32

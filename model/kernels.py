@@ -16,13 +16,13 @@ the Mosaic GPU matmuls are lowered once for all the step programs (`LoweredOnce`
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Importing the kernel modules registers their implementations.
 import pallas_kernels.attention  # noqa: F401
@@ -244,17 +244,31 @@ def ggml_refusal(forced: Mapping[str, str], cfg: ModelConfig, params: Params, en
 
 def _ggml_kernels(cfg: ModelConfig, engine_cfg: EngineConfig) -> tuple[Kernels, dict[str, str]]:
     """Every op as llama.cpp's x86-64 CPU build rounds it (pallas_kernels/ggml_cpu.py)."""
-    cos, sin = ggml_cpu.rope_tables(cfg.rope_theta, cfg.rope_dim, engine_cfg.max_context)
+    # positions up to the context the engine will keep (it caps max_context at the model's)
+    cos, sin = ggml_cpu.rope_tables(cfg.rope_theta, cfg.rope_dim, min(engine_cfg.max_context, cfg.context_length))
     names = {"matmul": "ggml_cpu", "embed": "reference", "attention_decode": "ggml_cpu",
              "attention_prefill": "ggml_cpu"}
     fns = {op: registry.choose(op, impl) for op, impl in names.items()}  # recorded for /health
     threads = {"threads": engine_cfg.ggml_threads}
-    prefill = functools.partial(fns["attention_prefill"], **threads)
+    # llama.cpp's kq_scale is 1.0f / sqrtf(head_dim) in f32, which differs in the last bit from
+    # head_dim ** -0.5 rounded to f32 for some sizes (24, 72, 96, ...; not 64 or 128)
+    scale = cfg.attn_scale or float(np.float32(1) / np.sqrt(np.float32(cfg.head_dim)))
+
+    def scaled(fn):
+        def call(q, k, v, pos, _scale, *args, **kwargs):
+            return fn(q, k, v, pos, scale, *args, **threads, **kwargs)
+        return call
+
+    prefill = scaled(fns["attention_prefill"])
     prefill.takes_num_valid = True
+    if engine_cfg.prefill_chunks[-1] != 512:
+        log.warning("numerics ggml: prompts run in chunks of %d: llama.cpp's tokens are matched where its ubatch "
+                    "(n_ubatch) is %d too; its default is 512", engine_cfg.prefill_chunks[-1],
+                    engine_cfg.prefill_chunks[-1])
     kernels = Kernels(
         matmul=lambda x, w, layer=None, split=None, elementwise_x=False: fns["matmul"](x, w, layer=layer),
         embed=fns["embed"],
-        attention_decode=functools.partial(fns["attention_decode"], **threads),
+        attention_decode=scaled(fns["attention_decode"]),
         attention_prefill=prefill,
         norm=ggml_cpu.rms_norm,
         rope=ggml_cpu.make_rope(cos, sin, cfg.rope_neox),

@@ -201,7 +201,7 @@ def quantize_q8(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def _codes(w: QuantizedTensor) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """(d [N, B], codes [N, B, 32] f32 in element order, m [N, B] or None) of a 32-block format."""
+    """(d [N, B], codes [N, B, 32] f32 in element order, m [N, B] or None) of Q8_0 or Q4_1."""
     p = row_major_planes(w)
     n, k = w.shape
     nb = k // 32
@@ -210,8 +210,6 @@ def _codes(w: QuantizedTensor) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         return d, p["qs"].astype(f32).reshape(n, nb, 32), None
     qs = p["qs"].reshape(n, nb, 16)
     q = jnp.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(f32)  # byte l: elements l, 16 + l
-    if w.fmt == "q4_0":
-        return d, q - 8, None
     return d, q, p["m"].astype(f32).reshape(n, nb)
 
 

@@ -202,3 +202,14 @@ def test_ggml_numerics_refuses_what_it_does_not_reproduce(synthetic_gguf, tiny_t
         _loaded(synthetic_gguf("tiny", "q4_1"), numerics="ggml", kv_dtype="float16", kernels=(("matmul", "reference"),))
     with pytest.raises(ValueError, match=r"q6_k matrices \[2048, 256\]"):  # the file's head, as llama.cpp quantizes
         _loaded(synthetic_gguf("tiny", "q4_1"), numerics="ggml", kv_dtype="float16")
+
+
+def test_auto_numerics_fall_back_to_native_and_the_cache_dtype_follows(tiny_tp_path):
+    """`--numerics auto` runs native where ggml is refused; on the CPU its cache is llama.cpp's
+    f16 (as ggml's), native's f32."""
+    from scheduler.loader import resolve_kv_dtype
+
+    loaded, _ = _loaded(tiny_tp_path, numerics="auto", kv_dtype="float16")  # Q8_0 matrices: refused
+    assert loaded.kernels.numerics == "native" and "ggml_cpu" not in loaded.kernel_names.values()
+    kv = {n: resolve_kv_dtype(EngineConfig(numerics=n, kv_dtype="auto")).kv_dtype for n in ("auto", "ggml", "native")}
+    assert kv == {"auto": "float16", "ggml": "float16", "native": "float32"}

@@ -101,8 +101,9 @@ def _random_matrix(rng, fmt: str, n: int, k: int):
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_matmul(fmt):
     rng = np.random.default_rng(4)
-    w, ref = _random_matrix(rng, fmt, 96, 256)
-    for rows in (1, 5, 40):  # 40: more than one tile of 32 rows, padded
+    # 40 rows: more than one tile of 32, padded; 2048 columns: two tiles of 1024
+    for n, rows in ((96, 1), (96, 5), (96, 40), (2048, 3)):
+        w, ref = _random_matrix(rng, fmt, n, 256)
         x = (rng.standard_normal((rows, 256)) * rng.choice([0.01, 1.0, 30.0], (rows, 1))).astype(f32)
         x[0, :32] = 0  # a block of zeros: d = 0, codes 0
         want = np.stack([replay.matmul(r, ref) for r in x])
@@ -137,24 +138,30 @@ def _cache(rng, cells: int, kv_heads: int, used: int):
     return k, v
 
 
-def test_decode_attention_one_chunk_and_split():
-    """Rows over fewer than 256 cells take the one-chunk path; from 256 on llama.cpp attends to
-    n_kv >= 512 cells and splits them between its 2 threads."""
+@pytest.mark.parametrize("positions, threads", [
+    ([0, 37, 255, 256, 300, 700, -1, 1023], 2),
+    ([0, 37, 255, 100, 5, 200, -1, 17], 2),  # no row splits (the path that skips the split)
+    ([0, 300, 700, 1023, 511, 512, -1, 256], 3),
+])
+def test_decode_attention_one_chunk_and_split(positions, threads):
+    """Rows at positions below 256 (n_kv = 256 cells) take the one-chunk path; from 256 on
+    llama.cpp attends to n_kv >= 512 cells and splits them between its threads."""
     rng = np.random.default_rng(6)
     cells, heads, kv_heads = 1024, 4, 2
-    positions = np.array([0, 37, 255, 256, 300, 700, -1, 1023])
+    positions = np.array(positions)
     k = np.zeros((8, cells, kv_heads, 64), np.float16)
     v = np.zeros_like(k)
     for b in range(8):
         k[b], v[b] = _cache(rng, cells, kv_heads, cells)
     q = rng.standard_normal((8, heads, 64)).astype(f32)
-    got = np.asarray(jax.jit(lambda q, k, v, p: ggml_cpu.attention_decode(q, k, v, p, 0.125))(q, k, v, positions))
+    fn = jax.jit(lambda q, k, v, p: ggml_cpu.attention_decode(q, k, v, p, 0.125, threads=threads))
+    got = np.asarray(fn(q, k, v, positions))
     for b, p in enumerate(positions):
         if p < 0:
             continue
         for h in range(heads):
             want = replay.attention_split(q[b, h], k[b, :p + 1, h // 2].astype(f32), v[b, :p + 1, h // 2].astype(f32),
-                                          f32(0.125), cells=cells)
+                                          f32(0.125), cells=cells, threads=threads)
             assert _bits_differ(got[b, h], want) == 0, (int(p), h)
 
 
