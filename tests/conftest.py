@@ -7,10 +7,12 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import contextlib
 import pathlib
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -49,3 +51,41 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(args: list[str], log_path: pathlib.Path, deadline_s: float = 600):
+    """`python -m server ARGS` (CPU) on a free port until /health says ready -> its base URL;
+    stopped on exit. A server that exits or is not ready in time fails the test with its log."""
+    import os
+
+    import httpx
+
+    port = free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "server", *args, "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + deadline_s
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                r = httpx.get(base + "/health", timeout=2)
+                if r.status_code == 200:
+                    break
+                assert r.status_code == 503, r.text  # loading
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not ready after {deadline_s} s:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()

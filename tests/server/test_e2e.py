@@ -4,54 +4,21 @@ test_default_numerics_e2e.py runs the default, llama.cpp's arithmetic)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import free_port
-
-STARTUP_DEADLINE_S = 600
+from tests.conftest import running_server
 
 
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    cmd = [
-        sys.executable, "-m", "server", "--model", str(smollm2_path), "--port", str(port),
-        "--max-context", "1024", "--slots", "4", "--max-queue", "4", "--numerics", "native",
-    ]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_DEADLINE_S
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                r = httpx.get(base + "/health", timeout=2)
-                if r.status_code == 200:
-                    break
-                assert r.status_code == 503, r.text  # loading
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not ready after {STARTUP_DEADLINE_S} s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
+    args = ["--model", str(smollm2_path), "--max-context", "1024", "--slots", "4", "--max-queue", "4",
+            "--numerics", "native"]
+    with running_server(args, tmp_path_factory.mktemp("server") / "server.log") as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")
