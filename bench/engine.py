@@ -263,10 +263,26 @@ async def run_suite(engine, timings: TimingLog, args: argparse.Namespace, max_co
         log.info("decode x%d: %s", u, out["decode"][str(u)])
     out["join"] = await measure_join(engine, 3, args.join_len, args.repeats, rng, max_context)
     log.info("join: %s", out["join"])
-    if getattr(args, "trace_decode", False):
-        out["decode_trace"] = await trace_decode(engine, timings, users[-1], args, rng)
-        log.info("decode trace: %s", out["decode_trace"])
+    trace_users = trace_user_counts(args, users)
+    if trace_users:
+        out["decode_traces"] = {}
+        for u in trace_users:
+            out["decode_traces"][str(u)] = await trace_decode(engine, timings, u, args, rng)
+            log.info("decode trace x%d: %s", u, out["decode_traces"][str(u)])
+        out["decode_trace"] = out["decode_traces"][str(trace_users[-1])]  # the most users' (earlier files' key)
     return out
+
+
+def trace_user_counts(args: argparse.Namespace, users: list[int]) -> list[int]:
+    """The user counts whose decode runs are traced: --trace-users, or the most users with
+    --trace-decode alone, or none."""
+    listed = getattr(args, "trace_users", None)
+    if listed:
+        counts = sorted({int(u) for u in listed.split(",")})
+        if counts[0] < 1 or counts[-1] > users[-1]:
+            raise ValueError(f"--trace-users {listed}: each must be from 1 to {users[-1]} (the slots)")
+        return counts
+    return [users[-1]] if getattr(args, "trace_decode", False) else []
 
 
 async def trace_decode(engine, timings: TimingLog, users: int, args: argparse.Namespace,
@@ -505,6 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace-decode", action="store_true",
                     help="after the measured runs, trace one more decode run of the most users and report the "
                          "device's idle gaps between programs (details.decode_trace)")
+    ap.add_argument("--trace-users", metavar="N,N", help="trace a decode run of each of these user counts "
+                    "(e.g. 1,8; details.decode_traces), as --trace-decode does for the most users")
     ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
     ap.add_argument("--plot-with", nargs="*", default=[], help="earlier engine-*.json results to draw beside this run")
     ap.add_argument("--plot-only", nargs="+", type=pathlib.Path, help="draw these engine-*.json results and exit")
@@ -524,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.model is None:
         ap.error("--model is required")
+    if args.trace_users and not all(u.strip().isdigit() for u in args.trace_users.split(",")):
+        ap.error(f"--trace-users takes user counts separated by commas, not {args.trace_users!r}")
     try:
         args.mosaic_tuning = common.apply_mosaic_tuning_arguments(args)  # the cold-start child's too (its argv)
     except ValueError as e:

@@ -3,6 +3,8 @@ same argv gives the server's EngineConfig, and its cold-start child's argv parse
 
 from __future__ import annotations
 
+import pytest
+
 from bench import engine
 from server.__main__ import build_configs
 from server.__main__ import build_parser as server_parser
@@ -31,3 +33,14 @@ def test_the_cold_start_child_parses_the_parents_own_flags():
     child = engine.build_parser().parse_args(engine.cold_start_argv(parent, "/tmp/b"))
     assert child.startup_only and str(child.cache_dir) == "/tmp/b"
     assert engine.config_of(child) == engine.config_of(parent)
+
+
+def test_traced_user_counts():
+    parse = engine.build_parser().parse_args
+    assert engine.trace_user_counts(parse(["--model", "m.gguf"]), [1, 4, 8]) == []
+    assert engine.trace_user_counts(parse(["--model", "m.gguf", "--trace-decode"]), [1, 4, 8]) == [8]
+    assert engine.trace_user_counts(parse(["--model", "m.gguf", "--trace-users", "8,1,1"]), [1, 4, 8]) == [1, 8]
+    with pytest.raises(ValueError, match="from 1 to 8"):
+        engine.trace_user_counts(parse(["--model", "m.gguf", "--trace-users", "16"]), [1, 4, 8])
+    with pytest.raises(SystemExit):  # not a list of counts: refused before the engine starts
+        engine.main(["--model", "m.gguf", "--trace-users", "1,x"])
