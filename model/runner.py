@@ -110,6 +110,19 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, pa
     return cache, st, (slot, tok, is_last, lp[0], top_ids[0], top_lps[0])
 
 
+def _start_copies(outputs: Any) -> Any:
+    """Starts the device-to-host copies of a program's outputs as soon as it is dispatched, so
+    that they queue behind that program alone. Asked for only when the engine reads them, after
+    it has dispatched the next step, the copies waited for that step too on the H200 (the
+    runtime orders them after the work queued by then): each step's results came a program
+    late, and the device idled while the host caught up (bench/results, twenty-fourth
+    session)."""
+    for leaf in jax.tree_util.tree_leaves(outputs):
+        if isinstance(leaf, jax.Array):
+            leaf.copy_to_host_async()
+    return outputs
+
+
 class _Pending:
     def __init__(self, num_slots: int, num_top: int, decode_out: Any, prefill_outs: list[Any], num_steps: int = 1,
                  decode_slots: tuple[int, ...] = (), prefills: tuple[PrefillChunk, ...] = ()) -> None:
@@ -339,6 +352,7 @@ class ModelRunner:
             self._cache, self._state, decode_out = self._program("decode", self.num_slots, attend, steps, few_rows)(
                 self.params, self._cache, self._state, self._samp, active
             )
+            _start_copies(decode_out)
             self._positions[active] += steps
         prefill_outs = [self._dispatch_prefill(chunk) for chunk in plan.prefills]
         return _Pending(self.num_slots, self.max_top_logprobs, decode_out, prefill_outs,
@@ -357,4 +371,4 @@ class ModelRunner:
             self.params, self._cache, self._state, self._samp,
             np.int32(chunk.slot), padded, np.int32(chunk.start_pos), np.int32(n), np.bool_(chunk.is_last),
         )
-        return out
+        return _start_copies(out)
