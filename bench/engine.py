@@ -396,6 +396,7 @@ def main_run(args: argparse.Namespace) -> int:
                           "prefill_budget": config.prefill_budget,
                           "prefill_chunks": list(config.prefill_chunks), "kernels": engine_info.get("kernels"),
                           "decode_steps": config.decode_steps(info["platform"]),
+                          "dispatch_ahead": config.dispatch_ahead,
                           "unroll_decode_layers": config.unroll_decode_layers,
                           "compile_threads": config.compile_threads,  # 0: auto
                           "few_rows_attention": config.few_rows_attention,

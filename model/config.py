@@ -235,12 +235,21 @@ class EngineConfig:
     compute_dtype: str = "float32"  # activations; bf16 on GPU
     max_top_logprobs: int = 20
     # Decode steps per dispatch when no prompt is waiting (one lax.scan program; 1 = off; 0 =
-    # auto: 2 on GPU, 1 on CPU). On the H200 (7B Q4_0, 8 slots, one machine) two steps gave
-    # 334 / 1,330 / 2,553 tok/s at 1 / 4 / 8 users against 302 / 1,216 / 2,142 with one, and a
-    # prompt joining 3 streams waited 28 ms against 32; four and eight steps gained nothing more
-    # and made it wait 36 and 49 ms (bench/results, seventh session). On the CPU a step takes tens
-    # of ms, so a joining prompt would wait for a second one for no measurable gain.
+    # auto: 1). On the H200 (7B Q4_0, 8 slots) two steps had given 334 / 1,330 / 2,553 tok/s at
+    # 1 / 4 / 8 users against 302 / 1,216 / 2,142 with one (seventh session), but that gain was
+    # the host's: each step's tokens reached it a program late (`model.runner._start_copies`).
+    # Since the copies start at dispatch (twenty-fourth session, five runs each) one step gave
+    # 397-404 / 1,552-1,567 / 2,988-3,090 tok/s and two 380-395 / 1,534-1,565 / 3,035-3,051, and
+    # a prompt joining 3 streams waited 13.6-16.2 ms against 15.4-20.0: one is the default. On
+    # the CPU a step takes tens of ms, so a joining prompt would wait for a second one.
     decode_steps_per_dispatch: int = 0
+    # Programs the engine keeps queued on the device beyond the one whose outputs it is reading.
+    # Two gained nothing on the H200 (7B Q4_0, twenty-fourth session: 400.0 / 1,562.8 / 3,080.9
+    # tok/s against 399.9 / 1,566.6 / 3,065.9 with one): the host reads a step's tokens, plans
+    # and launches the next (its CUDA graph's launch about 1 ms of host time) within one
+    # program's device time. A slower host may need more. The cost: a request that stops on EOS
+    # or a stop string has that many steps computed past its end (discarded, never sent).
+    dispatch_ahead: int = 1
     max_logit_bias: int = 300
     kernels: tuple[tuple[str, str], ...] = ()  # forced op -> impl
     # Attention reads only the cache prefix [0, bucket) that holds every active position; one
@@ -352,7 +361,7 @@ class EngineConfig:
 
     def decode_steps(self, backend: str) -> int:
         """Decode steps per dispatch on `backend` ("gpu", "cpu", ...), "auto" (0) resolved."""
-        return self.decode_steps_per_dispatch or (2 if backend == "gpu" else 1)
+        return self.decode_steps_per_dispatch or 1
 
     def unrolls_decode(self, backend: str) -> bool:
         return self.unroll_decode_layers == "on" or (self.unroll_decode_layers == "auto" and backend == "gpu")
@@ -382,6 +391,8 @@ class EngineConfig:
             )
         if self.decode_steps_per_dispatch < 0:
             raise ValueError("decode steps per dispatch must be >= 1, or 0 for auto")
+        if self.dispatch_ahead < 1:
+            raise ValueError("programs dispatched ahead must be >= 1")
         if self.max_queue < 0:
             raise ValueError("max queue must be >= 0")
         if self.timeout_s <= 0:

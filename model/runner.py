@@ -210,6 +210,7 @@ class ModelRunner:
         self.prefill_chunks = engine_cfg.prefill_chunks
         self.max_top_logprobs = engine_cfg.max_top_logprobs
         self.decode_steps = tuple(sorted({1, engine_cfg.decode_steps(jax.default_backend())}))
+        self.dispatch_ahead = engine_cfg.dispatch_ahead
         self._mesh = mesh
         self._unroll_decode = engine_cfg.unrolls_decode(jax.default_backend())
         log.info("decode layer loop: %s (unroll_decode_layers=%s)", "unrolled" if self._unroll_decode else "scanned",

@@ -203,6 +203,7 @@ class Engine:
         self._max_context = config.max_context
         self._max_top_logprobs = config.max_top_logprobs
         self._decode_steps: tuple[int, ...] = (1,)
+        self._dispatch_ahead = 1
         # While a step's outputs are processed, its events wait here, by event loop, and go in one
         # call_soon_threadsafe per loop (one wake-up of the loop per step, not one per token).
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, StreamEvent]]] | None = None
@@ -399,6 +400,9 @@ class Engine:
         self._max_context = int(model.max_context)
         self._max_top_logprobs = int(model.max_top_logprobs)
         self._decode_steps = tuple(getattr(model, "decode_steps", (1,)))
+        self._dispatch_ahead = int(getattr(model, "dispatch_ahead", 1))
+        if self._dispatch_ahead < 1:
+            raise ValueError(f"the model's dispatch_ahead {self._dispatch_ahead} is below 1")
         self._info = self._build_info(model)
 
     def _build_info(self, model: StepModel | None) -> dict:
@@ -411,6 +415,7 @@ class Engine:
             "max_queue": self.config.max_queue,
             "max_top_logprobs": self._max_top_logprobs,
             "decode_steps_per_dispatch": max(self._decode_steps),  # the most, while no prompt waits
+            "dispatch_ahead": self._dispatch_ahead,
         }
         model_info = getattr(model, "info", None)
         if callable(model_info):
@@ -419,30 +424,32 @@ class Engine:
         return info
 
     def _run(self) -> None:
-        # (PendingStep, {slot: request}) of the step in flight. Rows are attributed to the request
-        # recorded at dispatch, not to the slot's current occupant, so a slot can be given to a
-        # new request (its SlotSetup in the next plan, which the runner applies after the step in
-        # flight) before that step is processed: a finished request's extra token is discarded.
-        in_flight: tuple[PendingStep, dict[int, RequestState]] | None = None
+        # (PendingStep, {slot: request}) of the steps in flight, oldest first: up to
+        # `_dispatch_ahead` more than the one being processed, so that the device has queued work
+        # while the host reads a step's tokens, plans and launches. Rows are attributed to the
+        # request recorded at dispatch, not to the slot's current occupant, so a slot can be
+        # given to a new request (its SlotSetup in a later plan, which the runner applies after
+        # the steps in flight) before those steps are processed: a finished request's extra
+        # tokens are discarded.
+        in_flight: collections.deque[tuple[PendingStep, dict[int, RequestState]]] = collections.deque()
         while True:
             self._drain_inbox()
             if self._is_stopping:
                 return
             self._expire(time.monotonic())
-            plan, rows = self._plan_step()
-            if plan is None and in_flight is None:
+            plan, rows = self._plan_step() if len(in_flight) <= self._dispatch_ahead else (None, {})
+            if plan is None and not in_flight:
                 # Nothing to run: block on the inbox (no polling).
                 self._publish("ready")
                 self._handle(self._inbox.get())
                 continue
-            dispatched = None
             if plan is not None:
-                dispatched = (self._model.dispatch(plan), rows)
+                in_flight.append((self._model.dispatch(plan), rows))
                 self._publish("ready")  # admissions show while the device runs
-            if in_flight is not None:
-                self._process(*in_flight)
-                self._publish("ready")
-            in_flight = dispatched
+                if len(in_flight) <= self._dispatch_ahead:
+                    continue  # queue another before waiting for the oldest
+            self._process(*in_flight.popleft())
+            self._publish("ready")
 
     def _drain_inbox(self) -> None:
         while True:

@@ -77,7 +77,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
     p.add_argument("--kernels", type=parse_kernels, default=(), help="force kernels: op=impl[,op=impl...]")
     p.add_argument("--decode-steps", type=int, default=0, metavar="N",
                    help="decode steps per device dispatch while no prompt is waiting (one lax.scan program; "
-                        "0 = auto: 2 on GPU, 1 on CPU)")
+                        "0 = auto: 1)")
+    p.add_argument("--dispatch-ahead", type=int, default=1, metavar="N",
+                   help="programs kept queued on the device beyond the one whose tokens the engine is reading")
     p.add_argument("--unroll-decode-layers", default="auto", choices=UNROLL_DECODE_LAYERS,
                    help="unroll the decode program's layer loop (auto: on GPU only)")
     p.add_argument("--compile-threads", type=int, default=0, metavar="N",
@@ -149,6 +151,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel=args.tensor_parallel,
         compile_threads=args.compile_threads,
         decode_steps_per_dispatch=args.decode_steps,
+        dispatch_ahead=args.dispatch_ahead,
         unroll_decode_layers=args.unroll_decode_layers,
         few_rows_attention=args.few_rows_attention,
         separate_kv_write=args.separate_kv_write,

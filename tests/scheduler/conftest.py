@@ -11,6 +11,7 @@ records every plan, and can delay results (a device still running) or fail on a 
 from __future__ import annotations
 
 import codecs
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -120,9 +121,12 @@ class FakeModel:
         decode_steps: tuple[int, ...] = (1,),
         parts: bool = False,
         prefill_gate: threading.Event | None = None,
+        dispatch_ahead: int | None = None,
     ) -> None:
         self.num_slots = num_slots
         self.decode_steps = decode_steps
+        # programs the engine queues beyond the one it reads (None: the `dispatch_ahead` fixture's)
+        self.dispatch_ahead = _dispatch_ahead if dispatch_ahead is None else dispatch_ahead
         self.max_context = max_context
         self.prefill_chunks = prefill_chunks
         self.max_top_logprobs = max_top_logprobs
@@ -180,6 +184,17 @@ class FakeModel:
 
     def decode_count(self, slot: int) -> int:
         return sum(slot in p.decode_slots for p in self.plans)
+
+
+_dispatch_ahead = 1
+
+
+@pytest.fixture(autouse=True, params=[1, 2], ids=["ahead1", "ahead2"])
+def dispatch_ahead(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Every scheduler test runs with the engine queuing one program beyond the one it reads (the
+    CPU's default) and two (the GPU's): FakeModel's `dispatch_ahead` unless a test sets it."""
+    monkeypatch.setattr(sys.modules[__name__], "_dispatch_ahead", request.param)
+    return request.param
 
 
 @pytest.fixture

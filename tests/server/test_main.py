@@ -48,7 +48,8 @@ def test_defaults() -> None:
     assert server.model_name.endswith(".gguf")
     assert engine.unroll_decode_layers == "auto"
     assert engine.unrolls_decode("gpu") and not engine.unrolls_decode("cpu")
-    assert (engine.decode_steps("gpu"), engine.decode_steps("cpu")) == (2, 1)  # 0: auto
+    assert (engine.decode_steps("gpu"), engine.decode_steps("cpu")) == (1, 1)  # 0: auto
+    assert engine.dispatch_ahead == 1
     assert not engine.few_rows_attention  # batch-invariant by default
     assert (engine.numerics, engine.ggml_threads) == ("auto", 2)  # llama.cpp's arithmetic where reproduced
     assert not engine.separate_kv_write  # the attention kernel writes the keys and values where it can
@@ -93,7 +94,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
             "--model", str(tmp_path / "m.gguf"), "--host", "0.0.0.0", "--port", "0", "--slots", "4",
             "--max-queue", "0", "--prefill-budget", "256", "--max-context", "1024", "--timeout", "30",
             "--kernels", "attention=xla, matmul=triton", "--chat-template", str(template), "--log-level", "debug",
-            "--unroll-decode-layers", "off", "--decode-steps", "4", "--compile-threads", "3",
+            "--unroll-decode-layers", "off", "--decode-steps", "4", "--compile-threads", "3", "--dispatch-ahead", "3",
             "--few-rows-attention", "--separate-kv-write", "--split-q4-k", "--no-reuse-kernel-lowering",
             "--no-prefill-cuda-graphs", "--no-gc-freeze", "--no-gather-x",
         ]
@@ -104,6 +105,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
     assert engine.kernels == (("attention", "xla"), ("matmul", "triton"))
     assert engine.unroll_decode_layers == "off" and not engine.unrolls_decode("gpu")
     assert engine.decode_steps("gpu") == engine.decode_steps("cpu") == 4
+    assert engine.dispatch_ahead == 3
     assert engine.compile_workers("gpu", 12) == engine.compile_workers("cpu", 12) == 3
     assert engine.compile_workers("gpu", 2) == 2
     assert engine.few_rows_attention and engine.separate_kv_write and engine.split_q4_k == "on"
@@ -180,3 +182,5 @@ def test_distributed_flags_go_together() -> None:
 def test_decode_steps_below_zero_are_refused() -> None:
     with pytest.raises(ValueError, match="decode steps"):
         build_configs(build_parser().parse_args(["--decode-steps", "-1"]), {})
+    with pytest.raises(ValueError, match="dispatched ahead"):
+        build_configs(build_parser().parse_args(["--dispatch-ahead", "0"]), {})
