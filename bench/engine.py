@@ -278,10 +278,7 @@ def trace_user_counts(args: argparse.Namespace, users: list[int]) -> list[int]:
     --trace-decode alone, or none."""
     listed = getattr(args, "trace_users", None)
     if listed:
-        counts = sorted({int(u) for u in listed.split(",")})
-        if counts[0] < 1 or counts[-1] > users[-1]:
-            raise ValueError(f"--trace-users {listed}: each must be from 1 to {users[-1]} (the slots)")
-        return counts
+        return sorted({int(u) for u in listed.split(",")})  # each from 1 to --slots (checked in main)
     return [users[-1]] if getattr(args, "trace_decode", False) else []
 
 
@@ -543,8 +540,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.model is None:
         ap.error("--model is required")
-    if args.trace_users and not all(u.strip().isdigit() for u in args.trace_users.split(",")):
-        ap.error(f"--trace-users takes user counts separated by commas, not {args.trace_users!r}")
+    if args.trace_users and not all(u.strip().isdigit() and 1 <= int(u) <= args.slots
+                                    for u in args.trace_users.split(",")):
+        ap.error(f"--trace-users takes user counts from 1 to --slots ({args.slots}) separated by commas, "
+                 f"not {args.trace_users!r}")
     try:
         args.mosaic_tuning = common.apply_mosaic_tuning_arguments(args)  # the cold-start child's too (its argv)
     except ValueError as e:

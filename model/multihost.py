@@ -13,7 +13,8 @@ samples with the same ones. Pickle is safe here: the bytes only come from proces
 same job.
 
 Limits: every step waits for the broadcast (a device collective) before it is dispatched, so
-the leader loses the overlap of host work with the previous step. A process that fails or dies
+the leader loses the overlap of host work with the previous step (and `--dispatch-ahead` more
+than 1 queues nothing more). A process that fails or dies
 (process 0 failing to load its model included) leaves the others waiting in a collective:
 restart the whole job. Releasing them would need a channel outside the device collectives
 (the distributed runtime's key-value store), since a failing process may be at any point of

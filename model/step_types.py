@@ -141,7 +141,7 @@ class StepModel(Protocol):
     max_top_logprobs: int
     decode_steps: tuple[int, ...]  # compiled decode steps per dispatch, e.g. (1,) or (1, 8)
     # (optional, default 1) programs the engine keeps queued beyond the one it reads
-    # (EngineConfig.dispatch_ahead, resolved for the backend)
+    # (the runner's is EngineConfig.dispatch_ahead)
     # dispatch_ahead: int
 
     def warmup(self) -> None: ...

@@ -11,7 +11,8 @@ inbox while it has nothing to run; otherwise each loop iteration:
   3. plans step n (`StepPlan`): the next token of every decoding slot, then prompt chunks of
      prefilling and newly admitted requests within `prefill_budget`,
   4. dispatches it to the `StepModel` (asynchronous: returns a `PendingStep` at once),
-  5. processes step n-1's `StepOutput` while the device runs step n: accepts tokens,
+  5. processes step n-k's `StepOutput` while the device runs the k steps after it (k =
+     the model's `dispatch_ahead`, 1 by default): accepts tokens,
      detokenizes, checks stop conditions and pushes `StreamEvent`s to each stream's asyncio
      queue through `loop.call_soon_threadsafe` (JetStream's async_multifuture pattern), one call
      per event loop per step rather than per token. A step the model hands over in parts

@@ -31,7 +31,8 @@ class RequestTiming:
     """One finished request's timings (seconds, monotonic clock, measured on the engine thread).
 
     `ttft_s` and `itl_s` are taken when the engine thread hands the tokens to the stream, so
-    they include host processing and the one-step pipeline lag the client actually sees.
+    they include host processing and the pipeline lag (the model's `dispatch_ahead` steps) the
+    client actually sees.
     """
 
     request_id: str

@@ -139,6 +139,7 @@ class FakeModel:
         self.is_warm = False
         self._last: list[int | None] = [None] * num_slots  # device-held next input token
         self._pos: list[int | None] = [None] * num_slots  # next cache position; None: no request
+        self._busy_until = 0.0  # the fake device runs one program after another
 
     def warmup(self) -> None:
         self.is_warm = True
@@ -170,9 +171,10 @@ class FakeModel:
             self._pos[chunk.slot] += n
             if chunk.is_last:
                 self._sample(out, chunk.slot, int(chunk.tokens[-1]))
+        self._busy_until = max(self._busy_until, time.monotonic()) + self.step_delay
         if self.parts:
-            return _FakePartsPending(outs, time.monotonic() + self.step_delay, self.gate, plan, self.prefill_gate)
-        return _FakePending(outs, time.monotonic() + self.step_delay, self.gate)
+            return _FakePartsPending(outs, self._busy_until, self.gate, plan, self.prefill_gate)
+        return _FakePending(outs, self._busy_until, self.gate)
 
     def _sample(self, out: StepOutput, slot: int, last: int) -> None:
         token = (last + 1) % VOCAB
@@ -192,7 +194,7 @@ _dispatch_ahead = 1
 @pytest.fixture(autouse=True, params=[1, 2], ids=["ahead1", "ahead2"])
 def dispatch_ahead(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
     """Every scheduler test runs with the engine queuing one program beyond the one it reads (the
-    CPU's default) and two (the GPU's): FakeModel's `dispatch_ahead` unless a test sets it."""
+    default) and two: FakeModel's `dispatch_ahead` unless a test sets it."""
     monkeypatch.setattr(sys.modules[__name__], "_dispatch_ahead", request.param)
     return request.param
 
