@@ -238,9 +238,10 @@ class EngineConfig:
     # auto: 1). On the H200 (7B Q4_0, 8 slots) two steps had given 334 / 1,330 / 2,553 tok/s at
     # 1 / 4 / 8 users against 302 / 1,216 / 2,142 with one (seventh session), but that gain was
     # the host's: each step's tokens reached it a program late (`model.runner._start_copies`).
-    # Since the copies start at dispatch (twenty-fourth session, five runs of one step, four of two) one step gave
-    # 397-404 / 1,552-1,567 / 2,988-3,090 tok/s and two 380-395 / 1,534-1,565 / 3,035-3,051, and
-    # a prompt joining 3 streams waited 13.6-16.2 ms against 15.4-20.0: one is the default. On
+    # Since the copies start at dispatch (twenty-fourth session: five runs of one step, four of
+    # two) one step gave 397-404 / 1,552-1,567 / 2,988-3,090 tok/s and two 380-395 / 1,534-1,565
+    # / 3,035-3,051, and a prompt joining 3 streams waited 13.6-16.2 ms against 15.4-20.0: one is
+    # the default. On
     # the CPU a step takes tens of ms, so a joining prompt would wait for a second one.
     decode_steps_per_dispatch: int = 0
     # Programs the engine keeps queued on the device beyond the one whose outputs it is reading.
