@@ -241,8 +241,8 @@ class EngineConfig:
     # Since the copies start at dispatch (twenty-fourth session: five runs of one step, four of
     # two) one step gave 397-404 / 1,552-1,567 / 2,988-3,090 tok/s and two 380-395 / 1,534-1,565
     # / 3,035-3,051, and a prompt joining 3 streams waited 13.6-16.2 ms against 15.4-20.0: one is
-    # the default. On
-    # the CPU a step takes tens of ms, so a joining prompt would wait for a second one.
+    # the default. On the CPU a step takes tens of ms, so a joining prompt would wait for a
+    # second one.
     decode_steps_per_dispatch: int = 0
     # Programs the engine keeps queued on the device beyond the one whose outputs it is reading.
     # Two gained nothing on the H200 (7B Q4_0, twenty-fourth session: 400.0 / 1,562.8 / 3,080.9
