@@ -392,7 +392,7 @@ def main_run(args: argparse.Namespace) -> int:
                           "kv_dtype": engine_info.get("kv_dtype", config.kv_dtype),  # "auto" resolved
                           "prefill_budget": config.prefill_budget,
                           "prefill_chunks": list(config.prefill_chunks), "kernels": engine_info.get("kernels"),
-                          "decode_steps": config.decode_steps(info["platform"]),
+                          "decode_steps": config.decode_steps(),
                           "dispatch_ahead": config.dispatch_ahead,
                           "unroll_decode_layers": config.unroll_decode_layers,
                           "compile_threads": config.compile_threads,  # 0: auto

@@ -204,7 +204,7 @@ def main() -> None:
 
     # as the server resolves it: the KV dtype of "auto", the context capped at the model's
     m, ecfg = load_resolved(args.model, engine_config_from_args(args))
-    args.decode_steps = ecfg.decode_steps(jax.default_backend())  # 0: the engine's auto choice
+    args.decode_steps = ecfg.decode_steps()  # 0: the engine's auto choice
     runner = m.make_runner(ecfg)
     if args.prefill:
         reports = [trace_prefill(args, t, m, runner, out) for t in args.prefill]

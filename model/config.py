@@ -359,8 +359,8 @@ class EngineConfig:
         wanted = self.compile_threads or min(_usable_cores(), MAX_AUTO_COMPILE_THREADS.get(backend, 1))
         return max(1, min(wanted, programs))
 
-    def decode_steps(self, backend: str) -> int:
-        """Decode steps per dispatch on `backend` ("gpu", "cpu", ...), "auto" (0) resolved."""
+    def decode_steps(self) -> int:
+        """Decode steps per dispatch, "auto" (0) resolved: one on every backend."""
         return self.decode_steps_per_dispatch or 1
 
     def unrolls_decode(self, backend: str) -> bool:

@@ -209,7 +209,7 @@ class ModelRunner:
         self.max_context = engine_cfg.max_context
         self.prefill_chunks = engine_cfg.prefill_chunks
         self.max_top_logprobs = engine_cfg.max_top_logprobs
-        self.decode_steps = tuple(sorted({1, engine_cfg.decode_steps(jax.default_backend())}))
+        self.decode_steps = tuple(sorted({1, engine_cfg.decode_steps()}))
         self.dispatch_ahead = engine_cfg.dispatch_ahead
         self._mesh = mesh
         self._unroll_decode = engine_cfg.unrolls_decode(jax.default_backend())

@@ -48,7 +48,7 @@ def test_defaults() -> None:
     assert server.model_name.endswith(".gguf")
     assert engine.unroll_decode_layers == "auto"
     assert engine.unrolls_decode("gpu") and not engine.unrolls_decode("cpu")
-    assert (engine.decode_steps("gpu"), engine.decode_steps("cpu")) == (1, 1)  # 0: auto
+    assert engine.decode_steps_per_dispatch == 0 and engine.decode_steps() == 1  # 0: auto
     assert engine.dispatch_ahead == 1
     assert not engine.few_rows_attention  # batch-invariant by default
     assert (engine.numerics, engine.ggml_threads) == ("auto", 2)  # llama.cpp's arithmetic where reproduced
@@ -104,7 +104,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
     assert engine.prefill_chunks == (64, 128, 256) and engine.timeout_s == 30
     assert engine.kernels == (("attention", "xla"), ("matmul", "triton"))
     assert engine.unroll_decode_layers == "off" and not engine.unrolls_decode("gpu")
-    assert engine.decode_steps("gpu") == engine.decode_steps("cpu") == 4
+    assert engine.decode_steps() == 4
     assert engine.dispatch_ahead == 3
     assert engine.compile_workers("gpu", 12) == engine.compile_workers("cpu", 12) == 3
     assert engine.compile_workers("gpu", 2) == 2
