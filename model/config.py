@@ -247,8 +247,9 @@ class EngineConfig:
     # Programs the engine keeps queued on the device beyond the one whose outputs it is reading.
     # Two gained nothing on the H200 (7B Q4_0, twenty-fourth session: 400.0 / 1,562.8 / 3,080.9
     # tok/s against 399.9 / 1,566.6 / 3,065.9 with one): the host reads a step's tokens, plans
-    # and launches the next within one program's device time. A slower host may need more. The cost: a request that stops on EOS
-    # or a stop string has that many steps computed past its end (discarded, never sent).
+    # and launches the next within one program's device time. A slower host may need more. The
+    # cost: a request that stops on EOS or a stop string has that many steps computed past its
+    # end (discarded, never sent).
     dispatch_ahead: int = 1
     max_logit_bias: int = 300
     kernels: tuple[tuple[str, str], ...] = ()  # forced op -> impl

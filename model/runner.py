@@ -4,8 +4,9 @@ Holds params, the KV cache and per-slot state (next input token, position, penal
 sampling arrays) on the device. `dispatch(StepPlan)` enqueues one compiled decode program for
 the decoding slots and one compiled prefill program per prompt chunk, each sampling its next
 token on the device, and returns at once, the copies of its outputs to the host started
-(`_start_copies`); `PendingStep.result()` waits for them. Every (program, shape) is compiled in `warmup()`; afterwards only those executables
-run, so a shape miss is an error, never a silent recompile. Only the engine thread calls this.
+(`_start_copies`); `PendingStep.result()` waits for them. Every (program, shape) is compiled in
+`warmup()`; afterwards only those executables run, so a shape miss is an error, never a
+silent recompile. Only the engine thread calls this.
 """
 
 from __future__ import annotations

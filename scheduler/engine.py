@@ -438,7 +438,7 @@ class Engine:
             if self._is_stopping:
                 return
             self._expire(time.monotonic())
-            plan, rows = self._plan_step() if len(in_flight) <= self._dispatch_ahead else (None, {})
+            plan, rows = self._plan_step()  # at most `_dispatch_ahead` steps are in flight here
             if plan is None and not in_flight:
                 # Nothing to run: block on the inbox (no polling).
                 self._publish("ready")
