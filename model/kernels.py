@@ -30,6 +30,7 @@ import pallas_kernels.ggml_cpu as ggml_cpu
 import pallas_kernels.attention_triton  # noqa: F401
 import pallas_kernels.attention_triton_prefill  # noqa: F401
 import pallas_kernels.matmul  # noqa: F401
+import pallas_kernels.matmul_jax_triton  # noqa: F401
 import pallas_kernels.matmul_mgpu  # noqa: F401
 import pallas_kernels.matmul_triton  # noqa: F401
 from model.config import EngineConfig, ModelConfig

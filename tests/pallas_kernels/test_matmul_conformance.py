@@ -17,6 +17,7 @@ kernel's output; either way an element the kernel never writes fails the finiten
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import gguf
 import jax
@@ -62,13 +63,13 @@ class Case:
     n: int
     k: int
     x_dtype: str  # "float32" | "bfloat16"
-    tuning: TritonMatmulTuning | None = None  # None: the implementation's own choice
+    tuning: Any = None  # the implementation's tuning (TritonMatmulTuning, ...); None: its own choice
     stack: bool = False  # also run the stacked-weight test on this case
 
     @property
     def id(self) -> str:
         t = self.tuning
-        tag = "default" if t is None else f"{t.kernel}-bn{t.block_n}-bk{t.block_k}-sk{t.split_k}-bm{t.block_m}"
+        tag = "default" if t is None else f"{getattr(t, 'kernel', 'tiled')}-bn{t.block_n}-bk{t.block_k}-sk{t.split_k}-bm{t.block_m}"
         return f"{self.fmt}-m{self.m}-{self.n}x{self.k}-{self.x_dtype}-{tag}"
 
 
