@@ -52,16 +52,18 @@ def split_formats(engine_cfg: EngineConfig, mosaic_available: bool | None = None
     split_legacy): EngineConfig.split_q4_k, split_q5_k, split_q6_k and split_legacy
     resolved. "on" and "off" say; "auto" splits where the Mosaic GPU matmul will serve the split
     matrices (`mosaic_available`: by default, whether that implementation is available here, i.e.
-    on a Hopper GPU): one device (a tensor-parallel shard of a row-parallel matrix may not fit
-    its K steps) and neither the decode nor the prefill matmul forced to another implementation
-    (no other GPU kernel serves Q6_K's split)."""
+    on a Hopper GPU), or the jax-triton one, forced (it takes every split form): one device (a
+    tensor-parallel shard of a row-parallel matrix may not fit its K steps) and neither the
+    decode nor the prefill matmul forced to another implementation (the Pallas Triton kernels
+    take no Q6_K split)."""
     forced = dict(engine_cfg.kernels)
-    decode, prefill = forced.get("matmul_decode", forced.get("matmul")), forced.get("matmul")
-    auto = engine_cfg.tensor_parallel == 1 and decode in (None, "mosaic_gpu") and prefill in (None, "mosaic_gpu")
-    if auto and mosaic_available is None:
-        mosaic_available = any(impl.name == "mosaic_gpu" and impl.is_available()
-                               for impl in registry.implementations("matmul"))
-    auto = auto and bool(mosaic_available)
+    chosen = {forced.get("matmul_decode", forced.get("matmul")), forced.get("matmul")}
+    auto = engine_cfg.tensor_parallel == 1 and chosen <= {None, "mosaic_gpu", "jax_triton"}
+    if auto and chosen & {None, "mosaic_gpu"}:  # the Mosaic kernel serves decode or prefill
+        if mosaic_available is None:
+            mosaic_available = any(impl.name == "mosaic_gpu" and impl.is_available()
+                                   for impl in registry.implementations("matmul"))
+        auto = bool(mosaic_available)
     return frozenset(fmt for fmt, s in _split_settings(engine_cfg).items() if s == "on" or (s == "auto" and auto))
 
 
