@@ -34,6 +34,10 @@ Q4_K also runs split for Q4_0's kernels (`pallas_kernels/q4_k_split.py`): impl
 weight). Q5_K likewise for Q8_0's ("mosaic_gpu:q5_k_split", `pallas_kernels/q5_k_split.py`,
 1.125 bytes per weight), and Q4_1, Q5_1 and Q5_0 in the forms of `pallas_kernels/legacy_split.py`
 ("mosaic_gpu:q4_1_split", "mosaic_gpu:q5_1_split", "mosaic_gpu:q5_0_as_q8_0").
+
+`--impls jax_triton` times the hand-written Triton kernels called through jax-triton
+(`pallas_kernels/matmul_jax_triton.py`; needs the `jax_triton` and `triton` packages) on Q4_0,
+Q8_0 and the same split forms ("jax_triton:q4_k_split", ..., "jax_triton:q6_k_split").
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
-from pallas_kernels import matmul_triton, quant  # noqa: E402
+from pallas_kernels import matmul_jax_triton, matmul_triton, quant  # noqa: E402
 from pallas_kernels.matmul import qmatmul_reference  # noqa: E402
 
 SHAPE_SETS = {  # (N, K) = (out_features, in_features)
@@ -195,6 +199,8 @@ def offset_split_impls(fmt: str, impl_names: list[str], interpret: bool, m: int)
             folded = dataclasses.replace(tuning, fold_offsets=True)
             out.append(Impl(f"mosaic_gpu:{form}:fold_offsets",
                             lambda x, w: matmul_mgpu.qmatmul_mgpu(x, w, folded), tag, prepare=jax.jit(split)))
+    if "jax_triton" in impl_names and not interpret:
+        out.append(Impl(f"jax_triton:{form}", matmul_jax_triton.qmatmul_jax_triton, tag, prepare=jax.jit(split)))
     if "reference" in impl_names:
         out.append(Impl(f"reference:{form}", qmatmul_reference, tag, prepare=jax.jit(split)))
     return out
@@ -211,6 +217,8 @@ def q6_k_split_impls(impl_names: list[str], interpret: bool) -> list[Impl]:
     out = []
     if "mosaic_gpu" in impl_names and not interpret:
         out.append(impl("mosaic_gpu:q6_k_split", matmul_mgpu.qmatmul_mgpu))
+    if "jax_triton" in impl_names and not interpret:
+        out.append(impl("jax_triton:q6_k_split", matmul_jax_triton.qmatmul_jax_triton))
     if "reference" in impl_names:
         out.append(impl("reference:q6_k_split", qmatmul_reference))
     return out
@@ -249,6 +257,14 @@ def mosaic_impls(sweep: bool, m: int) -> list[Impl]:
             tunings.append((f"mosaic_gpu:{tag}", dataclasses.replace(base, **kw)))
     return [Impl(name, lambda x, w, t=t: matmul_mgpu.qmatmul_mgpu(x, w, t), str(t or matmul_mgpu.default_tuning(m)))
             for name, t in tunings]
+
+
+def jax_triton_impls(m: int, n: int, k: int) -> list[Impl]:
+    """The hand-written Triton kernels through jax-triton (`pallas_kernels.matmul_jax_triton`) at
+    their default tuning for the shape."""
+    t = matmul_jax_triton.default_tuning(m, n, k)
+    tag = f"bm{t.block_m} bn{t.block_n} bk{t.block_k} sk{t.split_k} w{t.num_warps} s{t.num_stages}"
+    return [Impl("jax_triton", matmul_jax_triton.qmatmul_jax_triton, tag)]
 
 
 def tuning_tag(t: matmul_triton.TritonMatmulTuning) -> str:
@@ -389,6 +405,8 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
                 impls += triton_impls(fmt, m, n, k, x_dtype, args.interpret, args.sweep, args.grid)
             elif name == "mosaic_gpu":  # q4_0/q8_0 (the splits below); other cases report its NotImplementedError
                 impls += mosaic_impls(args.sweep, m)
+            elif name == "jax_triton":  # q4_0/q8_0 (the splits below)
+                impls += jax_triton_impls(m, n, k)
             elif name == "reference":
                 impls.append(Impl("reference", qmatmul_reference, "xla dequant + dot (HIGHEST)"))
             elif name == "dense_bf16":
@@ -515,7 +533,7 @@ def main(argv=None) -> None:
     ap.add_argument("--formats", default="q4_0,q8_0,q4_k,q6_k")
     ap.add_argument("--shapes", default=None, help="comma list of NxK or set names: " + ", ".join(SHAPE_SETS))
     ap.add_argument("--ms", default=None, help="rows of x, comma list (default 1,8,512; --interpret 1,8,20)")
-    ap.add_argument("--impls", default="triton,reference", help="triton, mosaic_gpu, reference, dense_bf16")
+    ap.add_argument("--impls", default="triton,reference", help="triton, mosaic_gpu, jax_triton, reference, dense_bf16")
     ap.add_argument("--x-dtype", default="bf16", choices=["bf16", "f32"])
     ap.add_argument("--device-time", action="store_true",
                     help="us from a profiler trace: the matmul's own kernel, not the wall clock (GPU)")
