@@ -259,12 +259,28 @@ def mosaic_impls(sweep: bool, m: int) -> list[Impl]:
             for name, t in tunings]
 
 
-def jax_triton_impls(m: int, n: int, k: int) -> list[Impl]:
+def jax_triton_impls(m: int, n: int, k: int, sweep: bool = False) -> list[Impl]:
     """The hand-written Triton kernels through jax-triton (`pallas_kernels.matmul_jax_triton`) at
-    their default tuning for the shape."""
-    t = matmul_jax_triton.default_tuning(m, n, k)
-    tag = f"bm{t.block_m} bn{t.block_n} bk{t.block_k} sk{t.split_k} w{t.num_warps} s{t.num_stages}"
-    return [Impl("jax_triton", matmul_jax_triton.qmatmul_jax_triton, tag)]
+    their default tuning for the shape, and with --sweep its neighbours that still tile it
+    ("jax_triton:<change>": tile sizes, K split, warps, pipeline stages)."""
+    base = matmul_jax_triton.default_tuning(m, n, k)
+    tunings = [("jax_triton", base)]
+    if sweep:
+        halves_doubles = [(f"{tag}{op}", {field: max(1, v // 2) if op == "/2" else v * 2})
+                          for field, tag in (("block_n", "bn"), ("block_k", "bk"), ("split_k", "sk"),
+                                             ("num_warps", "w"), ("block_m", "bm"), ("num_stages", "st"))
+                          for v in [getattr(base, field)] for op in ("/2", "*2")]
+        for tag, kw in halves_doubles:
+            try:
+                t = dataclasses.replace(base, **kw)
+                matmul_jax_triton.check_tiling(n, k, t)
+            except ValueError:
+                continue
+            if all(t != c for _, c in tunings):
+                tunings.append((f"jax_triton:{tag}", t))
+    return [Impl(name, lambda x, w, t=t: matmul_jax_triton.qmatmul_jax_triton(x, w, t),
+                 f"bm{t.block_m} bn{t.block_n} bk{t.block_k} sk{t.split_k} w{t.num_warps} s{t.num_stages}")
+            for name, t in tunings]
 
 
 def tuning_tag(t: matmul_triton.TritonMatmulTuning) -> str:
@@ -406,7 +422,7 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
             elif name == "mosaic_gpu":  # q4_0/q8_0 (the splits below); other cases report its NotImplementedError
                 impls += mosaic_impls(args.sweep, m)
             elif name == "jax_triton":  # q4_0/q8_0 (the splits below)
-                impls += jax_triton_impls(m, n, k)
+                impls += jax_triton_impls(m, n, k, args.sweep)
             elif name == "reference":
                 impls.append(Impl("reference", qmatmul_reference, "xla dequant + dot (HIGHEST)"))
             elif name == "dense_bf16":
@@ -537,7 +553,7 @@ def main(argv=None) -> None:
     ap.add_argument("--x-dtype", default="bf16", choices=["bf16", "f32"])
     ap.add_argument("--device-time", action="store_true",
                     help="us from a profiler trace: the matmul's own kernel, not the wall clock (GPU)")
-    ap.add_argument("--sweep", action="store_true", help="also time neighbours of the default triton and mosaic_gpu tunings")
+    ap.add_argument("--sweep", action="store_true", help="also time neighbours of the default triton, mosaic_gpu and jax_triton tunings")
     ap.add_argument("--grid", action="store_true", help="also time a grid of block sizes, stages and split-K")
     ap.add_argument("--mats", type=int, default=16, help="at least this many distinct weights per call")
     ap.add_argument("--max-mats", type=int, default=256)

@@ -54,3 +54,18 @@ def test_a_row_notes_the_time_of_all_its_kernels_where_the_kernel_alone_flatters
     assert "all kernels 12.0 us, 90.0% of copy, 1.50 TFLOP/s" in fmt_row(row)
     assert "all kernels" not in fmt_row({**row, "us_device": 10.2})
     assert "all kernels" not in fmt_row({k: v for k, v in row.items() if k != "us_device"})
+
+
+def test_jax_triton_sweep_neighbours_tile_the_shape():
+    """`--sweep` with `--impls jax_triton`: the default first, then distinct neighbours, each a
+    tuning the kernel takes for the shape (no GPU needed to build the list)."""
+    from bench.kernels import jax_triton_impls
+    from pallas_kernels import matmul_jax_triton
+
+    for m, n, k in ((8, 4096, 4096), (8, 4096, 11008), (512, 1024, 2048)):
+        impls = jax_triton_impls(m, n, k, sweep=True)
+        names = [i.name for i in impls]
+        assert names[0] == "jax_triton" and len(names) == len(set(names)) > 5, names
+        assert len({i.tuning for i in impls}) == len(impls)
+        assert impls[0].tuning.startswith(f"bm{matmul_jax_triton.default_tuning(m, n, k).block_m} ")
+    assert [i.name for i in jax_triton_impls(8, 4096, 4096)] == ["jax_triton"]
