@@ -496,7 +496,7 @@ def fmt_row(r: dict) -> str:
         return "" if v is None else (f % v if isinstance(v, (int, float)) else str(v))
 
     note = r.get("error") or ("" if r.get("ok", True) in (True, None) else "WRONG")
-    if r.get("impl", "").startswith("triton") and r.get("tuning"):
+    if r.get("impl", "").startswith(("triton", "jax_triton")) and r.get("tuning"):
         note = (note + " " if note else "") + r["tuning"]
     if r.get("us_device") and r.get("us") and r["us_device"] > 1.05 * r["us"]:
         # work outside the kernel (x's permutation, the split-K sum, q4_k_split's offsets as an

@@ -328,14 +328,15 @@ class EngineConfig:
     # offset), 11% more bytes, so that Q4_0's kernels serve them: on a Hopper GPU the Mosaic matmul (its decode
     # kernel adds the offsets itself), the Triton Q4_0 kernel where Mosaic refuses a shape.
     # "auto" splits where the Mosaic matmul serves them (one device, a Hopper GPU, the matmul not
-    # forced to another implementation: `model.loader.split_formats`) and the split weights fit
+    # forced to another implementation) or a forced jax-triton one does (`model.loader.split_formats`)
+    # and the split weights fit
     # the device's memory beside the KV cache (`model.loader.splits_that_fit`): on the H200 a 7B Q4_K_M
     # decode step took 4.2 ms split against 7.6 ms through the Triton Q4_K kernel (bench/results,
     # fourteenth session).
     split_q4_k: str = "auto"
     # Q6_K matrices (N a multiple of 64) split at load into int8 codes and an f16 scale per 16
     # weights (37% more bytes) for the Mosaic GPU matmul's 8-bit path (pallas_kernels/q6_k_split.py;
-    # no other GPU kernel serves them). "auto" as split_q4_k.
+    # of the other GPU kernels only the jax-triton variant serves them). "auto" as split_q4_k.
     split_q6_k: str = "auto"
     # Q5_K matrices split at load into Q8_0's int8 codes and f16 block scales plus an f16 offset
     # per block and row (64% more bytes) for the Mosaic GPU matmul's 8-bit path, the Triton Q8_0

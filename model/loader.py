@@ -47,24 +47,30 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def split_formats(engine_cfg: EngineConfig, mosaic_available: bool | None = None) -> frozenset[str]:
+def split_formats(engine_cfg: EngineConfig, mosaic_available: bool | None = None,
+                  jax_triton_available: bool | None = None) -> frozenset[str]:
     """The GGML formats split at load ("q4_k", "q5_k", "q6_k", and "q4_1", "q5_0", "q5_1" with
     split_legacy): EngineConfig.split_q4_k, split_q5_k, split_q6_k and split_legacy
     resolved. "on" and "off" say; "auto" splits where the Mosaic GPU matmul will serve the split
     matrices (`mosaic_available`: by default, whether that implementation is available here, i.e.
-    on a Hopper GPU), or the jax-triton one, forced (it takes every split form): one device (a
-    tensor-parallel shard of a row-parallel matrix may not fit its K steps) and neither the
-    decode nor the prefill matmul forced to another implementation (the Pallas Triton kernels
-    take no Q6_K split)."""
+    on a Hopper GPU) or the jax-triton one, forced, will (it takes every split form;
+    `jax_triton_available` likewise): one device (a tensor-parallel shard of a row-parallel
+    matrix may not fit its K steps) and neither the decode nor the prefill matmul forced to
+    another implementation (the Pallas Triton kernels take no Q6_K split)."""
     forced = dict(engine_cfg.kernels)
     chosen = {forced.get("matmul_decode", forced.get("matmul")), forced.get("matmul")}
     auto = engine_cfg.tensor_parallel == 1 and chosen <= {None, "mosaic_gpu", "jax_triton"}
     if auto and chosen & {None, "mosaic_gpu"}:  # the Mosaic kernel serves decode or prefill
         if mosaic_available is None:
-            mosaic_available = any(impl.name == "mosaic_gpu" and impl.is_available()
-                                   for impl in registry.implementations("matmul"))
+            mosaic_available = _available("mosaic_gpu")
         auto = bool(mosaic_available)
+    if auto and "jax_triton" in chosen:  # forced where it cannot run: the kernel choice will say so
+        auto = _available("jax_triton") if jax_triton_available is None else jax_triton_available
     return frozenset(fmt for fmt, s in _split_settings(engine_cfg).items() if s == "on" or (s == "auto" and auto))
+
+
+def _available(impl_name: str) -> bool:
+    return any(impl.name == impl_name and impl.is_available() for impl in registry.implementations("matmul"))
 
 
 def _split_settings(engine_cfg: EngineConfig) -> dict[str, str]:

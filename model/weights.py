@@ -154,7 +154,8 @@ _SPLITS_JIT = {fmt: jax.jit(fn) for fmt, (_, fn) in SPLITS.items()}
 # Q4_1, Q5_0 and Q5_1 are split only where the Mosaic GPU matmul takes the shape: they have Triton
 # kernels of their own (Q5_0 as Q8_0 would read 55% more bytes through Triton's Q8_0 kernel).
 # SmolLM2's K of 576 and Gemma 3 270M's 640 are not multiples of the decode kernel's K step (256).
-# Q6_K's split needs N in 64s (no other GPU kernel serves it); Q4_K's and Q5_K's go to the Triton
+# Q6_K's split needs N in 64s (of the other GPU kernels only the forced jax-triton variant serves
+# it, and it keeps that rule); Q4_K's and Q5_K's go to the Triton
 # Q4_0 / Q8_0 kernels where the Mosaic one refuses them.
 _SPLIT_WHERE_MOSAIC_TAKES = ("q4_1", "q5_0", "q5_1")
 

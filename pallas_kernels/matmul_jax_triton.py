@@ -45,7 +45,10 @@ BLOCK = {"q4_0": 32, "q8_0": 32, "q6_k_split": 16}
 SUPPORTED_FORMATS = tuple(BLOCK)
 DECODE_ROWS = 64  # x of up to this many rows runs the decode tiling (split K, one row tile)
 TARGET_PROGRAMS = 256  # decode: K is split until the grid reaches about two programs per SM
-_POW2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
+
+
+def _is_pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +63,11 @@ class JaxTritonMatmulTuning:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        if not (_POW2(self.block_m) and self.block_m >= 16):
+        if not (_is_pow2(self.block_m) and self.block_m >= 16):
             raise ValueError(f"block_m must be a power of 2 >= 16 (tl.dot), got {self.block_m}")
-        if not (_POW2(self.block_n) and self.block_n >= 16):
+        if not (_is_pow2(self.block_n) and self.block_n >= 16):
             raise ValueError(f"block_n must be a power of 2 >= 16 (tl.dot), got {self.block_n}")
-        if not (_POW2(self.block_k) and self.block_k >= 64):
+        if not (_is_pow2(self.block_k) and self.block_k >= 64):
             raise ValueError(f"block_k must be a power of 2 >= 64, got {self.block_k}")
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1, got {self.split_k}")
@@ -78,24 +81,30 @@ PREFILL_TUNING = JaxTritonMatmulTuning(block_m=128, block_n=128, block_k=64, num
 
 
 def default_tuning(m: int, n: int, k: int) -> JaxTritonMatmulTuning:
-    """Decode (m <= DECODE_ROWS): BM the next power of 2 of m (at least 16), 64 weight rows, K
-    steps of 256 (128 or 64 where K does not divide), K split into the fewest runs of equal steps
-    that reach TARGET_PROGRAMS programs. What chose the target, Q4_0 at M = 8 on the H200
-    (bench/results, twenty-fifth session): 4096 x 4096 took 9.0 us in 4 runs (256 programs) and
-    10.2 in 8 (512); 11008 x 4096 21.5 us in 2 runs (344) and 26.6 in 1 (172); 4096 x 11008 23.2
-    us in 43 runs of one step (2752) and 41.0 in 4 runs of 43 steps of 64 (256). Prefill: PREFILL_TUNING (128 x 128 tiles), its block_n halved until it
-    divides N."""
+    """Decode (m <= DECODE_ROWS): BM the next power of 2 of m (at least 16), 64 weight rows (32 or
+    16 where N does not divide), K steps of 256 (128 or 64 where K does not divide), K split into
+    the fewest runs of equal steps that reach TARGET_PROGRAMS programs, but no more runs than keep
+    the f32 partial sums (split x M x N x 4 bytes) within half a byte per weight, Q4_0's codes
+    (at M = 64 the 4096 x 11008 matrix's 43 runs would write and read 45 MB of partials for 25 MB
+    of weights; that cap is reasoned, not measured). What chose the target, Q4_0 at M = 8 on the
+    H200 (bench/results, twenty-fifth session): 4096 x 4096 took 9.0 us in 4 runs (256 programs)
+    and 10.2 in 8 (512); 11008 x 4096 21.5 us in 2 runs (344) and 26.6 in 1 (172); 4096 x 11008
+    23.2 us in 43 runs of one step (2752) and 41.0 in 4 runs of 43 steps of 64 (256).
+    Prefill: PREFILL_TUNING (128 x 128 tiles), its block_n halved until it divides N."""
     if m > DECODE_ROWS:
         bn = PREFILL_TUNING.block_n
         while n % bn and bn > 16:
             bn //= 2
         return dataclasses.replace(PREFILL_TUNING, block_n=bn)
     bm = max(16, 1 << max(0, m - 1).bit_length())
-    bk = next((b for b in (256, 128, 64) if k % b == 0), 64)  # K not a multiple of 64: refused by the call
+    bn = next((b for b in (64, 32) if n % b == 0), 16)  # N not a multiple of 16: refused by the call
+    bk = next((b for b in (256, 128, 64) if k % b == 0), 64)  # K not a multiple of 64: likewise
     steps = max(1, k // bk)
-    want = -(-TARGET_PROGRAMS // max(1, n // 64))
-    split = next((s for s in range(min(want, steps), steps + 1) if steps % s == 0), steps)
-    return JaxTritonMatmulTuning(block_m=bm, block_n=64, block_k=bk, split_k=split)
+    want = -(-TARGET_PROGRAMS // max(1, n // bn))
+    cap = max(1, k // (8 * m))  # split * m * n * 4 bytes <= n * k / 2
+    divisors = [s for s in range(1, steps + 1) if steps % s == 0 and s <= cap]
+    split = next((s for s in divisors if s >= want), divisors[-1])
+    return JaxTritonMatmulTuning(block_m=bm, block_n=bn, block_k=bk, split_k=split)
 
 
 def check_tiling(n: int, k: int, tuning: JaxTritonMatmulTuning) -> None:
@@ -215,7 +224,9 @@ def qmatmul_jax_triton(
     if interpret:
         raise NotImplementedError("jax_triton matmul has no interpret mode")
     if w.fmt in q4_k_split.OFFSET_FORMS:
-        return q4_k_split.matmul_via(qmatmul_jax_triton, x, w, layer, tuning=tuning)
+        # the offsets' dot at the Mosaic path's precision: the kernel itself rounds weights to bf16
+        return q4_k_split.matmul_via(qmatmul_jax_triton, x, w, layer, tuning=tuning,
+                                     offset_precision=q4_k_split.KERNEL_OFFSET_PRECISION)
     _check_supported(x, w, layer)
     n, k = w.shape
     lead = x.shape[:-1]

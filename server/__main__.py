@@ -107,7 +107,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
     p.add_argument("--split-q4-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
                    help="split Q4_K matrices at load for Q4_0's kernels (Q4_0 codes, f16 block scales, f16 offsets: "
                         "11%% more weight bytes); auto (default): where Q4_0's Mosaic GPU matmul serves them (one "
-                        "Hopper GPU, the matmul not forced elsewhere); the bare flag means on")
+                        "Hopper GPU, the matmul not forced elsewhere) or a forced jax_triton one; the bare flag "
+                        "means on")
     p.add_argument("--split-q5-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
                    help="split Q5_K matrices at load for Q8_0's kernels (int8 codes, f16 block scales, f16 "
                         "offsets: 64%% more weight bytes); auto (default) and the bare flag as --split-q4-k")

@@ -69,7 +69,8 @@ class Case:
     @property
     def id(self) -> str:
         t = self.tuning
-        tag = "default" if t is None else f"{getattr(t, 'kernel', 'tiled')}-bn{t.block_n}-bk{t.block_k}-sk{t.split_k}-bm{t.block_m}"
+        kernel = getattr(t, "kernel", "tiled")  # the jax-triton tuning has one kernel per format
+        tag = "default" if t is None else f"{kernel}-bn{t.block_n}-bk{t.block_k}-sk{t.split_k}-bm{t.block_m}"
         return f"{self.fmt}-m{self.m}-{self.n}x{self.k}-{self.x_dtype}-{tag}"
 
 

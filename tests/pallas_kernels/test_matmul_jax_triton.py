@@ -17,6 +17,7 @@ from tests.pallas_kernels.test_matmul_conformance import LLAMA_SHAPES, Case, Mat
 from tests.pallas_kernels.test_matmul_conformance import pytest_generate_tests  # noqa: F401  (parametrizes `case`)
 from tests.pallas_kernels.test_matmul_mgpu import SPLITS, _spec, split_cases
 
+
 def needs_jax_triton(cls):
     for mark in (pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU"),
                  pytest.mark.skipif(not mjt.is_installed(), reason="needs the jax_triton and triton packages")):
@@ -42,11 +43,13 @@ class TestJaxTritonGpu(_JaxTritonBase):
         Case("q4_0", 1, 256, 1024, "bfloat16"),
         Case("q4_0", 3, 256, 1024, "bfloat16"),
         Case("q4_0", 8, 4096, 4096, "bfloat16", stack=True),
-        Case("q4_0", 8, 4096, 11008, "bfloat16", stack=True),  # K steps of 64 (11008 = 43 x 256)
+        Case("q4_0", 8, 4096, 11008, "bfloat16", stack=True),  # 43 runs of one K step (11008 = 43 x 256)
         Case("q4_0", 64, 1024, 2048, "bfloat16"),
         Case("q4_0", 200, 1024, 2048, "bfloat16"),  # two row tiles of 128, the second masked
         Case("q4_0", 512, 1024, 4096, "bfloat16", stack=True),
         Case("q4_0", 40, 96, 768, "bfloat16", _t(block_m=16, block_n=32, block_k=64, split_k=3)),
+        Case("q4_0", 8, 96, 768, "bfloat16"),  # N not a multiple of 64: 32-row tiles
+        Case("q4_0", 200, 96, 768, "bfloat16"),  # prefill tiles of 32 rows of the weight
         Case("q8_0", 1, 256, 1024, "bfloat16"),
         Case("q8_0", 8, 512, 4096, "bfloat16", stack=True),
         Case("q8_0", 8, 4096, 11008, "bfloat16", stack=True),
@@ -113,14 +116,19 @@ def test_tuning_that_does_not_tile_is_an_error():
 
 
 def test_default_tuning_tiles_every_model_shape():
-    for n, k in LLAMA_SHAPES + [(12288, 4096), (22016, 4096), (28672, 4096)]:
+    # and shards of them under tensor parallelism (1376: a 7B's FFN width over 8) and small shapes
+    for n, k in LLAMA_SHAPES + [(12288, 4096), (22016, 4096), (28672, 4096), (1376, 4096), (96, 768), (512, 1024)]:
         for m in (1, 2, 3, 8, 16, 33, 64, 65, 512):
             t = mjt.default_tuning(m, n, k)
             mjt.check_tiling(n, k, t)
-            assert t.block_m >= min(m, 128) or m > mjt.DECODE_ROWS, (m, t)
-            if m <= mjt.DECODE_ROWS:  # decode: the grid reaches half its target where K has the steps
-                programs = n // t.block_n * t.split_k
-                assert programs >= min(mjt.TARGET_PROGRAMS, n // t.block_n * (k // 64)) // 2, (n, k, t)
+            steps = k // t.block_k
+            if m > mjt.DECODE_ROWS:
+                continue
+            # the f32 partials stay within half a byte per weight (split * m * n * 4 <= n * k / 2) ...
+            assert t.split_k == 1 or t.split_k * m * 4 <= k / 2, (n, k, m, t)
+            # ... and the split reaches the target, or no larger even split stays within that
+            larger = [s for s in range(t.split_k + 1, steps + 1) if steps % s == 0 and s * m * 4 <= k / 2]
+            assert n // t.block_n * t.split_k >= mjt.TARGET_PROGRAMS or not larger, (n, k, m, t)
 
 
 def test_q4_0_x_parts_are_the_nibbles_order():

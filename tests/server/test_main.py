@@ -68,9 +68,11 @@ def test_defaults() -> None:
     mosaic = dataclasses.replace(engine, kernels=(("matmul", "mosaic_gpu"),))
     assert split_formats(mosaic, mosaic_available=True) == every
     jax_triton = dataclasses.replace(engine, kernels=(("matmul", "jax_triton"),))  # it takes every split form
-    assert split_formats(jax_triton, mosaic_available=False) == every
+    assert split_formats(jax_triton, mosaic_available=False, jax_triton_available=True) == every
+    assert split_formats(jax_triton, mosaic_available=True, jax_triton_available=False) == set()
     half = dataclasses.replace(engine, kernels=(("matmul_decode", "jax_triton"),))  # prefill: the Mosaic kernel's
-    assert split_formats(half, mosaic_available=True) == every and split_formats(half, mosaic_available=False) == set()
+    assert split_formats(half, True, True) == every
+    assert split_formats(half, False, True) == split_formats(half, True, False) == set()
     prefill_elsewhere = (("matmul_decode", "mosaic_gpu"), ("matmul", "triton"))  # Triton takes no Q6_K split
     assert split_formats(dataclasses.replace(engine, kernels=prefill_elsewhere), mosaic_available=True) == set()
     off = build_configs(build_parser().parse_args(["--split-q4-k", "off", "--split-q5-k", "off", "--split-legacy", "off",
