@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-import math
 
 import jax
 import jax.numpy as jnp
