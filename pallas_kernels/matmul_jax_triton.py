@@ -21,8 +21,9 @@ each K step loads its [BN, BK] codes and [BN, BK/B] scales, turns the codes into
 with their scales folded in (the scale times the code in f32, rounded once to bf16: a weight is
 off by up to 2^-9 of itself), and adds `tl.dot(w [BN, BK], x^T [BK, BM])` into an f32
 accumulator. So x must be bf16 (f32 x is refused rather than rounded). Q4_0's two nibbles of a
-byte are separate dots against x rearranged outside the kernel (x_parts[h, m, 16 b + l] =
-x[m, 32 b + 16 h + l]): no interleave in the kernel. A code becomes a float without an
+byte are separate dots against x rearranged outside the kernel as the Pallas Triton kernels
+rearrange it (`matmul_triton.x_parts`: [h, m, 16 b + l] = x[m, 32 b + 16 h + l]): no interleave
+in the kernel. A code becomes a float without an
 int->float conversion: (q & 15) | 0x4300 is the bf16 of 128 + q, and Q8_0's int8 converts
 through f32. Partial sums [split, M, N] are added outside.
 """
@@ -36,7 +37,7 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import q4_k_split, registry
+from pallas_kernels import matmul_triton, q4_k_split, registry
 from pallas_kernels.quant import QuantizedTensor, check_layer
 
 # Weights per scale of each format the kernels read.
@@ -91,12 +92,9 @@ def default_tuning(m: int, n: int, k: int) -> JaxTritonMatmulTuning:
     23.2 us in 43 runs of one step (2752) and 41.0 in 4 runs of 43 steps of 64 (256).
     Prefill: PREFILL_TUNING (128 x 128 tiles), its block_n halved until it divides N."""
     if m > DECODE_ROWS:
-        bn = PREFILL_TUNING.block_n
-        while n % bn and bn > 16:
-            bn //= 2
-        return dataclasses.replace(PREFILL_TUNING, block_n=bn)
+        return dataclasses.replace(PREFILL_TUNING, block_n=_block_n(n, PREFILL_TUNING.block_n))
     bm = max(16, 1 << max(0, m - 1).bit_length())
-    bn = next((b for b in (64, 32) if n % b == 0), 16)  # N not a multiple of 16: refused by the call
+    bn = _block_n(n, 64)
     bk = next((b for b in (256, 128, 64) if k % b == 0), 64)  # K not a multiple of 64: likewise
     steps = max(1, k // bk)
     want = -(-TARGET_PROGRAMS // max(1, n // bn))
@@ -104,6 +102,15 @@ def default_tuning(m: int, n: int, k: int) -> JaxTritonMatmulTuning:
     divisors = [s for s in range(1, steps + 1) if steps % s == 0 and s <= cap]
     split = next((s for s in divisors if s >= want), divisors[-1])
     return JaxTritonMatmulTuning(block_m=bm, block_n=bn, block_k=bk, split_k=split)
+
+
+def _block_n(n: int, largest: int) -> int:
+    """The largest power of 2 from `largest` down to 16 that divides N (16 where none does: N not a
+    multiple of 16 is refused by the call)."""
+    bn = largest
+    while n % bn and bn > 16:
+        bn //= 2
+    return bn
 
 
 def check_tiling(n: int, k: int, tuning: JaxTritonMatmulTuning) -> None:
@@ -202,13 +209,6 @@ def _check_supported(x: jax.Array, w: QuantizedTensor, layer) -> None:
         raise NotImplementedError(f"jax_triton matmul: N={n} must be a multiple of 16 and K={k} of 64")
 
 
-def q4_0_x_parts(x2: jax.Array) -> jax.Array:
-    """x [M, K] -> [2, M, K/2]: part h holds, at byte position 16 b + l, the element of x that the
-    nibble h of byte l of block b meets, x[m, 32 b + 16 h + l]."""
-    m, k = x2.shape
-    return jnp.reshape(jnp.transpose(jnp.reshape(x2, (m, k // 32, 2, 16)), (2, 0, 1, 3)), (2, m, k // 2))
-
-
 def qmatmul_jax_triton(
     x: jax.Array,  # [..., K] bf16
     w: QuantizedTensor,  # [N, K], or a stack [L, N, K] with `layer`
@@ -251,7 +251,7 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array,
     steps = k // (t.block_k * t.split_k)
     if w.fmt == "q4_0":
         kernel, extra = q4_0_kernel, {}
-        xk = q4_0_x_parts(x2)
+        xk = matmul_triton.x_parts(x2, 32, 2)  # [2, M, K/2]: part h meets nibble h of each byte
     else:
         kernel, extra = int8_kernel, {"B": BLOCK[w.fmt]}
         xk = x2

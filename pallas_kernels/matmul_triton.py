@@ -508,6 +508,16 @@ def _row_spec(a: jax.Array, block_n: int, grid_rank: int) -> pl.BlockSpec:
     return pl.BlockSpec(block, lambda i, j, s: (0, i, *trailing))
 
 
+def x_parts(x2: jax.Array, unit: int, num_parts: int) -> jax.Array:
+    """x [M, K] -> [P, M, K/P] with every part's elements contiguous (the module docstring):
+    x_parts[p, m, g*L + l] = x[m, g*U + p*L + l], U = `unit`, P = `num_parts`, L = U/P. For
+    Q4_0 (U 32, P 2) part p is what nibble p of each byte of the codes meets."""
+    m, k = x2.shape
+    lanes = unit // num_parts
+    xg = jnp.reshape(x2, (m, k // unit, num_parts, lanes))
+    return jnp.reshape(jnp.transpose(xg, (2, 0, 1, 3)), (num_parts, m, k // num_parts))
+
+
 def qmatmul_triton(
     x: jax.Array,  # [..., K] f32 or bf16
     w: QuantizedTensor,  # [N, K], or a stack [L, N, K] with `layer`
@@ -569,7 +579,7 @@ def _qmatmul_jit(
     xg = jnp.reshape(x2, (m, units, spec.num_parts, lanes))
     if tuning.kernel == "fma":
         xf = xg.astype(jnp.float32)
-        x_parts = jnp.transpose(xf, (2, 0, 1, 3))  # [P, M, G, L]
+        xf_parts = jnp.transpose(xf, (2, 0, 1, 3))  # [P, M, G, L]
         groups = jnp.reshape(xf, (m, units, spec.num_groups, spec.unit // spec.num_groups))
         xs = jnp.transpose(jnp.sum(groups, axis=-1), (2, 0, 1))  # [NG, M, G]
         kernel = functools.partial(_fma_kernel, fmt=w.fmt, names=names, s=s, steps=steps, m=m, use_asm=use_asm)
@@ -577,7 +587,7 @@ def _qmatmul_jit(
             kernel,
             grid=(n // tuning.block_n, tuning.split_k),
             in_specs=[
-                pl.BlockSpec(x_parts.shape, lambda i, j: (0, 0, 0, 0)),
+                pl.BlockSpec(xf_parts.shape, lambda i, j: (0, 0, 0, 0)),
                 pl.BlockSpec(xs.shape, lambda i, j: (0, 0, 0)),
                 pl.BlockSpec((1,), lambda i, j: (0,)),
                 *[_row_spec(v, tuning.block_n, 2) for v in views.values()],
@@ -587,12 +597,12 @@ def _qmatmul_jit(
             compiler_params=params,
             interpret=interpret,
             name=f"qmatmul_fma_{w.fmt}",
-        )(x_parts, xs, layer_arr, *views.values())  # [split, M, N]
+        )(xf_parts, xs, layer_arr, *views.values())  # [split, M, N]
     else:
         f32_x = x2.dtype == jnp.float32
         bm = tuning.block_m
         m_pad = -(-m // bm) * bm
-        xp = jnp.transpose(xg, (2, 0, 1, 3)).reshape(spec.num_parts, m, k // spec.num_parts)
+        xp = x_parts(x2, spec.unit, spec.num_parts)
         if m_pad != m:
             xp = jnp.pad(xp, ((0, 0), (0, m_pad - m), (0, 0)))
         kernel = functools.partial(_mma_kernel, fmt=w.fmt, names=names, s=s, steps=steps, m=m, use_asm=use_asm,

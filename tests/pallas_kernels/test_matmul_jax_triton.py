@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import matmul_jax_triton as mjt
-from pallas_kernels import registry
+from pallas_kernels import matmul_triton, registry
 from tests.pallas_kernels.test_matmul_conformance import LLAMA_SHAPES, Case, MatmulConformance
 from tests.pallas_kernels.test_matmul_conformance import pytest_generate_tests  # noqa: F401  (parametrizes `case`)
 from tests.pallas_kernels.test_matmul_mgpu import SPLITS, _spec, split_cases
@@ -132,11 +132,12 @@ def test_default_tuning_tiles_every_model_shape():
 
 
 def test_q4_0_x_parts_are_the_nibbles_order():
-    """The kernel's Q4_0 x rearrangement: part h holds, at byte position 16 b + l, the x element
-    weight 32 b + 16 h + l meets (GGUF Q4_0: low nibble of byte l is weight l, high weight 16 + l)."""
+    """The kernel's Q4_0 x rearrangement (the Pallas Triton kernels' `x_parts`): part h holds, at
+    byte position 16 b + l, the x element weight 32 b + 16 h + l meets (GGUF Q4_0: low nibble of
+    byte l is weight l, high weight 16 + l)."""
     m, k = 3, 128
     x = np.arange(m * k, dtype=np.float32).reshape(m, k)
-    parts = np.asarray(mjt.q4_0_x_parts(jnp.asarray(x)))
+    parts = np.asarray(matmul_triton.x_parts(jnp.asarray(x), 32, 2))
     assert parts.shape == (2, m, k // 2)
     for h in range(2):
         for b in range(k // 32):
