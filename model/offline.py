@@ -60,29 +60,35 @@ def first_divergence(ours: list[int], ref: list[int]) -> int:
 
 
 def teacher_forced_logits(cfg, kernels, params, cases: list[tuple[list[int], list[int]]],
-                          max_context: int, chunk: int = 512, kv_dtype=jnp.float32) -> list[np.ndarray]:
+                          max_context: int, chunks: tuple[int, ...] = (64, 512),
+                          kv_dtype=jnp.float32) -> list[np.ndarray]:
     """For each (prompt, continuation), the logits [len(continuation), V] that choose each
-    continuation token, feeding the given tokens (not our own picks) after the prompt."""
+    continuation token, feeding the given tokens (not our own picks) after the prompt.
+
+    A prompt is prefilled in pieces of the largest of `chunks` (ascending), the last piece in
+    the smallest chunk that holds it, each attending only the power-of-two prefix of the cache
+    that holds its positions: a short prompt costs a short chunk, not a padded 512-token one
+    over the whole cache (each (chunk, prefix) pair is one compile)."""
 
     num_slots = len(cases)
     cache = forward.KVCache.create(cfg, num_slots, max_context, jnp.dtype(kv_dtype))
-    prefill = jax.jit(functools.partial(forward.prefill, cfg, kernels), donate_argnums=(1,))
+    prefill = jax.jit(functools.partial(forward.prefill, cfg, kernels), donate_argnums=(1,), static_argnums=(6,))
     decode = jax.jit(functools.partial(forward.decode, cfg, kernels), donate_argnums=(1,), static_argnums=(4,))
     out: list[list[np.ndarray]] = [[] for _ in cases]
     for s, (prompt, _) in enumerate(cases):
-        for start in range(0, len(prompt), chunk):
+        start = 0
+        while start < len(prompt):
+            chunk = next((c for c in chunks if c >= len(prompt) - start), chunks[-1])
             piece = prompt[start:start + chunk]
             toks = np.zeros((chunk,), np.int32)
             toks[:len(piece)] = piece
             logits, cache = prefill(params, cache, jnp.int32(s), jnp.asarray(toks), jnp.int32(start),
-                                    jnp.int32(len(piece)))
+                                    jnp.int32(len(piece)), _prefix(start + chunk, max_context))
+            start += len(piece)
         out[s].append(np.asarray(logits))
     steps = max(len(cont) for _, cont in cases)
     # Attention reads only a power-of-two prefix of the cache that holds every position.
-    attend = 512
-    while attend < max(len(p) + len(c) for p, c in cases):
-        attend *= 2
-    attend = min(attend, max_context)
+    attend = _prefix(max(512, max(len(p) + len(c) for p, c in cases)), max_context)
     for j in range(1, steps):
         toks = np.zeros((num_slots,), np.int32)
         pos = np.full((num_slots,), -1, np.int32)
@@ -95,6 +101,11 @@ def teacher_forced_logits(cfg, kernels, params, cases: list[tuple[list[int], lis
             if j < len(cont):
                 out[s].append(logits[s])
     return [np.stack(rows) for rows in out]
+
+
+def _prefix(n: int, max_context: int) -> int:
+    """The smallest power of two >= n, at most max_context."""
+    return min(1 << max(0, n - 1).bit_length(), max_context)
 
 
 def compare_top_logits(cases: list[dict], logits: list[np.ndarray], decisive_margin: float) -> dict:
