@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import pathlib
 import subprocess
 import sys
 
 from bench import http
+from scheduler.requests import RequestTiming
+from server.metrics import Metrics
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "http.py"
 
@@ -51,3 +54,34 @@ def test_script_runs_both_sides(smollm2_path, tmp_path):
         # its process may be descheduled after the write, so this is not always below the above)
         assert 0 < level["send_ms_mean"] == cost["ttft_ms_mean_client_send"]
     assert {"ttft_ms_mean_http_layer", "ttft_ms_mean_engine_added"} <= set(result["serving_cost"]["3"])
+    # where the gaps' tail comes from: the client's, the server's engine thread's and the engine
+    # direct's gaps over 5 and 10 ms, and the GC collections of the server and the client
+    for users, level in result["http"].items():
+        for side in (level, level["server_tails"], result["engine"][users]):
+            assert 0 <= side["itl_over_10ms_pct"] <= side["itl_over_5ms_pct"] <= 100
+        assert set(level["client_gc"]) == set(level["server_tails"]) - {"itl_over_5ms_pct", "itl_over_10ms_pct"} == {
+            "gc0", "gc1", "gc2"}
+
+
+def _timing(gaps_s):
+    return RequestTiming("r", "length", 4, len(gaps_s) + 1, 0.001, 0.01, tuple(gaps_s), 1.0)
+
+
+def test_server_tails_read_the_servers_histograms_between_two_scrapes():
+    metrics = Metrics(lambda: None)
+    metrics.observe(_timing([0.002, 0.020]))  # before the level: not counted
+    before = {"raw": http.parse_metrics(metrics.render()[0].decode())}
+    metrics.observe(_timing([0.002, 0.003, 0.006, 0.012]))
+    gc.collect()
+    after = {"raw": http.parse_metrics(metrics.render()[0].decode())}
+    tails = http.server_tails(before, after)
+    assert (tails["itl_over_5ms_pct"], tails["itl_over_10ms_pct"]) == (50.0, 25.0)
+    assert tails["gc2"]["count"] >= 1 and tails["gc2"]["ms"] > 0
+    assert http.server_tails(None, after) is None
+
+
+def test_gc_recorder_counts_this_processs_collections():
+    with http.GcRecorder() as rec:
+        gc.collect()
+    assert rec.summary()["gc2"]["count"] == 1 and rec.summary()["gc2"]["max_ms"] > 0
+    assert rec._callback not in gc.callbacks
