@@ -287,18 +287,24 @@ def summarize(records: list[StreamRecord]) -> dict[str, Any]:
             ttft_ms_p50=ms(percentile(ttfts, 50)), ttft_ms_p99=ms(percentile(ttfts, 99)),
             itl_ms_p50=ms(percentile(gaps, 50)), itl_ms_p99=ms(percentile(gaps, 99)),
         )
-        out.update(long_gaps_pct(gaps))
+        out.update(long_gaps(gaps))
     return out
 
 
 LONG_GAP_BOUNDS_MS = (5, 10)  # bounds of the server's ITL histogram (server/metrics.py ITL_BUCKETS)
 
 
-def long_gaps_pct(gaps: list[float]) -> dict[str, float | None]:
-    """The share (%) of inter-token gaps (seconds) longer than each of LONG_GAP_BOUNDS_MS: where a
-    p99 stands apart from the p50, how many gaps make it, comparable with the server's histogram."""
-    return {f"itl_over_{b}ms_pct": round(100 * sum(g > b / 1e3 for g in gaps) / len(gaps), 3) if gaps else None
-            for b in LONG_GAP_BOUNDS_MS}
+def long_gaps(gaps: list[float]) -> dict[str, float | int | None]:
+    """How many inter-token gaps (seconds) there are ("itl_gaps") and how many are longer than each
+    of LONG_GAP_BOUNDS_MS ("itl_over_5ms", ...), and that share in % ("itl_over_5ms_pct", ...):
+    where a p99 stands apart from the p50, how many gaps make it. A gap equal to a bound is not
+    over it, as the server's histogram counts it in the bucket `le` that bound."""
+    out: dict[str, float | int | None] = {"itl_gaps": len(gaps)}
+    for b in LONG_GAP_BOUNDS_MS:
+        over = sum(g > b / 1e3 for g in gaps)
+        out[f"itl_over_{b}ms"] = over
+        out[f"itl_over_{b}ms_pct"] = round(100 * over / len(gaps), 3) if gaps else None
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -451,6 +451,23 @@ class GcRecorder:
         return {f"gc{g}": {k: round(v, 3) for k, v in st.items()} for g, st in self.stats.items()}
 
 
+async def scrape_after(client, url: str, before, requests: int, deadline_s: float = 2.0):
+    """`engine_timing_sums` once the server's histograms count `requests` more finished requests
+    with a first token than `before` (its engine thread observes a request's timings just after its last event,
+    so a scrape right after the last stream ends can miss them); the last scrape at the
+    deadline, with a warning, if they never do."""
+    t_end = time.monotonic() + deadline_s
+    while True:
+        after = await engine_timing_sums(client, url)
+        if before is None or after is None or after["ttft"][1] - before["ttft"][1] >= requests:
+            return after
+        if time.monotonic() > t_end:
+            log.warning("the server's /metrics counts %d of the level's %d requests",
+                        int(after["ttft"][1] - before["ttft"][1]), requests)
+            return after
+        await asyncio.sleep(0.05)
+
+
 def engine_timing_means(before, after) -> dict[str, Any] | None:
     """The server-side means (ms) of ENGINE_TIMINGS over the requests finished between two reads
     of `engine_timing_sums`: with the client's own TTFT, what the HTTP layer adds to it."""
@@ -491,7 +508,7 @@ async def run_http(url: str, args: argparse.Namespace, vocab: int, repeats: int)
                         ))
                         runs.append(level_summary(records))
                 out[str(users)] = combine_runs(runs)
-                after = await engine_timing_sums(metrics_client, url)
+                after = await scrape_after(metrics_client, url, before, out[str(users)]["ttft_count"])
                 out[str(users)]["engine_side"] = engine_timing_means(before, after)
                 out[str(users)]["server_tails"] = server_tails(before, after)
                 out[str(users)]["client_gc"] = client_gc.summary()
@@ -520,9 +537,9 @@ def level_summary(records: list[common.StreamRecord]) -> dict[str, Any]:
 
 
 # The figures of a level that are the median of its repeats; counts are summed.
-MEDIAN_KEYS = ("tok_s", "steady_tok_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "itl_over_5ms_pct",
-               "itl_over_10ms_pct")
-SUM_KEYS = ("requests", "rejected", "errors", "tokens", "usage_tokens")
+MEDIAN_KEYS = ("tok_s", "steady_tok_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")
+SUM_KEYS = ("requests", "rejected", "errors", "tokens", "usage_tokens", "itl_gaps",
+            *(f"itl_over_{b}ms" for b in common.LONG_GAP_BOUNDS_MS))
 
 
 def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -546,6 +563,9 @@ def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     total = sum(n for _, n in counts)
     out["ttft_ms_mean"] = round(sum(v * n for v, n in counts) / total, 3) if total else None
     out["ttft_count"] = total
+    for b in common.LONG_GAP_BOUNDS_MS:  # pooled over the runs' gaps, as the server's histogram is
+        out[f"itl_over_{b}ms_pct"] = (round(100 * out[f"itl_over_{b}ms"] / out["itl_gaps"], 3)
+                                      if out.get("itl_gaps") else None)
     sends = [(r["send_ms_mean"], r["ttft_count"]) for r in runs if r.get("send_ms_mean") is not None]
     if sends and sum(n for _, n in sends):
         out["send_ms_mean"] = round(sum(v * n for v, n in sends) / sum(n for _, n in sends), 3)

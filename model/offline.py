@@ -65,11 +65,12 @@ def teacher_forced_logits(cfg, kernels, params, cases: list[tuple[list[int], lis
     """For each (prompt, continuation), the logits [len(continuation), V] that choose each
     continuation token, feeding the given tokens (not our own picks) after the prompt.
 
-    A prompt is prefilled in pieces of the largest of `chunks` (ascending), the last piece in
-    the smallest chunk that holds it, each attending only the power-of-two prefix of the cache
-    that holds its positions: a short prompt costs a short chunk, not a padded 512-token one
-    over the whole cache (each (chunk, prefix) pair is one compile)."""
+    A prompt is prefilled in pieces of the largest of `chunks`, the last piece in the smallest
+    chunk that holds it, each attending only the power-of-two prefix of the cache that holds
+    the padded chunk's positions: a short prompt costs a short chunk, not a padded 512-token
+    one over the whole cache (each (chunk, prefix) pair is one compile)."""
 
+    chunks = tuple(sorted(chunks))
     num_slots = len(cases)
     cache = forward.KVCache.create(cfg, num_slots, max_context, jnp.dtype(kv_dtype))
     prefill = jax.jit(functools.partial(forward.prefill, cfg, kernels), donate_argnums=(1,), static_argnums=(6,))

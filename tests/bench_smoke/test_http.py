@@ -9,9 +9,9 @@ import pathlib
 import subprocess
 import sys
 
-from bench import http
+from bench import common, http
 from scheduler.requests import RequestTiming
-from server.metrics import Metrics
+from server.metrics import ITL_BUCKETS, Metrics
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "http.py"
 
@@ -59,8 +59,27 @@ def test_script_runs_both_sides(smollm2_path, tmp_path):
     for users, level in result["http"].items():
         for side in (level, level["server_tails"], result["engine"][users]):
             assert 0 <= side["itl_over_10ms_pct"] <= side["itl_over_5ms_pct"] <= 100
+        for side in (level, result["engine"][users]):  # pooled over the level's runs
+            assert side["itl_gaps"] == side["tokens"] - side["requests"]  # 5 gaps per 6-token stream
+            assert side["itl_over_5ms_pct"] == round(100 * side["itl_over_5ms"] / side["itl_gaps"], 3)
         assert set(level["client_gc"]) == set(level["server_tails"]) - {"itl_over_5ms_pct", "itl_over_10ms_pct"} == {
             "gc0", "gc1", "gc2"}
+
+
+def test_long_gaps_counts_what_the_servers_histogram_puts_over_each_bound():
+    gaps = [0.001, 0.005, 0.0051, 0.010, 0.0101, 0.030, 0.002, 0.004]
+    assert common.long_gaps(gaps) == {"itl_gaps": 8, "itl_over_5ms": 4, "itl_over_5ms_pct": 50.0,
+                                      "itl_over_10ms": 2, "itl_over_10ms_pct": 25.0}
+    assert common.long_gaps([])["itl_over_5ms_pct"] is None
+    # each bound is one of the histogram's, so that the server's share can be read from it
+    assert all(b / 1e3 in ITL_BUCKETS for b in common.LONG_GAP_BOUNDS_MS)
+
+
+def test_combine_runs_pools_the_long_gaps():
+    runs = [{"itl_gaps": 10, "itl_over_5ms": 1, "itl_over_10ms": 0, "itl_over_5ms_pct": 10.0},
+            {"itl_gaps": 30, "itl_over_5ms": 9, "itl_over_10ms": 3, "itl_over_5ms_pct": 30.0}]
+    out = http.combine_runs(runs)
+    assert (out["itl_over_5ms_pct"], out["itl_over_10ms_pct"]) == (25.0, 7.5)
 
 
 def _timing(gaps_s):
@@ -71,7 +90,7 @@ def test_server_tails_read_the_servers_histograms_between_two_scrapes():
     metrics = Metrics(lambda: None)
     metrics.observe(_timing([0.002, 0.020]))  # before the level: not counted
     before = {"raw": http.parse_metrics(metrics.render()[0].decode())}
-    metrics.observe(_timing([0.002, 0.003, 0.006, 0.012]))
+    metrics.observe(_timing([0.002, 0.005, 0.006, 0.012]))  # 5 ms: in the bucket le 0.005
     gc.collect()
     after = {"raw": http.parse_metrics(metrics.render()[0].decode())}
     tails = http.server_tails(before, after)
