@@ -24,7 +24,10 @@ Each level also reads the server's own /metrics before and after it: the mean TT
 thread measured splits the HTTP side's into the engine's part and what the HTTP layer adds, and
 the handler's own histograms split that layer into the handler's work before submit, the
 first token's way to its frame, and what lies outside the handler (the client, the connection,
-uvicorn).
+uvicorn). Where an inter-token p99 stands apart from its p50, each side's share of gaps over 5
+and 10 ms (pooled over the level's runs) says how many gaps make it: the client's, the server's
+engine thread's (from its histogram) and the engine direct's; beside them the GC collections of
+the server (from /metrics) and of this client during the level.
 
 This process never imports JAX: the server and the engine run in children, one at a time.
 """
