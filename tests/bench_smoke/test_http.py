@@ -9,7 +9,7 @@ import pathlib
 import subprocess
 import sys
 
-from bench import common, http
+from bench import common, http, server_metrics
 from scheduler.requests import RequestTiming
 from server.metrics import ITL_BUCKETS, Metrics
 
@@ -89,18 +89,18 @@ def _timing(gaps_s):
 def test_server_tails_read_the_servers_histograms_between_two_scrapes():
     metrics = Metrics(lambda: None)
     metrics.observe(_timing([0.002, 0.020]))  # before the level: not counted
-    before = {"raw": http.parse_metrics(metrics.render()[0].decode())}
+    before = {"raw": server_metrics.parse_metrics(metrics.render()[0].decode())}
     metrics.observe(_timing([0.002, 0.005, 0.006, 0.012]))  # 5 ms: in the bucket le 0.005
     gc.collect()
-    after = {"raw": http.parse_metrics(metrics.render()[0].decode())}
-    tails = http.server_tails(before, after)
+    after = {"raw": server_metrics.parse_metrics(metrics.render()[0].decode())}
+    tails = server_metrics.server_tails(before, after)
     assert (tails["itl_over_5ms_pct"], tails["itl_over_10ms_pct"]) == (50.0, 25.0)
     assert tails["gc2"]["count"] >= 1 and tails["gc2"]["ms"] > 0
-    assert http.server_tails(None, after) is None
+    assert server_metrics.server_tails(None, after) is None
 
 
 def test_gc_recorder_counts_this_processs_collections():
-    with http.GcRecorder() as rec:
+    with server_metrics.GcRecorder() as rec:
         gc.collect()
     assert rec.summary()["gc2"]["count"] == 1 and rec.summary()["gc2"]["max_ms"] > 0
     assert rec._callback not in gc.callbacks
