@@ -51,9 +51,9 @@ from typing import Any, Callable
 import numpy as np
 
 from model.config import EngineConfig
-from model.step_types import MAX_STOP_TOKEN_IDS, PendingStep, PrefillChunk, SlotSetup, StepModel, StepOutput, StepPlan
+from model.step_types import PendingStep, PrefillChunk, SlotSetup, StepModel, StepOutput, StepPlan
 from model.tokenizer import IncrementalDetokenizer
-from scheduler.requests import Detokenizer, RequestState, RequestTiming
+from scheduler.requests import Detokenizer, RequestState, RequestTiming, validate_request
 from scheduler.types import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -62,7 +62,6 @@ from scheduler.types import (
     EngineUnavailableError,
     GenerationRequest,
     QueueFullError,
-    RequestValidationError,
     StreamEvent,
 )
 
@@ -96,8 +95,9 @@ class RequestStream:
     streams in one call, any other event alone (`_push`); everything else runs on the loop.
     """
 
-    def __init__(self, request_id: str, seq: int, loop: asyncio.AbstractEventLoop, inbox: queue.Queue) -> None:
+    def __init__(self, request_id: str, seq: int, loop: asyncio.AbstractEventLoop, inbox: Any, tag: Any = None) -> None:
         self.request_id = request_id
+        self.tag = tag  # the submitter's own key (scheduler/engine_process.py's request key)
         self._seq = seq
         self._loop = loop
         self._inbox = inbox
@@ -238,16 +238,21 @@ class Engine:
         """Registers `observer(RequestTiming)`, called on the engine thread as requests end."""
         self._observers = self._observers + (observer,)
 
-    def submit(self, request: GenerationRequest) -> RequestStream:
-        """Event-loop thread: validates and queues a request, or raises at once."""
-        loop = asyncio.get_running_loop()
+    def submit(self, request: GenerationRequest, *, loop: Any = None, tag: Any = None) -> RequestStream:
+        """Event-loop thread: validates and queues a request, or raises at once.
+
+        `loop`: where the stream's events go (default: the running asyncio loop); any object with
+        asyncio's `call_soon_threadsafe(callback, items)`, which the engine thread calls with each
+        step's `[(stream, event), ...]` (scheduler/engine_process.py sends them to another process).
+        `tag` is kept as the stream's `tag`."""
+        loop = loop if loop is not None else asyncio.get_running_loop()
         self._check_available()
         self._validate(request)
         if not self._capacity.acquire(blocking=False):
             self._rejected += 1
             raise QueueFullError()
         seq = next(self._seqs)
-        stream = RequestStream(request.request_id, seq, loop, self._inbox)
+        stream = RequestStream(request.request_id, seq, loop, self._inbox, tag)
         try:
             detok = self._make_detokenizer(self.tokenizer)
         except Exception:
@@ -300,38 +305,10 @@ class Engine:
         return "the engine is shutting down"
 
     def _validate(self, request: GenerationRequest) -> None:
-        vocab = int(self.tokenizer.vocab_size)
-        prompt = np.asarray(request.prompt_tokens)
-        if prompt.min() < 0 or prompt.max() >= vocab:
-            raise RequestValidationError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        num_prompt = len(request.prompt_tokens)
-        if num_prompt >= self._max_context:
-            raise RequestValidationError(
-                f"the prompt has {num_prompt} tokens; the context holds {self._max_context} "
-                "including at least one generated token",
-                "prompt",
-            )
-        if num_prompt + request.max_tokens > self._max_context:
-            raise RequestValidationError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) exceeds the "
-                f"context of {self._max_context} tokens",
-                "max_tokens",
-            )
-        sampling = request.sampling
-        if sampling.top_logprobs > self._max_top_logprobs:
-            raise RequestValidationError(
-                f"top_logprobs must be <= {self._max_top_logprobs}", "top_logprobs"
-            )
-        if len(sampling.logit_bias) > self.config.max_logit_bias:
-            raise RequestValidationError(
-                f"at most {self.config.max_logit_bias} logit_bias entries", "logit_bias"
-            )
-        if any(not 0 <= token < vocab for token, _ in sampling.logit_bias):
-            raise RequestValidationError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
-        if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise RequestValidationError(
-                f"at most {MAX_STOP_TOKEN_IDS} stop token ids", "stop_token_ids"
-            )
+        validate_request(
+            request, vocab_size=int(self.tokenizer.vocab_size), max_context=self._max_context,
+            max_top_logprobs=self._max_top_logprobs, max_logit_bias=self.config.max_logit_bias,
+        )
 
     # ---- the engine thread ----
 

@@ -15,7 +15,43 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from scheduler.types import FINISH_LENGTH, FINISH_STOP, GenerationRequest, StreamEvent, TokenLogprob
+from model.step_types import MAX_STOP_TOKEN_IDS
+from scheduler.types import (
+    FINISH_LENGTH, FINISH_STOP, GenerationRequest, RequestValidationError, StreamEvent, TokenLogprob)
+
+
+def validate_request(
+    request: GenerationRequest, *, vocab_size: int, max_context: int, max_top_logprobs: int, max_logit_bias: int,
+) -> None:
+    """Raises `RequestValidationError` for a request the engine cannot take: the checks of
+    `Engine.submit`, and of `scheduler.engine_process.EngineProcess.submit` with the limits its
+    engine process reported."""
+    vocab = vocab_size
+    prompt = np.asarray(request.prompt_tokens)
+    if prompt.min() < 0 or prompt.max() >= vocab:
+        raise RequestValidationError(f"prompt token ids must be in [0, {vocab})", "prompt")
+    num_prompt = len(request.prompt_tokens)
+    if num_prompt >= max_context:
+        raise RequestValidationError(
+            f"the prompt has {num_prompt} tokens; the context holds {max_context} "
+            "including at least one generated token",
+            "prompt",
+        )
+    if num_prompt + request.max_tokens > max_context:
+        raise RequestValidationError(
+            f"prompt ({num_prompt} tokens) + max_tokens ({request.max_tokens}) exceeds the "
+            f"context of {max_context} tokens",
+            "max_tokens",
+        )
+    sampling = request.sampling
+    if sampling.top_logprobs > max_top_logprobs:
+        raise RequestValidationError(f"top_logprobs must be <= {max_top_logprobs}", "top_logprobs")
+    if len(sampling.logit_bias) > max_logit_bias:
+        raise RequestValidationError(f"at most {max_logit_bias} logit_bias entries", "logit_bias")
+    if any(not 0 <= token < vocab for token, _ in sampling.logit_bias):
+        raise RequestValidationError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+    if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestValidationError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids", "stop_token_ids")
 
 
 class Detokenizer(Protocol):

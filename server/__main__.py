@@ -1,9 +1,12 @@
 """`python -m server`: flags and environment -> `EngineConfig` + `ServerConfig` -> uvicorn.
 
 The only place that reads the environment (PALLAS_SERVE_API_KEY; the model cache location is
-read by `server.default_model`). HTTP comes up at once; the engine is built on a loader thread
-by `scheduler.loader.build_engine(model_path, engine_config, chat_template_path)`, so /health
-answers "loading" meanwhile.
+read by `server.default_model`). HTTP comes up at once; the engine is built on a loader thread,
+so /health answers "loading" meanwhile. By default the engine runs in a process of its own
+(`scheduler.engine_process`: this process loads only the tokenizer and never imports JAX), so
+that the event loop and the engine thread do not share one interpreter lock;
+`--no-engine-process` (and a multi-process job, `--coordinator`) runs it on a thread here, built
+by `scheduler.loader.build_engine(model_path, engine_config, chat_template_path)`.
 
 Shutdown (SIGINT/SIGTERM, handled by uvicorn): no new connections; open requests get
 `ServerConfig.shutdown_grace_s` to finish; then the engine is shut down, which ends every
@@ -35,6 +38,7 @@ from server.default_model import ModelFetchError, cache_dir, ensure_default_mode
 
 if TYPE_CHECKING:
     from scheduler.engine import Engine
+    from scheduler.engine_process import EngineProcess
 
 log = logging.getLogger("server")
 
@@ -189,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--switch-interval-ms", type=float, default=None, metavar="MS",
                    help="Python's thread switch interval (sys.setswitchinterval): how long the event loop may "
                         "hold the GIL while the engine thread waits for it (default: Python's, 5 ms)")
+    p.add_argument("--no-engine-process", dest="engine_process", action="store_false",
+                   help="run the engine on a thread of the HTTP process rather than in a process of its own "
+                        "(where they share one interpreter lock; always so with --coordinator)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.add_argument("--fetch-model", action="store_true", help="download the default model into the cache and exit")
     return p
@@ -266,6 +273,24 @@ def _build_engine(
     return build_engine(model_path, engine_config, chat_template)
 
 
+def _open_engine_process(
+    model: pathlib.Path | None, engine_config: EngineConfig, compile_cache: pathlib.Path | None,
+    log_level: str, switch_interval_s: float | None,
+) -> EngineProcess:
+    """The loader thread's factory by default: the engine in a process of its own
+    (scheduler/engine_process.py); only the tokenizer loads here, and JAX is never imported."""
+    from scheduler.engine_process import EngineSpec, open_engine_process
+
+    model_path = model if model is not None else ensure_default_model()
+    log.info("loading %s in an engine process", model_path)
+    spec = EngineSpec(
+        model_path=str(model_path), engine_config=engine_config,
+        compile_cache=str(compile_cache) if compile_cache is not None else None,
+        log_level=log_level, switch_interval_s=switch_interval_s,
+    )
+    return open_engine_process(spec)
+
+
 def _compile_cache_dir(flag: pathlib.Path | None) -> pathlib.Path | None:
     if flag is not None and str(flag).lower() == "none":
         return None
@@ -332,14 +357,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         if args.process_id != 0:
             return _follow(args.model, engine_config, _compile_cache_dir(args.compile_cache))
+    compile_cache = _compile_cache_dir(args.compile_cache)
+    if args.engine_process and args.coordinator is None:
+        switch_interval_s = args.switch_interval_ms / 1000 if args.switch_interval_ms is not None else None
+        factory = functools.partial(
+            _open_engine_process, args.model, engine_config, compile_cache, args.log_level, switch_interval_s)
+    else:
+        factory = functools.partial(_build_engine, args.model, engine_config, args.chat_template, compile_cache)
     holder = EngineHolder()
-    app = create_app(
-        server_config,
-        holder,
-        engine_factory=functools.partial(
-            _build_engine, args.model, engine_config, args.chat_template, _compile_cache_dir(args.compile_cache)
-        ),
-    )
+    app = create_app(server_config, holder, engine_factory=factory)
     uvicorn_config = uvicorn.Config(
         app,
         host=server_config.host,

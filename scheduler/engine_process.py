@@ -1,0 +1,428 @@
+"""The engine in a process of its own, so that the HTTP event loop and the engine thread no
+longer share one interpreter lock.
+
+Why: inside `python -m server` the event loop (JSON, h11, Starlette's send chain: ~180 us of
+Python per streamed frame on a slow CPU) and the engine thread take turns on one GIL. On the
+H200 the engine thread then saw 7% of its inter-token gaps over 5 ms, against 1% for the engine
+alone, and the serving layer cost 3.2-8.6% of the engine's throughput at 8 users
+(bench/results/README.md, twenty-sixth session). vLLM's engine core runs apart for this reason.
+
+`EngineProcess` has the `Engine` API the server uses: `tokenizer`, `config`, `info()`, `stats()`,
+`add_observer`, `submit`, `start`, `wait_ready`, `shutdown`. This process loads only the
+tokenizer (from the GGUF's metadata; it renders and tokenizes prompts) and never imports JAX. A
+child process (spawned) builds the real engine with `scheduler.loader.build_engine` and runs it.
+
+Wire: two one-way pipes of pickled tuples.
+  to the child:   ("submit", key, GenerationRequest), ("cancel", key), ("shutdown", timeout_s)
+  to the parent:  ("ready", info, stats), ("failed", error, stats), ("events", [(key, event)],
+                  stats), ("timing", RequestTiming), ("stats", stats), ("stopped", stats)
+The child's engine thread sends a processed step's events in one message: the child's streams
+are given `_PipeLoop`, which stands in for an asyncio loop. A reader thread here hands them to
+their streams' loops in one `call_soon_threadsafe` per loop, as the engine does in process.
+
+Admission is decided here, at once, as `Engine.submit` decides it: the engine state, the limits
+the child reported (`validate_request`) and a capacity of num_slots + max_queue places. A place
+is given back when the request's final event arrives, after the child gave back its own, so the
+child never refuses what this side admitted.
+
+Failure: if the child dies, the reader sees its pipe close: the engine is "failed" and every
+open stream ends with an error event. If the parent dies, the child sees its command pipe close
+and shuts its engine down. The child ignores SIGINT: Ctrl-C reaches the whole process group, and
+the parent's orderly shutdown (uvicorn's, then `shutdown`) is what ends the child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import itertools
+import logging
+import multiprocessing
+import signal
+import sys
+import threading
+from typing import Any, Callable
+
+from model.config import EngineConfig
+from scheduler.engine import Engine, RequestStream, _Cancel, _hand_over
+from scheduler.requests import RequestTiming, validate_request
+from scheduler.types import (
+    FINISH_ERROR,
+    EngineStats,
+    EngineUnavailableError,
+    GenerationRequest,
+    QueueFullError,
+    StreamEvent,
+)
+
+log = logging.getLogger(__name__)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+STATS_INTERVAL_S = 0.05  # the child sends its stats this often when they changed and no step did
+STOP_GRACE_S = 10.0  # after the shutdown timeout: for the child to send its last events and exit
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """What the child needs to build the engine: picklable."""
+
+    model_path: str
+    engine_config: EngineConfig
+    compile_cache: str | None = None  # JAX's persistent compilation cache directory
+    log_level: str = "info"
+    switch_interval_s: float | None = None  # sys.setswitchinterval in the child too
+    # "module:function" that the child calls with (model_path, engine_config) to build the
+    # (unstarted) engine; tests name one that builds an engine over a fake model.
+    builder: str = "scheduler.loader:build_engine"
+
+
+class EngineProcess:
+    """The `Engine` API over a child process (module docstring)."""
+
+    def __init__(self, spec: EngineSpec, tokenizer: Any, *, model_name: str = "") -> None:
+        self.tokenizer = tokenizer
+        self.config = spec.engine_config
+        self._spec = spec
+        self._model_name = model_name
+        self._process: Any = None
+        self._commands: Any = None  # this end of the command pipe
+        self._events: Any = None  # this end of the event pipe
+        self._send_lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        self._settled = threading.Event()  # ready, failed or stopped
+        config = spec.engine_config
+        self._capacity = threading.BoundedSemaphore(config.num_slots + config.max_queue)
+        self._keys = itertools.count()
+        self._lock = threading.Lock()  # guards _streams and _is_closed
+        self._streams: dict[int, RequestStream] = {}
+        self._is_closed = False  # the child's events ended: no stream may be added
+        self._is_stopping = False  # `shutdown` was called
+        self._rejected = 0  # written only by the submitting (event-loop) thread
+        self._observers: tuple[Callable[[RequestTiming], None], ...] = ()
+        self._stats = EngineStats("loading", config.num_slots, 0, 0, 0, 0, 0, 0)
+        self._info: dict[str, Any] = {"model": model_name}
+        self._limits: dict[str, int] = {}
+        self._inbox = _CancelSender(self)
+
+    # ---- the Engine API ----
+
+    def start(self) -> None:
+        if self._process is not None:
+            raise RuntimeError("the engine process was already started")
+        context = multiprocessing.get_context("spawn")  # never fork a process with threads
+        child_commands, self._commands = context.Pipe(duplex=False)
+        self._events, child_events = context.Pipe(duplex=False)
+        self._process = context.Process(
+            target=child_main, args=(self._spec, child_commands, child_events), name="engine", daemon=True
+        )
+        self._process.start()
+        child_commands.close()  # the child's ends: this process keeps only its own
+        child_events.close()
+        log.info("engine process started (pid %d)", self._process.pid)
+        self._reader = threading.Thread(target=self._read, name="engine-events", daemon=True)
+        self._reader.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        self._settled.wait(timeout)
+        return self._stats.state == "ready"
+
+    def stats(self) -> EngineStats:
+        stats = self._stats
+        if self._is_stopping and stats.state in ("loading", "ready"):
+            # From `shutdown` on: the events of requests it ends are those of a stopped engine.
+            return dataclasses.replace(stats, state="stopped", requests_rejected_total=self._rejected)
+        return dataclasses.replace(stats, requests_rejected_total=self._rejected)
+
+    def info(self) -> dict:
+        return dict(self._info)
+
+    def add_observer(self, observer: Callable[[RequestTiming], None]) -> None:
+        """`observer(RequestTiming)` is called on this process's reader thread as requests end."""
+        self._observers = self._observers + (observer,)
+
+    def submit(self, request: GenerationRequest, *, loop: Any = None) -> RequestStream:
+        """Event-loop thread: validates and sends a request, or raises at once (as `Engine.submit`)."""
+        loop = loop if loop is not None else asyncio.get_running_loop()
+        stats = self.stats()
+        if stats.state != "ready":
+            raise EngineUnavailableError(_unavailable_reason(stats))
+        validate_request(request, vocab_size=int(self.tokenizer.vocab_size), **self._limits)
+        if not self._capacity.acquire(blocking=False):
+            self._rejected += 1
+            raise QueueFullError()
+        key = next(self._keys)
+        stream = RequestStream(request.request_id, key, loop, self._inbox)
+        with self._lock:
+            if self._is_closed:
+                self._capacity.release()
+                raise EngineUnavailableError(_unavailable_reason(self.stats()))
+            self._streams[key] = stream
+        if not self._send(("submit", key, request)):
+            self._end_streams([key], "the engine process is gone")
+        return stream
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Ends every stream (finish "error"), stops the child and waits for it."""
+        self._is_stopping = True
+        if self._process is None:
+            self._stats = dataclasses.replace(self._stats, state="stopped")
+            self._settled.set()
+            return
+        self._send(("shutdown", timeout))
+        wait = None if timeout is None else timeout + STOP_GRACE_S
+        if self._reader is not None:
+            self._reader.join(wait)
+        self._process.join(STOP_GRACE_S if self._process.exitcode is None else 0)
+        if self._process.is_alive():
+            log.warning("the engine process did not stop; terminating it")
+            self._process.terminate()
+            self._process.join(STOP_GRACE_S)
+        self._end_all("the engine is shutting down", state="stopped")
+
+    # ---- this process's side ----
+
+    def _send(self, message: tuple) -> bool:
+        """Any thread. False when the child's pipe is gone."""
+        try:
+            with self._send_lock:
+                self._commands.send(message)
+            return True
+        except (OSError, ValueError):  # broken pipe, or closed here
+            return False
+
+    def _read(self) -> None:
+        """The reader thread: the child's messages until its pipe closes."""
+        try:
+            while True:
+                message = self._events.recv()
+                kind = message[0]
+                if kind == "events":
+                    self._stats = message[2]
+                    self._deliver(message[1])
+                elif kind == "timing":
+                    self._observe(message[1])
+                elif kind == "stats":
+                    if self._stats.state == "ready":  # a late one never undoes "stopped"
+                        self._stats = message[1]
+                elif kind == "ready":
+                    info = message[1]
+                    self._info = info
+                    self._limits = {
+                        "max_context": int(info["max_context"]),
+                        "max_top_logprobs": int(info["max_top_logprobs"]),
+                        "max_logit_bias": self.config.max_logit_bias,
+                    }
+                    self._stats = message[2]  # "ready" only once the limits are set
+                    self._settled.set()
+                elif kind == "failed":
+                    stats = message[2] or self._stats
+                    self._stats = dataclasses.replace(stats, state="failed", error=message[1])
+                    self._settled.set()
+                elif kind == "stopped":
+                    self._stats = dataclasses.replace(message[1], state="stopped")
+                else:
+                    log.error("unknown message from the engine process: %r", kind)
+        except (EOFError, OSError):
+            pass
+        except Exception:
+            log.exception("reading the engine process's messages failed")
+        finally:
+            code = self._process.exitcode if self._process is not None else None
+            if self._stats.state in ("loading", "ready"):
+                self._process.join(1.0)
+                code = self._process.exitcode
+                log.error("the engine process exited unexpectedly (exit code %s)", code)
+            self._end_all(f"the engine process exited (exit code {code})", state="failed")
+
+    def _deliver(self, items: list[tuple[int, StreamEvent]]) -> None:
+        """Reader thread: a step's events to their streams' loops, one hand-over per loop."""
+        by_loop: dict[Any, list[tuple[RequestStream, StreamEvent]]] = {}
+        for key, event in items:
+            if event.finish_reason is None:
+                stream = self._streams.get(key)
+            else:
+                with self._lock:
+                    stream = self._streams.pop(key, None)
+                if stream is not None:
+                    self._capacity.release()
+            if stream is not None:
+                by_loop.setdefault(stream._loop, []).append((stream, event))
+        for loop, pairs in by_loop.items():
+            _hand_over(loop, pairs)
+
+    def _observe(self, timing: RequestTiming) -> None:
+        for observer in self._observers:
+            try:
+                observer(timing)
+            except Exception:
+                log.exception("engine observer %r failed", observer)
+
+    def _end_streams(self, keys: list[int], error: str) -> None:
+        self._deliver([(key, StreamEvent(finish_reason=FINISH_ERROR, error=error)) for key in keys])
+
+    def _end_all(self, error: str, *, state: str) -> None:
+        """No more events will come: every open stream ends, no stream may start."""
+        with self._lock:
+            self._is_closed = True
+            keys = list(self._streams)
+        if self._stats.state in ("loading", "ready"):
+            self._stats = dataclasses.replace(self._stats, state=state, error=error if state == "failed" else None)
+        self._end_streams(keys, error)
+        self._settled.set()
+
+
+class _CancelSender:
+    """The parent's streams' inbox: `RequestStream.cancel` puts `_Cancel(key)` here."""
+
+    def __init__(self, owner: EngineProcess) -> None:
+        self._owner = owner
+
+    def put(self, command: _Cancel) -> None:
+        self._owner._send(("cancel", command.seq))
+
+
+def _unavailable_reason(stats: EngineStats) -> str:
+    if stats.state == "failed":
+        return f"the engine failed: {stats.error}"
+    if stats.state == "loading":
+        return "the model is loading"
+    return "the engine is shutting down"
+
+
+# ----------------------------------------------------------------------------- the child
+
+
+class _Outbound:
+    """The child's event pipe: one writer at a time (engine thread, command loop, stats thread)."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self.is_broken = False
+
+    def send(self, message: tuple) -> bool:
+        try:
+            with self._lock:
+                self._conn.send(message)
+            return True
+        except (OSError, ValueError):
+            if not self.is_broken:
+                log.warning("the server process's pipe is gone")
+            self.is_broken = True
+            return False
+
+
+class _PipeLoop:
+    """Stands in for the asyncio loop of the child's streams: what the engine thread hands over
+    (`_hand_over`: one call per processed step part) goes to the parent in one message."""
+
+    def __init__(self, out: _Outbound, engine: Engine, streams: dict[int, RequestStream]) -> None:
+        self._out = out
+        self._engine = engine
+        self._streams = streams  # key -> stream, for cancels; a stream leaves with its final event
+
+    def call_soon_threadsafe(self, callback: Any, items: list[tuple[RequestStream, StreamEvent]]) -> None:
+        del callback  # the loop's delivery function: the parent delivers
+        batch = []
+        for stream, event in items:
+            batch.append((stream.tag, event))
+            if event.finish_reason is not None:
+                self._streams.pop(stream.tag, None)
+        if not self._out.send(("events", batch, self._engine.stats())):
+            raise RuntimeError("the server process is gone")  # _hand_over: the events are dropped
+
+
+def child_main(spec: EngineSpec, commands: Any, events: Any) -> None:
+    """The engine process: builds and runs the engine, then serves the parent's commands."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=spec.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    if spec.switch_interval_s is not None:
+        sys.setswitchinterval(spec.switch_interval_s)
+    out = _Outbound(events)
+    try:
+        if spec.compile_cache is not None:
+            import jax
+
+            jax.config.update("jax_compilation_cache_dir", spec.compile_cache)
+            log.info("persistent compilation cache: %s", spec.compile_cache)
+        module, _, function = spec.builder.partition(":")
+        engine = getattr(importlib.import_module(module), function)(spec.model_path, spec.engine_config)
+        engine.add_observer(lambda timing: out.send(("timing", timing)))
+        engine.start()
+        is_ready = engine.wait_ready()
+    except BaseException as exc:  # noqa: BLE001 - whatever it is, the parent must know
+        log.exception("building the engine failed")
+        out.send(("failed", f"{type(exc).__name__}: {exc}", None))
+        return
+    if not is_ready:
+        out.send(("failed", engine.stats().error or "the engine failed during warm-up", engine.stats()))
+        engine.shutdown(STOP_GRACE_S)
+        return
+    out.send(("ready", engine.info(), engine.stats()))
+    stop = threading.Event()
+    threading.Thread(target=_send_stats, args=(engine, out, stop), name="engine-stats", daemon=True).start()
+    timeout = _serve_commands(engine, commands, out)
+    engine.shutdown(timeout)
+    stop.set()
+    out.send(("stopped", engine.stats()))
+    log.info("engine process stopped")
+
+
+def _serve_commands(engine: Engine, commands: Any, out: _Outbound) -> float | None:
+    """The child's main thread until "shutdown" or the parent's pipe closes; returns the
+    shutdown timeout."""
+    streams: dict[int, RequestStream] = {}
+    loop = _PipeLoop(out, engine, streams)
+    while True:
+        try:
+            message = commands.recv()
+        except (EOFError, OSError):
+            log.warning("the server process is gone: stopping the engine")
+            return STOP_GRACE_S
+        kind = message[0]
+        if kind == "submit":
+            _, key, request = message
+            try:
+                stream = engine.submit(request, loop=loop, tag=key)
+            except Exception as exc:  # the parent admitted it: a refusal here still ends it
+                log.warning("request %s refused in the engine process: %s", request.request_id, exc)
+                out.send(("events", [(key, StreamEvent(finish_reason=FINISH_ERROR, error=str(exc)))], engine.stats()))
+                continue
+            if stream._is_final_queued:  # the engine stopped as it was submitted: ended in place
+                out.send(("events", [(key, stream._events.get_nowait())], engine.stats()))
+                continue
+            streams[key] = stream
+        elif kind == "cancel":
+            stream = streams.get(message[1])
+            if stream is not None:
+                stream.cancel()
+        elif kind == "shutdown":
+            return message[1]
+        else:
+            log.error("unknown command from the server process: %r", kind)
+
+
+def _send_stats(engine: Engine, out: _Outbound, stop: threading.Event) -> None:
+    """Stats between steps (requests waiting, state changes), when they changed."""
+    last = None
+    while not stop.wait(STATS_INTERVAL_S):
+        stats = engine.stats()
+        if stats != last:
+            if not out.send(("stats", stats)):
+                return
+            last = stats
+
+
+def open_engine_process(spec: EngineSpec) -> EngineProcess:
+    """An `EngineProcess` for `spec` with the GGUF's tokenizer, not started (the caller starts it,
+    as `scheduler.loader.build_engine`'s engine). Reads only the file's metadata here."""
+    from model.gguf_file import GGUFFile
+    from model.tokenizer import Tokenizer
+
+    gguf = GGUFFile(spec.model_path)
+    try:
+        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    except ValueError as e:
+        raise ValueError(f"{gguf.path}: cannot build the tokenizer: {e}") from e
+    return EngineProcess(spec, tokenizer, model_name=gguf.name)

@@ -1,0 +1,211 @@
+"""`EngineProcess`: the engine in a child process (spawned), over the fake model of conftest.py
+(built there by tests/scheduler/fake_engine_process.py): token N+1 follows N.
+
+Covers what crosses the process boundary: events and usage, timings for observers, stats,
+admission decided in the parent (validation, 429 capacity given back at each final event),
+cancellation, a child that dies, shutdown, and a model that fails to load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from model.config import EngineConfig
+from model.step_types import SamplingParams
+from scheduler.engine_process import EngineProcess, EngineSpec
+from scheduler.types import EngineUnavailableError, GenerationRequest, QueueFullError, RequestValidationError
+from tests.scheduler.conftest import ByteTokenizer
+
+BUILDER = "tests.scheduler.fake_engine_process:build"
+START_TIMEOUT_S = 60
+
+
+def req(prompt: str, max_tokens: int = 5, **kw) -> GenerationRequest:
+    return GenerationRequest(request_id=kw.pop("request_id", "r"), prompt_tokens=tuple(prompt.encode()),
+                             max_tokens=max_tokens, **kw)
+
+
+async def collect(stream) -> list:
+    events = [event async for event in stream]
+    assert events[-1].finish_reason is not None
+    assert all(e.finish_reason is None for e in events[:-1])
+    return events
+
+
+def text(events) -> str:
+    return "".join(e.text for e in events)
+
+
+def run(coro, timeout: float = 30.0):
+    async def bounded():
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def start_process(dispatch_ahead):
+    """start_process(options=None, start=True, ready=True, **EngineConfig fields) -> an EngineProcess;
+    options: FakeModel keyword arguments (and "load_error"), sent to the child as its model path."""
+    made: list[EngineProcess] = []
+
+    def start(options: dict | None = None, *, start: bool = True, ready: bool = True, **config) -> EngineProcess:
+        options = {"dispatch_ahead": dispatch_ahead, **(options or {})}
+        config = {"num_slots": 4, "max_context": 64, "prefill_chunks": (4, 8), "prefill_budget": 16,
+                  "gc_freeze": False, **config}
+        spec = EngineSpec(model_path=json.dumps(options), engine_config=EngineConfig(**config), log_level="warning",
+                          builder=BUILDER)
+        engine = EngineProcess(spec, ByteTokenizer(), model_name="fake")
+        made.append(engine)
+        if not start:
+            return engine
+        engine.start()
+        if ready:
+            assert engine.wait_ready(START_TIMEOUT_S), engine.stats()
+        return engine
+
+    yield start
+    for engine in made:
+        engine.shutdown(timeout=10)
+
+
+def test_streams_usage_timings_and_stats_cross_the_process(start_process):
+    engine = start_process()
+    timings = []
+    engine.add_observer(timings.append)
+
+    async def main():
+        return await collect(engine.submit(req("hello a", max_tokens=5)))
+
+    events = run(main())
+    assert text(events) == "bcdef"
+    assert [t for e in events for t in e.token_ids] == [ord(c) for c in "bcdef"]
+    assert events[-1].finish_reason == "length"
+    assert (events[-1].prompt_tokens, events[-1].completion_tokens) == (7, 5)
+    wait_until(lambda: timings and engine.stats().generation_tokens_total == 5)
+    assert timings[0].request_id == "r" and timings[0].completion_tokens == 5 and len(timings[0].itl_s) == 4
+    stats = engine.stats()
+    assert (stats.state, stats.prompt_tokens_total, stats.slots_busy) == ("ready", 7, 0)
+    info = engine.info()
+    assert info["model"] == "fake" and info["num_slots"] == 4 and info["kernels"] == {"attention": "fake"}
+    assert info["max_context"] == 64
+    assert engine._process.pid is not None and engine._process.is_alive()
+
+
+def test_concurrent_requests_each_get_their_own_tokens(start_process):
+    engine = start_process({"step_delay": 0.002})
+
+    async def main():
+        streams = [engine.submit(req(c, max_tokens=6, request_id=c)) for c in "abcdefg"]  # 7 on 4 slots
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    for c, events in zip("abcdefg", run(main())):
+        assert text(events) == "".join(chr(ord(c) + i + 1) for i in range(6))
+    wait_until(lambda: engine.stats().generation_tokens_total == 42)
+
+
+def test_admission_is_decided_at_once_and_places_come_back(start_process):
+    engine = start_process({"step_delay": 0.02}, num_slots=1, max_queue=1)
+
+    async def main():
+        first = engine.submit(req("a", max_tokens=40))
+        second = engine.submit(req("b", max_tokens=40))
+        with pytest.raises(QueueFullError):
+            engine.submit(req("c"))
+        with pytest.raises(RequestValidationError) as e:
+            engine.submit(req("x" * 64))  # the child's context: 64 tokens with the generated one
+        assert e.value.field == "prompt"
+        with pytest.raises(RequestValidationError) as e:
+            engine.submit(req("a", logprobs=True, sampling=SamplingParams(top_logprobs=4)))  # the fake's 3
+        assert e.value.field == "top_logprobs"
+        first.cancel()
+        second.cancel()
+        ends = await asyncio.gather(collect(first), collect(second))
+        assert [events[-1].finish_reason for events in ends] == ["cancelled", "cancelled"]
+        return await collect(engine.submit(req("a", max_tokens=2)))  # both places are back
+
+    assert text(run(main())) == "bc"
+    assert engine.stats().requests_rejected_total == 1
+
+
+def test_cancel_stops_a_running_request(start_process):
+    engine = start_process({"step_delay": 0.01})
+
+    async def main():
+        stream = engine.submit(req("a", max_tokens=50))
+        events = [await stream.__anext__()]
+        stream.cancel()
+        return events + await collect(stream)
+
+    events = run(main())
+    assert events[-1].finish_reason == "cancelled"
+    assert events[-1].completion_tokens < 50
+    wait_until(lambda: engine.stats().slots_busy == 0)
+
+
+def test_a_dead_engine_process_ends_every_stream_and_fails(start_process):
+    engine = start_process({"step_delay": 0.01})
+
+    async def main():
+        streams = [engine.submit(req(c, max_tokens=50)) for c in "ab"]
+        await streams[0].__anext__()
+        engine._process.kill()
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    for events in run(main()):
+        assert events[-1].finish_reason == "error" and "engine process exited" in events[-1].error
+    stats = engine.stats()
+    assert stats.state == "failed" and "exit code" in stats.error
+
+    async def submit_again():
+        with pytest.raises(EngineUnavailableError, match="engine process exited"):
+            engine.submit(req("a"))
+
+    run(submit_again())
+
+
+def test_shutdown_ends_open_streams_and_the_process(start_process):
+    engine = start_process({"step_delay": 0.01})
+
+    async def main():
+        stream = engine.submit(req("a", max_tokens=50))
+        await stream.__anext__()
+        await asyncio.to_thread(engine.shutdown, 10)
+        return await collect(stream)
+
+    events = run(main())
+    assert events[-1].finish_reason == "error" and "shutting down" in events[-1].error
+    assert engine.stats().state == "stopped"
+    assert engine._process.exitcode == 0
+
+
+def test_load_failure_in_the_engine_process(start_process):
+    engine = start_process({"load_error": "no such model"}, ready=False)
+    assert not engine.wait_ready(START_TIMEOUT_S)
+    stats = engine.stats()
+    assert stats.state == "failed" and "no such model" in stats.error
+
+
+def test_submit_before_the_engine_is_ready_is_refused(start_process):
+    engine = start_process(start=False)
+
+    async def main():
+        with pytest.raises(EngineUnavailableError, match="loading"):
+            engine.submit(req("a"))
+        engine.start()
+        assert engine.wait_ready(START_TIMEOUT_S)
+        return await collect(engine.submit(req("a", max_tokens=2)))
+
+    assert text(run(main())) == "bc"
