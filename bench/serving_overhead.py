@@ -122,8 +122,30 @@ def build_engine(args: argparse.Namespace):
     return Engine(factory, tokenizer, config, model_name="stand-in")
 
 
+def build_from_spec(model_path: str, engine_config: Any):
+    """`EngineSpec.builder` with --engine-process: the stand-in engine in the engine process;
+    `model_path` is the JSON of this script's arguments (the engine config is rebuilt from them)."""
+    del engine_config
+    options = json.loads(model_path)
+    return build_engine(argparse.Namespace(**{**options, "model": pathlib.Path(options["model"])}))
+
+
+def _engine_process(args: argparse.Namespace):
+    """With --engine-process: the stand-in engine in a process of its own, as `python -m server`
+    runs the real one (scheduler/engine_process.py)."""
+    from bench import engine as bench_engine
+    from scheduler.engine_process import EngineSpec, open_engine_process
+
+    options = {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()}
+    config = bench_engine.build_config(args.slots, args.max_context, "float32", args.prefill_budget, args.max_queue)
+    spec = EngineSpec(model_path=json.dumps(options), engine_config=config, log_level="warning",
+                      builder="bench.serving_overhead:build_from_spec")
+    return open_engine_process(spec, gguf_path=args.model)
+
+
 def serve(args: argparse.Namespace) -> int:
-    """Child process: `python -m server`'s app on the stand-in engine."""
+    """Child process: `python -m server`'s app on the stand-in engine (in a process of its own
+    with --engine-process, else on a thread of this one)."""
     import uvicorn
 
     from server.app import EngineHolder, create_app
@@ -131,7 +153,8 @@ def serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     config = ServerConfig(model_name="stand-in", log_level="warning")
-    app = create_app(config, EngineHolder(), engine_factory=lambda: build_engine(args))
+    factory = (lambda: _engine_process(args)) if args.engine_process else (lambda: build_engine(args))
+    app = create_app(config, EngineHolder(), engine_factory=factory)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
     return 0
 
@@ -172,7 +195,7 @@ def _child_args(args: argparse.Namespace) -> list[str]:
         "--step-ms", str(args.step_ms), "--host-ms", str(args.host_ms),
         "--prefill-us-per-token", str(args.prefill_us_per_token), "--seed", str(args.seed),
         "--users", ",".join(map(str, args.users)), "--prompt-len", str(args.prompt_len),
-        "--max-tokens", str(args.max_tokens),
+        "--max-tokens", str(args.max_tokens), *(["--engine-process"] if args.engine_process else []),
     ]
 
 
@@ -211,6 +234,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3, help="server / engine runs, alternating")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine-process", action="store_true",
+                    help="the server's engine in a process of its own, as `python -m server` runs it by default "
+                         "(without: on a thread of the server's process, as --no-engine-process)")
     ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)

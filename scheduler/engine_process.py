@@ -39,6 +39,7 @@ import importlib
 import itertools
 import logging
 import multiprocessing
+import os
 import signal
 import sys
 import threading
@@ -414,13 +415,14 @@ def _send_stats(engine: Engine, out: _Outbound, stop: threading.Event) -> None:
             last = stats
 
 
-def open_engine_process(spec: EngineSpec) -> EngineProcess:
-    """An `EngineProcess` for `spec` with the GGUF's tokenizer, not started (the caller starts it,
-    as `scheduler.loader.build_engine`'s engine). Reads only the file's metadata here."""
+def open_engine_process(spec: EngineSpec, gguf_path: str | os.PathLike[str] | None = None) -> EngineProcess:
+    """An `EngineProcess` for `spec` with the tokenizer of the GGUF (`gguf_path`, by default the
+    spec's model), not started (the caller starts it, as `scheduler.loader.build_engine`'s
+    engine). Reads only the file's metadata here."""
     from model.gguf_file import GGUFFile
     from model.tokenizer import Tokenizer
 
-    gguf = GGUFFile(spec.model_path)
+    gguf = GGUFFile(gguf_path if gguf_path is not None else spec.model_path)
     try:
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
     except ValueError as e:

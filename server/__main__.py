@@ -25,7 +25,7 @@ import math
 import os
 import pathlib
 import sys
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import uvicorn
 
@@ -291,6 +291,17 @@ def _open_engine_process(
     return open_engine_process(spec)
 
 
+def engine_factory(args: argparse.Namespace, engine_config: EngineConfig) -> Callable[[], Engine | EngineProcess]:
+    """What the loader thread calls: the engine in a process of its own, unless --no-engine-process
+    or a multi-process job (process 0 then drives the others' step loops from this process)."""
+    compile_cache = _compile_cache_dir(args.compile_cache)
+    if args.engine_process and args.coordinator is None:
+        switch_interval_s = args.switch_interval_ms / 1000 if args.switch_interval_ms is not None else None
+        return functools.partial(
+            _open_engine_process, args.model, engine_config, compile_cache, args.log_level, switch_interval_s)
+    return functools.partial(_build_engine, args.model, engine_config, args.chat_template, compile_cache)
+
+
 def _compile_cache_dir(flag: pathlib.Path | None) -> pathlib.Path | None:
     if flag is not None and str(flag).lower() == "none":
         return None
@@ -357,15 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         if args.process_id != 0:
             return _follow(args.model, engine_config, _compile_cache_dir(args.compile_cache))
-    compile_cache = _compile_cache_dir(args.compile_cache)
-    if args.engine_process and args.coordinator is None:
-        switch_interval_s = args.switch_interval_ms / 1000 if args.switch_interval_ms is not None else None
-        factory = functools.partial(
-            _open_engine_process, args.model, engine_config, compile_cache, args.log_level, switch_interval_s)
-    else:
-        factory = functools.partial(_build_engine, args.model, engine_config, args.chat_template, compile_cache)
     holder = EngineHolder()
-    app = create_app(server_config, holder, engine_factory=factory)
+    app = create_app(server_config, holder, engine_factory=engine_factory(args, engine_config))
     uvicorn_config = uvicorn.Config(
         app,
         host=server_config.host,

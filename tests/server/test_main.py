@@ -13,7 +13,9 @@ import pytest
 
 from model.config import MAX_AUTO_COMPILE_THREADS
 from model.loader import split_formats
-from server.__main__ import build_configs, build_parser, prefill_chunks_for
+from server.__main__ import (
+    _build_engine, _open_engine_process, build_configs, build_parser, engine_factory, prefill_chunks_for)
+from server.default_model import cache_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -90,6 +92,19 @@ def test_defaults() -> None:
     assert engine.compile_workers("tpu", 12) == 1
     with unittest.mock.patch("model.config._usable_cores", return_value=16):  # the caps themselves
         assert (engine.compile_workers("cpu", 12), engine.compile_workers("gpu", 12)) == (8, 4)
+
+
+def test_the_engine_runs_in_a_process_of_its_own_by_default() -> None:
+    def factory(argv: list[str]):
+        args = build_parser().parse_args(argv)
+        return engine_factory(args, build_configs(args, {})[0])
+
+    default = factory(["--switch-interval-ms", "2"])
+    assert default.func is _open_engine_process
+    assert default.args[2:] == (cache_dir() / "jax-compile-cache", "info", 0.002)  # cache, log level, interval
+    assert factory(["--no-engine-process"]).func is _build_engine
+    distributed = ["--coordinator", "h:1", "--num-processes", "2", "--process-id", "0"]
+    assert factory(distributed).func is _build_engine  # process 0 drives the others' step loops
 
 
 def test_flags(tmp_path: pathlib.Path) -> None:
