@@ -10,6 +10,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from bench.serving_overhead import DeviceQueueModel
 from model.step_types import PrefillChunk, StepPlan
@@ -32,12 +33,14 @@ def test_steps_queue_back_to_back_and_sample_every_row():
     assert time.perf_counter() - t0 >= 0.48  # queued after the first step, not beside it
 
 
-def test_script_runs_both_sides(smollm2_path, tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--engine-process"]], ids=["engine-thread", "engine-process"])
+def test_script_runs_both_sides(smollm2_path, tmp_path, mode):
     subprocess.run([sys.executable, str(SCRIPT), "--model", str(smollm2_path), "--step-ms", "1", "--host-ms", "0.1",
                     "--users", "1,3", "--max-tokens", "12", "--prompt-len", "16", "--repeats", "2",
-                    "--out", str(tmp_path)], check=True, timeout=300)
+                    "--out", str(tmp_path), *mode], check=True, timeout=300)
     (path,) = tmp_path.glob("serving-*.json")
     result = json.loads(path.read_text())
+    assert result["settings"]["engine_process"] == bool(mode)
     for side in ("http", "engine"):
         assert len(result["runs"][side]) == 2  # --repeats alternates whole runs; each run each level once
         for run in result["runs"][side]:
