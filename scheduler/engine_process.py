@@ -314,14 +314,43 @@ class _Outbound:
             return False
 
 
+class _OpenStreams:
+    """The child's streams by key, for cancels; a stream leaves with its final event. The engine
+    thread may end a request before the command loop files its stream (a deadline, a shutdown):
+    its key is then kept as ended, so that filing it afterwards does not leave it here."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[int, RequestStream] = {}
+        self._ended: set[int] = set()
+
+    def add(self, key: int, stream: RequestStream) -> None:
+        with self._lock:
+            if key in self._ended:
+                self._ended.discard(key)
+            else:
+                self._open[key] = stream
+
+    def end(self, key: int) -> None:
+        with self._lock:
+            if self._open.pop(key, None) is None:
+                self._ended.add(key)
+
+    def get(self, key: int) -> RequestStream | None:
+        return self._open.get(key)
+
+    def __len__(self) -> int:
+        return len(self._open) + len(self._ended)
+
+
 class _PipeLoop:
     """Stands in for the asyncio loop of the child's streams: what the engine thread hands over
     (`_hand_over`: one call per processed step part) goes to the parent in one message."""
 
-    def __init__(self, out: _Outbound, engine: Engine, streams: dict[int, RequestStream]) -> None:
+    def __init__(self, out: _Outbound, engine: Engine, streams: _OpenStreams) -> None:
         self._out = out
         self._engine = engine
-        self._streams = streams  # key -> stream, for cancels; a stream leaves with its final event
+        self._streams = streams
 
     def call_soon_threadsafe(self, callback: Any, items: list[tuple[RequestStream, StreamEvent]]) -> None:
         del callback  # the loop's delivery function: the parent delivers
@@ -329,7 +358,7 @@ class _PipeLoop:
         for stream, event in items:
             batch.append((stream.tag, event))
             if event.finish_reason is not None:
-                self._streams.pop(stream.tag, None)
+                self._streams.end(stream.tag)
         if not self._out.send(("events", batch, self._engine.stats())):
             raise RuntimeError("the server process is gone")  # _hand_over: the events are dropped
 
@@ -373,7 +402,7 @@ def child_main(spec: EngineSpec, commands: Any, events: Any) -> None:
 def _serve_commands(engine: Engine, commands: Any, out: _Outbound) -> float | None:
     """The child's main thread until "shutdown" or the parent's pipe closes; returns the
     shutdown timeout."""
-    streams: dict[int, RequestStream] = {}
+    streams = _OpenStreams()
     loop = _PipeLoop(out, engine, streams)
     while True:
         try:
@@ -393,7 +422,7 @@ def _serve_commands(engine: Engine, commands: Any, out: _Outbound) -> float | No
             if stream._is_final_queued:  # the engine stopped as it was submitted: ended in place
                 out.send(("events", [(key, stream._events.get_nowait())], engine.stats()))
                 continue
-            streams[key] = stream
+            streams.add(key, stream)
         elif kind == "cancel":
             stream = streams.get(message[1])
             if stream is not None:

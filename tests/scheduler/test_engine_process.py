@@ -16,7 +16,7 @@ import pytest
 
 from model.config import EngineConfig
 from model.step_types import SamplingParams
-from scheduler.engine_process import EngineProcess, EngineSpec
+from scheduler.engine_process import EngineProcess, EngineSpec, _OpenStreams
 from scheduler.types import EngineUnavailableError, GenerationRequest, QueueFullError, RequestValidationError
 from tests.scheduler.conftest import ByteTokenizer
 
@@ -209,3 +209,16 @@ def test_submit_before_the_engine_is_ready_is_refused(start_process):
         return await collect(engine.submit(req("a", max_tokens=2)))
 
     assert text(run(main())) == "bc"
+
+
+def test_a_stream_ended_before_it_is_filed_does_not_stay_open():
+    """The child's streams: the engine thread may send a request's final event before the
+    command loop files its stream; either order leaves nothing behind."""
+    streams = _OpenStreams()
+    streams.add(1, "stream 1")
+    assert streams.get(1) == "stream 1"
+    streams.end(1)  # filed, then ended
+    streams.end(2)  # ended first (a deadline right after submit), then filed
+    assert streams.get(2) is None and len(streams) == 1
+    streams.add(2, "stream 2")
+    assert streams.get(1) is None and streams.get(2) is None and len(streams) == 0
