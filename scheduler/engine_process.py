@@ -27,13 +27,17 @@ child never refuses what this side admitted.
 
 Failure: if the child dies, the reader sees its pipe close: the engine is "failed" and every
 open stream ends with an error event. If the parent dies, the child sees its command pipe close
-and shuts its engine down. The child ignores SIGINT: Ctrl-C reaches the whole process group, and
-the parent's orderly shutdown (uvicorn's, then `shutdown`) is what ends the child.
+and shuts its engine down; while the model still loads, a watcher thread ends the child at once
+on that, or on a "shutdown". The child ignores SIGINT and SIGTERM: Ctrl-C and a service
+manager's stop reach the whole process group, and the parent's orderly shutdown (uvicorn's
+drain, then `shutdown`) is what ends the child; a parent forced out before that closes the
+command pipe at exit (and kills the child after a grace).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import importlib
 import itertools
@@ -46,7 +50,7 @@ import threading
 from typing import Any, Callable
 
 from model.config import EngineConfig
-from scheduler.engine import Engine, RequestStream, _Cancel, _hand_over
+from scheduler.engine import Engine, RequestStream, _Cancel, _hand_over, freeze_heap
 from scheduler.requests import RequestTiming, validate_request
 from scheduler.types import (
     FINISH_ERROR,
@@ -90,6 +94,7 @@ class EngineProcess:
         self._commands: Any = None  # this end of the command pipe
         self._events: Any = None  # this end of the event pipe
         self._send_lock = threading.Lock()
+        self._reap_lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self._settled = threading.Event()  # ready, failed or stopped
         config = spec.engine_config
@@ -112,15 +117,21 @@ class EngineProcess:
         if self._process is not None:
             raise RuntimeError("the engine process was already started")
         context = multiprocessing.get_context("spawn")  # never fork a process with threads
-        child_commands, self._commands = context.Pipe(duplex=False)
-        self._events, child_events = context.Pipe(duplex=False)
-        self._process = context.Process(
+        child_commands, commands = context.Pipe(duplex=False)
+        events, child_events = context.Pipe(duplex=False)
+        process = context.Process(
             target=child_main, args=(self._spec, child_commands, child_events), name="engine", daemon=True
         )
-        self._process.start()
-        child_commands.close()  # the child's ends: this process keeps only its own
-        child_events.close()
-        log.info("engine process started (pid %d)", self._process.pid)
+        try:
+            process.start()
+        finally:
+            child_commands.close()  # the child's ends: this process keeps only its own
+            child_events.close()
+        self._commands, self._events, self._process = commands, events, process
+        # Before multiprocessing's own exit hook (atexit runs the last registered first), which
+        # would send the child a SIGTERM it ignores and then wait for it without a limit.
+        atexit.register(self._stop_at_exit)
+        log.info("engine process started (pid %d)", process.pid)
         self._reader = threading.Thread(target=self._read, name="engine-events", daemon=True)
         self._reader.start()
 
@@ -159,8 +170,14 @@ class EngineProcess:
                 self._capacity.release()
                 raise EngineUnavailableError(_unavailable_reason(self.stats()))
             self._streams[key] = stream
-        if not self._send(("submit", key, request)):
-            self._end_streams([key], "the engine process is gone")
+        try:
+            is_sent = self._send(("submit", key, request))
+        except BaseException:
+            self._forget(key)
+            raise
+        if not is_sent:
+            self._forget(key)
+            raise EngineUnavailableError("the engine process is gone")
         return stream
 
     def shutdown(self, timeout: float | None = None) -> None:
@@ -170,18 +187,57 @@ class EngineProcess:
             self._stats = dataclasses.replace(self._stats, state="stopped")
             self._settled.set()
             return
+        atexit.unregister(self._stop_at_exit)
         self._send(("shutdown", timeout))
         wait = None if timeout is None else timeout + STOP_GRACE_S
         if self._reader is not None:
             self._reader.join(wait)
-        self._process.join(STOP_GRACE_S if self._process.exitcode is None else 0)
-        if self._process.is_alive():
-            log.warning("the engine process did not stop; terminating it")
-            self._process.terminate()
-            self._process.join(STOP_GRACE_S)
+        if self._join(STOP_GRACE_S) is None:
+            log.warning("the engine process did not stop; killing it")
+            self._kill_and_join()
+        if self._reader is not None:
+            self._reader.join(1.0)
         self._end_all("the engine is shutting down", state="stopped")
+        self._close_pipes()
+
+    def _stop_at_exit(self) -> None:
+        """At interpreter exit (a server forced out before its shutdown ran): closing the command
+        pipe stops the child; it is killed if it has not gone within the grace."""
+        if self._process is None or self._join(0) is not None:
+            return
+        self._is_stopping = True
+        self._close_pipes()
+        if self._join(2 * STOP_GRACE_S) is None:
+            self._kill_and_join()
+
+    def _join(self, timeout: float) -> int | None:
+        """The child's exit code once it ended within `timeout`, else None. One thread at a time:
+        two threads reaping one child race in waitpid, and the loser reads no exit code."""
+        with self._reap_lock:
+            self._process.join(timeout)
+            return self._process.exitcode
+
+    def _kill_and_join(self) -> None:
+        with self._reap_lock:
+            if self._process.exitcode is None:
+                self._process.kill()  # it ignores SIGTERM (child_main)
+            self._process.join(STOP_GRACE_S)
+
+    def _close_pipes(self) -> None:
+        for conn in (self._commands, self._events):
+            try:
+                conn.close()
+            except OSError:
+                pass
 
     # ---- this process's side ----
+
+    def _forget(self, key: int) -> None:
+        """A stream whose submit never reached the child: its place back, unless already ended."""
+        with self._lock:
+            stream = self._streams.pop(key, None)
+        if stream is not None:
+            self._capacity.release()
 
     def _send(self, message: tuple) -> bool:
         """Any thread. False when the child's pipe is gone."""
@@ -216,12 +272,14 @@ class EngineProcess:
                     }
                     self._stats = message[2]  # "ready" only once the limits are set
                     self._settled.set()
+                    if self.config.gc_freeze:
+                        freeze_heap()  # this process's heap (tokenizer, app); the child froze its own
                 elif kind == "failed":
                     stats = message[2] or self._stats
                     self._stats = dataclasses.replace(stats, state="failed", error=message[1])
                     self._settled.set()
                 elif kind == "stopped":
-                    self._stats = dataclasses.replace(message[1], state="stopped")
+                    self._stats = dataclasses.replace(message[1] or self._stats, state="stopped")
                 else:
                     log.error("unknown message from the engine process: %r", kind)
         except (EOFError, OSError):
@@ -229,12 +287,13 @@ class EngineProcess:
         except Exception:
             log.exception("reading the engine process's messages failed")
         finally:
-            code = self._process.exitcode if self._process is not None else None
-            if self._stats.state in ("loading", "ready"):
-                self._process.join(1.0)
-                code = self._process.exitcode
-                log.error("the engine process exited unexpectedly (exit code %s)", code)
-            self._end_all(f"the engine process exited (exit code {code})", state="failed")
+            if self._is_stopping:
+                self._end_all("the engine is shutting down", state="stopped")
+            else:
+                code = self._join(1.0)
+                if self._stats.state in ("loading", "ready"):
+                    log.error("the engine process exited unexpectedly (exit code %s)", code)
+                self._end_all(f"the engine process exited (exit code {code})", state="failed")
 
     def _deliver(self, items: list[tuple[int, StreamEvent]]) -> None:
         """Reader thread: a step's events to their streams' loops, one hand-over per loop."""
@@ -364,12 +423,32 @@ class _PipeLoop:
 
 
 def child_main(spec: EngineSpec, commands: Any, events: Any) -> None:
-    """The engine process: builds and runs the engine, then serves the parent's commands."""
+    """The engine process: builds and runs the engine, then serves the parent's commands. It
+    leaves by `os._exit`: the interpreter's finalization with XLA's threads still running
+    aborted in C++ ("terminate called after throwing an instance of ''") on the CPU."""
+    _exit(_run_child(spec, commands, events))
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run_child(spec: EngineSpec, commands: Any, events: Any) -> int:
+    """`child_main` up to its exit code."""
+    # Ctrl-C (SIGINT) and a service manager's SIGTERM reach the whole process group; the parent
+    # drains its requests first and then stops this process (or its pipe closes: it died).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=spec.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     if spec.switch_interval_s is not None:
         sys.setswitchinterval(spec.switch_interval_s)
     out = _Outbound(events)
+    loaded = threading.Event()
+    watcher = threading.Thread(target=_watch_while_loading, args=(commands, out, loaded), name="engine-load-watch",
+                               daemon=True)
+    watcher.start()
     try:
         if spec.compile_cache is not None:
             import jax
@@ -384,12 +463,16 @@ def child_main(spec: EngineSpec, commands: Any, events: Any) -> None:
     except BaseException as exc:  # noqa: BLE001 - whatever it is, the parent must know
         log.exception("building the engine failed")
         out.send(("failed", f"{type(exc).__name__}: {exc}", None))
-        return
+        return 1
     if not is_ready:
         out.send(("failed", engine.stats().error or "the engine failed during warm-up", engine.stats()))
         engine.shutdown(STOP_GRACE_S)
-        return
-    out.send(("ready", engine.info(), engine.stats()))
+        return 1
+    loaded.set()
+    watcher.join()  # from here on the command loop alone reads the pipe
+    if not out.send(("ready", engine.info(), engine.stats())):
+        engine.shutdown(STOP_GRACE_S)
+        return 1
     stop = threading.Event()
     threading.Thread(target=_send_stats, args=(engine, out, stop), name="engine-stats", daemon=True).start()
     timeout = _serve_commands(engine, commands, out)
@@ -397,6 +480,26 @@ def child_main(spec: EngineSpec, commands: Any, events: Any) -> None:
     stop.set()
     out.send(("stopped", engine.stats()))
     log.info("engine process stopped")
+    return 0
+
+
+def _watch_while_loading(commands: Any, out: _Outbound, loaded: threading.Event) -> None:
+    """Until the engine is ready the parent sends nothing but "shutdown", and a load or a compile
+    cannot be interrupted: a shutdown, or the parent gone, ends this process at once (its device
+    memory with it) rather than after the load."""
+    while not loaded.is_set():
+        try:
+            if not commands.poll(0.2):
+                continue
+            message = commands.recv()
+        except (EOFError, OSError):
+            log.warning("the server process is gone while the model loads: exiting")
+            _exit(1)
+        if message[0] == "shutdown":
+            log.info("shut down while the model loads: exiting")
+            out.send(("stopped", None))
+            _exit(0)
+        log.error("unexpected command while the model loads: %r", message[0])
 
 
 def _serve_commands(engine: Engine, commands: Any, out: _Outbound) -> float | None:
@@ -410,27 +513,42 @@ def _serve_commands(engine: Engine, commands: Any, out: _Outbound) -> float | No
         except (EOFError, OSError):
             log.warning("the server process is gone: stopping the engine")
             return STOP_GRACE_S
-        kind = message[0]
-        if kind == "submit":
-            _, key, request = message
-            try:
-                stream = engine.submit(request, loop=loop, tag=key)
-            except Exception as exc:  # the parent admitted it: a refusal here still ends it
-                log.warning("request %s refused in the engine process: %s", request.request_id, exc)
-                out.send(("events", [(key, StreamEvent(finish_reason=FINISH_ERROR, error=str(exc)))], engine.stats()))
-                continue
-            if stream._is_final_queued:  # the engine stopped as it was submitted: ended in place
-                out.send(("events", [(key, stream._events.get_nowait())], engine.stats()))
-                continue
-            streams.add(key, stream)
-        elif kind == "cancel":
-            stream = streams.get(message[1])
-            if stream is not None:
-                stream.cancel()
-        elif kind == "shutdown":
-            return message[1]
+        try:
+            timeout = _handle_command(engine, message, streams, loop, out)
+        except Exception:  # one bad command must not end the process's service
+            log.exception("command %r failed in the engine process", message[0])
+            continue
+        if timeout is not _CONTINUE:
+            return timeout
+
+
+_CONTINUE = object()
+
+
+def _handle_command(engine: Engine, message: tuple, streams: _OpenStreams, loop: _PipeLoop, out: _Outbound) -> Any:
+    """One parent command; returns the shutdown timeout for "shutdown", else `_CONTINUE`."""
+    kind = message[0]
+    if kind == "submit":
+        _, key, request = message
+        try:
+            stream = engine.submit(request, loop=loop, tag=key)
+        except Exception as exc:  # the parent admitted it: a refusal here still ends it
+            log.warning("request %s refused in the engine process: %s", request.request_id, exc)
+            out.send(("events", [(key, StreamEvent(finish_reason=FINISH_ERROR, error=str(exc)))], engine.stats()))
+            return _CONTINUE
+        if stream._is_final_queued:  # the engine stopped as it was submitted: ended in place
+            out.send(("events", [(key, stream._events.get_nowait())], engine.stats()))
         else:
-            log.error("unknown command from the server process: %r", kind)
+            streams.add(key, stream)
+    elif kind == "cancel":
+        stream = streams.get(message[1])
+        if stream is not None:
+            stream.cancel()
+    elif kind == "shutdown":
+        return message[1]
+    else:
+        log.error("unknown command from the server process: %r", kind)
+    return _CONTINUE
 
 
 def _send_stats(engine: Engine, out: _Outbound, stop: threading.Event) -> None:

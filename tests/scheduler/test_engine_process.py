@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -188,7 +190,7 @@ def test_shutdown_ends_open_streams_and_the_process(start_process):
     events = run(main())
     assert events[-1].finish_reason == "error" and "shutting down" in events[-1].error
     assert engine.stats().state == "stopped"
-    assert engine._process.exitcode == 0
+    assert engine._join(0) == 0
 
 
 def test_load_failure_in_the_engine_process(start_process):
@@ -222,3 +224,40 @@ def test_a_stream_ended_before_it_is_filed_does_not_stay_open():
     assert streams.get(2) is None and len(streams) == 1
     streams.add(2, "stream 2")
     assert streams.get(1) is None and streams.get(2) is None and len(streams) == 0
+
+
+def test_a_builder_that_raises_fails_the_engine(start_process):
+    engine = start_process({"build_error": "bad file"}, ready=False)
+    assert not engine.wait_ready(START_TIMEOUT_S)
+    stats = engine.stats()
+    assert stats.state == "failed" and "ValueError: bad file" in stats.error
+
+
+def test_shutdown_while_the_model_loads_ends_the_process_at_once(start_process):
+    engine = start_process({"load_s": 60}, ready=False)
+    time.sleep(1.0)  # the child is in its builder
+    started = time.monotonic()
+    engine.shutdown(timeout=30)
+    assert time.monotonic() - started < 10  # not after the minute-long load
+    assert engine._join(0) == 0 and engine.stats().state == "stopped"
+
+
+def test_the_parent_gone_while_the_model_loads_ends_the_process(start_process):
+    engine = start_process({"load_s": 60}, ready=False)
+    time.sleep(1.0)
+    engine._commands.close()  # as the parent's death closes it
+    assert engine._join(10) == 1
+
+
+def test_the_engine_process_ignores_group_signals(start_process):
+    """Ctrl-C and a service manager's SIGTERM reach the whole process group: the child stays for
+    the parent's drain."""
+    engine = start_process()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        os.kill(engine._process.pid, sig)
+
+    async def main():
+        return await collect(engine.submit(req("a", max_tokens=3)))
+
+    assert text(run(main())) == "bcd"
+    assert engine._process.is_alive()
