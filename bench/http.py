@@ -27,7 +27,7 @@ first token's way to its frame, and what lies outside the handler (the client, t
 uvicorn). Where an inter-token p99 stands apart from its p50, each side's share of gaps over 5
 and 10 ms (pooled over the level's runs) says how many gaps make it: the client's, the server's
 engine thread's (from its histogram) and the engine direct's; beside them the GC collections of
-the server (from /metrics) and of this client during the level.
+the server and of its engine process (from /metrics) and of this client during the level.
 
 This process never imports JAX: the server and the engine run in children, one at a time.
 """
@@ -586,13 +586,14 @@ def print_table(http: dict[str, Any], engine: dict[str, Any] | None, cost: dict[
         def shares(side: dict[str, Any]) -> str:
             return " / ".join(f(side.get(f"itl_over_{b}ms_pct"), ".2f") for b in bounds)
 
-        def collections(stats: dict[str, Any]) -> str:
-            return ", ".join(f"gen{g} {(stats.get(f'gc{g}') or {}).get('count', '-')}, "
-                             f"{f((stats.get(f'gc{g}') or {}).get('ms'), '.1f')}" for g in range(3))
+        def collections(stats: dict[str, Any], prefix: str = "gc") -> str:
+            return ", ".join(f"gen{g} {(stats.get(f'{prefix}{g}') or {}).get('count', '-')}, "
+                             f"{f((stats.get(f'{prefix}{g}') or {}).get('ms'), '.1f')}" for g in range(3))
 
+        engine_gc = f"; engine process {collections(tails, 'engine_gc')}" if "engine_gc0" in tails else ""
         print(f"{'':>5} inter-token gaps over {' / '.join(map(str, bounds))} ms (%): HTTP client {shares(h)}, "
               f"the server's engine thread {shares(tails)}, engine direct {shares(e)}; GC (count, ms) server "
-              f"{collections(tails)}; client {collections(client_gc)}")
+              f"{collections(tails)}{engine_gc}; client {collections(client_gc)}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -62,12 +62,14 @@ async def engine_timing_sums(client, url: str) -> dict[str, Any] | None:
 # cyclic-GC pauses, between two reads of /metrics.
 ITL_HISTOGRAM = "pallas_inter_token_latency_seconds"
 GC_HISTOGRAM = "pallas_gc_pause_seconds"
+ENGINE_GC_HISTOGRAM = "pallas_engine_gc_pause_seconds"  # where the engine runs in a process of its own
 
 
 def server_tails(before, after) -> dict[str, Any] | None:
     """The share (%) of the engine thread's inter-token gaps over each bound of
     common.LONG_GAP_BOUNDS_MS, and the server's GC collections per generation (count, ms in
-    all), over the requests finished between two reads of `engine_timing_sums`."""
+    all: "gc0".."gc2"; the engine process's, where it has one, "engine_gc0".."engine_gc2"), over
+    the requests finished between two reads of `engine_timing_sums`."""
     if before is None or after is None:
         return None
     b, a = before["raw"], after["raw"]
@@ -84,11 +86,12 @@ def server_tails(before, after) -> dict[str, Any] | None:
         within = delta(f'{ITL_HISTOGRAM}_bucket{{le="{bound / 1e3!r}"}}')
         out[f"itl_over_{bound}ms_pct"] = (round(100 * (gaps - within) / gaps, 3)
                                           if gaps and within is not None else None)
-    for gen in range(3):
-        count, total = delta(f'{GC_HISTOGRAM}_count{{generation="{gen}"}}'), delta(
-            f'{GC_HISTOGRAM}_sum{{generation="{gen}"}}')
-        if count is not None:
-            out[f"gc{gen}"] = {"count": int(count), "ms": round(1e3 * (total or 0.0), 3)}
+    for prefix, histogram in (("gc", GC_HISTOGRAM), ("engine_gc", ENGINE_GC_HISTOGRAM)):
+        for gen in range(3):
+            count, total = delta(f'{histogram}_count{{generation="{gen}"}}'), delta(
+                f'{histogram}_sum{{generation="{gen}"}}')
+            if count is not None:
+                out[f"{prefix}{gen}"] = {"count": int(count), "ms": round(1e3 * (total or 0.0), 3)}
     return out
 
 

@@ -15,7 +15,7 @@ child process (spawned) builds the real engine with `scheduler.loader.build_engi
 Wire: two one-way pipes of pickled tuples.
   to the child:   ("submit", key, GenerationRequest), ("cancel", key), ("shutdown", timeout_s)
   to the parent:  ("ready", info, stats), ("failed", error, stats), ("events", [(key, event)],
-                  stats), ("timing", RequestTiming), ("stats", stats), ("stopped", stats)
+                  stats), ("timing", RequestTiming), ("stats", stats, GcSnapshot), ("stopped", stats)
 The child's engine thread sends a processed step's events in one message: the child's streams
 are given `_PipeLoop`, which stands in for an asyncio loop. A reader thread here hands them to
 their streams' loops in one `call_soon_threadsafe` per loop, as the engine does in process.
@@ -51,6 +51,7 @@ from typing import Any, Callable
 
 from model.config import EngineConfig
 from scheduler.engine import Engine, RequestStream, _Cancel, _hand_over, freeze_heap
+from scheduler.gc_pauses import GcSnapshot, gc_pauses
 from scheduler.requests import RequestTiming, validate_request
 from scheduler.types import (
     FINISH_ERROR,
@@ -109,6 +110,7 @@ class EngineProcess:
         self._stats = EngineStats("loading", config.num_slots, 0, 0, 0, 0, 0, 0)
         self._info: dict[str, Any] = {"model": model_name}
         self._limits: dict[str, int] = {}
+        self._gc: GcSnapshot | None = None  # the child's GC pauses, as of its last stats message
         self._inbox = _CancelSender(self)
 
     # ---- the Engine API ----
@@ -148,6 +150,11 @@ class EngineProcess:
 
     def info(self) -> dict:
         return dict(self._info)
+
+    def gc_pauses(self) -> GcSnapshot | None:
+        """The engine process's cyclic-GC pauses (server/metrics.py exports them); None until
+        its first stats message."""
+        return self._gc
 
     def add_observer(self, observer: Callable[[RequestTiming], None]) -> None:
         """`observer(RequestTiming)` is called on this process's reader thread as requests end."""
@@ -262,6 +269,7 @@ class EngineProcess:
                 elif kind == "stats":
                     if self._stats.state == "ready":  # a late one never undoes "stopped"
                         self._stats = message[1]
+                    self._gc = message[2]
                 elif kind == "ready":
                     info = message[1]
                     self._info = info
@@ -444,6 +452,7 @@ def _run_child(spec: EngineSpec, commands: Any, events: Any) -> int:
     logging.basicConfig(level=spec.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     if spec.switch_interval_s is not None:
         sys.setswitchinterval(spec.switch_interval_s)
+    gc_pauses()  # recorded from the start: the load's collections count too
     out = _Outbound(events)
     loaded = threading.Event()
     watcher = threading.Thread(target=_watch_while_loading, args=(commands, out, loaded), name="engine-load-watch",
@@ -552,14 +561,16 @@ def _handle_command(engine: Engine, message: tuple, streams: _OpenStreams, loop:
 
 
 def _send_stats(engine: Engine, out: _Outbound, stop: threading.Event) -> None:
-    """Stats between steps (requests waiting, state changes), when they changed."""
+    """Stats between steps (requests waiting, state changes) and this process's GC pauses, when
+    they changed."""
+    pauses = gc_pauses()
     last = None
     while not stop.wait(STATS_INTERVAL_S):
-        stats = engine.stats()
-        if stats != last:
-            if not out.send(("stats", stats)):
+        current = (engine.stats(), pauses.snapshot())
+        if current != last:
+            if not out.send(("stats", *current)):
                 return
-            last = stats
+            last = current
 
 
 def open_engine_process(spec: EngineSpec, gguf_path: str | os.PathLike[str] | None = None) -> EngineProcess:

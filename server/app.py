@@ -33,6 +33,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from model.chat_template import render_chat
+from scheduler.gc_pauses import GcSnapshot
 from scheduler.requests import RequestTiming
 from scheduler.types import EngineStats
 from server.asgi import ApiKeyAuth, BodyLimit, ErrorBoundary, EventStreamResponse, HttpMetricsMiddleware, unless_disconnected
@@ -100,6 +101,11 @@ class EngineHolder:
 
     def stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine is not None else None
+
+    def engine_gc(self) -> GcSnapshot | None:
+        """The engine process's GC pauses; None where the engine runs in this process."""
+        gc_pauses = getattr(self.engine, "gc_pauses", None)
+        return gc_pauses() if gc_pauses is not None else None
 
     def require_ready(self) -> tuple[Engine, ReadyState]:
         if self.load_error is not None:
@@ -354,7 +360,7 @@ def create_app(
 ) -> Starlette:
     """`engine_factory`: called on a loader thread at startup; None when the caller attaches one."""
     holder = holder or EngineHolder()
-    app_metrics = Metrics(holder.stats)
+    app_metrics = Metrics(holder.stats, holder.engine_gc)
     holder.add_timing_observer(app_metrics.observe)
     middleware = [
         Middleware(HttpMetricsMiddleware, metrics=app_metrics, routes=frozenset(r.path for r in ROUTES)),

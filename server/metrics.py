@@ -4,8 +4,9 @@ Two sources, both from the engine: its `EngineStats` snapshot, read at scrape ti
 running, waiting, rejected, token totals), and one `RequestTiming` per finished request, handed
 to `Metrics.observe` (registered with `Engine.add_observer`; it runs on the engine thread, and
 prometheus_client metrics are thread-safe). Besides, the process's cyclic-GC pauses
-(`pallas_gc_pause_seconds`, by generation): a collection holds the GIL, so it stalls the engine
-thread and the event loop alike, and a full one over a large heap is a p99 of its own. The
+(`pallas_gc_pause_seconds`, by generation; scheduler/gc_pauses.py), and the engine process's
+(`pallas_engine_gc_pause_seconds`, where the engine runs in a process of its own): a collection
+holds its process's GIL, and a full one over a large heap is a p99 of its own. The
 engine measures time to first token and inter-token gaps where it hands tokens to the stream,
 including queue time the server cannot see, so the server reads no clock for request metrics.
 HTTP responses are counted by the app's outermost middleware.
@@ -13,15 +14,12 @@ HTTP responses are counted by the app's outermost middleware.
 
 from __future__ import annotations
 
-import bisect
-import gc
-import threading
-import time
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from scheduler.gc_pauses import GC_BUCKETS, GcSnapshot, gc_pauses
 from scheduler.requests import RequestTiming
 from scheduler.types import EngineStats
 
@@ -29,57 +27,28 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-GC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
-class GcPauses:
-    """The process's cyclic-GC pauses per generation, from `gc.callbacks`: one recorder per
-    process (`gc_pauses()`), read by every app's registry. The callback runs inside the
-    collection with the GIL held and takes no lock (a collection can start inside any code,
-    a metric's own locked section included); GC never nests, so one callback runs at a time.
-    A scrape may read counts one collection apart: harmless."""
+class _GcCollector:
+    """A GC pause histogram by generation from a `GcSnapshot` read at scrape time; nothing while
+    there is none (no engine process)."""
 
-    def __init__(self) -> None:
-        self._started: float | None = None
-        self.counts = [[0] * (len(GC_BUCKETS) + 1) for _ in range(3)]  # per generation: per bucket, +Inf last
-        self.sums = [0.0, 0.0, 0.0]
-
-    def callback(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-            return
-        if self._started is None:
-            return
-        pause, self._started = time.perf_counter() - self._started, None
-        generation = min(int(info.get("generation", 2)), 2)
-        self.sums[generation] += pause
-        self.counts[generation][bisect.bisect_left(GC_BUCKETS, pause)] += 1  # the first bound >= pause
+    def __init__(self, name: str, documentation: str, snapshot: Callable[[], GcSnapshot | None]) -> None:
+        self._name, self._documentation, self._snapshot = name, documentation, snapshot
 
     def collect(self) -> Iterator[Metric]:
-        family = HistogramMetricFamily(
-            "pallas_gc_pause_seconds", "Cyclic garbage collections of the process, by generation", labels=["generation"]
-        )
+        snapshot = self._snapshot()
+        if snapshot is None:
+            return
+        counts, sums = snapshot
+        family = HistogramMetricFamily(self._name, self._documentation, labels=["generation"])
         for generation in range(3):
             cumulative, buckets = 0, []
-            for le, n in zip((*GC_BUCKETS, float("inf")), self.counts[generation]):
+            for le, n in zip((*GC_BUCKETS, float("inf")), counts[generation]):
                 cumulative += n
                 buckets.append(("+Inf" if le == float("inf") else repr(le), cumulative))
-            family.add_metric([str(generation)], buckets, sum_value=self.sums[generation])
+            family.add_metric([str(generation)], buckets, sum_value=sums[generation])
         yield family
-
-
-_GC_PAUSES: GcPauses | None = None
-_GC_LOCK = threading.Lock()
-
-
-def gc_pauses() -> GcPauses:
-    """The process's recorder, installed in `gc.callbacks` on first use."""
-    global _GC_PAUSES
-    with _GC_LOCK:
-        if _GC_PAUSES is None:
-            _GC_PAUSES = GcPauses()
-            gc.callbacks.append(_GC_PAUSES.callback)
-        return _GC_PAUSES
 
 
 class _EngineCollector:
@@ -115,7 +84,9 @@ class _EngineCollector:
 
 
 class Metrics:
-    def __init__(self, engine_stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats | None],
+                 engine_gc: Callable[[], GcSnapshot | None] = lambda: None) -> None:
+        """`engine_gc`: the engine process's GC pauses (None where the engine runs in this one)."""
         self.registry = CollectorRegistry()
         self.http_requests = Counter(
             "pallas_http_requests", "HTTP responses", ["route", "method", "status"], registry=self.registry
@@ -164,7 +135,12 @@ class Metrics:
             "pallas_requests_finished", "Engine requests by finish reason", ["finish_reason"], registry=self.registry
         )
         self.registry.register(_EngineCollector(engine_stats))
-        self.registry.register(gc_pauses())
+        pauses = gc_pauses()
+        self.registry.register(_GcCollector(
+            "pallas_gc_pause_seconds", "Cyclic garbage collections of the process, by generation", pauses.snapshot))
+        self.registry.register(_GcCollector(
+            "pallas_engine_gc_pause_seconds", "Cyclic garbage collections of the engine process, by generation",
+            engine_gc))
 
     def observe(self, timing: RequestTiming) -> None:
         """Engine thread: one finished request's timings."""

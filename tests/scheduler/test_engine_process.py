@@ -19,6 +19,7 @@ import pytest
 from model.config import EngineConfig
 from model.step_types import SamplingParams
 from scheduler.engine_process import EngineProcess, EngineSpec, _OpenStreams
+from scheduler.gc_pauses import GC_BUCKETS
 from scheduler.types import EngineUnavailableError, GenerationRequest, QueueFullError, RequestValidationError
 from tests.scheduler.conftest import ByteTokenizer
 
@@ -261,3 +262,10 @@ def test_the_engine_process_ignores_group_signals(start_process):
 
     assert text(run(main())) == "bcd"
     assert engine._process.is_alive()
+
+
+def test_the_engine_process_reports_its_gc_pauses(start_process):
+    engine = start_process(gc_freeze=True)  # the engine's warm-up runs a full collection there
+    wait_until(lambda: engine.gc_pauses() is not None and sum(engine.gc_pauses()[0][2]) >= 1)
+    counts, sums = engine.gc_pauses()
+    assert len(counts) == 3 and all(len(c) == len(GC_BUCKETS) + 1 for c in counts) and sums[2] > 0

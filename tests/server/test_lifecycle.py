@@ -166,6 +166,20 @@ async def test_gc_pauses_are_in_the_metrics_by_generation(client: httpx.AsyncCli
         cumulative = [m[("pallas_gc_pause_seconds_bucket", (("generation", generation), ("le", le)))] for le in bounds]
         assert cumulative == sorted(cumulative)
     assert metrics.gc_pauses() is metrics.gc_pauses() and gc.callbacks.count(metrics.gc_pauses().callback) == 1
+    assert not any(name.startswith("pallas_engine_gc") for name, _ in m)  # the engine runs in this process
+
+
+def test_the_engine_process_gc_pauses_are_in_the_metrics() -> None:
+    """Where the engine runs in a process of its own, its GC snapshots (scheduler/engine_process.py)
+    are exported beside the server's own."""
+    counts = ((3, 1) + (0,) * (len(metrics.GC_BUCKETS) - 1), (0,) * (len(metrics.GC_BUCKETS) + 1),
+              (0,) * len(metrics.GC_BUCKETS) + (1,))
+    m = _samples(metrics.Metrics(lambda: None, lambda: (counts, (0.0002, 0.0, 2.0))).render()[0].decode())
+    name = "pallas_engine_gc_pause_seconds"
+    assert m[(f"{name}_count", (("generation", "0"),))] == 4 and m[(f"{name}_sum", (("generation", "0"),))] == 0.0002
+    assert m[(f"{name}_bucket", (("generation", "0"), ("le", repr(metrics.GC_BUCKETS[0]))))] == 3
+    assert m[(f"{name}_bucket", (("generation", "2"), ("le", "1.0")))] == 0  # one collection over a second
+    assert m[(f"{name}_count", (("generation", "2"),))] == 1
 
 
 async def test_models(client: httpx.AsyncClient) -> None:
