@@ -18,7 +18,9 @@ Wire: two one-way pipes of pickled tuples.
                   stats), ("timing", RequestTiming), ("stats", stats, GcSnapshot), ("stopped", stats)
 The child's engine thread sends a processed step's events in one message: the child's streams
 are given `_PipeLoop`, which stands in for an asyncio loop. A reader thread here hands them to
-their streams' loops in one `call_soon_threadsafe` per loop, as the engine does in process.
+their streams' loops in one `call_soon_threadsafe` per loop, as the engine does in process. The
+engine's timings (TTFT, inter-token gaps for /metrics) are taken at that hand-over in the child,
+so they leave out the way through the pipe to this process.
 
 Admission is decided here, at once, as `Engine.submit` decides it: the engine state, the limits
 the child reported (`validate_request`) and a capacity of num_slots + max_queue places. A place
@@ -39,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
+import fcntl
 import importlib
 import itertools
 import logging
@@ -67,6 +70,8 @@ log = logging.getLogger(__name__)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 STATS_INTERVAL_S = 0.05  # the child sends its stats this often when they changed and no step did
 STOP_GRACE_S = 10.0  # after the shutdown timeout: for the child to send its last events and exit
+PIPE_BYTES = 1 << 20  # each pipe's buffer (the Linux default is 64 KiB)
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux's fcntl command (named in Python 3.10+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +126,8 @@ class EngineProcess:
         context = multiprocessing.get_context("spawn")  # never fork a process with threads
         child_commands, commands = context.Pipe(duplex=False)
         events, child_events = context.Pipe(duplex=False)
+        for conn in (commands, events):
+            _widen(conn)
         process = context.Process(
             target=child_main, args=(self._spec, child_commands, child_events), name="engine", daemon=True
         )
@@ -338,6 +345,16 @@ class EngineProcess:
             self._stats = dataclasses.replace(self._stats, state=state, error=error if state == "failed" else None)
         self._end_streams(keys, error)
         self._settled.set()
+
+
+def _widen(conn: Any) -> None:
+    """A pipe of PIPE_BYTES (Linux; 64 KiB otherwise), so that a writer seldom waits for its
+    reader: the engine thread for this process's reader thread (which shares this process's GIL
+    with the event loop), the event loop for the child's command loop (a long prompt's submit)."""
+    try:
+        fcntl.fcntl(conn.fileno(), F_SETPIPE_SZ, PIPE_BYTES)
+    except OSError:  # above /proc/sys/fs/pipe-max-size, or not Linux: the default stays
+        pass
 
 
 class _CancelSender:
