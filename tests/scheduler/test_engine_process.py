@@ -269,3 +269,20 @@ def test_the_engine_process_reports_its_gc_pauses(start_process):
     wait_until(lambda: engine.gc_pauses() is not None and sum(engine.gc_pauses()[0][2]) >= 1)
     counts, sums = engine.gc_pauses()
     assert len(counts) == 3 and all(len(c) == len(GC_BUCKETS) + 1 for c in counts) and sums[2] > 0
+
+
+def test_an_engine_failing_mid_serve_ends_its_streams_and_refuses_after(start_process):
+    engine = start_process({"step_delay": 0.002, "fail_at_step": 5})
+
+    async def main():
+        streams = [engine.submit(req(c, max_tokens=20)) for c in "abc"]
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        with pytest.raises(EngineUnavailableError, match="device on fire"):
+            engine.submit(req("a"))
+        return results
+
+    for events in run(main()):
+        assert events[-1].finish_reason == "error" and "device on fire" in events[-1].error
+    stats = engine.stats()
+    assert stats.state == "failed" and "device on fire" in stats.error
+    assert engine._process.is_alive()  # the child answers until its shutdown, as the engine in process does
