@@ -42,6 +42,7 @@ import asyncio
 import atexit
 import dataclasses
 import fcntl
+import gc
 import importlib
 import itertools
 import logging
@@ -110,6 +111,7 @@ class EngineProcess:
         self._streams: dict[int, RequestStream] = {}
         self._is_closed = False  # the child's events ended: no stream may be added
         self._is_stopping = False  # `shutdown` was called
+        self._froze_heap = False  # this process's heap was frozen once the engine was ready
         self._rejected = 0  # written only by the submitting (event-loop) thread
         self._observers: tuple[Callable[[RequestTiming], None], ...] = ()
         self._stats = EngineStats("loading", config.num_slots, 0, 0, 0, 0, 0, 0)
@@ -213,6 +215,8 @@ class EngineProcess:
             self._reader.join(1.0)
         self._end_all("the engine is shutting down", state="stopped")
         self._close_pipes()
+        if self._froze_heap:
+            gc.unfreeze()  # as the engine thread does when it stops: collectable again
 
     def _stop_at_exit(self) -> None:
         """At interpreter exit (a server forced out before its shutdown ran): closing the command
@@ -289,6 +293,7 @@ class EngineProcess:
                     self._settled.set()
                     if self.config.gc_freeze:
                         freeze_heap()  # this process's heap (tokenizer, app); the child froze its own
+                        self._froze_heap = True
                 elif kind == "failed":
                     stats = message[2] or self._stats
                     self._stats = dataclasses.replace(stats, state="failed", error=message[1])

@@ -9,6 +9,7 @@ cancellation, a child that dies, shutdown, and a model that fails to load.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -269,6 +270,9 @@ def test_the_engine_process_reports_its_gc_pauses(start_process):
     wait_until(lambda: engine.gc_pauses() is not None and sum(engine.gc_pauses()[0][2]) >= 1)
     counts, sums = engine.gc_pauses()
     assert len(counts) == 3 and all(len(c) == len(GC_BUCKETS) + 1 for c in counts) and sums[2] > 0
+    wait_until(lambda: gc.get_freeze_count() > 0)  # this side froze its own heap too, once ready
+    engine.shutdown(timeout=10)
+    assert gc.get_freeze_count() == 0  # and let it go at shutdown
 
 
 def test_an_engine_failing_mid_serve_ends_its_streams_and_refuses_after(start_process):
