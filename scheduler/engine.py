@@ -1,7 +1,9 @@
 """The engine: one thread that owns the model runner, the slot table and all request state.
 
 Data flow. `server/` tokenizes a prompt, calls `Engine.submit(GenerationRequest)` on its
-asyncio event-loop thread and iterates the returned `RequestStream`. `submit` validates the
+asyncio event-loop thread and iterates the returned `RequestStream` (by default through
+`scheduler/engine_process.py`, whose child process runs this engine and calls `submit` from its
+command loop with a stand-in for the loop that sends each step's events over a pipe). `submit` validates the
 request, takes a place in the engine's capacity and puts a command on the engine's inbox (a
 `queue.Queue`; cancel and shutdown travel the same way). The engine thread blocks on that
 inbox while it has nothing to run; otherwise each loop iteration:
