@@ -277,8 +277,9 @@ class Engine:
         self._inbox.put(_Submit(state))
         if self._stats.state != "ready":
             # The engine stopped between the check and the put and may never read the inbox
-            # again; end the stream here (a second final event from the engine is dropped).
-            stream._deliver(StreamEvent(finish_reason=FINISH_ERROR, error=self._unavailable_reason()))
+            # again; end the stream here, through its loop as every event goes (a second final
+            # event from the engine is dropped).
+            stream._push(StreamEvent(finish_reason=FINISH_ERROR, error=self._unavailable_reason()))
         return stream
 
     def shutdown(self, timeout: float | None = None) -> None:

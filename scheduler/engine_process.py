@@ -567,10 +567,7 @@ def _handle_command(engine: Engine, message: tuple, streams: _OpenStreams, loop:
             log.warning("request %s refused in the engine process: %s", request.request_id, exc)
             out.send(("events", [(key, StreamEvent(finish_reason=FINISH_ERROR, error=str(exc)))], engine.stats()))
             return _CONTINUE
-        if stream._is_final_queued:  # the engine stopped as it was submitted: ended in place
-            out.send(("events", [(key, stream._events.get_nowait())], engine.stats()))
-        else:
-            streams.add(key, stream)
+        streams.add(key, stream)
     elif kind == "cancel":
         stream = streams.get(message[1])
         if stream is not None:

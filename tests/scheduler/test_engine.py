@@ -346,6 +346,27 @@ def test_not_ready_raises(make_engine):
     assert engine.stats().state == "loading"
 
 
+def test_a_submit_racing_a_stop_ends_its_stream(make_engine):
+    """The engine stops between submit's check and its put: the stream still ends, through its
+    loop, with one final event (the engine's own second one is dropped)."""
+    engine, _ = make_engine(start=False)
+    engine._publish("ready")
+    put = engine._inbox.put
+
+    def put_then_stop(command):
+        put(command)
+        engine._publish("stopped")
+
+    engine._inbox.put = put_then_stop
+
+    async def main():
+        return await collect(engine.submit(req("a")))
+
+    result = run(main())
+    assert [e.finish_reason for e in result.events] == ["error"]
+    assert "shutting down" in result.final.error
+
+
 # ---- prefill chunks and budget ----
 
 
