@@ -166,6 +166,24 @@ def _hand_over(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream,
         log.debug("event loop closed; %d events dropped", len(items))
 
 
+def unavailable_reason(stats: EngineStats) -> str:
+    """Why an engine in this state takes no request (EngineUnavailableError's message)."""
+    if stats.state == "failed":
+        return f"the engine failed: {stats.error}"
+    if stats.state == "loading":
+        return "the model is loading"
+    return "the engine is shutting down"
+
+
+def notify(observers: tuple[Observer, ...], timing: RequestTiming) -> None:
+    """Each observer of a finished request; one that raises is logged and skipped."""
+    for observer in observers:
+        try:
+            observer(timing)
+        except Exception:
+            log.exception("engine observer %r failed", observer)
+
+
 def _default_detokenizer(tokenizer: Any) -> Detokenizer:
     return IncrementalDetokenizer(tokenizer, skip_special=True)
 
@@ -300,12 +318,7 @@ class Engine:
             raise EngineUnavailableError(self._unavailable_reason())
 
     def _unavailable_reason(self) -> str:
-        stats = self._stats
-        if stats.state == "failed":
-            return f"the engine failed: {stats.error}"
-        if stats.state == "loading":
-            return "the model is loading"
-        return "the engine is shutting down"
+        return unavailable_reason(self._stats)
 
     def _validate(self, request: GenerationRequest) -> None:
         validate_request(
@@ -609,11 +622,7 @@ class Engine:
         self._send(state.stream, event)
         log.debug("request %s finished: %s", state.request.request_id, event.finish_reason)
         timing = state.timing(event.finish_reason, now)
-        for observer in self._observers:
-            try:
-                observer(timing)
-            except Exception:
-                log.exception("engine observer %r failed", observer)
+        notify(self._observers, timing)
 
     def _end_all(self, reason: str, error: str) -> None:
         for state in list(self._requests.values()):

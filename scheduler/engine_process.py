@@ -54,7 +54,7 @@ import threading
 from typing import Any, Callable
 
 from model.config import EngineConfig
-from scheduler.engine import Engine, RequestStream, _Cancel, _hand_over, freeze_heap
+from scheduler.engine import Engine, RequestStream, _Cancel, _hand_over, freeze_heap, notify, unavailable_reason
 from scheduler.gc_pauses import GcSnapshot, gc_pauses
 from scheduler.requests import RequestTiming, validate_request
 from scheduler.types import (
@@ -96,7 +96,6 @@ class EngineProcess:
         self.tokenizer = tokenizer
         self.config = spec.engine_config
         self._spec = spec
-        self._model_name = model_name
         self._process: Any = None
         self._commands: Any = None  # this end of the command pipe
         self._events: Any = None  # this end of the event pipe
@@ -174,7 +173,7 @@ class EngineProcess:
         loop = loop if loop is not None else asyncio.get_running_loop()
         stats = self.stats()
         if stats.state != "ready":
-            raise EngineUnavailableError(_unavailable_reason(stats))
+            raise EngineUnavailableError(unavailable_reason(stats))
         validate_request(request, vocab_size=int(self.tokenizer.vocab_size), **self._limits)
         if not self._capacity.acquire(blocking=False):
             self._rejected += 1
@@ -184,7 +183,7 @@ class EngineProcess:
         with self._lock:
             if self._is_closed:
                 self._capacity.release()
-                raise EngineUnavailableError(_unavailable_reason(self.stats()))
+                raise EngineUnavailableError(unavailable_reason(self.stats()))
             self._streams[key] = stream
         try:
             is_sent = self._send(("submit", key, request))
@@ -276,7 +275,7 @@ class EngineProcess:
                     self._stats = message[2]
                     self._deliver(message[1])
                 elif kind == "timing":
-                    self._observe(message[1])
+                    notify(self._observers, message[1])
                 elif kind == "stats":
                     if self._stats.state == "ready":  # a late one never undoes "stopped"
                         self._stats = message[1]
@@ -331,16 +330,6 @@ class EngineProcess:
         for loop, pairs in by_loop.items():
             _hand_over(loop, pairs)
 
-    def _observe(self, timing: RequestTiming) -> None:
-        for observer in self._observers:
-            try:
-                observer(timing)
-            except Exception:
-                log.exception("engine observer %r failed", observer)
-
-    def _end_streams(self, keys: list[int], error: str) -> None:
-        self._deliver([(key, StreamEvent(finish_reason=FINISH_ERROR, error=error)) for key in keys])
-
     def _end_all(self, error: str, *, state: str) -> None:
         """No more events will come: every open stream ends, no stream may start."""
         with self._lock:
@@ -348,7 +337,7 @@ class EngineProcess:
             keys = list(self._streams)
         if self._stats.state in ("loading", "ready"):
             self._stats = dataclasses.replace(self._stats, state=state, error=error if state == "failed" else None)
-        self._end_streams(keys, error)
+        self._deliver([(key, StreamEvent(finish_reason=FINISH_ERROR, error=error)) for key in keys])
         self._settled.set()
 
 
@@ -370,14 +359,6 @@ class _CancelSender:
 
     def put(self, command: _Cancel) -> None:
         self._owner._send(("cancel", command.seq))
-
-
-def _unavailable_reason(stats: EngineStats) -> str:
-    if stats.state == "failed":
-        return f"the engine failed: {stats.error}"
-    if stats.state == "loading":
-        return "the model is loading"
-    return "the engine is shutting down"
 
 
 # ----------------------------------------------------------------------------- the child
