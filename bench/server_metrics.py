@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from bench import common
+from scheduler.gc_pauses import GcPauses
 
 log = logging.getLogger("bench.server_metrics")
 
@@ -98,31 +99,22 @@ def server_tails(before, after) -> dict[str, Any] | None:
 class GcRecorder:
     """This process's cyclic-GC collections while a level runs (the client's own pauses stall
     its event loop, and with it the arrival times it records): count, total and longest ms per
-    generation."""
+    generation, by a `GcPauses` of its own in `gc.callbacks` meanwhile."""
 
     def __init__(self) -> None:
-        self.stats = {g: {"count": 0, "ms": 0.0, "max_ms": 0.0} for g in range(3)}
-        self._t0: float | None = None
-
-    def _callback(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        elif self._t0 is not None:
-            pause, self._t0 = 1e3 * (time.perf_counter() - self._t0), None
-            st = self.stats[min(int(info.get("generation", 2)), 2)]
-            st["count"] += 1
-            st["ms"] += pause
-            st["max_ms"] = max(st["max_ms"], pause)
+        self.pauses = GcPauses()
 
     def __enter__(self) -> "GcRecorder":
-        gc.callbacks.append(self._callback)
+        gc.callbacks.append(self.pauses.callback)
         return self
 
     def __exit__(self, *exc) -> None:
-        gc.callbacks.remove(self._callback)
+        gc.callbacks.remove(self.pauses.callback)
 
     def summary(self) -> dict[str, dict[str, float]]:
-        return {f"gc{g}": {k: round(v, 3) for k, v in st.items()} for g, st in self.stats.items()}
+        p = self.pauses
+        return {f"gc{g}": {"count": sum(p.counts[g]), "ms": round(1e3 * p.sums[g], 3),
+                           "max_ms": round(1e3 * p.longest[g], 3)} for g in range(3)}
 
 
 async def scrape_after(client, url: str, before, requests: int, deadline_s: float = 2.0):

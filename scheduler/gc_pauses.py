@@ -25,12 +25,15 @@ GcSnapshot = tuple[tuple[tuple[int, ...], ...], tuple[float, ...]]
 class GcPauses:
     """The callback runs inside the collection with the GIL held and takes no lock (a collection
     can start inside any code, a lock's own section included); GC never nests, so one callback
-    runs at a time. A reader may see counts one collection apart: harmless."""
+    runs at a time. A reader may see counts one collection apart: harmless. `gc_pauses()` is the
+    process's; another instance, added to `gc.callbacks` for a while, records that while
+    (bench/server_metrics.py's `GcRecorder`)."""
 
     def __init__(self) -> None:
         self._started: float | None = None
         self.counts = [[0] * (len(GC_BUCKETS) + 1) for _ in range(3)]  # per generation: per bucket, +Inf last
         self.sums = [0.0, 0.0, 0.0]
+        self.longest = [0.0, 0.0, 0.0]
 
     def callback(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
@@ -41,6 +44,7 @@ class GcPauses:
         pause, self._started = time.perf_counter() - self._started, None
         generation = min(int(info.get("generation", 2)), 2)
         self.sums[generation] += pause
+        self.longest[generation] = max(self.longest[generation], pause)
         self.counts[generation][bisect.bisect_left(GC_BUCKETS, pause)] += 1  # the first bound >= pause
 
     def snapshot(self) -> GcSnapshot:

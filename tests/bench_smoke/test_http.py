@@ -108,4 +108,4 @@ def test_gc_recorder_counts_this_processs_collections():
     with server_metrics.GcRecorder() as rec:
         gc.collect()
     assert rec.summary()["gc2"]["count"] == 1 and rec.summary()["gc2"]["max_ms"] > 0
-    assert rec._callback not in gc.callbacks
+    assert rec.pauses.callback not in gc.callbacks
