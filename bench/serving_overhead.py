@@ -100,16 +100,23 @@ class DeviceQueueModel:
         return _Pending(out, self._busy_until)
 
 
-def build_engine(args: argparse.Namespace):
-    """The scheduler's Engine on the stand-in, with the GGUF's tokenizer and bench/engine.py's config."""
+def engine_config(args: argparse.Namespace):
+    """bench/engine.py's config for this script's flags."""
     from bench import engine as bench_engine
+
+    return bench_engine.build_config(args.slots, args.max_context, "float32", args.prefill_budget, args.max_queue)
+
+
+def build_engine(args: argparse.Namespace, config: Any = None):
+    """The scheduler's Engine on the stand-in, with the GGUF's tokenizer and `config` (by default
+    `engine_config(args)`)."""
     from model.gguf_file import GGUFFile
     from model.tokenizer import Tokenizer
     from scheduler.engine import Engine
 
     meta = GGUFFile(args.model).metadata
     tokenizer = Tokenizer.from_gguf_metadata(meta)
-    config = bench_engine.build_config(args.slots, args.max_context, "float32", args.prefill_budget, args.max_queue)
+    config = config if config is not None else engine_config(args)
     types = np.asarray(meta.get("tokenizer.ggml.token_type", np.ones(tokenizer.vocab_size)))
     ids = np.flatnonzero(types == 1).astype(np.int32)  # normal tokens: text, never special or end-of-generation
 
@@ -122,23 +129,20 @@ def build_engine(args: argparse.Namespace):
     return Engine(factory, tokenizer, config, model_name="stand-in")
 
 
-def build_from_spec(model_path: str, engine_config: Any):
+def build_from_spec(model_path: str, config: Any):
     """`EngineSpec.builder` with --engine-process: the stand-in engine in the engine process;
-    `model_path` is the JSON of this script's arguments (the engine config is rebuilt from them)."""
-    del engine_config
+    `model_path` is the JSON of this script's arguments."""
     options = json.loads(model_path)
-    return build_engine(argparse.Namespace(**{**options, "model": pathlib.Path(options["model"])}))
+    return build_engine(argparse.Namespace(**{**options, "model": pathlib.Path(options["model"])}), config)
 
 
 def _engine_process(args: argparse.Namespace):
     """With --engine-process: the stand-in engine in a process of its own, as `python -m server`
     runs the real one (scheduler/engine_process.py)."""
-    from bench import engine as bench_engine
     from scheduler.engine_process import EngineSpec, open_engine_process
 
     options = {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()}
-    config = bench_engine.build_config(args.slots, args.max_context, "float32", args.prefill_budget, args.max_queue)
-    spec = EngineSpec(model_path=json.dumps(options), engine_config=config, log_level="warning",
+    spec = EngineSpec(model_path=json.dumps(options), engine_config=engine_config(args), log_level="warning",
                       builder="bench.serving_overhead:build_from_spec")
     return open_engine_process(spec, gguf_path=args.model)
 
