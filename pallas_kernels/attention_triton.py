@@ -8,7 +8,8 @@ a traced `layer` (and, for prefill, `slot`), read in place (a slice handed to a 
 a copy every layer), and a static `span`, the power-of-two context bucket [0, S) attended. A
 plain [B, S, K, D] (decode) or [S, K, D] (one slot, prefill) cache is a stack of one. Positions /
 start_pos and the sliding window are traced int32 values. Outputs are f32, as the references'
-are.
+are; decode's may be asked in the activations' dtype (`out_dtype`), which the engine's next op
+takes.
 
 Decode is flash decoding (split-K): one program per (slot row, kv head, split) loads [block_s,
 D] tiles of K and V of its kv head once for all G = H / K query heads of that head (the G
@@ -330,7 +331,7 @@ def _decode_kernel(
     k_ref,  # [L, S, D] this row's keys of this kv head, every layer (read in place)
     v_ref,  # [L, S, D]
     # with `writes`: wpos_ref [B] int32 (where each row's new key goes; outside [0, S): nowhere);
-    # then the outputs: one split: o_ref [H, D] f32; else acc_ref [G_pad, D], m_ref [G_pad],
+    # then the outputs: one split: o_ref [H, D] (f32 or `out_dtype`); else acc_ref [G_pad, D], m_ref [G_pad],
     # l_ref [G_pad] f32; with `writes`, then k_out_ref, v_out_ref [L, S, D] (the caches, aliased
     # to k_ref and v_ref)
     *refs,
@@ -436,9 +437,9 @@ def _decode_kernel(
         acc = acc * corr[:, None] + p[:, None] * jnp.broadcast_to(new_v.astype(jnp.float32), (g_pad, d))
         m = m_new
     out_rows = pl.ds(head * num_groups, g_pad)
-    if len(out_refs) == 1:  # one split: the final output, straight into [B, H, D]
+    if len(out_refs) == 1:  # one split: the final output, straight into [B, H, D] (in its dtype)
         (o_ref,) = out_refs
-        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
         if row_mask is None:
             o_ref[out_rows, :] = out
         else:
@@ -454,9 +455,9 @@ def _decode_kernel(
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "static_scale", "static_window", "span",
-                                             "few_rows"))
+                                             "few_rows", "out_dtype"))
 def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, *, config, interpret, static_scale,
-            static_window, span, few_rows):
+            static_window, span, few_rows, out_dtype):
     """k_cache, v_cache [L, B, S_max, K, D]; keys [0, span) of layer `layer` are attended.
     write_pos: None, or [B] int32 with q packed as [B, K * (G + 2), D] (see
     `attention_decode_triton`); then the result is (out, k_cache, v_cache)."""
@@ -496,7 +497,7 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, *, 
     kv_spec = pl.BlockSpec((num_layers, None, s_max, None, d), lambda i, j, p: (0, i, 0, j, 0))
     if num_splits == 1:
         out_specs = [pl.BlockSpec((None, h, d), lambda i, j, p: (i, 0, 0))]
-        out_shape = [jax.ShapeDtypeStruct((b, h, d), jnp.float32)]
+        out_shape = [jax.ShapeDtypeStruct((b, h, d), out_dtype)]
     else:
         out_specs = [
             pl.BlockSpec((None, None, None, g_pad, d), lambda i, j, p: (p, i, j, 0, 0)),
@@ -544,7 +545,7 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, *, 
     if num_splits == 1:
         out = outs[0]
     else:
-        out = _merge_splits(*(x[:, :, :, :g] for x in outs)).reshape(b, h, d)
+        out = _merge_splits(*(x[:, :, :, :g] for x in outs)).reshape(b, h, d).astype(out_dtype)
     return (out, *caches) if write_pos is not None else out
 
 
@@ -596,7 +597,10 @@ def attention_decode_triton(
     write_pos: jax.Array | None = None,
     config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
     interpret: bool = False,
-) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:  # [B, H, D] f32 (with write_pos: and the caches)
+    # The output's dtype: f32 (the reference's), or the activations' (bf16) where the next op
+    # takes them: one split writes it from the kernel, saving a conversion kernel per layer
+    out_dtype: jnp.dtype = jnp.float32,
+) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:  # [B, H, D] out_dtype (with write_pos: and the caches)
     """Same contract as `attention_decode_reference`. Positions must lie in [0, span); a
     position past it attends to the whole span, as the reference does. By default a row's
     output is bitwise the same whatever the other rows and the span; with `few_rows` it is
@@ -632,7 +636,7 @@ def attention_decode_triton(
     result = _decode(
         q, k_cache, v_cache, positions, scale, window, _layer_arr(layer), write_pos,
         config=config, interpret=interpret, static_scale=_static_scale(scale), static_window=_static_window(window),
-        span=_span(span, s), few_rows=few_rows,
+        span=_span(span, s), few_rows=few_rows, out_dtype=jnp.dtype(out_dtype),
     )
     if write_pos is None or stacked:
         return result
@@ -650,6 +654,8 @@ def _few_rows_limit(num_rows: int, num_kv_heads: int, groups: int, head_dim: int
 attention_decode_triton.few_rows_limit = _few_rows_limit
 # It takes the decode step's cache write (`write_pos=`, q packed): the forward pass hands it over.
 attention_decode_triton.writes_cache = True
+# It writes its output in the activations' dtype when asked (`out_dtype=`, model/kernels.py).
+attention_decode_triton.takes_out_dtype = True
 
 
 def is_available() -> bool:

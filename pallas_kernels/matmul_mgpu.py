@@ -567,9 +567,22 @@ def codes_of(w: QuantizedTensor) -> jax.Array:
     return jnp.reshape(w.planes["qs"], (-1, k))  # q8_0, q6_k_split
 
 
-@functools.partial(jax.jit, static_argnames=("tuning", "gather_x"))
+def x_order(w: QuantizedTensor, rows: int, tuning: MosaicMatmulTuning | None = None) -> np.ndarray | None:
+    """The column order [K] the kernel reads x [rows, K] in for weight w (it computes
+    `x[:, order]` itself unless called with `x_in_order=True`); None: x as it is. Q4_0's codes
+    (and those of the formats that run as Q4_0, `OFFSET_FORMS`) unpack in a permuted order
+    within each 32-block (`permute_x_words`, or `permute_x` without `word_unpack`)."""
+    tuning = tuning or default_tuning(rows)
+    if tuning.int8_x or OFFSET_FORMS.get(w.fmt, w.fmt) != "q4_0":
+        return None
+    k = w.shape[1]
+    block = (16, 2) if tuning.word_unpack else (2, 16)
+    return np.arange(k).reshape(k // 32, *block).swapaxes(1, 2).reshape(k)
+
+
+@functools.partial(jax.jit, static_argnames=("tuning", "gather_x", "x_in_order"))
 def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning: MosaicMatmulTuning,
-                 gather_x: bool = False) -> jax.Array:
+                 gather_x: bool = False, x_in_order: bool = False) -> jax.Array:
     plgpu = _plgpu()
     n, k = w.shape
     m = x2.shape[0]
@@ -581,12 +594,14 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
     scales = jnp.reshape(q.planes["d"], (-1, n))  # [L*K/B, N]: a view, read in place
     split, steps = split_for(n, k, tuning, m_tiles), k // tuning.tile_k
     if tuning.int8_x:
+        if x_in_order:
+            raise NotImplementedError("mosaic_gpu matmul with int8 x rounds x itself: it takes x in its own order")
         rows = BLOCK_N
         kernel = functools.partial(_kernel_int8, n=n, k=k, m=m_tile, tile_k=tuning.tile_k, steps=steps, split=split,
                                    stages=stages_for(q.fmt, m_tile, tuning, rows), rows_out=tuning.rows_out)
         x_inputs = quantize_x_blocks(x2, m_pad)
     else:
-        if q.fmt == "q4_0":
+        if q.fmt == "q4_0" and not x_in_order:
             xp = permute_x_words(x2, gather_x) if tuning.word_unpack else permute_x(x2, gather_x)
         else:
             xp = x2
@@ -630,6 +645,7 @@ def qmatmul_mgpu(
     layer: jax.Array | int | None = None,
     interpret: bool = False,
     gather_x: bool = False,
+    x_in_order: bool = False,
 ) -> jax.Array:  # [..., N] f32
     """x @ dequant(w).T through the Mosaic GPU kernel; without a tuning, `default_tuning` of x's
     rows (decode up to 64, prefill beyond). "q4_k_split" (Q4_K split at load,
@@ -644,13 +660,16 @@ def qmatmul_mgpu(
 
     `gather_x`: x's column permutation (Q4_0's kernels read x in the order they unpack the codes)
     as a gather rather than a transpose, for x made by elementwise ops, into which XLA then fuses
-    it (`_permuted`); the result is the same."""
+    it (`_permuted`); the result is the same. `x_in_order`: x comes already in the column order
+    the kernel reads (`x_order`: made so by its producer, e.g. the engine's attention output from
+    values whose rows were permuted at load), and is taken as it is."""
     if interpret:
         raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
     tuning = tuning or default_tuning(math.prod(x.shape[:-1]))
     if w.fmt in OFFSET_FORMS and not fuses_offsets(tuning):  # Q4_0's or Q8_0's kernel, plus the offsets' XLA dot
         return q4_k_split.matmul_via(qmatmul_mgpu, x, w, layer, tuning=tuning,
-                                     offset_precision=q4_k_split.KERNEL_OFFSET_PRECISION, gather_x=gather_x)
+                                     offset_precision=q4_k_split.KERNEL_OFFSET_PRECISION, gather_x=gather_x,
+                                     x_in_order=x_in_order)
     _check_supported(x, w, layer, tuning)
     n, k = w.shape
     lead = x.shape[:-1]
@@ -658,7 +677,7 @@ def qmatmul_mgpu(
     if x2.shape[0] == 0:
         return jnp.zeros((*lead, n), jnp.float32)
     layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
-    return jnp.reshape(_qmatmul_jit(x2, w, layer_arr, tuning, gather_x), (*lead, n))
+    return jnp.reshape(_qmatmul_jit(x2, w, layer_arr, tuning, gather_x, x_in_order), (*lead, n))
 
 
 def _is_available() -> bool:
@@ -676,4 +695,7 @@ def _is_available() -> bool:
 # The optional protocol of a matmul implementation that permutes x (model/kernels.py reads it):
 # it takes `gather_x=True` for x made by elementwise ops.
 qmatmul_mgpu.takes_gather_x = True
+# ... and reads x in a column order of its own: `x_order(w, rows)`, which a caller may produce
+# itself and pass with `x_in_order=True`.
+qmatmul_mgpu.x_order = x_order
 registry.register("matmul", "mosaic_gpu", qmatmul_mgpu, is_available=_is_available, priority=20)

@@ -68,6 +68,7 @@ class DecodeCase:
     config: DecodeAttentionConfig = attention_triton.DEFAULT_DECODE_CONFIG
     few_rows: bool = False  # the plan made for a lone busy row
     lone_row: bool = False  # row 0 at the cache's end, every other row at position 0 (idle slots)
+    checks_out_dtype: bool = True  # test_out_dtype runs it (in interpret mode a compile each)
 
     def __str__(self) -> str:
         kind = "static" if self.is_window_static else "traced"
@@ -185,6 +186,23 @@ class DecodeConformance:
             ref = decode_reference(q, k, v, positions, window)
             assert_rel_close(out, ref, TOL[jnp.dtype(case.dtype)],
                              f"seed {seed}, window {window}, positions {np.asarray(positions).tolist()}")
+
+    def test_out_dtype(self, case: DecodeCase):
+        """Asked for bf16 output (the engine's activations), the call returns its f32 output
+        rounded to bf16, bit for bit, whether the kernel writes it (one split) or the merge."""
+        if not case.checks_out_dtype:
+            pytest.skip("the out_dtype check runs on other cases")
+        rng, _ = fresh_rng()
+        q, k, v, positions = self.inputs(case, rng)
+        window = case.windows[-1]
+        run = jax.jit(lambda q, k, v, p, out_dtype: attention_triton.attention_decode_triton(
+            q, k, v, p, case.d ** -0.5, window, config=case.config, interpret=self.interpret,
+            few_rows=case.few_rows, out_dtype=out_dtype), static_argnames="out_dtype")
+        out32 = run(q, k, v, positions, out_dtype=jnp.float32)
+        out16 = run(q, k, v, positions, out_dtype=jnp.bfloat16)
+        assert out32.dtype == jnp.float32 and out16.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(out16.astype(jnp.float32)),
+                                      np.asarray(out32.astype(jnp.bfloat16).astype(jnp.float32)))
 
     def test_reads_no_tile_outside_visible_keys(self, case: DecodeCase):
         """NaN in every tile wholly past a row's position or before its window: a kernel that
@@ -334,32 +352,34 @@ class PrefillConformance:
 class TestDecodeInterpret(DecodeConformance):
     interpret = True
     decode_cases = (
-        DecodeCase(4, 64, 4, 4, 64, jnp.float32, windows=(0, 1, 5), config=DecodeAttentionConfig(block_s=16)),
+        DecodeCase(4, 64, 4, 4, 64, jnp.float32, windows=(0, 1, 5), config=DecodeAttentionConfig(block_s=16),
+                   checks_out_dtype=False),
         DecodeCase(3, 100, 6, 2, 32, jnp.float32, windows=(0, 7, 40),
-                   config=DecodeAttentionConfig(block_s=16, num_splits=3, min_split_keys=16)),
+                   config=DecodeAttentionConfig(block_s=16, num_splits=3, min_split_keys=16)),  # out_dtype: merged
         DecodeCase(4, 128, 8, 2, 128, jnp.bfloat16, windows=(0,), is_window_static=True,
-                   config=DecodeAttentionConfig(block_s=32, num_splits=2, min_split_keys=32)),
+                   config=DecodeAttentionConfig(block_s=32, num_splits=2, min_split_keys=32), checks_out_dtype=False),
         DecodeCase(3, 64, 8, 1, 256, jnp.bfloat16, windows=(9,), is_window_static=True,
-                   config=DecodeAttentionConfig(block_s=16)),
-        # the auto plan's one split with half tiles and 2 warps (G = 1, kv heads x 2 >= 8)
+                   config=DecodeAttentionConfig(block_s=16), checks_out_dtype=False),
+        # the auto plan's one split with half tiles and 2 warps (G = 1, kv heads x 2 >= 8); out_dtype: the kernel's
         DecodeCase(3, 100, 4, 4, 64, jnp.float32, windows=(0, 7), config=DecodeAttentionConfig(target_programs=8)),
         # up to 8 splits of >= 16 keys, as many as each row's own length allows
         DecodeCase(3, 128, 4, 2, 32, jnp.float32, windows=(0, 20),
-                   config=DecodeAttentionConfig(block_s=16, min_split_keys=16, num_splits=8)),
+                   config=DecodeAttentionConfig(block_s=16, min_split_keys=16, num_splits=8), checks_out_dtype=False),
         # the plan for a lone busy row (1 split for all 4 rows, up to 4 for one: 2 kv heads x
         # 4 = 8), rows taking them by their share of all rows' tiles: random rows, and one long
         # row beside idle ones (it takes all 4)
         DecodeCase(4, 128, 4, 2, 32, jnp.float32, windows=(0, 20),
-                   config=DecodeAttentionConfig(block_s=16, min_split_keys=16, target_programs=8), few_rows=True),
+                   config=DecodeAttentionConfig(block_s=16, min_split_keys=16, target_programs=8), few_rows=True,
+                   checks_out_dtype=False),
         DecodeCase(4, 128, 4, 2, 32, jnp.float32, windows=(0, 20),
                    config=DecodeAttentionConfig(block_s=16, min_split_keys=16, target_programs=8), few_rows=True,
-                   lone_row=True),
+                   lone_row=True, checks_out_dtype=False),
         # G = 16: the queries fill the dot's 16 rows (no padding rows), two splits
         DecodeCase(2, 64, 16, 1, 32, jnp.float32, windows=(0, 9),
-                   config=DecodeAttentionConfig(block_s=16, num_splits=2, min_split_keys=16)),
+                   config=DecodeAttentionConfig(block_s=16, num_splits=2, min_split_keys=16), checks_out_dtype=False),
         # an 8-bit float cache, converted to f16 per tile
         DecodeCase(3, 100, 4, 2, 64, jnp.float8_e4m3fn, windows=(0, 7),
-                   config=DecodeAttentionConfig(block_s=16, num_splits=2, min_split_keys=16)),
+                   config=DecodeAttentionConfig(block_s=16, num_splits=2, min_split_keys=16), checks_out_dtype=False),
     )
 
 

@@ -439,6 +439,63 @@ def test_x_permutations_as_gathers_are_the_transposes(permute):
     assert "transpose" in str(jax.make_jaxpr(permute)(x))
 
 
+@pytest.mark.parametrize("word_unpack", [True, False])
+def test_x_order_is_the_permutation_the_kernel_applies(word_unpack):
+    """`x_order` names the columns the kernel reads x in: x[:, order] is what it computes
+    itself (`permute_x_words`, or `permute_x` without `word_unpack`), for Q4_0 and the formats
+    that run as Q4_0; None where x is read as it is."""
+    x = jax.random.normal(jax.random.key(1), (3, 256), jnp.float32)
+    tuning = matmul_mgpu.MosaicMatmulTuning(word_unpack=word_unpack, upcast_loads=True)
+    permute = matmul_mgpu.permute_x_words if word_unpack else matmul_mgpu.permute_x
+    for fmt in ("q4_0", "q4_k_split", "q4_1_split"):
+        order = matmul_mgpu.x_order(_spec(fmt, 64, 256), 8, tuning)
+        assert sorted(order.tolist()) == list(range(256))
+        np.testing.assert_array_equal(np.asarray(x)[:, order], np.asarray(permute(x)))
+    for fmt in ("q8_0", "q5_k_split", "q6_k_split"):
+        assert matmul_mgpu.x_order(_spec(fmt, 64, 256), 8, tuning) is None
+    assert matmul_mgpu.x_order(_spec("q4_0", 64, 256), 8, matmul_mgpu.MosaicMatmulTuning(int8_x=True)) is None
+    # the decode and the prefill tunings read Q4_0's x in one order
+    w = _spec("q4_0", 64, 256)
+    np.testing.assert_array_equal(matmul_mgpu.x_order(w, 8), matmul_mgpu.x_order(w, 512))
+
+
+@pytest.mark.parametrize("fmt,m", [("q4_0", 8), ("q4_0", 512), ("q4_k_split", 8)])
+def test_x_in_order_is_taken_as_it_is(fmt, m):
+    """With `x_in_order` the program permutes nothing: x goes to the kernel as given."""
+    pytest.importorskip("absl")
+    w = _spec(fmt, 512, 1024, 2)
+    x = jax.ShapeDtypeStruct((m, 1024), jnp.bfloat16)
+
+    def text(**options):
+        fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, layer=i, **options)  # noqa: E731
+        return jax.jit(fn).trace(x, w, jax.ShapeDtypeStruct((), jnp.int32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    plain, in_order = text(), text(x_in_order=True)
+    assert "stablehlo.gather" in text(gather_x=True) and "mosaic_gpu" in in_order
+    # x's transpose gone (Q4_K's offsets keep a transpose of x's block sums)
+    assert plain.count("stablehlo.transpose") == in_order.count("stablehlo.transpose") + 1
+    assert "stablehlo.gather" not in in_order
+    with pytest.raises(NotImplementedError, match="int8"):
+        matmul_mgpu.qmatmul_mgpu(jnp.zeros((8, 1024), jnp.bfloat16), w, matmul_mgpu.MosaicMatmulTuning(int8_x=True),
+                                 layer=0, x_in_order=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt,m,n,k", [("q4_0", 8, 512, 4096), ("q4_0", 200, 512, 4096), ("q8_0", 8, 512, 4096)])
+def test_x_in_order_gives_the_same_product(fmt, m, n, k):
+    """x permuted by its producer (`x_order`) and passed with `x_in_order` gives the product of
+    the plain call, bit for bit."""
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % (1 << 63)))
+    w = random_weight(fmt, n, k, rng)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32).astype(jnp.bfloat16)
+    order = matmul_mgpu.x_order(w, m)
+    x_in = x if order is None else x[:, order]
+    want = np.asarray(matmul_mgpu.qmatmul_mgpu(x, w))
+    np.testing.assert_array_equal(np.asarray(matmul_mgpu.qmatmul_mgpu(x_in, w, x_in_order=True)), want)
+
+
 @pytest.mark.parametrize("fmt,m", [("q4_0", 8), ("q4_0", 512), ("q4_k_split", 8), ("q4_k_split", 512),
                                    ("q4_1_split", 512), ("q8_0", 8)])
 def test_gather_x_lowers_for_cuda(fmt, m):
