@@ -302,6 +302,11 @@ class EngineConfig:
     # step took 405 kernels with it against 469 and decoded 3-4% faster (bench/results, twentieth
     # session); on a 7B Q4_K_M (twenty-first session) neutral, within run-to-run spread.
     gather_x: bool = True
+    # The value rows permuted at load into the order the output projection's matmul reads its x
+    # in (model/ordered_values.py), so that the attention's output goes to it as it is: one XLA
+    # kernel (the permutation, with the conversion to bf16) fewer per layer of a decode step. One
+    # device only. For A/B measurements.
+    ordered_values: bool = True
     # The Mosaic GPU matmuls called through `pallas_kernels.lowering_cache.LoweredOnce`: each
     # kernel lowered once per shape for all the step programs instead of once per program (on
     # the H200, 1.5 s per kernel and program, under the GIL). One device only, and a jax that can

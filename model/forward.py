@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
+from model.ordered_values import value_order
 from model.weights import LayerGroup, Params, numbered
 from pallas_kernels.attention import pack_decode_write
 from pallas_kernels.quant import QuantizedTensor
@@ -58,6 +59,15 @@ class Kernels:
     rope: Callable | None = None
     gated_act: Callable | None = None
     numerics: str = "native"  # EngineConfig.numerics as resolved: "native" or "ggml"
+    # w -> the column order [K] (np.ndarray) in which matmul reads x for w in every regime (it
+    # permutes x itself unless called with x_in_order=True); None: x as it is, or no one order.
+    x_order: Callable[[QuantizedTensor], Any] = lambda w: None
+    # The value rows were permuted at load into the order the output projection reads x in
+    # (model/ordered_values.py): the attention's output is passed to it with x_in_order=True.
+    ordered_values: bool = False
+    # The dtype attention_decode is asked to write its output in (out_dtype=): the matmuls'
+    # activation dtype where the implementation takes it; None: its own (f32).
+    attention_out_dtype: Any = None
 
 
 @jax.tree_util.register_dataclass
@@ -207,13 +217,15 @@ def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return jax.nn.silu(x)
 
 
-def _mm(kern: Kernels, x: jax.Array, w: QuantizedTensor, layer, split: str, elementwise_x: bool = False
-        ) -> jax.Array:
+def _mm(kern: Kernels, x: jax.Array, w: QuantizedTensor, layer, split: str, elementwise_x: bool = False,
+        x_in_order: bool = False) -> jax.Array:
     """x @ w.T; a stacked w (the scanned layers) is read at `layer` by the kernel itself.
     split: "column" (output features split under tensor parallelism), "row" (input features) or
     "vocab" (the output head: split like "column", its logits gathered whole on every device).
-    elementwise_x: x is made by elementwise ops, not a reduction (`Kernels.matmul`)."""
-    return kern.matmul(x, w, layer if w.stack_shape else None, split, elementwise_x=elementwise_x)
+    elementwise_x: x is made by elementwise ops, not a reduction (`Kernels.matmul`).
+    x_in_order: x is already in the column order the matmul reads (`Kernels.x_order`)."""
+    in_order = {"x_in_order": True} if x_in_order else {}  # only kernels that name an order take it
+    return kern.matmul(x, w, layer if w.stack_shape else None, split, elementwise_x=elementwise_x, **in_order)
 
 
 def _split_cols(y: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
@@ -253,7 +265,10 @@ def _qkv(cfg: ModelConfig, kern: Kernels, lp: dict, layer, h: jax.Array, pos: ja
 def _attn_out_and_ffn(cfg: ModelConfig, kern: Kernels, lp: dict, layer, x: jax.Array, attn: jax.Array) -> jax.Array:
     """The rest of a layer after attention: output projection, residual, FFN block.
     x [M, E], attn [M, H, D] -> [M, E]."""
-    out = _mm(kern, attn.reshape(attn.shape[0], cfg.q_dim), lp["wo"], layer, "row", elementwise_x=True)
+    # values stored in wo's x order at load: the attention's output is in it already
+    in_order = kern.ordered_values and value_order(cfg, kern, lp["wo"]) is not None
+    out = _mm(kern, attn.reshape(attn.shape[0], cfg.q_dim), lp["wo"], layer, "row", elementwise_x=True,
+              x_in_order=in_order)
     if "post_attn_norm" in lp:
         out = _norm(kern, out, lp["post_attn_norm"], cfg.rms_eps)
     return _ffn(cfg, kern, lp, layer, x + out)
@@ -366,7 +381,10 @@ def decode(
     pos = jnp.where(active, positions, 0)
     write_pos = jnp.where(active, positions, s)  # out of range: dropped
     rows = jnp.arange(b)  # distinct and ascending: write_decode declares its indices sorted and unique
-    few = {"few_rows": True} if few_rows else {}  # only implementations with such a plan take it
+    # only implementations with a few-rows plan, or an output dtype, take them
+    options = {"few_rows": True} if few_rows else {}
+    if kern.attention_out_dtype is not None:
+        options["out_dtype"] = kern.attention_out_dtype
 
     def body(lp, c: KVCache, i, x, w_index):  # x [B, E]
         inv_freq, window = _layer_consts(cfg, params, i)
@@ -375,12 +393,12 @@ def decode(
         k, v = _fit_cache(k, c.k.dtype), _fit_cache(v, c.v.dtype)
         if kern.decode_writes_cache:
             attn, ck, cv = kern.attention_decode(pack_decode_write(q, k, v), c.k, c.v, pos, cfg.scale, window,
-                                                 layer=i, span=attend or s, write_pos=write_pos, **few)
+                                                 layer=i, span=attend or s, write_pos=write_pos, **options)
             c = KVCache(ck, cv)
         else:
             c = c.write_decode(i, rows, write_pos, k, v)
             attn = kern.attention_decode(q, c.k, c.v, pos, cfg.scale, window, layer=i, span=attend or s,
-                                         **few)  # [B, H, D]
+                                         **options)  # [B, H, D]
         return _attn_out_and_ffn(cfg, kern, lp, w_index, x, attn), c
 
     x = _embed(cfg, kern, params, tokens)

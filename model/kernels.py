@@ -200,22 +200,43 @@ def choose_kernels(
         jax.ShapeDtypeStruct((max(s, t), kh, d), kv), jax.ShapeDtypeStruct((), jnp.int32), cfg.scale, window,
     )])
 
-    def matmul(x: jax.Array, w: QuantizedTensor, layer=None, split: str | None = None,
-               elementwise_x: bool = False) -> jax.Array:
-        del split  # one device: nothing is split (model/sharding.py wraps this for tensor parallelism)
-        fns = decode_fns if math.prod(x.shape[:-1]) <= decode_rows else prefill_fns
+    def chosen(w: QuantizedTensor, rows: int):
+        fns = decode_fns if rows <= decode_rows else prefill_fns
         fn = fns.get((w.fmt, *w.shape)) or fns.get(w.fmt)
         if fn is None:
             raise KeyError(f"no matmul was chosen for a {w.fmt} matrix {list(w.shape)}: not a shape of this model")
-        # x made by elementwise ops: an implementation that permutes x does it as a gather, which
-        # XLA fuses into them (pallas_kernels/matmul_mgpu.py, `gather_x`)
-        gathers = elementwise_x and engine_cfg.gather_x and getattr(fn, "takes_gather_x", False)
-        options = {"gather_x": True} if gathers else {}
+        return fn
+
+    def matmul(x: jax.Array, w: QuantizedTensor, layer=None, split: str | None = None,
+               elementwise_x: bool = False, x_in_order: bool = False) -> jax.Array:
+        del split  # one device: nothing is split (model/sharding.py wraps this for tensor parallelism)
+        fn = chosen(w, math.prod(x.shape[:-1]))
+        if x_in_order:  # x comes in the order the implementation reads (x_order below)
+            options = {"x_in_order": True}
+        else:
+            # x made by elementwise ops: an implementation that permutes x does it as a gather,
+            # which XLA fuses into them (pallas_kernels/matmul_mgpu.py, `gather_x`)
+            gathers = elementwise_x and engine_cfg.gather_x and getattr(fn, "takes_gather_x", False)
+            options = {"gather_x": True} if gathers else {}
         return fn(x.astype(act_dtype), w, layer=layer, **options)
 
+    def x_order(w: QuantizedTensor) -> np.ndarray | None:
+        """The column order in which every regime's implementation for w (decode rows and each
+        prefill chunk) reads x (its `x_order(w, rows)`); None where one reads x as it is or
+        they differ."""
+        orders = []
+        for rows in (decode_rows, *prefill_rows):
+            order_of = getattr(chosen(w, rows), "x_order", None)
+            orders.append(None if order_of is None else order_of(w, rows))
+        if orders[0] is None or any(o is None or not np.array_equal(o, orders[0]) for o in orders[1:]):
+            return None
+        return orders[0]
+
+    takes_dtype = getattr(dec_fn, "takes_out_dtype", False) and act_dtype != f32
     return Kernels(matmul=matmul, embed=embed_fn, attention_decode=dec_fn, attention_prefill=pre_fn,
                    decode_few_rows_limit=few_rows_limit,
                    decode_writes_cache=bool(getattr(dec_fn, "writes_cache", False)) and not engine_cfg.separate_kv_write,
+                   x_order=x_order, attention_out_dtype=act_dtype if takes_dtype else None,
                    ), names
 
 

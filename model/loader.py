@@ -21,6 +21,7 @@ from model.runner import ModelRunner
 from model.tokenizer import Tokenizer
 from model.weights import SPLITS, Params, is_split, load_params, params_nbytes
 from model.kernels import choose_kernels
+from model.ordered_values import order_values
 from pallas_kernels import quant, registry
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,8 @@ def load_model(path: str | os.PathLike[str], engine_cfg: EngineConfig) -> Loaded
         # large for one device never lands whole on one device, nor in host memory.
         params = load_params(gf, cfg, fuse=False, place=sharding.placer(mesh), splits=splits)
     kernels, kernel_names = choose_kernels(forced, cfg, params, engine_cfg)
+    if mesh is None and engine_cfg.ordered_values:
+        params, kernels = order_values(cfg, params, kernels)
     if splits and jax.default_backend() != "cpu":
         slow = sorted(op for op, impl in kernel_names.items() if "_split" in op and impl == "reference")
         if slow:  # the splits are for the GPU kernels: none of them took these shapes

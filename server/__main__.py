@@ -99,6 +99,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
     p.add_argument("--no-gather-x", dest="gather_x", action="store_false",
                    help="permute the output and down projections' x for the Mosaic GPU matmul by a transpose, not "
                         "a gather XLA fuses into the ops before it (for A/B measurements)")
+    p.add_argument("--no-ordered-values", dest="ordered_values", action="store_false",
+                   help="keep the value rows in the model's order, so that the attention's output is permuted for "
+                        "the Mosaic GPU matmul by a kernel of its own (for A/B measurements)")
     p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
                    help="compile the prefill programs without XLA's command buffers (CUDA graphs; for A/B "
                         "measurements)")
@@ -161,6 +164,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         few_rows_attention=args.few_rows_attention,
         separate_kv_write=args.separate_kv_write,
         gather_x=args.gather_x,
+        ordered_values=args.ordered_values,
         reuse_kernel_lowering=args.reuse_kernel_lowering,
         prefill_cuda_graphs=args.prefill_cuda_graphs,
         gc_freeze=args.gc_freeze,

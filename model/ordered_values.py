@@ -1,0 +1,98 @@
+"""Value rows permuted at load into the order the output projection reads its x in.
+
+A matmul kernel may read x in a column order of its own (the Mosaic GPU kernel's Q4_0 codes
+unpack each 32-block's even weights, then its odd ones: `pallas_kernels.matmul_mgpu.x_order`),
+and then permutes x itself on every call: in the decode step an XLA kernel per layer between the
+attention and the output projection, which also turns the attention's output into bf16 (about 2
+us a layer on the H200). Attention's output for head h, dimension j is a weighted sum of the
+values' dimension j of h's kv head, so permuting the value rows of each kv head (the rows of
+`wv`, or of the value part of the fused `wqkv`, and its bias) permutes the attention's output the
+same way, for every query head of that kv head. Where the permutation the output projection wants
+is one order of the head's dimensions repeated for every head, the values are stored in it at load
+(`order_values`), the attention writes its output in that order and in the activations' dtype, and
+the output projection takes that x as it is (`x_in_order`): no kernel between them.
+
+Nothing else reads the values: the cache holds them permuted, and every reader (decode and
+prefill attention) gives its output in the same order. The numbers are those of the plain path
+(each output dimension is the same sum), so tokens do not change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.config import ModelConfig
+from model.weights import LayerGroup, Params
+from pallas_kernels.quant import QuantizedTensor
+
+
+def head_order(order: np.ndarray | None, num_heads: int, head_dim: int) -> np.ndarray | None:
+    """The order [head_dim] of one head's dimensions when `order` (of all heads' [H * D]
+    columns) is that order repeated in every head; None when it is not, or is no permutation."""
+    if order is None or order.shape != (num_heads * head_dim,):
+        return None
+    per_head = np.reshape(order, (num_heads, head_dim)) - np.arange(num_heads)[:, None] * head_dim
+    first = per_head[0]
+    if not (per_head == first).all() or not np.array_equal(np.sort(first), np.arange(head_dim)):
+        return None
+    if np.array_equal(first, np.arange(head_dim)):
+        return None
+    return first
+
+
+def value_order(cfg: ModelConfig, kern: Any, wo: QuantizedTensor) -> np.ndarray | None:
+    """The order of a head's dimensions the output projection `wo` reads its x in
+    (`Kernels.x_order`), where values can be stored in it; None: x as it is."""
+    return head_order(kern.x_order(wo), cfg.num_heads, cfg.head_dim)
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "start"), donate_argnums=0)
+def _permute_plane(plane: jax.Array, index: jax.Array, axis: int, start: int) -> jax.Array:
+    """plane with its rows [start, start + len(index)) along `axis` replaced by rows
+    start + index (in place where the plane is donated)."""
+    rows = jax.lax.slice_in_dim(plane, start, start + index.shape[0], axis=axis)
+    return jax.lax.dynamic_update_slice_in_dim(plane, jnp.take(rows, index, axis=axis), start, axis=axis)
+
+
+def _permute_rows(w: QuantizedTensor, start: int, index: np.ndarray) -> QuantizedTensor:
+    fmt = w.format
+    planes = {name: _permute_plane(p, index, p.ndim + fmt.n_axis(name), start) for name, p in w.planes.items()}
+    return QuantizedTensor(planes, w.fmt, w.shape)
+
+
+def _ordered(cfg: ModelConfig, kern: Any, lp: dict[str, Any]) -> dict[str, Any]:
+    order = value_order(cfg, kern, lp["wo"])
+    if order is None:
+        return lp
+    d, kv_dim = cfg.head_dim, cfg.kv_dim
+    index = (np.arange(cfg.num_kv_heads)[:, None] * d + order[None, :]).reshape(-1).astype(np.int32)
+    lp = dict(lp)
+    if "wv" in lp:
+        lp["wv"] = _permute_rows(lp["wv"], 0, index)
+    elif "wqkv" in lp:
+        lp["wqkv"] = _permute_rows(lp["wqkv"], cfg.q_dim + kv_dim, index)
+    else:
+        raise ValueError(f"a layer without value rows: {sorted(lp)}")
+    if "bv" in lp:
+        lp["bv"] = _permute_plane(lp["bv"], index, lp["bv"].ndim - 1, 0)
+    return lp
+
+
+def order_values(cfg: ModelConfig, params: Params, kern: Any) -> tuple[Params, Any]:
+    """`params` with every layer's value rows in the order its output projection reads x in
+    (where that is one order per head, `value_order`), and `kern` marked so
+    (`Kernels.ordered_values`): the forward pass then hands the attention's output over as it is.
+    The old value planes are donated (rewritten in place where the backend can)."""
+    def layer(lp):
+        if isinstance(lp, LayerGroup):
+            return LayerGroup([_ordered(cfg, kern, phase) for phase in lp.phases], lp.start, lp.repeats)
+        return _ordered(cfg, kern, lp)
+
+    layers = layer(params.layers) if params.is_stacked else [layer(lp) for lp in params.layers]
+    return dataclasses.replace(params, layers=layers), dataclasses.replace(kern, ordered_values=True)

@@ -1,0 +1,115 @@
+"""model/ordered_values.py: value rows stored at load in the order the output projection reads
+x in, checked on the CPU with a matmul registered for the test that reads x in a permuted order
+of its own (as the Mosaic GPU kernel does for Q4_0) beside the reference."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import forward
+from model.config import EngineConfig
+from model.loader import load_model
+from model.ordered_values import head_order
+from pallas_kernels import registry
+from pallas_kernels.matmul import qmatmul_reference
+from pallas_kernels.quant import slice_rows
+
+CALLS: list[tuple[tuple[int, int], bool]] = []
+
+
+def _order(k: int) -> np.ndarray:
+    """Within each 32-block its even columns, then its odd ones (the Mosaic kernel's Q4_0 order)."""
+    return np.arange(k).reshape(k // 32, 16, 2).swapaxes(1, 2).reshape(k)
+
+
+def permuting(x, w, tuning=None, *, layer=None, interpret=False, x_in_order=False, **options):
+    """x @ w.T as the reference computes it, from x read in `_order`: permuted here unless it
+    comes so (`x_in_order`)."""
+    order = _order(w.shape[1])
+    xp = x if x_in_order else x[..., order]
+    CALLS.append((tuple(w.shape), x_in_order))
+    return qmatmul_reference(xp[..., np.argsort(order)], w, layer=layer)
+
+
+permuting.x_order = lambda w, rows: _order(w.shape[1])
+
+
+@pytest.fixture
+def with_permuting():
+    impls, chosen = registry._REGISTRY._impls["matmul"], registry._REGISTRY._chosen
+    saved, saved_chosen = list(impls), dict(chosen)
+    registry.register("matmul", "permuting", permuting, priority=1000)
+    CALLS.clear()
+    yield
+    impls[:] = saved
+    chosen.clear()
+    chosen.update(saved_chosen)
+
+
+def _loaded(path, **kw):
+    cfg = EngineConfig(num_slots=4, max_context=64, prefill_budget=64, prefill_chunks=(8, 64), context_buckets=(64,),
+                       **kw)
+    return load_model(path, cfg), cfg
+
+
+def test_head_order():
+    d = 32
+    per_head = _order(d)
+    assert np.array_equal(head_order(np.concatenate([per_head + h * d for h in range(4)]), 4, d), per_head)
+    assert head_order(None, 4, d) is None
+    assert head_order(np.arange(4 * d), 4, d) is None  # as it is: nothing to store
+    assert head_order(_order(8 * 16), 8, 16) is None  # 32-blocks across heads of 16
+    mixed = np.concatenate([per_head, np.arange(d) + d])  # one head permuted, the other not
+    assert head_order(mixed, 2, d) is None
+    assert head_order(np.concatenate([np.arange(d) + d, np.arange(d)]), 2, d) is None  # heads swapped
+    assert head_order(np.arange(2 * d), 3, d) is None  # not the heads' columns
+
+
+def test_values_stored_in_the_output_projections_order_give_the_same_tokens(tiny_tp_path, with_permuting):
+    """Loaded with the permuting matmul, the value rows of the fused q/k/v matrix are each kv
+    head's rows in that order, the output projection alone gets x_in_order, and the decode
+    and prefill logits are those of the load that keeps the model's order (--no-ordered-values)."""
+    loaded, cfg = _loaded(tiny_tp_path)
+    plain, plain_cfg = _loaded(tiny_tp_path, ordered_values=False)
+    assert loaded.kernels.ordered_values and not plain.kernels.ordered_values
+    mc = loaded.config
+    d, q_dim, kv_dim = mc.head_dim, mc.q_dim, mc.kv_dim
+    rows = (np.arange(mc.num_kv_heads)[:, None] * d + _order(d)[None, :]).reshape(-1)
+    ours, theirs = loaded.params.layers["wqkv"], plain.params.layers["wqkv"]
+    v_ours, v_theirs = slice_rows(ours, q_dim + kv_dim, q_dim + 2 * kv_dim), slice_rows(theirs, q_dim + kv_dim,
+                                                                                        q_dim + 2 * kv_dim)
+    for name, p in v_theirs.planes.items():
+        axis = p.ndim + v_theirs.format.n_axis(name)
+        np.testing.assert_array_equal(np.asarray(v_ours.planes[name]), np.take(np.asarray(p), rows, axis=axis))
+    qk = slice_rows(ours, 0, q_dim + kv_dim).planes, slice_rows(theirs, 0, q_dim + kv_dim).planes
+    for name in qk[0]:
+        np.testing.assert_array_equal(np.asarray(qk[0][name]), np.asarray(qk[1][name]))
+
+    outputs = []
+    for model in (loaded, plain):
+        CALLS.clear()
+        outputs.append((*_prefill_then_decode(model), list(CALLS)))
+    for ours, theirs in zip(outputs[0][:2], outputs[1][:2]):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    wo = tuple(loaded.params.layers["wo"].shape)
+    assert {shape for shape, in_order in outputs[0][2] if in_order} == {wo}
+    assert all(not in_order for shape, in_order in outputs[0][2] if shape != wo)
+    assert not any(in_order for _, in_order in outputs[1][2])
+
+
+def _prefill_then_decode(model):
+    """Logits of a 9-token prompt in slot 1, then of one decode step of slots 0 and 1."""
+    cfg, kern, params = model.config, model.kernels, model.params
+    cache = forward.KVCache.create(cfg, 4, 64, jnp.float32)
+    prompt = jnp.asarray([5, 17, 300, 2, 9, 44, 1000, 3, 71, 0, 0, 0, 0, 0, 0, 0], jnp.int32)
+    pre = jax.jit(functools.partial(forward.prefill, cfg, kern))
+    logits_p, cache = pre(params, cache, jnp.int32(1), prompt, jnp.int32(0), jnp.int32(9))
+    _, cache = pre(params, cache, jnp.int32(0), prompt[::-1], jnp.int32(0), jnp.int32(16))
+    dec = jax.jit(functools.partial(forward.decode, cfg, kern))
+    logits_d, _ = dec(params, cache, jnp.asarray([7, 8, 0, 0], jnp.int32), jnp.asarray([16, 9, -1, -1], jnp.int32))
+    return np.asarray(logits_p), np.asarray(logits_d[:2])
