@@ -15,6 +15,7 @@ from model import forward
 from model.config import EngineConfig
 from model.loader import load_model
 from model.ordered_values import head_order
+from model.weights import LayerGroup
 from pallas_kernels import registry
 from pallas_kernels.matmul import qmatmul_reference
 from pallas_kernels.quant import slice_rows
@@ -74,9 +75,7 @@ def test_values_stored_in_the_output_projections_order_give_the_same_tokens(tiny
     """Loaded with the permuting matmul, the value rows of the fused q/k/v matrix are each kv
     head's rows in that order, the output projection alone gets x_in_order, and the decode
     and prefill logits are those of the load that keeps the model's order (--no-ordered-values)."""
-    loaded, cfg = _loaded(tiny_tp_path)
-    plain, plain_cfg = _loaded(tiny_tp_path, ordered_values=False)
-    assert loaded.kernels.ordered_values and not plain.kernels.ordered_values
+    loaded, plain = _same_logits(tiny_tp_path)
     mc = loaded.config
     d, q_dim, kv_dim = mc.head_dim, mc.q_dim, mc.kv_dim
     rows = (np.arange(mc.num_kv_heads)[:, None] * d + _order(d)[None, :]).reshape(-1)
@@ -90,16 +89,35 @@ def test_values_stored_in_the_output_projections_order_give_the_same_tokens(tiny
     for name in qk[0]:
         np.testing.assert_array_equal(np.asarray(qk[0][name]), np.asarray(qk[1][name]))
 
+
+def test_values_ordered_in_layer_groups_with_biases(synthetic_gguf, with_permuting):
+    """A 12-layer Q4_K_M mix: values fused with nothing in some layers (`wv`, Q6_K), layers in
+    groups, the value bias permuted with its rows: the same logits again."""
+    loaded, plain = _same_logits(synthetic_gguf("tiny-tp", "q4_k_m", layers=12))
+    layers = loaded.params.layers
+    assert not loaded.params.is_stacked
+    dicts = [d for lp in layers for d in (lp.phases if isinstance(lp, LayerGroup) else [lp])]
+    assert any(isinstance(lp, LayerGroup) for lp in layers) and any("wv" in d for d in dicts)
+    assert all("bv" in d for d in dicts)
+
+
+def _same_logits(path):
+    """The model loaded with and without ordered values: both loads, after checking that their
+    logits agree and that only the output projection took x in order."""
+    loaded, _ = _loaded(path)
+    plain, _ = _loaded(path, ordered_values=False)
+    assert loaded.kernels.ordered_values and not plain.kernels.ordered_values
     outputs = []
     for model in (loaded, plain):
         CALLS.clear()
         outputs.append((*_prefill_then_decode(model), list(CALLS)))
     for ours, theirs in zip(outputs[0][:2], outputs[1][:2]):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
-    wo = tuple(loaded.params.layers["wo"].shape)
+    wo = (loaded.config.embed_dim, loaded.config.q_dim)
     assert {shape for shape, in_order in outputs[0][2] if in_order} == {wo}
-    assert all(not in_order for shape, in_order in outputs[0][2] if shape != wo)
+    assert all(in_order == (shape == wo) for shape, in_order in outputs[0][2])
     assert not any(in_order for _, in_order in outputs[1][2])
+    return loaded, plain
 
 
 def _prefill_then_decode(model):
