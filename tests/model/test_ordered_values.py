@@ -40,16 +40,35 @@ def permuting(x, w, tuning=None, *, layer=None, interpret=False, x_in_order=Fals
 permuting.x_order = lambda w, rows: _order(w.shape[1])
 
 
-@pytest.fixture
-def with_permuting():
+def decode_only(x, w, tuning=None, *, layer=None, interpret=False, **options):
+    """`permuting` for decode rows (at most 8) only."""
+    if np.prod(x.shape[:-1]) > 8:
+        raise NotImplementedError("decode rows only")
+    return permuting(x, w, layer=layer, **options)
+
+
+decode_only.x_order = permuting.x_order
+
+
+def _registered(name, fn):
     impls, chosen = registry._REGISTRY._impls["matmul"], registry._REGISTRY._chosen
     saved, saved_chosen = list(impls), dict(chosen)
-    registry.register("matmul", "permuting", permuting, priority=1000)
+    registry.register("matmul", name, fn, priority=1000)
     CALLS.clear()
     yield
     impls[:] = saved
     chosen.clear()
     chosen.update(saved_chosen)
+
+
+@pytest.fixture
+def with_permuting():
+    yield from _registered("permuting", permuting)
+
+
+@pytest.fixture
+def with_decode_only():
+    yield from _registered("decode_only_permuting", decode_only)
 
 
 def _loaded(path, **kw):
@@ -131,3 +150,19 @@ def _prefill_then_decode(model):
     dec = jax.jit(functools.partial(forward.decode, cfg, kern))
     logits_d, _ = dec(params, cache, jnp.asarray([7, 8, 0, 0], jnp.int32), jnp.asarray([16, 9, -1, -1], jnp.int32))
     return np.asarray(logits_p), np.asarray(logits_d[:2])
+
+
+def test_no_order_where_decode_and_prefill_read_x_differently(tiny_tp_path, with_decode_only):
+    """A permuting matmul that takes decode rows only leaves prompt chunks to the reference,
+    which reads x as it is: no one order (Kernels.x_order None), so the values stay in the
+    model's order and no call gets x_in_order."""
+    loaded, _ = _loaded(tiny_tp_path)
+    plain, _ = _loaded(tiny_tp_path, ordered_values=False)
+    assert loaded.kernel_names["matmul_decode[q8_0]"] == "decode_only_permuting"
+    assert loaded.kernel_names["matmul[q8_0]"] == "reference"
+    assert loaded.kernels.x_order(loaded.params.layers["wo"]) is None
+    for name, p in plain.params.layers["wqkv"].planes.items():
+        np.testing.assert_array_equal(np.asarray(loaded.params.layers["wqkv"].planes[name]), np.asarray(p))
+    CALLS.clear()
+    _prefill_then_decode(loaded)
+    assert CALLS and not any(in_order for _, in_order in CALLS)
