@@ -15,6 +15,7 @@ per prompt the tokens before the first divergence, the total, and writes
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import pathlib
 import shlex
@@ -52,6 +53,7 @@ def tokens_under(model: str, flags: str, prompts: list[list[int]], num_tokens: i
     info = {"flags": flags, "kernels": m.kernel_names, "ready_s": round(ready, 1),
             "generate_s": round(time.perf_counter() - t0 - ready, 1)}
     del runner, m
+    gc.collect()  # the first model's device buffers go before the second loads
     return out, info
 
 
@@ -66,6 +68,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    slots = engine_config(args.a).num_slots
+    if args.prompts > min(slots, engine_config(args.b).num_slots):
+        ap.error(f"--prompts {args.prompts}: each prompt takes a slot of its own (--slots, {slots} here)")
 
     # the prompts: ids of the model's vocabulary past its first 4 (control tokens)
     gf = GGUFFile(args.model)

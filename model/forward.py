@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
-from model.ordered_values import value_order
+from model.ordered_values import wo_key
 from model.weights import LayerGroup, Params, numbered
 from pallas_kernels.attention import pack_decode_write
 from pallas_kernels.quant import QuantizedTensor
@@ -29,11 +29,12 @@ from pallas_kernels.quant import QuantizedTensor
 class Kernels:
     """The op implementations one compiled program uses (hashable: a static jit argument)."""
 
-    # (x [M, K], w, layer, split, elementwise_x=False) -> [M, N] f32; a stacked w is read at
-    # `layer` in place. `split` ("column" | "row" | "vocab") is how the matrix divides under tensor
-    # parallelism (model/sharding.py; "vocab": column-split output head whose logits are gathered
-    # whole); single-device kernels ignore it. `elementwise_x`: x is made by elementwise ops (an
-    # implementation that permutes x may then do it in a form XLA fuses into them).
+    # (x [M, K], w, layer, split, elementwise_x=False[, x_in_order=True]) -> [M, N] f32; a stacked
+    # w is read at `layer` in place. `split` ("column" | "row" | "vocab") is how the matrix divides
+    # under tensor parallelism (model/sharding.py; "vocab": column-split output head whose logits
+    # are gathered whole); single-device kernels ignore it. `elementwise_x`: x is made by
+    # elementwise ops (an implementation that permutes x may then do it in a form XLA fuses into
+    # them). `x_in_order` (passed only when true): x is in the order `x_order(w)` names.
     matmul: Callable
     embed: Callable  # (w, ids [T]) -> [T, E] f32
     # Both read the whole [L, B, S, K, D] cache in place at (traced) `layer` (and `slot`), keys
@@ -62,9 +63,10 @@ class Kernels:
     # w -> the column order [K] (np.ndarray) in which matmul reads x for w in every regime (it
     # permutes x itself unless called with x_in_order=True); None: x as it is, or no one order.
     x_order: Callable[[QuantizedTensor], Any] = lambda w: None
-    # The value rows were permuted at load into the order the output projection reads x in
-    # (model/ordered_values.py): the attention's output is passed to it with x_in_order=True.
-    ordered_values: bool = False
+    # The output projections ((fmt, N, K), `ordered_values.wo_key`) whose layers' value rows were
+    # permuted at load into the order they read x in (model/ordered_values.py): the attention's
+    # output is passed to them with x_in_order=True.
+    ordered_values: frozenset = frozenset()
     # The dtype attention_decode is asked to write its output in (out_dtype=): the matmuls'
     # activation dtype where the implementation takes it; None: its own (f32).
     attention_out_dtype: Any = None
@@ -266,7 +268,7 @@ def _attn_out_and_ffn(cfg: ModelConfig, kern: Kernels, lp: dict, layer, x: jax.A
     """The rest of a layer after attention: output projection, residual, FFN block.
     x [M, E], attn [M, H, D] -> [M, E]."""
     # values stored in wo's x order at load: the attention's output is in it already
-    in_order = kern.ordered_values and value_order(cfg, kern, lp["wo"]) is not None
+    in_order = wo_key(lp["wo"]) in kern.ordered_values
     out = _mm(kern, attn.reshape(attn.shape[0], cfg.q_dim), lp["wo"], layer, "row", elementwise_x=True,
               x_in_order=in_order)
     if "post_attn_norm" in lp:

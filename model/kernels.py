@@ -221,11 +221,11 @@ def choose_kernels(
         return fn(x.astype(act_dtype), w, layer=layer, **options)
 
     def x_order(w: QuantizedTensor) -> np.ndarray | None:
-        """The column order in which every regime's implementation for w (decode rows and each
-        prefill chunk) reads x (its `x_order(w, rows)`); None where one reads x as it is or
-        they differ."""
+        """The column order in which the implementation for w reads x at every row count the
+        engine runs (decode's and each prompt chunk's: its `x_order(w, rows)`); None where one
+        reads x as it is or they differ."""
         orders = []
-        for rows in (decode_rows, *prefill_rows):
+        for rows in sorted({decode_rows, *engine_cfg.prefill_chunks}):  # a chunk of <= decode_rows: decode's
             order_of = getattr(chosen(w, rows), "x_order", None)
             orders.append(None if order_of is None else order_of(w, rows))
         if orders[0] is None or any(o is None or not np.array_equal(o, orders[0]) for o in orders[1:]):

@@ -167,6 +167,9 @@ def load_model(path: str | os.PathLike[str], engine_cfg: EngineConfig) -> Loaded
     kernels, kernel_names = choose_kernels(forced, cfg, params, engine_cfg)
     if mesh is None and engine_cfg.ordered_values:
         params, kernels = order_values(cfg, params, kernels)
+        if kernels.ordered_values:
+            log.info("values stored in the order of the output projections %s read x in",
+                     ", ".join(f"{f} {n}x{k}" for f, n, k in sorted(kernels.ordered_values)))
     if splits and jax.default_backend() != "cpu":
         slow = sorted(op for op, impl in kernel_names.items() if "_split" in op and impl == "reference")
         if slow:  # the splits are for the GPU kernels: none of them took these shapes

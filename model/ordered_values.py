@@ -66,10 +66,16 @@ def _permute_rows(w: QuantizedTensor, start: int, index: np.ndarray) -> Quantize
     return QuantizedTensor(planes, w.fmt, w.shape)
 
 
-def _ordered(cfg: ModelConfig, kern: Any, lp: dict[str, Any]) -> dict[str, Any]:
+def wo_key(wo: QuantizedTensor) -> tuple[str, int, int]:
+    """What `Kernels.ordered_values` holds of an output projection whose values were ordered."""
+    return (wo.fmt, *wo.shape)
+
+
+def _ordered(cfg: ModelConfig, kern: Any, lp: dict[str, Any], done: set) -> dict[str, Any]:
     order = value_order(cfg, kern, lp["wo"])
     if order is None:
         return lp
+    done.add(wo_key(lp["wo"]))
     d, kv_dim = cfg.head_dim, cfg.kv_dim
     index = (np.arange(cfg.num_kv_heads)[:, None] * d + order[None, :]).reshape(-1).astype(np.int32)
     lp = dict(lp)
@@ -86,13 +92,16 @@ def _ordered(cfg: ModelConfig, kern: Any, lp: dict[str, Any]) -> dict[str, Any]:
 
 def order_values(cfg: ModelConfig, params: Params, kern: Any) -> tuple[Params, Any]:
     """`params` with every layer's value rows in the order its output projection reads x in
-    (where that is one order per head, `value_order`), and `kern` marked so
-    (`Kernels.ordered_values`): the forward pass then hands the attention's output over as it is.
-    The old value planes are donated (rewritten in place where the backend can)."""
+    (where that is one order per head, `value_order`), and `kern` told which output projections
+    that was done for (`Kernels.ordered_values`, decided here once): the forward pass hands them
+    the attention's output as it is. The old value planes are donated (rewritten in place where
+    the backend can)."""
+    done: set[tuple[str, int, int]] = set()
+
     def layer(lp):
         if isinstance(lp, LayerGroup):
-            return LayerGroup([_ordered(cfg, kern, phase) for phase in lp.phases], lp.start, lp.repeats)
-        return _ordered(cfg, kern, lp)
+            return LayerGroup([_ordered(cfg, kern, phase, done) for phase in lp.phases], lp.start, lp.repeats)
+        return _ordered(cfg, kern, lp, done)
 
     layers = layer(params.layers) if params.is_stacked else [layer(lp) for lp in params.layers]
-    return dataclasses.replace(params, layers=layers), dataclasses.replace(kern, ordered_values=True)
+    return dataclasses.replace(params, layers=layers), dataclasses.replace(kern, ordered_values=frozenset(done))

@@ -554,9 +554,10 @@ def _merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     no visible key has acc = 0, m = _NEG, l = 0: weight 0. Written split by split with
     elementwise ops only: XLA makes it one loop kernel, where reductions over the split axis
     ran as two at 8 splits on the H200 (bench/results, eleventh session). In the engine's step
-    XLA fuses it into the permutation of x before the output projection where that is a gather
-    (the Mosaic GPU matmul's `gather_x`), not where it is a transpose (bench/results, twentieth
-    session)."""
+    XLA fuses it into what takes the output: the conversion to `out_dtype`, and where the values
+    are not stored in the output projection's order (model/ordered_values.py) the permutation of
+    x before it where that is a gather (the Mosaic GPU matmul's `gather_x`), not where it is a
+    transpose (bench/results, twentieth session)."""
     m_all = m[0]
     for i in range(1, m.shape[0]):
         m_all = jnp.maximum(m_all, m[i])

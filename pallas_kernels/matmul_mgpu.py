@@ -580,6 +580,12 @@ def x_order(w: QuantizedTensor, rows: int, tuning: MosaicMatmulTuning | None = N
     return np.arange(k).reshape(k // 32, *block).swapaxes(1, 2).reshape(k)
 
 
+def _model_order(x2: jax.Array, w: QuantizedTensor, tuning: MosaicMatmulTuning) -> jax.Array:
+    """x [M, K] given in the kernel's order (`x_order`) put back in the model's, by a gather."""
+    order = x_order(w, x2.shape[0], tuning)
+    return x2 if order is None else jnp.take(x2, jnp.asarray(np.argsort(order), jnp.int32), axis=1)
+
+
 @functools.partial(jax.jit, static_argnames=("tuning", "gather_x", "x_in_order"))
 def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning: MosaicMatmulTuning,
                  gather_x: bool = False, x_in_order: bool = False) -> jax.Array:
@@ -615,10 +621,12 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
                                    rows_out=tuning.rows_out, m_tiles=m_tiles, offsets=offsets)
         x_inputs = (xp,)
     offset_inputs = ()
-    if offsets:  # the offsets, and (unless folded) x's block sums [K/32, M_pad] (unchanged by x's permutation)
+    if offsets:  # the offsets, and (unless folded) x's block sums [K/32, M_pad]
         offset_inputs = (jnp.reshape(w.planes["c"], (-1, n)),)
         if not tuning.fold_scales:
-            offset_inputs = (jnp.pad(q4_k_split.block_sums(x2), ((0, m_pad - m), (0, 0))).T, *offset_inputs)
+            # summed in the model's order whatever order x came in: the same f32 rounding
+            sums = q4_k_split.block_sums(_model_order(x2, w, tuning) if x_in_order else x2)
+            offset_inputs = (jnp.pad(sums, ((0, m_pad - m), (0, 0))).T, *offset_inputs)
     if tuning.rows_out:
         out_shape, smem_shape = (split, m_pad, n), (m_tile, rows)
     else:
@@ -667,9 +675,13 @@ def qmatmul_mgpu(
         raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
     tuning = tuning or default_tuning(math.prod(x.shape[:-1]))
     if w.fmt in OFFSET_FORMS and not fuses_offsets(tuning):  # Q4_0's or Q8_0's kernel, plus the offsets' XLA dot
+        if x_in_order:  # the offsets' block sums of x in the model's order (the plain call's rounding)
+            k = w.shape[1]
+            x_model = jnp.reshape(_model_order(jnp.reshape(x, (-1, k)), w, tuning), x.shape)
+            return (qmatmul_mgpu(x, q4_k_split.codes_and_scales(w), tuning, layer=layer, x_in_order=True)
+                    + q4_k_split.offset_term(x_model, w, layer, q4_k_split.KERNEL_OFFSET_PRECISION))
         return q4_k_split.matmul_via(qmatmul_mgpu, x, w, layer, tuning=tuning,
-                                     offset_precision=q4_k_split.KERNEL_OFFSET_PRECISION, gather_x=gather_x,
-                                     x_in_order=x_in_order)
+                                     offset_precision=q4_k_split.KERNEL_OFFSET_PRECISION, gather_x=gather_x)
     _check_supported(x, w, layer, tuning)
     n, k = w.shape
     lead = x.shape[:-1]

@@ -125,14 +125,14 @@ def _same_logits(path):
     logits agree and that only the output projection took x in order."""
     loaded, _ = _loaded(path)
     plain, _ = _loaded(path, ordered_values=False)
-    assert loaded.kernels.ordered_values and not plain.kernels.ordered_values
+    wo = (loaded.config.embed_dim, loaded.config.q_dim)
+    assert {key[1:] for key in loaded.kernels.ordered_values} == {wo} and not plain.kernels.ordered_values
     outputs = []
     for model in (loaded, plain):
         CALLS.clear()
         outputs.append((*_prefill_then_decode(model), list(CALLS)))
     for ours, theirs in zip(outputs[0][:2], outputs[1][:2]):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
-    wo = (loaded.config.embed_dim, loaded.config.q_dim)
     assert {shape for shape, in_order in outputs[0][2] if in_order} == {wo}
     assert all(in_order == (shape == wo) for shape, in_order in outputs[0][2])
     assert not any(in_order for _, in_order in outputs[1][2])
@@ -160,7 +160,7 @@ def test_no_order_where_decode_and_prefill_read_x_differently(tiny_tp_path, with
     plain, _ = _loaded(tiny_tp_path, ordered_values=False)
     assert loaded.kernel_names["matmul_decode[q8_0]"] == "decode_only_permuting"
     assert loaded.kernel_names["matmul[q8_0]"] == "reference"
-    assert loaded.kernels.x_order(loaded.params.layers["wo"]) is None
+    assert loaded.kernels.x_order(loaded.params.layers["wo"]) is None and not loaded.kernels.ordered_values
     for name, p in plain.params.layers["wqkv"].planes.items():
         np.testing.assert_array_equal(np.asarray(loaded.params.layers["wqkv"].planes[name]), np.asarray(p))
     CALLS.clear()
