@@ -399,6 +399,7 @@ def main_run(args: argparse.Namespace) -> int:
                           "few_rows_attention": config.few_rows_attention,
                           "separate_kv_write": config.separate_kv_write, "gather_x": config.gather_x,
                           "ordered_values": config.ordered_values,
+                          "ordered_value_matrices": engine_info.get("ordered_values"),
                           "reuse_kernel_lowering": config.reuse_kernel_lowering,
                           "prefill_cuda_graphs": config.prefill_cuda_graphs, "gc_freeze": config.gc_freeze,
                           "split_q4_k": config.split_q4_k, "split_q5_k": config.split_q5_k,

@@ -57,6 +57,9 @@ def build_engine(
         "arch": loaded.config.arch,
         "kernels": dict(loaded.kernel_names),
         "split_formats": sorted(loaded.splits),
+        # the output projections whose values are stored in the order they read x in
+        # (model/ordered_values.py): /health shows whether that layout took effect
+        "ordered_values": [f"{f} {n}x{k}" for f, n, k in sorted(loaded.kernels.ordered_values)],
         "load_seconds": round(loaded.load_seconds, 2),
         "kv_dtype": engine_config.kv_dtype,
         "backend": jax.default_backend(),

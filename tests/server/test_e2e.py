@@ -33,6 +33,8 @@ def test_health_reports_model_and_kernels(server):
     assert {"embed", "attention_decode", "attention_prefill"} <= set(body["kernels"])
     assert {k for k in body["kernels"] if k.startswith("matmul")} == {
         "matmul[q4_1]", "matmul[q8_0]", "matmul_decode[q4_1]", "matmul_decode[q8_0]"}
+    # the reference matmul reads x as it is: no values stored in another order
+    assert body["engine"]["ordered_values"] == []
 
 
 def test_completion_streamed_equals_unstreamed(client):
