@@ -146,9 +146,13 @@ def _permuted(x2: jax.Array, block: tuple[int, int], gather: bool) -> jax.Array:
     kernel of its own there on the H200, bench/results, twentieth session)."""
     m, k = x2.shape
     if gather:
-        order = np.arange(k).reshape(k // 32, *block).swapaxes(1, 2).reshape(k)
-        return jnp.take(x2, jnp.asarray(order, jnp.int32), axis=1)
+        return jnp.take(x2, jnp.asarray(_block_order(k, block), jnp.int32), axis=1)
     return jnp.reshape(jnp.swapaxes(jnp.reshape(x2, (m, k // 32, *block)), 2, 3), (m, k))
+
+
+def _block_order(k: int, block: tuple[int, int]) -> np.ndarray:
+    """The columns [K] `_permuted` takes: each 32-block, seen as `block` [a, b], transposed."""
+    return np.arange(k).reshape(k // 32, *block).swapaxes(1, 2).reshape(k)
 
 
 def codes_view(qs: jax.Array, k: int) -> jax.Array:
@@ -575,9 +579,7 @@ def x_order(w: QuantizedTensor, rows: int, tuning: MosaicMatmulTuning | None = N
     tuning = tuning or default_tuning(rows)
     if tuning.int8_x or OFFSET_FORMS.get(w.fmt, w.fmt) != "q4_0":
         return None
-    k = w.shape[1]
-    block = (16, 2) if tuning.word_unpack else (2, 16)
-    return np.arange(k).reshape(k // 32, *block).swapaxes(1, 2).reshape(k)
+    return _block_order(w.shape[1], (16, 2) if tuning.word_unpack else (2, 16))
 
 
 def _model_order(x2: jax.Array, w: QuantizedTensor, tuning: MosaicMatmulTuning) -> jax.Array:
