@@ -582,12 +582,6 @@ def x_order(w: QuantizedTensor, rows: int, tuning: MosaicMatmulTuning | None = N
     return _block_order(w.shape[1], (16, 2) if tuning.word_unpack else (2, 16))
 
 
-def _model_order(x2: jax.Array, w: QuantizedTensor, tuning: MosaicMatmulTuning) -> jax.Array:
-    """x [M, K] given in the kernel's order (`x_order`) put back in the model's, by a gather."""
-    order = x_order(w, x2.shape[0], tuning)
-    return x2 if order is None else jnp.take(x2, jnp.asarray(np.argsort(order), jnp.int32), axis=1)
-
-
 @functools.partial(jax.jit, static_argnames=("tuning", "gather_x", "x_in_order"))
 def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning: MosaicMatmulTuning,
                  gather_x: bool = False, x_in_order: bool = False) -> jax.Array:
@@ -626,8 +620,11 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
     if offsets:  # the offsets, and (unless folded) x's block sums [K/32, M_pad]
         offset_inputs = (jnp.reshape(w.planes["c"], (-1, n)),)
         if not tuning.fold_scales:
-            # summed in the model's order whatever order x came in: the same f32 rounding
-            sums = q4_k_split.block_sums(_model_order(x2, w, tuning) if x_in_order else x2)
+            # x's order permutes columns within each 32-block only: the same sums, though XLA's
+            # reduce may round them differently (a gather back to the model's order, tried, did
+            # not make them bit for bit the plain call's on the H200; a fixed order of adds did,
+            # at a kernel of its own per call: 549 against 517 per Q4_K_M 7B decode step)
+            sums = q4_k_split.block_sums(x2)
             offset_inputs = (jnp.pad(sums, ((0, m_pad - m), (0, 0))).T, *offset_inputs)
     if tuning.rows_out:
         out_shape, smem_shape = (split, m_pad, n), (m_tile, rows)
@@ -677,11 +674,9 @@ def qmatmul_mgpu(
         raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
     tuning = tuning or default_tuning(math.prod(x.shape[:-1]))
     if w.fmt in OFFSET_FORMS and not fuses_offsets(tuning):  # Q4_0's or Q8_0's kernel, plus the offsets' XLA dot
-        if x_in_order:  # the offsets' block sums of x in the model's order (the plain call's rounding)
-            k = w.shape[1]
-            x_model = jnp.reshape(_model_order(jnp.reshape(x, (-1, k)), w, tuning), x.shape)
+        if x_in_order:  # the offsets' block sums are those of x in any order within its 32-blocks
             return (qmatmul_mgpu(x, q4_k_split.codes_and_scales(w), tuning, layer=layer, x_in_order=True)
-                    + q4_k_split.offset_term(x_model, w, layer, q4_k_split.KERNEL_OFFSET_PRECISION))
+                    + q4_k_split.offset_term(x, w, layer, q4_k_split.KERNEL_OFFSET_PRECISION))
         return q4_k_split.matmul_via(qmatmul_mgpu, x, w, layer, tuning=tuning,
                                      offset_precision=q4_k_split.KERNEL_OFFSET_PRECISION, gather_x=gather_x)
     _check_supported(x, w, layer, tuning)

@@ -473,10 +473,9 @@ def test_x_in_order_is_taken_as_it_is(fmt, m):
 
     plain, in_order = text(), text(x_in_order=True)
     assert "stablehlo.gather" in text(gather_x=True) and "mosaic_gpu" in in_order
-    # x's transpose gone (Q4_K's offsets keep a transpose of x's block sums, and gather x back
-    # into the model's order for them)
+    # x's transpose gone (Q4_K's offsets keep a transpose of x's block sums), and no gather
     assert plain.count("stablehlo.transpose") == in_order.count("stablehlo.transpose") + 1
-    assert ("stablehlo.gather" in in_order) == (fmt == "q4_k_split")
+    assert "stablehlo.gather" not in in_order
     with pytest.raises(NotImplementedError, match="int8"):
         matmul_mgpu.qmatmul_mgpu(jnp.zeros((8, 1024), jnp.bfloat16), w, matmul_mgpu.MosaicMatmulTuning(int8_x=True),
                                  layer=0, x_in_order=True)
@@ -488,9 +487,10 @@ def test_x_in_order_is_taken_as_it_is(fmt, m):
                                      ("q4_k", 8, 512, 4096), ("q4_k", 200, 512, 4096)])
 def test_x_in_order_gives_the_same_product(fmt, m, n, k):
     """x permuted by its producer (`x_order`) and passed with `x_in_order` gives the product of
-    the plain call, bit for bit; for Q4_K split at load too, whose offsets take x's block sums
-    (summed in the model's order either way; x spans many binades, so another order of the sums
-    would round differently)."""
+    the plain call: bit for bit where x goes to the kernel alone; for Q4_K split at load, whose
+    offsets take x's block sums, up to their f32 rounding (x spans many binades, and XLA's
+    reduce of a block may add its values in another order: it did on the H200, also with x
+    gathered back to the model's order first)."""
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % (1 << 63)))
     w = random_weight(fmt, n, k, rng)
     if fmt == "q4_k":
@@ -500,7 +500,15 @@ def test_x_in_order_gives_the_same_product(fmt, m, n, k):
     order = matmul_mgpu.x_order(w, m)
     x_in = x if order is None else x[:, order]
     want = np.asarray(matmul_mgpu.qmatmul_mgpu(x, w))
-    np.testing.assert_array_equal(np.asarray(matmul_mgpu.qmatmul_mgpu(x_in, w, x_in_order=True)), want)
+    got = np.asarray(matmul_mgpu.qmatmul_mgpu(x_in, w, x_in_order=True))
+    if fmt == "q4_k":
+        # the block sums' f32 rounding, through the offsets: a bound on it from the size of the
+        # terms (K/32 blocks of 32 values), not of the result (terms of many binades cancel)
+        bound = 2 * np.finfo(np.float32).eps * k * np.abs(np.asarray(x, np.float32)).max()
+        bound *= np.abs(np.asarray(w.planes["c"], np.float32)).max()
+        np.testing.assert_allclose(got, want, rtol=0, atol=bound)
+    else:
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("fmt,m", [("q4_0", 8), ("q4_0", 512), ("q4_k_split", 8), ("q4_k_split", 512),
