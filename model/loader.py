@@ -21,7 +21,7 @@ from model.runner import ModelRunner
 from model.tokenizer import Tokenizer
 from model.weights import SPLITS, Params, is_split, load_params, params_nbytes
 from model.kernels import choose_kernels
-from model.ordered_values import order_values
+from model.ordered_values import labels as ordered_labels, order_values
 from pallas_kernels import quant, registry
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ def load_model(path: str | os.PathLike[str], engine_cfg: EngineConfig) -> Loaded
         params, kernels = order_values(cfg, params, kernels)
         if kernels.ordered_values:
             log.info("values stored in the order of the output projections %s read x in",
-                     ", ".join(f"{f} {n}x{k}" for f, n, k in sorted(kernels.ordered_values)))
+                     ", ".join(ordered_labels(kernels.ordered_values)))
     if splits and jax.default_backend() != "cpu":
         slow = sorted(op for op, impl in kernel_names.items() if "_split" in op and impl == "reference")
         if slow:  # the splits are for the GPU kernels: none of them took these shapes

@@ -71,6 +71,11 @@ def wo_key(wo: QuantizedTensor) -> tuple[str, int, int]:
     return (wo.fmt, *wo.shape)
 
 
+def labels(ordered: frozenset) -> list[str]:
+    """`Kernels.ordered_values` as the load's log and /health name them: "q4_0 4096x4096"."""
+    return [f"{f} {n}x{k}" for f, n, k in sorted(ordered)]
+
+
 def _ordered(cfg: ModelConfig, kern: Any, lp: dict[str, Any], done: set) -> dict[str, Any]:
     order = value_order(cfg, kern, lp["wo"])
     if order is None:

@@ -14,6 +14,7 @@ import jax
 
 from model.config import EngineConfig
 from model.loader import load_model
+from model.ordered_values import labels as ordered_labels
 from scheduler.engine import Engine, freeze_heap
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def build_engine(
         "split_formats": sorted(loaded.splits),
         # the output projections whose values are stored in the order they read x in
         # (model/ordered_values.py): /health shows whether that layout took effect
-        "ordered_values": [f"{f} {n}x{k}" for f, n, k in sorted(loaded.kernels.ordered_values)],
+        "ordered_values": ordered_labels(loaded.kernels.ordered_values),
         "load_seconds": round(loaded.load_seconds, 2),
         "kv_dtype": engine_config.kv_dtype,
         "backend": jax.default_backend(),
