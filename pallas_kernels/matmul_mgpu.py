@@ -674,11 +674,10 @@ def qmatmul_mgpu(
         raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
     tuning = tuning or default_tuning(math.prod(x.shape[:-1]))
     if w.fmt in OFFSET_FORMS and not fuses_offsets(tuning):  # Q4_0's or Q8_0's kernel, plus the offsets' XLA dot
-        if x_in_order:  # the offsets' block sums are those of x in any order within its 32-blocks
-            return (qmatmul_mgpu(x, q4_k_split.codes_and_scales(w), tuning, layer=layer, x_in_order=True)
-                    + q4_k_split.offset_term(x, w, layer, q4_k_split.KERNEL_OFFSET_PRECISION))
+        # (x in the kernel's order has the same 32-block sums for the offsets, up to rounding)
         return q4_k_split.matmul_via(qmatmul_mgpu, x, w, layer, tuning=tuning,
-                                     offset_precision=q4_k_split.KERNEL_OFFSET_PRECISION, gather_x=gather_x)
+                                     offset_precision=q4_k_split.KERNEL_OFFSET_PRECISION, gather_x=gather_x,
+                                     x_in_order=x_in_order)
     _check_supported(x, w, layer, tuning)
     n, k = w.shape
     lead = x.shape[:-1]
