@@ -400,6 +400,7 @@ def main_run(args: argparse.Namespace) -> int:
                           "separate_kv_write": config.separate_kv_write, "gather_x": config.gather_x,
                           "ordered_values": config.ordered_values,
                           "ordered_value_matrices": engine_info.get("ordered_values"),
+                          "gated_ffn": config.gated_ffn, "gated_ffn_matrices": engine_info.get("gated_ffn"),
                           "reuse_kernel_lowering": config.reuse_kernel_lowering,
                           "prefill_cuda_graphs": config.prefill_cuda_graphs, "gc_freeze": config.gc_freeze,
                           "split_q4_k": config.split_q4_k, "split_q5_k": config.split_q5_k,

@@ -307,6 +307,10 @@ class EngineConfig:
     # kernel (the permutation, with the conversion to bf16) fewer per layer of a decode step. One
     # device only. For A/B measurements.
     ordered_values: bool = True
+    # The gate/up rows interleaved at load where the decode matmul makes the gated activation in
+    # its epilogue (model/gated_ffn.py): one XLA kernel (act(gate) * up, permuted for the down
+    # projection) fewer per layer of a decode step. One device only. For A/B measurements.
+    gated_ffn: bool = True
     # The Mosaic GPU matmuls called through `pallas_kernels.lowering_cache.LoweredOnce`: each
     # kernel lowered once per shape for all the step programs instead of once per program (on
     # the H200, 1.5 s per kernel and program, under the GIL). One device only, and a jax that can

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from model import gated_ffn
 from model.config import ModelConfig
 from model.ordered_values import wo_key
 from model.weights import LayerGroup, Params, numbered
@@ -70,6 +71,15 @@ class Kernels:
     # The dtype attention_decode is asked to write its output in (out_dtype=): the matmuls'
     # activation dtype where the implementation takes it; None: its own (f32).
     attention_out_dtype: Any = None
+    # (w, act) -> whether the decode matmul for an interleaved gate/up matrix w makes act(gate) *
+    # up in its own epilogue at no cost (`matmul(..., gated=act)`; pallas_kernels/gated.py).
+    # matmul takes `gated=act` (passed only when set) whatever the answer: an implementation
+    # without the epilogue is followed by the product in XLA.
+    takes_gated: Callable[[QuantizedTensor, str], bool] = lambda w, act: False
+    # The layers whose gate/up rows were interleaved at load (`model.gated_ffn.ffn_key`: the
+    # gate/up and down matrices' (fmt, N, K) and whether the product comes in the down
+    # projection's x order): their FFN calls the gate/up matmul with gated=activation.
+    gated_ffn: frozenset = frozenset()
 
 
 @jax.tree_util.register_dataclass
@@ -220,14 +230,17 @@ def _act(cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 
 def _mm(kern: Kernels, x: jax.Array, w: QuantizedTensor, layer, split: str, elementwise_x: bool = False,
-        x_in_order: bool = False) -> jax.Array:
+        x_in_order: bool = False, gated: str | None = None) -> jax.Array:
     """x @ w.T; a stacked w (the scanned layers) is read at `layer` by the kernel itself.
     split: "column" (output features split under tensor parallelism), "row" (input features) or
     "vocab" (the output head: split like "column", its logits gathered whole on every device).
     elementwise_x: x is made by elementwise ops, not a reduction (`Kernels.matmul`).
-    x_in_order: x is already in the column order the matmul reads (`Kernels.x_order`)."""
-    in_order = {"x_in_order": True} if x_in_order else {}  # only kernels that name an order take it
-    return kern.matmul(x, w, layer if w.stack_shape else None, split, elementwise_x=elementwise_x, **in_order)
+    x_in_order: x is already in the column order the matmul reads (`Kernels.x_order`).
+    gated: w is an interleaved gate/up matrix, and the call returns act(gate) * up (`Kernels.gated_ffn`)."""
+    options = {"x_in_order": True} if x_in_order else {}  # only kernels that name an order take it
+    if gated is not None:
+        options["gated"] = gated
+    return kern.matmul(x, w, layer if w.stack_shape else None, split, elementwise_x=elementwise_x, **options)
 
 
 def _split_cols(y: jax.Array, sizes: tuple[int, ...]) -> list[jax.Array]:
@@ -278,13 +291,18 @@ def _attn_out_and_ffn(cfg: ModelConfig, kern: Kernels, lp: dict, layer, x: jax.A
 
 def _ffn(cfg: ModelConfig, kern: Kernels, lp: dict, layer, x: jax.Array) -> jax.Array:
     h = _norm(kern, x, lp["ffn_norm"], cfg.rms_eps)
-    if "w_gate_up" in lp:  # fused at load
-        gate, up = _split_cols(_mm(kern, h, lp["w_gate_up"], layer, "column"), (cfg.ffn_dim, cfg.ffn_dim))
+    key = gated_ffn.layer_key(kern, lp)
+    if key is not None:  # gate/up interleaved at load: the matmul makes act(gate) * up itself
+        act = _mm(kern, h, lp["w_gate_up"], layer, "column", gated=cfg.activation)
+        out = _mm(kern, act, lp["w_down"], layer, "row", elementwise_x=True, x_in_order=key[-1])
     else:
-        gate = _mm(kern, h, lp["w_gate"], layer, "column")
-        up = _mm(kern, h, lp["w_up"], layer, "column")
-    act = kern.gated_act(gate, up) if kern.gated_act is not None else _act(cfg, gate) * up
-    out = _mm(kern, act, lp["w_down"], layer, "row", elementwise_x=True)
+        if "w_gate_up" in lp:  # fused at load
+            gate, up = _split_cols(_mm(kern, h, lp["w_gate_up"], layer, "column"), (cfg.ffn_dim, cfg.ffn_dim))
+        else:
+            gate = _mm(kern, h, lp["w_gate"], layer, "column")
+            up = _mm(kern, h, lp["w_up"], layer, "column")
+        act = kern.gated_act(gate, up) if kern.gated_act is not None else _act(cfg, gate) * up
+        out = _mm(kern, act, lp["w_down"], layer, "row", elementwise_x=True)
     if "post_ffn_norm" in lp:
         out = _norm(kern, out, lp["post_ffn_norm"], cfg.rms_eps)
     return x + out

@@ -37,7 +37,7 @@ from model.config import EngineConfig, ModelConfig
 from model import sharding
 from model.forward import Kernels
 from model.weights import LayerGroup, Params
-from pallas_kernels import lowering_cache, registry
+from pallas_kernels import gated as gated_ops, lowering_cache, registry
 from pallas_kernels.quant import QuantizedTensor
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ def choose_kernels(
         return fn
 
     def matmul(x: jax.Array, w: QuantizedTensor, layer=None, split: str | None = None,
-               elementwise_x: bool = False, x_in_order: bool = False) -> jax.Array:
+               elementwise_x: bool = False, x_in_order: bool = False, gated: str | None = None) -> jax.Array:
         del split  # one device: nothing is split (model/sharding.py wraps this for tensor parallelism)
         fn = chosen(w, math.prod(x.shape[:-1]))
         if x_in_order:  # x comes in the order the implementation reads (x_order below)
@@ -218,7 +218,16 @@ def choose_kernels(
             # which XLA fuses into them (pallas_kernels/matmul_mgpu.py, `gather_x`)
             gathers = elementwise_x and engine_cfg.gather_x and getattr(fn, "takes_gather_x", False)
             options = {"gather_x": True} if gathers else {}
+        if gated is not None and not hasattr(fn, "takes_gated"):  # no epilogue: the product after the call
+            return gated_ops.from_interleaved(fn(x.astype(act_dtype), w, layer=layer, **options), gated)
+        if gated is not None:
+            options["gated"] = gated
         return fn(x.astype(act_dtype), w, layer=layer, **options)
+
+    def takes_gated(w: QuantizedTensor, act: str) -> bool:
+        """Whether the decode matmul for w makes act(gate) * up itself at no cost (its `takes_gated`)."""
+        check = getattr(chosen(w, decode_rows), "takes_gated", None)
+        return check is not None and check(w, decode_rows, act)
 
     def x_order(w: QuantizedTensor) -> np.ndarray | None:
         """The column order in which the implementation for w reads x at every row count the
@@ -237,7 +246,7 @@ def choose_kernels(
                    decode_few_rows_limit=few_rows_limit,
                    decode_writes_cache=bool(getattr(dec_fn, "writes_cache", False)) and not engine_cfg.separate_kv_write,
                    x_order=x_order, attention_out_dtype=act_dtype if takes_dtype else None,
-                   ), names
+                   takes_gated=takes_gated), names
 
 
 def ggml_refusal(forced: Mapping[str, str], cfg: ModelConfig, params: Params, engine_cfg: EngineConfig

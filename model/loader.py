@@ -21,6 +21,7 @@ from model.runner import ModelRunner
 from model.tokenizer import Tokenizer
 from model.weights import SPLITS, Params, is_split, load_params, params_nbytes
 from model.kernels import choose_kernels
+from model.gated_ffn import interleave_gate_up, labels as gated_labels
 from model.ordered_values import labels as ordered_labels, order_values
 from pallas_kernels import quant, registry
 
@@ -170,6 +171,11 @@ def load_model(path: str | os.PathLike[str], engine_cfg: EngineConfig) -> Loaded
         if kernels.ordered_values:
             log.info("values stored in the order of the output projections %s read x in",
                      ", ".join(ordered_labels(kernels.ordered_values)))
+    if mesh is None and engine_cfg.gated_ffn:
+        params, kernels = interleave_gate_up(cfg, params, kernels)
+        if kernels.gated_ffn:
+            log.info("gate/up rows interleaved for the gated activation in the matmul of %s",
+                     ", ".join(gated_labels(kernels.gated_ffn)))
     if splits and jax.default_backend() != "cpu":
         slow = sorted(op for op, impl in kernel_names.items() if "_split" in op and impl == "reference")
         if slow:  # the splits are for the GPU kernels: none of them took these shapes

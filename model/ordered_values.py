@@ -20,15 +20,12 @@ prefill attention) gives its output in the same order. The numbers are those of 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from model.config import ModelConfig
-from model.weights import LayerGroup, Params
+from model.weights import Params, map_layers, permute_plane, permute_rows
 from pallas_kernels.quant import QuantizedTensor
 
 
@@ -52,20 +49,6 @@ def value_order(cfg: ModelConfig, kern: Any, wo: QuantizedTensor) -> np.ndarray 
     return head_order(kern.x_order(wo), cfg.num_heads, cfg.head_dim)
 
 
-@functools.partial(jax.jit, static_argnames=("axis", "start"), donate_argnums=0)
-def _permute_plane(plane: jax.Array, index: jax.Array, axis: int, start: int) -> jax.Array:
-    """plane with its rows [start, start + len(index)) along `axis` replaced by rows
-    start + index (in place where the plane is donated)."""
-    rows = jax.lax.slice_in_dim(plane, start, start + index.shape[0], axis=axis)
-    return jax.lax.dynamic_update_slice_in_dim(plane, jnp.take(rows, index, axis=axis), start, axis=axis)
-
-
-def _permute_rows(w: QuantizedTensor, start: int, index: np.ndarray) -> QuantizedTensor:
-    fmt = w.format
-    planes = {name: _permute_plane(p, index, p.ndim + fmt.n_axis(name), start) for name, p in w.planes.items()}
-    return QuantizedTensor(planes, w.fmt, w.shape)
-
-
 def wo_key(wo: QuantizedTensor) -> tuple[str, int, int]:
     """What `Kernels.ordered_values` holds of an output projection whose values were ordered."""
     return (wo.fmt, *wo.shape)
@@ -85,13 +68,13 @@ def _ordered(cfg: ModelConfig, kern: Any, lp: dict[str, Any], done: set) -> dict
     index = (np.arange(cfg.num_kv_heads)[:, None] * d + order[None, :]).reshape(-1).astype(np.int32)
     lp = dict(lp)
     if "wv" in lp:
-        lp["wv"] = _permute_rows(lp["wv"], 0, index)
+        lp["wv"] = permute_rows(lp["wv"], 0, index)
     elif "wqkv" in lp:
-        lp["wqkv"] = _permute_rows(lp["wqkv"], cfg.q_dim + kv_dim, index)
+        lp["wqkv"] = permute_rows(lp["wqkv"], cfg.q_dim + kv_dim, index)
     else:
         raise ValueError(f"a layer without value rows: {sorted(lp)}")
     if "bv" in lp:
-        lp["bv"] = _permute_plane(lp["bv"], index, lp["bv"].ndim - 1, 0)
+        lp["bv"] = permute_plane(lp["bv"], index, lp["bv"].ndim - 1, 0)
     return lp
 
 
@@ -103,10 +86,5 @@ def order_values(cfg: ModelConfig, params: Params, kern: Any) -> tuple[Params, A
     the backend can)."""
     done: set[tuple[str, int, int]] = set()
 
-    def layer(lp):
-        if isinstance(lp, LayerGroup):
-            return LayerGroup([_ordered(cfg, kern, phase, done) for phase in lp.phases], lp.start, lp.repeats)
-        return _ordered(cfg, kern, lp, done)
-
-    layers = layer(params.layers) if params.is_stacked else [layer(lp) for lp in params.layers]
-    return dataclasses.replace(params, layers=layers), dataclasses.replace(kern, ordered_values=frozenset(done))
+    params = map_layers(params, lambda lp: _ordered(cfg, kern, lp, done))
+    return params, dataclasses.replace(kern, ordered_values=frozenset(done))

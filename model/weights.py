@@ -12,6 +12,7 @@ one between, so a 32-layer file is 4 + 8 x 3 + 4 layers, five layer bodies inste
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -340,3 +341,31 @@ def load_params(gf: GGUFFile, cfg: ModelConfig, fuse: bool = True, place: Place 
 
 def params_nbytes(params: Params) -> int:
     return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(params))
+
+
+def map_layers(params: Params, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> Params:
+    """params with every layer dict (the stacked one, each of a list's, each phase of a
+    LayerGroup's) replaced by fn(dict)."""
+    def layer(lp):
+        if isinstance(lp, LayerGroup):
+            return LayerGroup([fn(phase) for phase in lp.phases], lp.start, lp.repeats)
+        return fn(lp)
+
+    layers = layer(params.layers) if params.is_stacked else [layer(lp) for lp in params.layers]
+    return dataclasses.replace(params, layers=layers)
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "start"), donate_argnums=0)
+def permute_plane(plane: jax.Array, index: jax.Array, axis: int, start: int) -> jax.Array:
+    """plane with its rows [start, start + len(index)) along `axis` replaced by rows
+    start + index (in place where the plane is donated)."""
+    rows = jax.lax.slice_in_dim(plane, start, start + index.shape[0], axis=axis)
+    return jax.lax.dynamic_update_slice_in_dim(plane, jnp.take(rows, index, axis=axis), start, axis=axis)
+
+
+def permute_rows(w: quant.QuantizedTensor, start: int, index: np.ndarray) -> quant.QuantizedTensor:
+    """w (stacked or not) with its rows [start, start + len(index)) replaced by rows start + index,
+    in every plane; the old planes donated."""
+    fmt = w.format
+    planes = {name: permute_plane(p, index, p.ndim + fmt.n_axis(name), start) for name, p in w.planes.items()}
+    return quant.QuantizedTensor(planes, w.fmt, w.shape)

@@ -82,7 +82,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import q4_k_split, registry
+from pallas_kernels import gated as gated_ffn, q4_k_split, registry
 from pallas_kernels.mgpu_tuning import (  # noqa: F401  (re-exported: the kernel's tuning and plan)
     BLOCK_K, BLOCK_N, CODE_BITS, DEFAULT_TUNING, MAX_ROWS, PREFILL_TUNING, SMEM_BYTES, SUPPORTED_FORMATS,
     MosaicMatmulTuning, default_tuning, fuses_offsets, padded_rows, rows_per_cta, split_for, stage_bytes, stages_for,
@@ -99,7 +99,7 @@ def _plgpu():
     return plgpu
 
 
-def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatmulTuning) -> None:
+def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatmulTuning, gated: bool = False) -> None:
     offsets = w.fmt in OFFSET_FORMS
     if offsets and not fuses_offsets(tuning):
         raise NotImplementedError(f"mosaic_gpu matmul adds {w.fmt} offsets with `fuse_offsets` (unfolded scales) or "
@@ -125,7 +125,7 @@ def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatm
         raise NotImplementedError(f"mosaic_gpu matmul: K={k} is not a multiple of the K step {tuning.tile_k}")
     if tuning.int8_x and w.fmt != "q4_0":
         raise NotImplementedError(f"mosaic_gpu matmul with int8 x takes q4_0, not {w.fmt}")
-    if stages_for(w.fmt, tile_rows(m, tuning), tuning, rows_per_cta(n, tuning), offsets) < 2:
+    if stages_for(w.fmt, tile_rows(m, tuning), tuning, rows_per_cta(n, tuning), offsets, gated) < 2:
         raise NotImplementedError(f"mosaic_gpu matmul: {m} rows with K steps of {tuning.tile_k} leave shared memory "
                                   "for fewer than 2 steps in flight")
 
@@ -388,18 +388,54 @@ def _store_out(accs, o_smem, o_gmem, sid, col0, rows_out: bool, x0, m: int) -> N
     plgpu.wait_smem_to_gmem(0)
 
 
+def _store_gated(accs, o_smem, g_smem, o_gmem, col0, x0, m: int, act: str) -> None:
+    """`gated`: each 64-row tile's [64, m] f32 accumulator holds the gate (its first 32 rows) and
+    the up (its last 32) of 32 features (`pallas_kernels.gated`); stores act(gate) * up [m, 32]
+    bf16 at output columns col0 + 32 t... and rows x0... of o_gmem [M, N / 2]. The tiles go
+    through o_smem [m, rows] f32 as `_store_out`'s do; both halves are then read back in one
+    strided layout (each thread holds the same elements of both) and the product goes out
+    through g_smem [m, rows / 2] bf16."""
+    plgpu = _plgpu()
+    half = BLOCK_N // 2
+    for t, acc in enumerate(accs):
+        acc = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+        plgpu.transpose_ref(o_smem.at[:, pl.ds(BLOCK_N * t, BLOCK_N)], (1, 0))[...] = acc
+    plgpu.commit_smem()  # with a warpgroup barrier: each thread reads what others stored
+    layout = plgpu.Layout.WG_STRIDED((m, half), vec_size=_strided_vec(m * half))
+    for t in range(len(accs)):
+        gate = plgpu.load(o_smem.at[:, pl.ds(BLOCK_N * t, half)], (), layout=layout)
+        up = plgpu.load(o_smem.at[:, pl.ds(BLOCK_N * t + half, half)], (), layout=layout)
+        g_smem.at[:, pl.ds(half * t, half)][...] = (gated_ffn.activation(act, gate) * up).astype(jnp.bfloat16)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(g_smem, o_gmem.at[pl.ds(x0, m), pl.ds(col0, half * len(accs))])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _strided_vec(elements: int) -> int:
+    """Elements per vector of a warpgroup's strided layout over `elements` (a multiple of 128):
+    up to 4 (16 bytes of f32)."""
+    vec = 4
+    while elements % (128 * vec):
+        vec //= 2
+    return vec
+
+
 def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int, m: int, tile_k: int,
             rows: int, steps: int, split: int, stages: int, upcast_loads: bool, word_unpack: bool,
-            fold_scales: bool, rows_out: bool, m_tiles: int = 1, offsets: bool = False):
+            fold_scales: bool, rows_out: bool, m_tiles: int = 1, offsets: bool = False, gated: str | None = None):
     """layer_gmem [1] int32; x_gmem [M_pad, K] bf16 (permuted for q4_0), of which this CTA takes
     the m rows of its tile (grid axis "mtile" when m_tiles > 1); c_gmem [L*N, K] codes (int4 or
     int8); d_gmem [L*K/B, N] f16 scales (the transposed plane; B = BLOCK_K[fmt]); with `offsets` (`OFFSET_FORMS`)
     and unfolded scales (one tile of x), refs begin with xs_gmem [K/32, M_pad] f32, x's block sums,
     and f_gmem [L*K/32, N] f16, the offsets (the `c` plane); with folded scales, f_gmem alone
     (the offsets folded into the weights, `fold_offsets`); then o_gmem [split, M_pad, N] f32
-    partial sums with o_smem [m, rows] (`rows_out`), else [split, N, M_pad] with [rows, m]. Each
+    partial sums with o_smem [m, rows] (`rows_out`), else [split, N, M_pad] with [rows, m]; with
+    `gated` (one split, `rows_out`), o_gmem [M_pad, N / 2] bf16, act(gate) * up of the
+    interleaved weight (`_store_gated`), and g_smem [m, rows / 2] bf16 after o_smem. Each
     warpgroup takes `rows` rows (64-row tiles t) of the weight, one K split and one tile of x."""
-    xs_gmem = None
+    xs_gmem = g_smem = None
+    if gated:
+        *refs, g_smem = refs
     if offsets and fold_scales:
         f_gmem, o_gmem, o_smem = refs
     elif offsets:
@@ -493,7 +529,10 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
     else:
         zero = plgpu.layout_cast(jnp.zeros((BLOCK_N, m), jnp.float32), wgmma_layout)
         accs = pipeline(body, init_carry=(zero,) * tiles)
-    _store_out(accs, o_smem, o_gmem, sid, blk_id * rows, rows_out, x0, m)
+    if gated:
+        _store_gated(accs, o_smem, g_smem, o_gmem, blk_id * rows // 2, x0, m, gated)
+    else:
+        _store_out(accs, o_smem, o_gmem, sid, blk_id * rows, rows_out, x0, m)
 
 
 def _kernel_int8(layer_gmem, xe_gmem, xo_gmem, dx_gmem, cx_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, n: int,
@@ -582,9 +621,20 @@ def x_order(w: QuantizedTensor, rows: int, tuning: MosaicMatmulTuning | None = N
     return _block_order(w.shape[1], (16, 2) if tuning.word_unpack else (2, 16))
 
 
-@functools.partial(jax.jit, static_argnames=("tuning", "gather_x", "x_in_order"))
+def takes_gated(w: QuantizedTensor, rows: int, act: str) -> bool:
+    """Whether `gated=act` on w [N, K] (interleaved) at `rows` rows of x makes the product in
+    the kernel at no cost to the matmul: an activation it has, and a K the default tuning
+    would not split anyway (the epilogue needs whole sums: `split_for` 1)."""
+    n, k = w.shape
+    tuning = default_tuning(rows)
+    if act not in gated_ffn.ACTIVATIONS or n % (2 * gated_ffn.GROUP) or not takes_shape(n, k):
+        return False
+    return split_for(n, k, tuning, -(-rows // tile_rows(rows, tuning))) == 1
+
+
+@functools.partial(jax.jit, static_argnames=("tuning", "gather_x", "x_in_order", "gated"))
 def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning: MosaicMatmulTuning,
-                 gather_x: bool = False, x_in_order: bool = False) -> jax.Array:
+                 gather_x: bool = False, x_in_order: bool = False, gated: str | None = None) -> jax.Array:
     plgpu = _plgpu()
     n, k = w.shape
     m = x2.shape[0]
@@ -594,7 +644,8 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
     m_tiles = -(-m // m_tile)
     m_pad = m_tile * m_tiles
     scales = jnp.reshape(q.planes["d"], (-1, n))  # [L*K/B, N]: a view, read in place
-    split, steps = split_for(n, k, tuning, m_tiles), k // tuning.tile_k
+    # the epilogue of `gated` needs each output's whole sum: one split
+    split, steps = 1 if gated else split_for(n, k, tuning, m_tiles), k // tuning.tile_k
     if tuning.int8_x:
         if x_in_order:
             raise NotImplementedError("mosaic_gpu matmul with int8 x rounds x itself: it takes x in its own order")
@@ -611,10 +662,11 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
             xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
         rows = rows_per_cta(n, tuning)
         kernel = functools.partial(_kernel, fmt=q.fmt, n=n, k=k, m=m_tile, tile_k=tuning.tile_k, rows=rows,
-                                   steps=steps, split=split, stages=stages_for(q.fmt, m_tile, tuning, rows, offsets),
+                                   steps=steps, split=split,
+                                   stages=stages_for(q.fmt, m_tile, tuning, rows, offsets, bool(gated)),
                                    upcast_loads=tuning.upcast_loads,
                                    word_unpack=tuning.word_unpack, fold_scales=tuning.fold_scales,
-                                   rows_out=tuning.rows_out, m_tiles=m_tiles, offsets=offsets)
+                                   rows_out=tuning.rows_out, m_tiles=m_tiles, offsets=offsets, gated=gated)
         x_inputs = (xp,)
     offset_inputs = ()
     if offsets:  # the offsets, and (unless folded) x's block sums [K/32, M_pad]
@@ -630,16 +682,22 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
         out_shape, smem_shape = (split, m_pad, n), (m_tile, rows)
     else:
         out_shape, smem_shape = (split, n, m_pad), (rows, m_tile)
+    out_type, scratch = jax.ShapeDtypeStruct(out_shape, jnp.float32), [plgpu.SMEM(smem_shape, jnp.float32)]
+    if gated:
+        out_type = jax.ShapeDtypeStruct((m_pad, n // 2), jnp.bfloat16)
+        scratch.append(plgpu.SMEM((m_tile, rows // 2), jnp.bfloat16))
     grid, grid_names = (n // rows, split), ("rows", "split")
     if m_tiles > 1:
         grid, grid_names = (*grid, m_tiles), (*grid_names, "mtile")
     partial = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        out_type=out_type,
         grid=grid,
         grid_names=grid_names,
-        scratch_types=[plgpu.SMEM(smem_shape, jnp.float32)],
+        scratch_types=scratch,
     )(layer_arr, *x_inputs, codes_of(q), scales, *offset_inputs)
+    if gated:
+        return partial[:m]
     out = partial[0] if split == 1 else jnp.sum(partial, axis=0)
     return out[:m] if tuning.rows_out else out[:, :m].T
 
@@ -653,7 +711,8 @@ def qmatmul_mgpu(
     interpret: bool = False,
     gather_x: bool = False,
     x_in_order: bool = False,
-) -> jax.Array:  # [..., N] f32
+    gated: str | None = None,
+) -> jax.Array:  # [..., N] f32; with `gated`, [..., N / 2] bf16
     """x @ dequant(w).T through the Mosaic GPU kernel; without a tuning, `default_tuning` of x's
     rows (decode up to 64, prefill beyond). "q4_k_split" (Q4_K split at load,
     pallas_kernels/q4_k_split.py) runs as Q4_0 with its offsets added in the decode kernel
@@ -669,23 +728,37 @@ def qmatmul_mgpu(
     as a gather rather than a transpose, for x made by elementwise ops, into which XLA then fuses
     it (`_permuted`); the result is the same. `x_in_order`: x comes already in the column order
     the kernel reads (`x_order`: made so by its producer, e.g. the engine's attention output from
-    values whose rows were permuted at load), and is taken as it is."""
+    values whose rows were permuted at load), and is taken as it is.
+
+    `gated` ("silu" or "gelu_tanh", `pallas_kernels.gated.ACTIVATIONS`): w is a gate/up matrix
+    in the interleaved layout (`gated.interleave_index`), and the call returns act(gate) * up
+    [..., N / 2] in bf16, made in the kernel's epilogue (its K unsplit) where the kernel makes
+    the whole product itself, else from its output (`gated.from_interleaved`)."""
     if interpret:
         raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
     tuning = tuning or default_tuning(math.prod(x.shape[:-1]))
+    if gated is not None:
+        if gated not in gated_ffn.ACTIVATIONS:
+            raise NotImplementedError(f"mosaic_gpu matmul: no gated activation {gated!r}")
+        if w.shape[0] % (2 * gated_ffn.GROUP):
+            raise ValueError(f"a gated matmul's weight has pairs of {gated_ffn.GROUP}-row groups: N={w.shape[0]}")
+        if tuning.int8_x or not tuning.rows_out or (w.fmt in OFFSET_FORMS and not fuses_offsets(tuning)):
+            y = qmatmul_mgpu(x, w, tuning, layer=layer, gather_x=gather_x, x_in_order=x_in_order)
+            return gated_ffn.from_interleaved(y, gated).astype(jnp.bfloat16)
     if w.fmt in OFFSET_FORMS and not fuses_offsets(tuning):  # Q4_0's or Q8_0's kernel, plus the offsets' XLA dot
         # (x in the kernel's order has the same 32-block sums for the offsets, up to rounding)
         return q4_k_split.matmul_via(qmatmul_mgpu, x, w, layer, tuning=tuning,
                                      offset_precision=q4_k_split.KERNEL_OFFSET_PRECISION, gather_x=gather_x,
                                      x_in_order=x_in_order)
-    _check_supported(x, w, layer, tuning)
+    _check_supported(x, w, layer, tuning, gated is not None)
     n, k = w.shape
     lead = x.shape[:-1]
     x2 = jnp.reshape(x, (-1, k))
+    n_out, dtype = (n // 2, jnp.bfloat16) if gated else (n, jnp.float32)
     if x2.shape[0] == 0:
-        return jnp.zeros((*lead, n), jnp.float32)
+        return jnp.zeros((*lead, n_out), dtype)
     layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
-    return jnp.reshape(_qmatmul_jit(x2, w, layer_arr, tuning, gather_x, x_in_order), (*lead, n))
+    return jnp.reshape(_qmatmul_jit(x2, w, layer_arr, tuning, gather_x, x_in_order, gated), (*lead, n_out))
 
 
 def _is_available() -> bool:
@@ -703,6 +776,9 @@ def _is_available() -> bool:
 # The optional protocol of a matmul implementation that permutes x (model/kernels.py reads it):
 # it takes `gather_x=True` for x made by elementwise ops.
 qmatmul_mgpu.takes_gather_x = True
+# ... takes `gated=act` on an interleaved gate/up matrix (pallas_kernels/gated.py), and says
+# where that costs the call nothing: `takes_gated(w, rows, act)`
+qmatmul_mgpu.takes_gated = takes_gated
 # ... and reads x in a column order of its own: `x_order(w, rows)`, which a caller may produce
 # itself and pass with `x_in_order=True`.
 qmatmul_mgpu.x_order = x_order

@@ -176,12 +176,13 @@ def stage_bytes(fmt: str, m: int, tile_k: int, rows: int = BLOCK_N, int8_x: bool
 
 
 def stages_for(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, rows: int | None = None,
-               offsets: bool = False) -> int:
+               offsets: bool = False, gated: bool = False) -> int:
     """Steps in flight: `tuning.stages`, or as many as fit beside the [rows, m] f32 output tile
     (m: the CTA's rows of x, `tile_rows`; rows: `rows_per_cta(n, tuning)`, by default the most
-    the tuning allows)."""
+    the tuning allows) and, `gated`, the [rows / 2, m] bf16 product's."""
     rows = BLOCK_N * tuning.row_tiles if rows is None else rows
-    room = SMEM_BYTES - rows * padded_rows(m) * 4 - 1024  # barriers and alignment
+    out_bytes = rows * padded_rows(m) * (4 + (1 if gated else 0))
+    room = SMEM_BYTES - out_bytes - 1024  # barriers and alignment
     return min(tuning.stages, room // stage_bytes(fmt, m, tuning.tile_k, rows, tuning.int8_x, offsets))
 
 

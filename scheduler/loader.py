@@ -14,6 +14,7 @@ import jax
 
 from model.config import EngineConfig
 from model.loader import load_model
+from model.gated_ffn import labels as gated_labels
 from model.ordered_values import labels as ordered_labels
 from scheduler.engine import Engine, freeze_heap
 
@@ -61,6 +62,8 @@ def build_engine(
         # the output projections whose values are stored in the order they read x in
         # (model/ordered_values.py): /health shows whether that layout took effect
         "ordered_values": ordered_labels(loaded.kernels.ordered_values),
+        # the gate/up matrices whose matmul makes the gated activation (model/gated_ffn.py)
+        "gated_ffn": gated_labels(loaded.kernels.gated_ffn),
         "load_seconds": round(loaded.load_seconds, 2),
         "kv_dtype": engine_config.kv_dtype,
         "backend": jax.default_backend(),

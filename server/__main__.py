@@ -102,6 +102,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
     p.add_argument("--no-ordered-values", dest="ordered_values", action="store_false",
                    help="keep the value rows in the model's order, so that the attention's output is permuted for "
                         "the Mosaic GPU matmul by a kernel of its own (for A/B measurements)")
+    p.add_argument("--no-gated-ffn", dest="gated_ffn", action="store_false",
+                   help="keep the gate/up rows in the model's order, so that the gated activation is a kernel of its "
+                        "own rather than the Mosaic GPU matmul's epilogue (for A/B measurements)")
     p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
                    help="compile the prefill programs without XLA's command buffers (CUDA graphs; for A/B "
                         "measurements)")
@@ -165,6 +168,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         separate_kv_write=args.separate_kv_write,
         gather_x=args.gather_x,
         ordered_values=args.ordered_values,
+        gated_ffn=args.gated_ffn,
         reuse_kernel_lowering=args.reuse_kernel_lowering,
         prefill_cuda_graphs=args.prefill_cuda_graphs,
         gc_freeze=args.gc_freeze,

@@ -35,6 +35,7 @@ def test_health_reports_model_and_kernels(server):
         "matmul[q4_1]", "matmul[q8_0]", "matmul_decode[q4_1]", "matmul_decode[q8_0]"}
     # the reference matmul reads x as it is: no values stored in another order
     assert body["engine"]["ordered_values"] == []
+    assert body["engine"]["gated_ffn"] == []  # nor a gated activation in the matmul
 
 
 def test_completion_streamed_equals_unstreamed(client):

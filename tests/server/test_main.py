@@ -57,6 +57,7 @@ def test_defaults() -> None:
     assert not engine.separate_kv_write  # the attention kernel writes the keys and values where it can
     assert engine.gather_x
     assert engine.ordered_values  # values stored in the output projection's x order where that helps
+    assert engine.gated_ffn  # the gated activation in the gate/up matmul where it makes it
     # Q4_K, Q5_K, Q6_K, Q4_1, Q5_0 and Q5_1 split where the Mosaic GPU matmul serves them: one Hopper GPU,
     # the matmul not forced elsewhere
     every = {"q4_k", "q5_k", "q6_k", "q4_1", "q5_0", "q5_1"}
@@ -119,6 +120,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
             "--unroll-decode-layers", "off", "--decode-steps", "4", "--compile-threads", "3", "--dispatch-ahead", "3",
             "--few-rows-attention", "--separate-kv-write", "--split-q4-k", "--no-reuse-kernel-lowering",
             "--no-prefill-cuda-graphs", "--no-gc-freeze", "--no-gather-x", "--no-ordered-values",
+            "--no-gated-ffn",
         ]
     )  # fmt: skip
     engine, server = build_configs(args, {})
@@ -132,7 +134,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
     assert engine.compile_workers("gpu", 2) == 2
     assert engine.few_rows_attention and engine.separate_kv_write and engine.split_q4_k == "on"
     assert not engine.reuse_kernel_lowering and not engine.prefill_cuda_graphs and not engine.gc_freeze
-    assert not engine.gather_x and not engine.ordered_values
+    assert not engine.gather_x and not engine.ordered_values and not engine.gated_ffn
     assert split_formats(engine, mosaic_available=False) == {"q4_k"}  # "on" splits whatever serves it
     assert (server.model_name, server.host, server.port, server.log_level) == ("m.gguf", "0.0.0.0", 0, "debug")
     assert server.chat_template == "{{ messages[0]['content'] }}"
