@@ -621,13 +621,26 @@ def x_order(w: QuantizedTensor, rows: int, tuning: MosaicMatmulTuning | None = N
     return _block_order(w.shape[1], (16, 2) if tuning.word_unpack else (2, 16))
 
 
+def _epilogue_takes(w: QuantizedTensor, tuning: MosaicMatmulTuning) -> bool:
+    """Whether the kernel can make the gated product of w under `tuning` itself: not with int8 x
+    or columns out, nor where the offsets of `OFFSET_FORMS` are not its own, nor in the unfolded
+    (decode) kernel that adds them: for that one jax 0.11.2's Mosaic layout inference found no
+    solution on the H200 (bench/results, thirtieth session; it lowered with jax 0.10.2)."""
+    if tuning.int8_x or not tuning.rows_out:
+        return False
+    return w.fmt not in OFFSET_FORMS or (fuses_offsets(tuning) and tuning.fold_scales)
+
+
 def takes_gated(w: QuantizedTensor, rows: int, act: str) -> bool:
     """Whether `gated=act` on w [N, K] (interleaved) at `rows` rows of x makes the product in
-    the kernel at no cost to the matmul: an activation it has, and a K the default tuning
-    would not split anyway (the epilogue needs whole sums: `split_for` 1)."""
+    the kernel at no cost to the matmul: an activation it has, a kernel that can
+    (`_epilogue_takes`), and a K the default tuning would not split anyway (the epilogue needs
+    whole sums: `split_for` 1)."""
     n, k = w.shape
     tuning = default_tuning(rows)
     if act not in gated_ffn.ACTIVATIONS or n % (2 * gated_ffn.GROUP) or not takes_shape(n, k):
+        return False
+    if not _epilogue_takes(w, tuning):
         return False
     return split_for(n, k, tuning, -(-rows // tile_rows(rows, tuning))) == 1
 
@@ -742,7 +755,7 @@ def qmatmul_mgpu(
             raise NotImplementedError(f"mosaic_gpu matmul: no gated activation {gated!r}")
         if w.shape[0] % (2 * gated_ffn.GROUP):
             raise ValueError(f"a gated matmul's weight has pairs of {gated_ffn.GROUP}-row groups: N={w.shape[0]}")
-        if tuning.int8_x or not tuning.rows_out or (w.fmt in OFFSET_FORMS and not fuses_offsets(tuning)):
+        if not _epilogue_takes(w, tuning):
             y = qmatmul_mgpu(x, w, tuning, layer=layer, gather_x=gather_x, x_in_order=x_in_order)
             return gated_ffn.from_interleaved(y, gated).astype(jnp.bfloat16)
     if w.fmt in OFFSET_FORMS and not fuses_offsets(tuning):  # Q4_0's or Q8_0's kernel, plus the offsets' XLA dot

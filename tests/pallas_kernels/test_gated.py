@@ -4,6 +4,8 @@ CUDA on the CPU and, on the GPU (marked `gpu`), against that definition."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,10 +59,13 @@ def test_takes_gated_where_the_k_is_not_split():
     assert not matmul_mgpu.takes_gated(_spec("q4_0", 1024, 4096), 8, "silu")
     assert not matmul_mgpu.takes_gated(up, 8, "relu")
     assert not matmul_mgpu.takes_gated(_spec("q4_0", 22016, 4064), 8, "silu")  # K no multiple of the step
+    # the decode kernel with Q4_K's offsets: no epilogue (Mosaic's layout inference failed on it)
+    assert not matmul_mgpu.takes_gated(_spec("q4_k_split", 22016, 4096), 8, "silu")
+    assert matmul_mgpu.takes_gated(_spec("q4_k_split", 22016, 4096), 512, "silu")
 
 
-@pytest.mark.parametrize("fmt,m,stack", [("q4_0", 8, 2), ("q4_0", 512, 2), ("q8_0", 8, None), ("q4_k_split", 8, 2),
-                                         ("q4_k_split", 200, None), ("q6_k_split", 8, None)])
+@pytest.mark.parametrize("fmt,m,stack", [("q4_0", 8, 2), ("q4_0", 512, 2), ("q8_0", 8, None), ("q4_k_split", 200, None),
+                                         ("q6_k_split", 8, None)])
 @pytest.mark.parametrize("act", gated.ACTIVATIONS)
 def test_gated_epilogue_lowers_for_cuda(fmt, m, stack, act):
     """The kernel with the gated epilogue (one K split, the product out in bf16) lowers, and its
@@ -75,15 +80,17 @@ def test_gated_epilogue_lowers_for_cuda(fmt, m, stack, act):
     assert "stablehlo.exponential" not in text and "stablehlo.tanh" not in text  # the activation is the kernel's
 
 
-def test_gated_without_the_epilogue_is_the_product_after_the_call():
-    """Where the kernel cannot make the product (int8 x: its own rounding), the call is the plain
-    one followed by `from_interleaved`; an unknown activation is refused."""
+@pytest.mark.parametrize("fmt,tuning", [("q4_0", matmul_mgpu.MosaicMatmulTuning(int8_x=True)), ("q4_k_split", None)])
+def test_gated_without_the_epilogue_is_the_product_after_the_call(fmt, tuning):
+    """Where the kernel does not make the product (int8 x: its own rounding; the decode kernel
+    adding Q4_K's offsets), the call is the plain one followed by `from_interleaved`, in bf16; an
+    unknown activation is refused."""
     pytest.importorskip("absl")
-    w = _spec("q4_0", 1024, 2048)
-    tuning = matmul_mgpu.MosaicMatmulTuning(int8_x=True)
+    w = _spec(fmt, 1024, 2048)
     fn = lambda x, w: matmul_mgpu.qmatmul_mgpu(x, w, tuning, gated="silu")  # noqa: E731
-    text = jax.jit(fn).trace(jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16), w).lower(
-        lowering_platforms=("cuda",)).as_text()
+    traced = jax.jit(fn).trace(jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16), w)
+    assert traced.out_info.shape == (8, 512) and traced.out_info.dtype == jnp.bfloat16
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "stablehlo.exponential" in text
     with pytest.raises(NotImplementedError, match="gated activation"):
         matmul_mgpu.qmatmul_mgpu(jnp.zeros((8, 2048), jnp.bfloat16), w, gated="relu")
@@ -91,25 +98,25 @@ def test_gated_without_the_epilogue_is_the_product_after_the_call():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-@pytest.mark.parametrize("fmt,m,n,k,act", [
-    ("q4_0", 8, 16896, 1024, "silu"), ("q4_0", 1, 16896, 1024, "silu"), ("q4_0", 200, 16896, 1024, "silu"),
-    ("q8_0", 8, 16896, 1024, "silu"), ("q4_k", 8, 16896, 1024, "silu"), ("q4_k", 200, 16896, 1024, "silu"),
-    ("q4_0", 8, 1024, 4096, "silu"), ("q4_0", 8, 16896, 1024, "gelu_tanh"), ("q4_k", 200, 16896, 1024, "gelu_tanh"),
-])
-def test_gated_epilogue_gives_the_product(fmt, m, n, k, act):
-    """The epilogue's act(gate) * up in bf16 against the plain call of the same kernel followed by
-    `from_interleaved` (the path without it): the same sums where that call does not split K
-    either (N of 264 warpgroups), so they differ by the activation's f32 rounding and the bf16
-    rounding of a product that straddles it; and against the format's reference."""
-    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % (1 << 63)))
+@pytest.mark.parametrize("fmt,m,act", [("q4_0", 8, "silu"), ("q4_0", 1, "silu"), ("q4_0", 200, "silu"),
+                                       ("q8_0", 8, "silu"), ("q4_k", 8, "silu"), ("q4_k", 200, "silu"),
+                                       ("q4_0", 8, "gelu_tanh"), ("q4_k", 200, "gelu_tanh")])
+def test_gated_epilogue_gives_the_product(fmt, m, act):
+    """The epilogue's act(gate) * up in bf16 against the plain call of the same kernel with K
+    unsplit too (`target_ctas=1`) followed by `from_interleaved` (the path without it): the same
+    sums, so they differ by the activation's f32 rounding and the bf16 rounding of a product
+    that straddles it; and against the format's reference."""
+    n, k = 1024, 1024
+    rng = np.random.default_rng(seed := int(np.random.SeedSequence().entropy % (1 << 63)))
     w0 = random_weight(fmt, n, k, rng)
     w = q4_k_split.split_q4_k(w0) if fmt == "q4_k" else w0
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     got = np.asarray(matmul_mgpu.qmatmul_mgpu(x, w, gated=act).astype(jnp.float32))
-    plain = gated.from_interleaved(matmul_mgpu.qmatmul_mgpu(x, w), act)
+    whole = dataclasses.replace(matmul_mgpu.default_tuning(m), target_ctas=1)
+    plain = gated.from_interleaved(matmul_mgpu.qmatmul_mgpu(x, w, whole), act)
     want = np.asarray(plain.astype(jnp.bfloat16).astype(jnp.float32))
     assert got.shape == (m, n // 2)
-    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6 * np.abs(want).max())
-    assert np.mean(got == want) > 0.98  # most products round alike
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6 * np.abs(want).max(), err_msg=f"seed {seed}")
+    assert np.mean(got == want) > 0.98, f"seed {seed}: {np.mean(got == want)} of the products the same"
     ref = gated.from_interleaved(qmatmul_reference(x.astype(jnp.float32), w0), act)
-    assert relative_error(got, np.asarray(ref)) < 1e-2
+    assert relative_error(got, np.asarray(ref)) < 1e-2, f"seed {seed}"
