@@ -10,7 +10,7 @@ import pytest
 
 from model.weights import LayerGroup
 from pallas_kernels import gated as gated_ops
-from tests.model.test_ordered_values import _loaded, _order, _prefill_then_decode, _registered, permuting
+from tests.model.test_ordered_values import _loaded, _order, _registered, permuting, same_logits
 
 CALLS: list[tuple[tuple[int, int], str | None, bool]] = []
 
@@ -53,17 +53,8 @@ def _same_logits(path):
     loaded, _ = _loaded(path)
     plain, _ = _loaded(path, gated_ffn=False)
     assert not plain.kernels.gated_ffn
-    outputs = []
-    for model in (loaded, plain):
-        CALLS.clear()
-        outputs.append((*_prefill_then_decode(model), list(CALLS)))
-    for ours, theirs in zip(outputs[0][:2], outputs[1][:2]):
-        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    outputs = same_logits(loaded, plain, CALLS)
     return loaded, plain, outputs[0][2], outputs[1][2]
-
-
-def _gate_up_rows(cfg, order):
-    return gated_ops.interleave_index(cfg.ffn_dim, order)
 
 
 def test_gate_up_interleaved_in_the_down_projections_order_give_the_same_logits(tiny_tp_path, with_gating):
@@ -74,7 +65,7 @@ def test_gate_up_interleaved_in_the_down_projections_order_give_the_same_logits(
     mc = loaded.config
     up_shape, down_shape = (2 * mc.ffn_dim, mc.embed_dim), (mc.embed_dim, mc.ffn_dim)
     assert loaded.kernels.gated_ffn == {(("q8_0", *up_shape), ("q8_0", *down_shape), True)}
-    index = _gate_up_rows(mc, _order(mc.ffn_dim))
+    index = gated_ops.interleave_index(mc.ffn_dim, _order(mc.ffn_dim))
     ours, theirs = loaded.params.layers["w_gate_up"], plain.params.layers["w_gate_up"]
     for name, p in theirs.planes.items():
         axis = p.ndim + theirs.format.n_axis(name)

@@ -127,16 +127,23 @@ def _same_logits(path):
     plain, _ = _loaded(path, ordered_values=False)
     wo = (loaded.config.embed_dim, loaded.config.q_dim)
     assert {key[1:] for key in loaded.kernels.ordered_values} == {wo} and not plain.kernels.ordered_values
-    outputs = []
-    for model in (loaded, plain):
-        CALLS.clear()
-        outputs.append((*_prefill_then_decode(model), list(CALLS)))
-    for ours, theirs in zip(outputs[0][:2], outputs[1][:2]):
-        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    outputs = same_logits(loaded, plain, CALLS)
     assert {shape for shape, in_order in outputs[0][2] if in_order} == {wo}
     assert all(in_order == (shape == wo) for shape, in_order in outputs[0][2])
     assert not any(in_order for _, in_order in outputs[1][2])
     return loaded, plain
+
+
+def same_logits(loaded, plain, calls: list) -> list[tuple]:
+    """(prefill logits, decode logits, the matmul calls recorded in `calls`) of each load, after
+    checking that the two loads' logits agree."""
+    outputs = []
+    for model in (loaded, plain):
+        calls.clear()
+        outputs.append((*_prefill_then_decode(model), list(calls)))
+    for ours, theirs in zip(outputs[0][:2], outputs[1][:2]):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    return outputs
 
 
 def _prefill_then_decode(model):
