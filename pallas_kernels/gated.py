@@ -24,15 +24,22 @@ GROUP = 32  # features per group: gate rows, then the same features' up rows
 ACTIVATIONS = ("silu", "gelu_tanh")  # ModelConfig.activation's values
 
 
-def activation(name: str, x: jax.Array) -> jax.Array:
+def activation(name: str, x, exp=jnp.exp, tanh=jnp.tanh):
     """act(x) as model/forward.py applies it (jax.nn.silu; jax.nn.gelu with the tanh form), in ops
-    a Mosaic GPU kernel lowers (exp, division, tanh; no integer powers)."""
+    a Mosaic GPU kernel lowers (exp, division, tanh; no integer powers). x: a jax array, or, with
+    `exp` and `tanh` given, any value with arithmetic (a Mosaic GPU register array: the same ops
+    in the same order, so the same f32 roundings)."""
     if name == "silu":
-        return x / (1.0 + jnp.exp(-x))
+        return x / (1.0 + exp(-x))
     if name == "gelu_tanh":
-        inner = np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * (x * x * x))
-        return 0.5 * x * (1.0 + jnp.tanh(inner))
+        inner = _SQRT_2_OVER_PI * (x + _GELU_CUBIC * (x * x * x))
+        return 0.5 * x * (1.0 + tanh(inner))
     raise ValueError(f"unknown activation {name!r}; known: {ACTIVATIONS}")
+
+
+# gelu_tanh's constants as f32 values (python floats: f32 against an f32 operand in jax and Mosaic)
+_SQRT_2_OVER_PI = float(np.float32(np.sqrt(2.0 / np.pi)))
+_GELU_CUBIC = float(np.float32(0.044715))
 
 
 def interleave_index(ffn_dim: int, order: np.ndarray | None = None) -> np.ndarray:

@@ -392,23 +392,45 @@ def _store_gated(accs, o_smem, g_smem, o_gmem, col0, x0, m: int, act: str) -> No
     """`gated`: each 64-row tile's [64, m] f32 accumulator holds the gate (its first 32 rows) and
     the up (its last 32) of 32 features (`pallas_kernels.gated`); stores act(gate) * up [m, 32]
     bf16 at output columns col0 + 32 t... and rows x0... of o_gmem [M, N / 2]. The tiles go
-    through o_smem [m, rows] f32 as `_store_out`'s do; both halves are then read back in one
-    strided layout (each thread holds the same elements of both) and the product goes out
-    through g_smem [m, rows / 2] bf16."""
+    through o_smem [m, rows] f32 as `_store_out`'s do; `_gated_product` reads them back and
+    writes the product to g_smem [m, rows / 2] bf16, which goes out by TMA."""
     plgpu = _plgpu()
-    half = BLOCK_N // 2
     for t, acc in enumerate(accs):
         acc = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
         plgpu.transpose_ref(o_smem.at[:, pl.ds(BLOCK_N * t, BLOCK_N)], (1, 0))[...] = acc
     plgpu.commit_smem()  # with a warpgroup barrier: each thread reads what others stored
-    layout = plgpu.Layout.WG_STRIDED((m, half), vec_size=_strided_vec(m * half))
-    for t in range(len(accs)):
-        gate = plgpu.load(o_smem.at[:, pl.ds(BLOCK_N * t, half)], (), layout=layout)
-        up = plgpu.load(o_smem.at[:, pl.ds(BLOCK_N * t + half, half)], (), layout=layout)
-        g_smem.at[:, pl.ds(half * t, half)][...] = (gated_ffn.activation(act, gate) * up).astype(jnp.bfloat16)
+    _gated_product(o_smem, g_smem, len(accs), m, act)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(g_smem, o_gmem.at[pl.ds(x0, m), pl.ds(col0, half * len(accs))])
+    plgpu.copy_smem_to_gmem(g_smem, o_gmem.at[pl.ds(x0, m), pl.ds(col0, BLOCK_N // 2 * len(accs))])
     plgpu.wait_smem_to_gmem(0)
+
+
+def _gated_product(o_smem, g_smem, tiles: int, m: int, act: str) -> None:
+    """g_smem[:, 32 t + j] = act(o_smem[:, 64 t + j]) * o_smem[:, 64 t + 32 + j] (j < 32) in bf16,
+    both halves read in one strided layout (each thread holds the same elements of both).
+
+    Written as Mosaic GPU code (`inline_mgpu`), which names both buffers' shared-memory layout
+    (plain, untiled): jax 0.11.2 lowers a kernel with layout inference, whose search took the
+    transposed store's tiled layout for o_smem first and ran out of fuel before undoing it in
+    the decode kernel that adds Q4_K's offsets (bench/results, thirty-first session)."""
+    plgpu = _plgpu()
+    from jax.experimental import mosaic  # noqa: F401  (jax.experimental.mosaic.gpu, with absl)
+    from jax._src.lib.mlir import ir
+    mgpu = mosaic.gpu
+    half = BLOCK_N // 2
+    vec = _strided_vec(m * half)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+    def product(ctx, o_ref, g_ref):
+        del ctx
+        for t in range(tiles):
+            gate, up = (mgpu.FragmentedArray.load_strided(
+                mgpu.memref_slice(o_ref, (slice(None), mgpu.ds(BLOCK_N * t + half * i, half))), vec_size=vec)
+                for i in range(2))
+            out = gated_ffn.activation(act, gate, exp=lambda v: v.exp(), tanh=lambda v: v.tanh()) * up
+            out.astype(ir.BF16Type.get()).store_untiled(mgpu.memref_slice(g_ref, (slice(None), mgpu.ds(half * t, half))))
+
+    product(o_smem, g_smem)
 
 
 def _strided_vec(elements: int) -> int:
@@ -623,12 +645,11 @@ def x_order(w: QuantizedTensor, rows: int, tuning: MosaicMatmulTuning | None = N
 
 def _epilogue_takes(w: QuantizedTensor, tuning: MosaicMatmulTuning) -> bool:
     """Whether the kernel can make the gated product of w under `tuning` itself: not with int8 x
-    or columns out, nor where the offsets of `OFFSET_FORMS` are not its own, nor in the unfolded
-    (decode) kernel that adds them: for that one jax 0.11.2's Mosaic layout inference found no
-    solution on the H200 (bench/results, thirtieth session; it lowered with jax 0.10.2)."""
+    (its own rounding of x) or columns out, nor where the offsets of `OFFSET_FORMS` are added
+    after it (`fuses_offsets`)."""
     if tuning.int8_x or not tuning.rows_out:
         return False
-    return w.fmt not in OFFSET_FORMS or (fuses_offsets(tuning) and tuning.fold_scales)
+    return w.fmt not in OFFSET_FORMS or fuses_offsets(tuning)
 
 
 def takes_gated(w: QuantizedTensor, rows: int, act: str) -> bool:

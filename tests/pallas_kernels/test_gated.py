@@ -59,13 +59,13 @@ def test_takes_gated_where_the_k_is_not_split():
     assert not matmul_mgpu.takes_gated(_spec("q4_0", 1024, 4096), 8, "silu")
     assert not matmul_mgpu.takes_gated(up, 8, "relu")
     assert not matmul_mgpu.takes_gated(_spec("q4_0", 22016, 4064), 8, "silu")  # K no multiple of the step
-    # the decode kernel with Q4_K's offsets: no epilogue (Mosaic's layout inference failed on it)
-    assert not matmul_mgpu.takes_gated(_spec("q4_k_split", 22016, 4096), 8, "silu")
+    # Q4_K: the decode kernel adds the offsets itself, the prefill one has them folded in
+    assert matmul_mgpu.takes_gated(_spec("q4_k_split", 22016, 4096), 8, "silu")
     assert matmul_mgpu.takes_gated(_spec("q4_k_split", 22016, 4096), 512, "silu")
 
 
 @pytest.mark.parametrize("fmt,m,stack", [("q4_0", 8, 2), ("q4_0", 512, 2), ("q8_0", 8, None), ("q4_k_split", 200, None),
-                                         ("q6_k_split", 8, None)])
+                                         ("q4_k_split", 8, None), ("q6_k_split", 8, None)])
 @pytest.mark.parametrize("act", gated.ACTIVATIONS)
 def test_gated_epilogue_lowers_for_cuda(fmt, m, stack, act):
     """The kernel with the gated epilogue (one K split, the product out in bf16) lowers, and its
@@ -80,11 +80,12 @@ def test_gated_epilogue_lowers_for_cuda(fmt, m, stack, act):
     assert "stablehlo.exponential" not in text and "stablehlo.tanh" not in text  # the activation is the kernel's
 
 
-@pytest.mark.parametrize("fmt,tuning", [("q4_0", matmul_mgpu.MosaicMatmulTuning(int8_x=True)), ("q4_k_split", None)])
+@pytest.mark.parametrize("fmt,tuning", [("q4_0", matmul_mgpu.MosaicMatmulTuning(int8_x=True)),
+                                        ("q4_k_split", matmul_mgpu.MosaicMatmulTuning(fuse_offsets=False))])
 def test_gated_without_the_epilogue_is_the_product_after_the_call(fmt, tuning):
-    """Where the kernel does not make the product (int8 x: its own rounding; the decode kernel
-    adding Q4_K's offsets), the call is the plain one followed by `from_interleaved`, in bf16; an
-    unknown activation is refused."""
+    """Where the kernel does not make the product (int8 x: its own rounding; Q4_K's offsets
+    added after the kernel), the call is the plain one followed by `from_interleaved`, in bf16;
+    an unknown activation is refused."""
     pytest.importorskip("absl")
     w = _spec(fmt, 1024, 2048)
     fn = lambda x, w: matmul_mgpu.qmatmul_mgpu(x, w, tuning, gated="silu")  # noqa: E731
