@@ -118,6 +118,10 @@ def test_gated_epilogue_gives_the_product(fmt, m, act):
     want = np.asarray(plain.astype(jnp.bfloat16).astype(jnp.float32))
     assert got.shape == (m, n // 2)
     np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6 * np.abs(want).max(), err_msg=f"seed {seed}")
-    assert np.mean(got == want) > 0.98, f"seed {seed}: {np.mean(got == want)} of the products the same"
+    if act == "silu":
+        # not for gelu_tanh: where a gate is very negative, 1 + tanh cancels, and one f32 ulp of
+        # tanh (XLA's against the kernel's) changes the bf16 product (a third of these products
+        # on the CPU: bench/results, thirty-first session)
+        assert np.mean(got == want) > 0.98, f"seed {seed}: {np.mean(got == want)} of the products the same"
     ref = gated.from_interleaved(qmatmul_reference(x.astype(jnp.float32), w0), act)
     assert relative_error(got, np.asarray(ref)) < 1e-2, f"seed {seed}"
