@@ -83,6 +83,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gated as gated_ffn, q4_k_split, registry
+from pallas_kernels.mgpu_store import pallas_mgpu as _plgpu, store_gated, store_out
 from pallas_kernels.mgpu_tuning import (  # noqa: F401  (re-exported: the kernel's tuning and plan)
     BLOCK_K, BLOCK_N, CODE_BITS, DEFAULT_TUNING, MAX_ROWS, PREFILL_TUNING, SMEM_BYTES, SUPPORTED_FORMATS,
     MosaicMatmulTuning, default_tuning, fuses_offsets, padded_rows, rows_per_cta, split_for, stage_bytes, stages_for,
@@ -90,13 +91,6 @@ from pallas_kernels.mgpu_tuning import (  # noqa: F401  (re-exported: the kernel
 )
 from pallas_kernels.q4_k_split import OFFSET_FORMS
 from pallas_kernels.quant import QuantizedTensor, check_layer
-
-
-def _plgpu():
-    # Imported on use: it needs absl and a CUDA-enabled jaxlib, which the CPU tests lack.
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return plgpu
 
 
 def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatmulTuning, gated: bool = False) -> None:
@@ -365,83 +359,6 @@ def _scaled_blocks(a: jax.Array, d_smem, blk: int = 32, f_smem=None) -> list[jax
     return blocks
 
 
-def _store_out(accs, o_smem, o_gmem, sid, col0, rows_out: bool, x0, m: int) -> None:
-    """Stores the [64, m] f32 accumulators of a CTA's row tiles at output columns col0... and
-    rows x0... (of x) of split `sid`: o_gmem [split, M, N] with o_smem [m, rows] when `rows_out`
-    (each tile through a transposed view), else o_gmem [split, N, M] with o_smem [rows, m]."""
-    plgpu = _plgpu()
-    for t, acc in enumerate(accs):
-        if rows_out:
-            # WGMMA_TRANSPOSED holds each thread's pairs down a column (one shuffle from WGMMA):
-            # contiguous in the transposed view, which a WGMMA-layout store cannot use
-            acc = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
-            plgpu.transpose_ref(o_smem.at[:, pl.ds(BLOCK_N * t, BLOCK_N)], (1, 0))[...] = acc
-        else:
-            o_smem[pl.ds(BLOCK_N * t, BLOCK_N)] = acc
-    plgpu.commit_smem()
-    rows = BLOCK_N * len(accs)
-    if rows_out:
-        dst = o_gmem.at[sid, pl.ds(x0, m), pl.ds(col0, rows)]
-    else:
-        dst = o_gmem.at[sid, pl.ds(col0, rows), pl.ds(x0, m)]
-    plgpu.copy_smem_to_gmem(o_smem, dst)
-    plgpu.wait_smem_to_gmem(0)
-
-
-def _store_gated(accs, o_smem, g_smem, o_gmem, col0, x0, m: int, act: str) -> None:
-    """`gated`: each 64-row tile's [64, m] f32 accumulator holds the gate (its first 32 rows) and
-    the up (its last 32) of 32 features (`pallas_kernels.gated`); stores act(gate) * up [m, 32]
-    bf16 at output columns col0 + 32 t... and rows x0... of o_gmem [M, N / 2]. The tiles go
-    through o_smem [m, rows] f32 as `_store_out`'s do; `_gated_product` reads them back and
-    writes the product to g_smem [m, rows / 2] bf16, which goes out by TMA."""
-    plgpu = _plgpu()
-    for t, acc in enumerate(accs):
-        acc = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
-        plgpu.transpose_ref(o_smem.at[:, pl.ds(BLOCK_N * t, BLOCK_N)], (1, 0))[...] = acc
-    plgpu.commit_smem()  # with a warpgroup barrier: each thread reads what others stored
-    _gated_product(o_smem, g_smem, len(accs), m, act)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(g_smem, o_gmem.at[pl.ds(x0, m), pl.ds(col0, BLOCK_N // 2 * len(accs))])
-    plgpu.wait_smem_to_gmem(0)
-
-
-def _gated_product(o_smem, g_smem, tiles: int, m: int, act: str) -> None:
-    """g_smem[:, 32 t + j] = act(o_smem[:, 64 t + j]) * o_smem[:, 64 t + 32 + j] (j < 32) in bf16,
-    both halves read in one strided layout (each thread holds the same elements of both).
-
-    Written as Mosaic GPU code (`inline_mgpu`), which names both buffers' shared-memory layout
-    (plain, untiled): jax 0.11.2 lowers a kernel with layout inference, whose search took the
-    transposed store's tiled layout for o_smem first and ran out of fuel before undoing it in
-    the decode kernel that adds Q4_K's offsets (bench/results, thirty-first session)."""
-    plgpu = _plgpu()
-    from jax.experimental import mosaic  # noqa: F401  (jax.experimental.mosaic.gpu, with absl)
-    from jax._src.lib.mlir import ir
-    mgpu = mosaic.gpu
-    half = BLOCK_N // 2
-    vec = _strided_vec(m * half)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-    def product(ctx, o_ref, g_ref):
-        del ctx
-        for t in range(tiles):
-            gate, up = (mgpu.FragmentedArray.load_strided(
-                mgpu.memref_slice(o_ref, (slice(None), mgpu.ds(BLOCK_N * t + half * i, half))), vec_size=vec)
-                for i in range(2))
-            out = gated_ffn.activation(act, gate, exp=lambda v: v.exp(), tanh=lambda v: v.tanh()) * up
-            out.astype(ir.BF16Type.get()).store_untiled(mgpu.memref_slice(g_ref, (slice(None), mgpu.ds(half * t, half))))
-
-    product(o_smem, g_smem)
-
-
-def _strided_vec(elements: int) -> int:
-    """Elements per vector of a warpgroup's strided layout over `elements` (a multiple of 128):
-    up to 4 (16 bytes of f32)."""
-    vec = 4
-    while elements % (128 * vec):
-        vec //= 2
-    return vec
-
-
 def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int, m: int, tile_k: int,
             rows: int, steps: int, split: int, stages: int, upcast_loads: bool, word_unpack: bool,
             fold_scales: bool, rows_out: bool, m_tiles: int = 1, offsets: bool = False, gated: str | None = None):
@@ -453,7 +370,7 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
     (the offsets folded into the weights, `fold_offsets`); then o_gmem [split, M_pad, N] f32
     partial sums with o_smem [m, rows] (`rows_out`), else [split, N, M_pad] with [rows, m]; with
     `gated` (one split, `rows_out`), o_gmem [M_pad, N / 2] bf16, act(gate) * up of the
-    interleaved weight (`_store_gated`), and g_smem [m, rows / 2] bf16 after o_smem. Each
+    interleaved weight (`mgpu_store.store_gated`), and g_smem [m, rows / 2] bf16 after o_smem. Each
     warpgroup takes `rows` rows (64-row tiles t) of the weight, one K split and one tile of x."""
     xs_gmem = g_smem = None
     if gated:
@@ -552,9 +469,9 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
         zero = plgpu.layout_cast(jnp.zeros((BLOCK_N, m), jnp.float32), wgmma_layout)
         accs = pipeline(body, init_carry=(zero,) * tiles)
     if gated:
-        _store_gated(accs, o_smem, g_smem, o_gmem, blk_id * rows // 2, x0, m, gated)
+        store_gated(accs, o_smem, g_smem, o_gmem, blk_id * rows // 2, x0, m, gated)
     else:
-        _store_out(accs, o_smem, o_gmem, sid, blk_id * rows, rows_out, x0, m)
+        store_out(accs, o_smem, o_gmem, sid, blk_id * rows, rows_out, x0, m)
 
 
 def _kernel_int8(layer_gmem, xe_gmem, xo_gmem, dx_gmem, cx_gmem, c_gmem, d_gmem, o_gmem, o_smem, *, n: int,
@@ -620,7 +537,7 @@ def _kernel_int8(layer_gmem, xe_gmem, xo_gmem, dx_gmem, cx_gmem, c_gmem, d_gmem,
         init_carry=zero,
     )(xe_gmem, xo_gmem, dx_gmem, cx_gmem, c_gmem.at[pl.ds(row0, BLOCK_N)],
       d_gmem.at[pl.ds(layer * (k // 32), k // 32), pl.ds(blk * BLOCK_N, BLOCK_N)])
-    _store_out((acc,), o_smem, o_gmem, sid, blk * BLOCK_N, rows_out, 0, m)
+    store_out((acc,), o_smem, o_gmem, sid, blk * BLOCK_N, rows_out, 0, m)
 
 
 def codes_of(w: QuantizedTensor) -> jax.Array:
