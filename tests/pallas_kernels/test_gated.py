@@ -114,14 +114,16 @@ def test_gated_epilogue_gives_the_product(fmt, m, act):
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     got = np.asarray(matmul_mgpu.qmatmul_mgpu(x, w, gated=act).astype(jnp.float32))
     whole = dataclasses.replace(matmul_mgpu.default_tuning(m), target_ctas=1)
-    plain = gated.from_interleaved(matmul_mgpu.qmatmul_mgpu(x, w, whole), act)
-    want = np.asarray(plain.astype(jnp.bfloat16).astype(jnp.float32))
+    y = matmul_mgpu.qmatmul_mgpu(x, w, whole)
+    want = np.asarray(gated.from_interleaved(y, act).astype(jnp.bfloat16).astype(jnp.float32))
     assert got.shape == (m, n // 2)
     np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6 * np.abs(want).max(), err_msg=f"seed {seed}")
-    if act == "silu":
-        # not for gelu_tanh: where a gate is very negative, 1 + tanh cancels, and one f32 ulp of
-        # tanh (XLA's against the kernel's) changes the bf16 product (a third of these products
-        # on the CPU: bench/results, thirty-first session)
-        assert np.mean(got == want) > 0.98, f"seed {seed}: {np.mean(got == want)} of the products the same"
+    # bit for bit where the activation is well conditioned: with gelu_tanh, not where a gate is
+    # below -2 (1 + tanh cancels there, and one f32 ulp of tanh, XLA's against the kernel's,
+    # changed a third of such products on the CPU; above -2, none: bench/results, thirty-first
+    # session)
+    gate = np.asarray(jnp.reshape(y, (m, -1, 2, gated.GROUP))[:, :, 0].reshape(m, -1))
+    same = (got == want)[gate > -2] if act == "gelu_tanh" else got == want
+    assert np.mean(same) > 0.98, f"seed {seed}: {np.mean(same)} of the products the same"
     ref = gated.from_interleaved(qmatmul_reference(x.astype(jnp.float32), w0), act)
     assert relative_error(got, np.asarray(ref)) < 1e-2, f"seed {seed}"
