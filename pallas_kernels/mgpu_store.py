@@ -18,18 +18,25 @@ def pallas_mgpu():
     return mosaic_gpu
 
 
+def _stage_transposed(accs, o_smem) -> None:
+    """Each [64, m] accumulator t into o_smem[:, 64 t : 64 (t + 1)] ([m, rows]) through a
+    transposed view. WGMMA_TRANSPOSED holds each thread's pairs down a column (one shuffle from
+    WGMMA): contiguous in the transposed view, which a WGMMA-layout store cannot use."""
+    plgpu = pallas_mgpu()
+    for t, acc in enumerate(accs):
+        acc = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+        plgpu.transpose_ref(o_smem.at[:, pl.ds(BLOCK_N * t, BLOCK_N)], (1, 0))[...] = acc
+
+
 def store_out(accs, o_smem, o_gmem, sid, col0, rows_out: bool, x0, m: int) -> None:
     """Stores the [64, m] f32 accumulators of a CTA's row tiles at output columns col0... and
     rows x0... (of x) of split `sid`: o_gmem [split, M, N] with o_smem [m, rows] when `rows_out`
     (each tile through a transposed view), else o_gmem [split, N, M] with o_smem [rows, m]."""
     plgpu = pallas_mgpu()
-    for t, acc in enumerate(accs):
-        if rows_out:
-            # WGMMA_TRANSPOSED holds each thread's pairs down a column (one shuffle from WGMMA):
-            # contiguous in the transposed view, which a WGMMA-layout store cannot use
-            acc = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
-            plgpu.transpose_ref(o_smem.at[:, pl.ds(BLOCK_N * t, BLOCK_N)], (1, 0))[...] = acc
-        else:
+    if rows_out:
+        _stage_transposed(accs, o_smem)
+    else:
+        for t, acc in enumerate(accs):
             o_smem[pl.ds(BLOCK_N * t, BLOCK_N)] = acc
     plgpu.commit_smem()
     rows = BLOCK_N * len(accs)
@@ -48,9 +55,7 @@ def store_gated(accs, o_smem, g_smem, o_gmem, col0, x0, m: int, act: str) -> Non
     through o_smem [m, rows] f32 as `store_out`'s do; `gated_product` reads them back and
     writes the product to g_smem [m, rows / 2] bf16, which goes out by TMA."""
     plgpu = pallas_mgpu()
-    for t, acc in enumerate(accs):
-        acc = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
-        plgpu.transpose_ref(o_smem.at[:, pl.ds(BLOCK_N * t, BLOCK_N)], (1, 0))[...] = acc
+    _stage_transposed(accs, o_smem)
     plgpu.commit_smem()  # with a warpgroup barrier: each thread reads what others stored
     gated_product(o_smem, g_smem, len(accs), m, act)
     plgpu.commit_smem()
