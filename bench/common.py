@@ -345,22 +345,32 @@ def model_facts(path: str | os.PathLike[str]) -> dict[str, Any]:
     return {"path": str(p), "name": p.name, "file_gib": round(p.stat().st_size / 2**30, 3)}
 
 
-def trace_events(log_dir: str | os.PathLike[str]) -> tuple[list[dict], list[dict]] | None:
-    """The complete events of the newest `jax.profiler` trace under log_dir, read once, as (those
-    on the device tracks (process names with /device:GPU), the host's CUDA driver or runtime calls
-    (names cu*/cuda*: graph launches, host functions; kernels launched one by one do not show as
-    such)); None when there is no trace file."""
+def read_trace(log_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The complete events of the newest `jax.profiler` trace under log_dir, read once:
+    {"device": those on the device tracks (process names with /device:GPU), "host": the others,
+    "threads": {(pid, tid): thread name}}; None when there is no trace file."""
     files = sorted(pathlib.Path(log_dir).rglob("*.trace.json.gz"))
     if not files:
         return None
     with gzip.open(files[-1]) as f:
-        trace = json.load(f)
-    names = {e["pid"]: e.get("args", {}).get("name", "") for e in trace.get("traceEvents", [])
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
+        raw = json.load(f).get("traceEvents", [])
+    meta = [e for e in raw if e.get("ph") == "M"]
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in meta if e.get("name") == "process_name"}
+    threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in meta if e.get("name") == "thread_name"}
     gpu = {pid for pid, name in names.items() if "/device:GPU" in name}
-    complete = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    return ([e for e in complete if e.get("pid") in gpu],
-            [e for e in complete if e.get("pid") not in gpu and str(e.get("name", "")).startswith("cu")])
+    complete = [e for e in raw if e.get("ph") == "X"]
+    return {"device": [e for e in complete if e.get("pid") in gpu],
+            "host": [e for e in complete if e.get("pid") not in gpu], "threads": threads}
+
+
+def trace_events(log_dir: str | os.PathLike[str]) -> tuple[list[dict], list[dict]] | None:
+    """`read_trace`'s device events and the host's CUDA driver or runtime calls (names cu*/cuda*:
+    graph launches, host functions; kernels launched one by one do not show as such); None when
+    there is no trace file."""
+    trace = read_trace(log_dir)
+    if trace is None:
+        return None
+    return trace["device"], [e for e in trace["host"] if str(e.get("name", "")).startswith("cu")]
 
 
 def traced_device_events(fn: Any, reps: int) -> list[dict]:
@@ -411,6 +421,30 @@ def idle_gaps(events: list[dict], top: int = 10, min_us: float = 20.0) -> dict[s
         "largest": [{"us": round(g, 1), "after": a[:60], "before": b[:60]}
                     for g, a, b in sorted(gaps, reverse=True)[:top]],
     }
+
+
+def request_timeline(trace: dict[str, Any], start_us: float, end_us: float, min_us: float = 30.0,
+                     top: int = 80) -> dict[str, Any]:
+    """One request laid out on a `read_trace` trace's clock, from `start_us` (its submit) to
+    `end_us` (its first token's arrival), in ms from the submit: when the device's first work
+    began and its last ended, the device's busy time and idle gaps in between, and the host's
+    events of at least `min_us` (the `top` longest, in time order, with their thread)."""
+    def ms_from_start(t: float) -> float:
+        return round((t - start_us) / 1e3, 3)
+
+    inside = [e for e in trace["device"] if e["ts"] >= start_us and e["ts"] <= end_us]
+    out: dict[str, Any] = {"ttft_ms": ms_from_start(end_us), "kernels": len(inside)}
+    if inside:
+        out["device_first_ms"] = ms_from_start(min(e["ts"] for e in inside))
+        out["device_last_end_ms"] = ms_from_start(max(e["ts"] + e.get("dur", 0.0) for e in inside))
+        out["device"] = idle_gaps(inside, min_us=min_us)
+    host = [e for e in trace["host"] if e["ts"] < end_us and e["ts"] + e.get("dur", 0.0) > start_us
+            and e.get("dur", 0.0) >= min_us]
+    host = sorted(sorted(host, key=lambda e: -e.get("dur", 0.0))[:top], key=lambda e: e["ts"])
+    out["host"] = [{"ms": ms_from_start(e["ts"]), "us": round(e.get("dur", 0.0), 1),
+                    "thread": f'{trace["threads"].get((e.get("pid"), e.get("tid")), "")[:30]}/{e.get("tid")}',
+                    "name": str(e.get("name", ""))[:100]} for e in host]
+    return out
 
 
 def idle_gaps_by_device(events: list[dict], **kw: Any) -> dict[str, Any]:

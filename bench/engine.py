@@ -270,6 +270,9 @@ async def run_suite(engine, timings: TimingLog, args: argparse.Namespace, max_co
             out["decode_traces"][str(u)] = await trace_decode(engine, timings, u, args, rng)
             log.info("decode trace x%d: %s", u, out["decode_traces"][str(u)])
         out["decode_trace"] = out["decode_traces"][str(trace_users[-1])]  # the most users' (earlier files' key)
+    if args.trace_prefill and "prefill" in out:
+        out["prefill_trace"] = await trace_prefill(engine, args.prefill_len, args.repeats, rng)
+        log.info("prefill trace: %s", json.dumps(out["prefill_trace"])[:4000])
     return out
 
 
@@ -299,6 +302,43 @@ async def trace_decode(engine, timings: TimingLog, users: int, args: argparse.Na
         events = common.device_trace_events(d)
     gaps = common.idle_gaps_by_device(events) if events else {"error": "no device events in the trace"}
     return {"users": users, "steady_tok_s_traced": summary.get("steady_tok_s"), **gaps}
+
+
+async def trace_prefill(engine, prompt_len: int, repeats: int, rng: np.random.Generator) -> dict[str, Any]:
+    """`repeats` more lone prompts (max_tokens 1, as measure_prefill's) under the JAX profiler,
+    each laid out on the trace's clock from its submit to its first token's arrival
+    (`common.request_timeline`): where a prompt's TTFT goes beyond its programs' device time."""
+    import jax
+
+    vocab = engine.tokenizer.vocab_size
+    marks = []  # (trace annotation name, perf_counter inside it, the request's record)
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            for i in range(repeats):
+                req = make_request(f"traced-prefill-{i}", common.random_prompt(rng, prompt_len, vocab), 1, seed=i)
+                name = f"bench.mark.{i}"
+                with jax.profiler.TraceAnnotation(name):
+                    mark = time.perf_counter()
+                (record,) = await run_batch(engine, [req])
+                marks.append((name, mark, record))
+                await asyncio.sleep(0.02)  # the requests apart on the timeline
+        finally:
+            jax.profiler.stop_trace()
+        trace = common.read_trace(d)
+    if trace is None:
+        return {"error": "no trace file"}
+    at = {e["name"]: e["ts"] for e in trace["host"] if str(e.get("name", "")).startswith("bench.mark.")}
+    runs = []
+    for name, mark, record in marks:
+        if name not in at or not record.arrivals:
+            runs.append({"error": f"{name}: no mark in the trace or no token"})
+            continue
+        to_trace = at[name] - mark * 1e6  # perf_counter seconds -> the trace's microseconds
+
+        runs.append(common.request_timeline(trace, record.submitted * 1e6 + to_trace,
+                                            record.arrivals[0][0] * 1e6 + to_trace))
+    return {"prompt_tokens": prompt_len, "runs": runs}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,6 +564,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "device's idle gaps between programs (details.decode_trace)")
     ap.add_argument("--trace-users", metavar="N,N", help="trace a decode run of each of these user counts "
                     "(e.g. 1,8; details.decode_traces), as --trace-decode does for the most users")
+    ap.add_argument("--trace-prefill", action="store_true",
+                    help="after the measured runs, trace --repeats more lone prompts and lay each out from its "
+                         "submit to its first token: device start, end, busy and gaps, the host's longest events "
+                         "(details.prefill_trace)")
     ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
     ap.add_argument("--plot-with", nargs="*", default=[], help="earlier engine-*.json results to draw beside this run")
     ap.add_argument("--plot-only", nargs="+", type=pathlib.Path, help="draw these engine-*.json results and exit")
