@@ -443,6 +443,7 @@ def main_run(args: argparse.Namespace) -> int:
                           "gated_ffn": config.gated_ffn, "gated_ffn_matrices": engine_info.get("gated_ffn"),
                           "reuse_kernel_lowering": config.reuse_kernel_lowering,
                           "prefill_cuda_graphs": config.prefill_cuda_graphs, "gc_freeze": config.gc_freeze,
+                          "host_outputs": config.host_outputs,
                           "split_q4_k": config.split_q4_k, "split_q5_k": config.split_q5_k,
                           "split_q6_k": config.split_q6_k, "split_legacy": config.split_legacy,
                           "split_formats": engine_info.get("split_formats"),

@@ -55,6 +55,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
+from model.runner import prefill_args  # noqa: E402
 from model.weights import params_nbytes  # noqa: E402
 from scheduler.loader import load_resolved  # noqa: E402
 from server.__main__ import add_engine_arguments, engine_config_from_args  # noqa: E402  (the server's flags)
@@ -147,12 +148,10 @@ def trace_prefill(args, t: int, m, runner, out) -> dict:
     if out:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"prefill{t}_hlo.txt").write_text(prog.as_text())
-    i32 = jnp.int32
-    rest = (jnp.zeros((), i32), jnp.arange(t, dtype=i32) % 1000, jnp.asarray(args.position, i32),
-            jnp.asarray(t, i32), jnp.ones((), jnp.bool_))
+    rest = jnp.asarray(prefill_args(0, np.arange(t) % 1000, args.position, t, True, runner._samp_words))
 
     def call(cache, state):
-        cache, state, *o = prog(runner.params, cache, state, runner._samp, *rest)
+        cache, state, _, o = prog(runner.params, cache, state, rest)
         return cache, state, o
 
     cache, state, per_call, calls, summ = time_and_trace(call, runner._cache, runner._state, args.steps, 3)

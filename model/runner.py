@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from model import forward, sampling, sharding
+from model import forward, sampling, sharding, transfer
 from model.config import EngineConfig, ModelConfig
 from model.forward import Kernels, KVCache
 from model.step_types import PrefillChunk, SamplingParams, StepOutput, StepPlan
@@ -83,7 +83,23 @@ def _multi_decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: in
     return cache, st, outs
 
 
-def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, params, cache, st: SlotState, samp, slot, tokens, start, num_valid, is_last):
+def prefill_args(slot: int, tokens: np.ndarray, start: int, num_valid: int, is_last: bool,
+                 samp_words: np.ndarray) -> np.ndarray:
+    """`_prefill_step`'s host arguments as one int32 vector, one transfer (model/transfer.py):
+    slot, start, num_valid, is_last, every slot's sampling settings as `transfer.pack_words`
+    gives them, then the chunk's (padded) tokens."""
+    head = np.asarray([slot, start, num_valid, int(is_last)], np.int32)
+    return np.concatenate([head, samp_words, np.asarray(tokens, np.int32)])
+
+
+def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, samp_layout: transfer.WordsLayout,
+                  params, cache, st: SlotState, args):
+    """One prompt chunk (`prefill_args`); returns (cache, state, the sampling arrays it unpacked
+    for the decode programs after it, its outputs)."""
+    words = transfer.words_size(samp_layout)
+    slot, start, num_valid, is_last = args[0], args[1], args[2], args[3] != 0
+    samp = transfer.unpack_words(args[4:4 + words], samp_layout)
+    tokens = args[4 + words:]
     t = tokens.shape[0]
     vocab = st.prompt_mask.shape[1]
     fresh = start == 0  # a new request: clear the slot's penalty state
@@ -108,7 +124,7 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, pa
         counts=st.counts.at[slot].set(row_counts),
         step_index=st.step_index.at[slot].set(row_step + is_last.astype(jnp.int32)),
     )
-    return cache, st, (slot, tok, is_last, lp[0], top_ids[0], top_lps[0])
+    return cache, st, samp, (slot, tok, is_last, lp[0], top_ids[0], top_lps[0])
 
 
 def _start_copies(outputs: Any) -> Any:
@@ -224,39 +240,58 @@ class ModelRunner:
             self._state = jax.device_put(SlotState.create(self.num_slots, cfg.vocab_size), sharding.replicated(mesh))
         self._slot_params: list[SamplingParams | None] = [None] * self.num_slots
         self._rng = np.random.default_rng()
-        self._samp = self._pack()
+        # Every slot's sampling settings, as the host packs them (repacked at each SlotSetup) and
+        # as the device holds them: each prefill chunk takes the packed words with its tokens and
+        # gives back the arrays, for the decode programs after it (a slot decodes only after its
+        # prompt's last chunk). No transfer of their own ahead of a new prompt's first program.
+        pack = sampling.pack_sampling(self._slot_params, self.engine_cfg.max_logit_bias)
+        self._samp_words, self._samp_layout = transfer.pack_words(pack)
+        self._samp = jax.device_put(pack, None if mesh is None else sharding.replicated(mesh))
+        # the outputs' sharding: in pinned host memory where there is some (a GPU) and asked for
+        host = transfer.host_outputs(mesh) if engine_cfg.host_outputs else None
+        # (a decode program's outputs placed there made its steps 26-30% slower on the H200)
+        self._out_shardings = {"prefill": self._step_out_shardings(mesh, 4, host),
+                               "decode": self._step_out_shardings(mesh, 3, None)}
+        log.info("prefill outputs written to %s", "pinned host memory by the programs" if host else "device memory")
         self.context_buckets = engine_cfg.attention_buckets
         # Host mirror of SlotState.positions, to pick the attention bucket without a device sync.
         self._positions = np.zeros((self.num_slots,), np.int64)
         self._compiled: dict[tuple, Any] = {}
 
-    def _pack(self):
-        # one device_put for the whole pack (a jnp.asarray per leaf dispatches a primitive each)
-        return jax.device_put(sampling.pack_sampling(self._slot_params, self.engine_cfg.max_logit_bias))
 
     def _jitted(self, kind: str, attend: int, num_steps: int = 1, few_rows: bool = False):
         if kind == "decode" and num_steps > 1:
             fn = functools.partial(_multi_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend, num_steps,
                                    unroll=self._unroll_decode, few_rows=few_rows)
-            return jax.jit(fn, donate_argnums=(1, 2))
+            return self._jit(kind, fn)
         if kind == "decode":
             fn = functools.partial(_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend,
                                    unroll=self._unroll_decode, few_rows=few_rows)
         else:
-            fn = functools.partial(_prefill_step, self.cfg, self.kernels, self.max_top_logprobs, attend)
-        if self._mesh is None:
+            fn = functools.partial(_prefill_step, self.cfg, self.kernels, self.max_top_logprobs, attend,
+                                   self._samp_layout)
+        return self._jit(kind, fn)
+
+    @staticmethod
+    def _step_out_shardings(mesh: Mesh | None, num_results: int, outputs: Any) -> Any:
+        """A step's out_shardings: (cache, state, ...) of `num_results`, the last its outputs,
+        placed by `outputs`; None throughout: the compiler's choice."""
+        if mesh is not None:
+            cache, state, _ = sharding.step_out_shardings(mesh)
+            return (cache, *[state] * (num_results - 2), outputs or state)
+        return None if outputs is None else (*[None] * (num_results - 1), outputs)
+
+    def _jit(self, kind: str, fn):
+        """A step program: cache and state donated; over a mesh SPMD, XLA partitioning the step
+        from the inputs' shardings."""
+        if self._out_shardings[kind] is None:
             return jax.jit(fn, donate_argnums=(1, 2))
-        # SPMD over the mesh: XLA partitions the step from the inputs' shardings.
-        return jax.jit(fn, donate_argnums=(1, 2), out_shardings=sharding.step_out_shardings(self._mesh))
+        return jax.jit(fn, donate_argnums=(1, 2), out_shardings=self._out_shardings[kind])
 
     def _example_args(self, kind: str, size: int) -> tuple:
         if kind == "decode":
             return (self.params, self._cache, self._state, self._samp, jnp.zeros((self.num_slots,), jnp.bool_))
-        i32 = jnp.int32
-        return (
-            self.params, self._cache, self._state, self._samp,
-            jnp.zeros((), i32), jnp.zeros((size,), i32), jnp.zeros((), i32), jnp.ones((), i32), jnp.zeros((), jnp.bool_),
-        )
+        return (self.params, self._cache, self._state, jnp.zeros((4 + self._samp_words.size + size,), jnp.int32))
 
     def warmup(self) -> None:
         """Compiles every program the serving path can run: decode (once per decode-steps count)
@@ -343,7 +378,8 @@ class ModelRunner:
                 if sp.seed is None:
                     sp = dataclasses.replace(sp, seed=int(self._rng.integers(0, 2**63)))
                 self._slot_params[setup.slot] = sp
-            self._samp = self._pack()
+            pack = sampling.pack_sampling(self._slot_params, self.engine_cfg.max_logit_bias)
+            self._samp_words, _ = transfer.pack_words(pack)
         decode_out = None
         steps = plan.num_decode_steps
         if plan.decode_slots:
@@ -369,8 +405,8 @@ class ModelRunner:
         padded[:n] = chunk.tokens
         attend = self._bucket(chunk.start_pos + n)
         self._positions[chunk.slot] = chunk.start_pos + n
-        self._cache, self._state, out = self._program("prefill", size, attend)(
-            self.params, self._cache, self._state, self._samp,
-            np.int32(chunk.slot), padded, np.int32(chunk.start_pos), np.int32(n), np.bool_(chunk.is_last),
+        self._cache, self._state, self._samp, out = self._program("prefill", size, attend)(
+            self.params, self._cache, self._state,
+            prefill_args(chunk.slot, padded, chunk.start_pos, n, chunk.is_last, self._samp_words),
         )
         return _start_copies(out)

@@ -108,6 +108,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
     p.add_argument("--no-prefill-cuda-graphs", dest="prefill_cuda_graphs", action="store_false",
                    help="compile the prefill programs without XLA's command buffers (CUDA graphs; for A/B "
                         "measurements)")
+    p.add_argument("--no-host-outputs", dest="host_outputs", action="store_false",
+                   help="leave the step programs' outputs in device memory for the host to copy, rather than "
+                        "have the programs write them to pinned host memory (for A/B measurements)")
     p.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                    help="leave the heap loading built to Python's cyclic GC (by default it is frozen after warm-up, "
                         "so that full collections, which stall every thread, scan only what requests allocate)")
@@ -172,6 +175,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         reuse_kernel_lowering=args.reuse_kernel_lowering,
         prefill_cuda_graphs=args.prefill_cuda_graphs,
         gc_freeze=args.gc_freeze,
+        host_outputs=args.host_outputs,
         split_q4_k=args.split_q4_k,
         split_q5_k=args.split_q5_k,
         split_q6_k=args.split_q6_k,

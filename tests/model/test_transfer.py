@@ -1,0 +1,53 @@
+"""model/transfer.py: a pytree of small host arrays as one buffer of words, and step outputs in
+pinned host memory."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import sampling, transfer
+from model.step_types import SamplingParams
+
+
+def test_words_round_trip_a_sampling_pack_bit_for_bit() -> None:
+    """Every leaf of a sampling pack (f32, int32, uint32 of several shapes, NaN and negative
+    zero included) comes back from the device with its dtype, shape and bits."""
+    params = [SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=2**63 - 5, logit_bias=((3, -1.5), (7, 2.0))),
+              None, SamplingParams(temperature=0.0, min_p=0.05, repetition_penalty=1.1, top_logprobs=3)]
+    pack = sampling.pack_sampling(params, max_bias=4, rng=np.random.default_rng(0))
+    pack = pack._replace(presence_penalty=np.asarray([np.nan, -0.0, 1e-30], np.float32))
+    words, layout = transfer.pack_words(pack)
+    assert words.dtype == np.int32 and words.ndim == 1
+    got = jax.jit(transfer.unpack_words, static_argnums=1)(jax.device_put(words), layout)
+    for name, want, have in zip(pack._fields, pack, got):
+        have = np.asarray(have)
+        assert have.dtype == want.dtype and have.shape == want.shape, name
+        assert have.tobytes() == np.ascontiguousarray(want).tobytes(), name
+
+
+def test_words_refuse_dtypes_not_four_bytes_wide() -> None:
+    with pytest.raises(TypeError, match="4-byte"):
+        transfer.pack_words({"a": np.zeros((2,), np.float32), "b": np.zeros((2,), np.bool_)})
+
+
+def test_host_outputs_are_read_as_device_outputs_are() -> None:
+    """A program whose outputs the host_outputs sharding places gives the same values, and still
+    takes and gives back a donated buffer in device memory."""
+    host = transfer.host_outputs(None)
+    if host is None:
+        pytest.skip("the default device has no pinned host memory")
+
+    def step(x, y):
+        return x + 1, (y * 2, jnp.argmax(x))
+
+    x = jnp.arange(6, dtype=jnp.float32)
+    plain = jax.jit(step)(x, jnp.ones((3,), jnp.int32))
+    placed = jax.jit(step, donate_argnums=0, out_shardings=(None, host))(jnp.arange(6, dtype=jnp.float32),
+                                                                          jnp.ones((3,), jnp.int32))
+    assert placed[1][0].sharding.memory_kind == "pinned_host"
+    assert placed[0].sharding.memory_kind != "pinned_host"
+    for a, b in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(placed)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
