@@ -66,7 +66,25 @@ def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, par
         counts=sampling.update_counts(st.counts, tok, active),
         step_index=st.step_index + inc,
     )
-    return cache, st, (tok, active, lp, top_ids, top_lps)
+    return cache, st, _pack_outputs(tok, active, lp, top_ids, top_lps)
+
+
+def _pack_outputs(tok, flag, lp, top_ids, top_lps):
+    """A step's outputs as one int32 array, one copy to the host (model/transfer.py): on the
+    last axis the token, the flag (active, is_last), the logprob's bits, the top ids and the top
+    logprobs' bits; `_unpack_outputs` reads it back."""
+    def column(a, ndim):
+        a = jax.lax.bitcast_convert_type(a, jnp.int32) if a.dtype == jnp.float32 else a.astype(jnp.int32)
+        return a[..., None] if a.ndim == ndim else a
+
+    return jnp.concatenate([column(a, tok.ndim) for a in (tok, flag, lp, top_ids, top_lps)], axis=-1)
+
+
+def _unpack_outputs(a: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(tok, flag, lp, top_ids, top_lps) of a host copy of `_pack_outputs`' array."""
+    k = (a.shape[-1] - 3) // 2
+    as_f32 = lambda x: np.array(x, np.int32).view(np.float32)  # noqa: E731  (a copy: contiguous, 0-d kept)
+    return a[..., 0], a[..., 1] != 0, as_f32(a[..., 2]), a[..., 3:3 + k], as_f32(a[..., 3 + k:])
 
 
 def _multi_decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, num_steps: int, params, cache, st: SlotState, samp, active,
@@ -124,7 +142,7 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
         counts=st.counts.at[slot].set(row_counts),
         step_index=st.step_index.at[slot].set(row_step + is_last.astype(jnp.int32)),
     )
-    return cache, st, samp, (slot, tok, is_last, lp[0], top_ids[0], top_lps[0])
+    return cache, st, samp, jnp.concatenate([slot[None], _pack_outputs(tok, is_last, lp[0], top_ids[0], top_lps[0])])
 
 
 def _start_copies(outputs: Any) -> Any:
@@ -153,8 +171,9 @@ class _Pending:
         return StepOutput.empty(self._num_slots, self._num_top)
 
     @staticmethod
-    def _fill_decode(out: StepOutput, decode_out: Any) -> None:
-        tok, active, lp, top_ids, top_lps = decode_out
+    def _fill_decode(out: StepOutput, decode_out: np.ndarray) -> None:
+        """One decode step's `_pack_outputs` row per slot into `out` (active slots only)."""
+        tok, active, lp, top_ids, top_lps = _unpack_outputs(decode_out)
         out.tokens[active] = tok[active]
         out.valid[active] = True
         out.logprobs[active] = lp[active]
@@ -162,9 +181,11 @@ class _Pending:
         out.top_logprobs[active] = top_lps[active]
 
     @staticmethod
-    def _fill_prefill(out: StepOutput, prefill_out: Any) -> None:
-        """A chunk's sampled first token into `out` (host values; nothing where not is_last)."""
-        slot, tok, is_last, lp, top_ids, top_lps = prefill_out
+    def _fill_prefill(out: StepOutput, prefill_out: np.ndarray) -> None:
+        """A chunk's sampled first token into `out` (its slot, then `_pack_outputs`' row;
+        nothing where not is_last)."""
+        slot = int(prefill_out[0])
+        tok, is_last, lp, top_ids, top_lps = _unpack_outputs(prefill_out[1:])
         if is_last:
             out.tokens[slot], out.valid[slot], out.logprobs[slot] = tok, True, lp
             out.top_ids[slot], out.top_logprobs[slot] = top_ids, top_lps
@@ -177,7 +198,7 @@ class _Pending:
             outs = []
             for i in range(self._num_steps):
                 out = self._empty()
-                self._fill_decode(out, tuple(a[i] for a in decode_out))
+                self._fill_decode(out, decode_out[i])
                 outs.append(out)
             self._results = outs
             return outs
