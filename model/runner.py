@@ -279,7 +279,6 @@ class ModelRunner:
         self._positions = np.zeros((self.num_slots,), np.int64)
         self._compiled: dict[tuple, Any] = {}
 
-
     def _jitted(self, kind: str, attend: int, num_steps: int = 1, few_rows: bool = False):
         if kind == "decode" and num_steps > 1:
             fn = functools.partial(_multi_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend, num_steps,

@@ -5,9 +5,9 @@ the H200 the runtime stages each through its own host callbacks, so a chain of t
 hundreds of microseconds ahead of a prompt's program and behind it (bench/results, thirty-second
 session: a lone 512-token prompt's TTFT 21.9 ms against 18.0 ms of program). So the runner
 sends a pytree of small arrays as one buffer of 32-bit words, unpacked on the device
-(`pack_words`, `unpack_words`), and has its programs write their outputs into pinned host
-memory themselves (`host_outputs`), a copy inside the program's stream instead of one the
-host starts after it.
+(`pack_words`, `unpack_words`), returns each program's outputs as one array, and has its
+prefill programs write theirs into pinned host memory themselves (`host_outputs`), a copy
+inside the program's stream instead of one the host starts after it.
 """
 
 from __future__ import annotations
