@@ -278,6 +278,20 @@ class ModelRunner:
         # Host mirror of SlotState.positions, to pick the attention bucket without a device sync.
         self._positions = np.zeros((self.num_slots,), np.int64)
         self._compiled: dict[tuple, Any] = {}
+        self._masks: dict[tuple[int, ...], jax.Array] = {}  # _active_mask's
+
+    def _active_mask(self, slots: tuple[int, ...]) -> jax.Array:
+        """The decode program's mask of busy slots, kept on the device for each set of slots seen
+        (at most 256 sets): in the steady state, the same slots busy, a dispatch copies nothing
+        to the device (each small copy costs host callbacks, model/transfer.py)."""
+        mask = self._masks.get(slots)
+        if mask is None:
+            host = np.zeros((self.num_slots,), bool)
+            host[list(slots)] = True
+            if len(self._masks) >= 256:
+                self._masks.clear()
+            mask = self._masks[slots] = jax.device_put(host, None if self._mesh is None else sharding.replicated(self._mesh))
+        return mask
 
     def _jitted(self, kind: str, attend: int, num_steps: int = 1, few_rows: bool = False):
         if kind == "decode" and num_steps > 1:
@@ -310,7 +324,7 @@ class ModelRunner:
 
     def _example_args(self, kind: str, size: int) -> tuple:
         if kind == "decode":
-            return (self.params, self._cache, self._state, self._samp, jnp.zeros((self.num_slots,), jnp.bool_))
+            return (self.params, self._cache, self._state, self._samp, self._active_mask(()))
         return (self.params, self._cache, self._state, jnp.zeros((4 + self._samp_words.size + size,), jnp.int32))
 
     def warmup(self) -> None:
@@ -408,7 +422,7 @@ class ModelRunner:
             attend = self._bucket(int(self._positions[active].max()) + steps)
             few_rows = len(plan.decode_slots) <= self._few_rows_limit(attend, steps)
             self._cache, self._state, decode_out = self._program("decode", self.num_slots, attend, steps, few_rows)(
-                self.params, self._cache, self._state, self._samp, active
+                self.params, self._cache, self._state, self._samp, self._active_mask(plan.decode_slots)
             )
             _start_copies(decode_out)
             self._positions[active] += steps
