@@ -51,3 +51,26 @@ def test_host_outputs_are_read_as_device_outputs_are() -> None:
     assert placed[0].sharding.memory_kind != "pinned_host"
     for a, b in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(placed)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("num_top", [0, 3])
+def test_step_outputs_round_trip_through_one_array(num_top: int) -> None:
+    """The runner's one output array (`_pack_outputs`, in the program) gives back on the host
+    (`_unpack_outputs`) each field's values and bits: tokens, flags, logprobs (-inf and -0.0
+    among them) and top ids and logprobs, for a decode step's rows, a stack of steps and a
+    prefill's single row."""
+    from model.runner import _pack_outputs, _unpack_outputs
+
+    rng = np.random.default_rng(0)
+    steps, slots = 2, 4
+    fields = (rng.integers(0, 262144, (steps, slots)).astype(np.int32), rng.random((steps, slots)) < 0.5,
+              np.asarray([[-np.inf, -0.0, -1.5, -3e-8]] * steps, np.float32),
+              rng.integers(0, 262144, (steps, slots, num_top)).astype(np.int32),
+              -rng.random((steps, slots, num_top)).astype(np.float32))
+    for sel in ((slice(None),), (0,), (1, 2)):  # stacked steps, one step's rows, one row
+        want = tuple(f[sel] for f in fields)
+        packed = np.asarray(jax.jit(_pack_outputs)(*want))
+        assert packed.dtype == np.int32 and packed.shape[-1] == 3 + 2 * num_top
+        for w, g in zip(want, _unpack_outputs(packed)):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            assert np.asarray(g).tobytes() == np.asarray(w).tobytes()
