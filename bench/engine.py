@@ -335,7 +335,6 @@ async def trace_prefill(engine, prompt_len: int, repeats: int, rng: np.random.Ge
             runs.append({"error": f"{name}: no mark in the trace or no token"})
             continue
         to_trace = at[name] - mark * 1e6  # perf_counter seconds -> the trace's microseconds
-
         runs.append(common.request_timeline(trace, record.submitted * 1e6 + to_trace,
                                             record.arrivals[0][0] * 1e6 + to_trace))
     return {"prompt_tokens": prompt_len, "runs": runs}

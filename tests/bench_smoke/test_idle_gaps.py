@@ -36,3 +36,23 @@ def test_idle_gaps_by_device_keeps_devices_apart():
     assert g["1"]["busy_us"] == 20.0 and g["1"]["span_us"] == 60.0
     assert g["2"]["busy_us"] == 40.0
     assert idle_gaps_by_device(a) == idle_gaps(a)
+
+
+def test_request_timeline_keeps_the_request_window_and_the_long_host_events():
+    """bench.common.request_timeline: device work from the submit to the token only, in ms from
+    the submit; host events that overlap the window and last at least min_us, longest kept, in
+    time order, with their thread's name."""
+    from bench.common import request_timeline
+
+    trace = {
+        "device": [_ev("before", 900.0, 50.0), _ev("k1", 1300.0, 100.0), _ev("k2", 1500.0, 200.0),
+                   _ev("after", 2600.0, 10.0)],
+        "host": [dict(_ev("dispatch", 1100.0, 300.0), pid=1, tid=7), dict(_ev("tiny", 1200.0, 5.0), pid=1, tid=7),
+                 dict(_ev("wait", 950.0, 900.0), pid=1, tid=8), dict(_ev("late", 2500.0, 90.0), pid=1, tid=7)],
+        "threads": {(1, 7): "engine"},
+    }
+    t = request_timeline(trace, 1000.0, 2000.0, min_us=30.0, top=2)
+    assert t["ttft_ms"] == 1.0 and t["kernels"] == 2
+    assert t["device_first_ms"] == 0.3 and t["device_last_end_ms"] == 0.7
+    assert t["device"]["busy_us"] == 300.0 and t["device"]["span_us"] == 400.0
+    assert [(h["name"], h["ms"], h["thread"]) for h in t["host"]] == [("wait", -0.05, "/8"), ("dispatch", 0.1, "engine/7")]
