@@ -432,7 +432,7 @@ def request_timeline(trace: dict[str, Any], start_us: float, end_us: float, min_
     def ms_from_start(t: float) -> float:
         return round((t - start_us) / 1e3, 3)
 
-    inside = [e for e in trace["device"] if e["ts"] >= start_us and e["ts"] <= end_us]
+    inside = [e for e in trace["device"] if start_us <= e["ts"] <= end_us]
     out: dict[str, Any] = {"ttft_ms": ms_from_start(end_us), "kernels": len(inside)}
     if inside:
         out["device_first_ms"] = ms_from_start(min(e["ts"] for e in inside))

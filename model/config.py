@@ -332,9 +332,10 @@ class EngineConfig:
     # collection holds the GIL, stalling the engine thread and the event loop alike; how long the
     # full ones take, and how often they run, shows in /metrics (`pallas_gc_pause_seconds`).
     gc_freeze: bool = True
-    # The step programs write their sampled tokens (and logprobs) into pinned host memory
-    # themselves, where the device has it (a GPU), instead of the host starting a copy of each
-    # output after the program (model/transfer.py). Off (`--no-host-outputs`) for A/B runs.
+    # The prefill programs write their output (the first token, its logprobs) into pinned host
+    # memory themselves, where the device has such memory (a GPU; the CPU backend lists it too),
+    # instead of the host starting its copy after the program (model/transfer.py). Not the decode
+    # programs: on the H200 theirs made decode 26-30% slower. Off (`--no-host-outputs`) for A/B runs.
     host_outputs: bool = True
     # Q4_K matrices split at load into Q4_0's codes and block scales plus an offset per block and
     # row, all f16 (a weight moves by at most 2^-11 of its scaled code plus 2^-11 of its block's
