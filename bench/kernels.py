@@ -249,7 +249,9 @@ def mosaic_impls(sweep: bool, m: int) -> list[Impl]:
     base = matmul_mgpu.DEFAULT_TUNING
     tunings = [("mosaic_gpu", None)]
     if sweep and m <= matmul_mgpu.MAX_ROWS:  # the neighbours are decode tunings (unfolded scales)
-        for tag, kw in [("ctas132", dict(target_ctas=132)), ("ctas396", dict(target_ctas=396)),
+        for tag, kw in [("ctas132", dict(target_ctas=132)), ("ctas192", dict(target_ctas=192)),
+                        ("ctas264", dict(target_ctas=264)), ("ctas320", dict(target_ctas=320)),
+                        ("ctas396", dict(target_ctas=396)),
                         ("ctas528", dict(target_ctas=528)), ("stages6", dict(stages=6)),
                         ("tile512", dict(tile_k=512, stages=3)), ("wgmma_loads", dict(upcast_loads=False, word_unpack=False)),
                         ("shuffle_unpack", dict(word_unpack=False)), ("rows2", dict(row_tiles=2)),

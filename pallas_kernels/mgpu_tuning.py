@@ -27,7 +27,13 @@ class MosaicMatmulTuning:
 
     tile_k: int = 256  # K elements per pipeline step: a power of 2, 64..512 (2..16 blocks of 32, or 4..32 of 16)
     stages: int = 4  # pipeline steps in flight per warpgroup
-    target_ctas: int = 264  # K is split until the grid reaches this many (about two per SM)
+    # K is split until the grid reaches this many warpgroups (about two per SM of the H200's 132).
+    # 256 rather than 264 makes a 4096-row matrix (64 row tiles) 4 splits, not 5: every SM then
+    # holds at most two CTAs, the 16 K steps of a 4096-wide K split evenly, and there are fewer
+    # partial sums; on the H200 the 4096 x 4096 Q4_0 call went from 6.2 to 5.6 us, a 7B decode
+    # step's Mosaic matmuls from 1,584-1,610 to 1,550-1,567 us (bench/results, thirty-third
+    # session). Matrices of other widths take the same split either way at the 7B shapes.
+    target_ctas: int = 256
     # Codes come out of shared memory 32 bits per thread (Mosaic's upcast layouts: 8 int4 or 4
     # int8 per load) and are moved to the wgmma layout in registers before conversion; False
     # loads them in the wgmma layout itself (8 or 16 bits per load); q4_0 with `word_unpack`
@@ -113,7 +119,7 @@ DEFAULT_TUNING = MosaicMatmulTuning()
 # 4096: 54 us in all, 46% of the dot). Tiles of 128 rows were 2-7% slower with K steps of 128 and
 # 22-28% slower with K steps of 64; tiles of 256 with K steps of 128 (3 stages), 30% slower.
 PREFILL_TUNING = MosaicMatmulTuning(tile_k=64, stages=4, fold_scales=True, m_tile=256,
-                                    fold_offsets=True)
+                                    fold_offsets=True, target_ctas=264)  # the grid the prefill was measured with
 
 
 def takes_shape(n: int, k: int) -> bool:

@@ -375,7 +375,7 @@ def test_rows_per_warpgroup_divide_n():
     assert matmul_mgpu.stages_for("q4_0", 8, four) == matmul_mgpu.stages_for("q4_0", 8, four, 256)
     with pytest.raises(ValueError):
         matmul_mgpu.rows_per_cta(96, two)
-    assert matmul_mgpu.split_for(4096, 11008, two) == 9  # 32 row blocks x 9 >= 264
+    assert matmul_mgpu.split_for(4096, 11008, two) == 8  # 32 row blocks x 8 >= 256
     assert matmul_mgpu.stage_bytes("q4_0", 8, 256, 128) == 8 * 256 * 2 + 128 * 128 + 128 * 8 * 2
     # q4_k_split: x's f32 block sums [8 blocks, 8 rows] and the f16 offsets [8 blocks, 64 rows] on top
     assert matmul_mgpu.stage_bytes("q4_0", 8, 256, 64, offsets=True) == (
@@ -384,20 +384,26 @@ def test_rows_per_warpgroup_divide_n():
 
 def test_split_reaches_the_target_grid():
     assert matmul_mgpu.split_for(22016, 4096) == 1
-    assert matmul_mgpu.split_for(4096, 11008) == 5  # 64 row blocks x 5 >= 264
+    assert matmul_mgpu.split_for(12288, 4096) == 2  # 192 row blocks x 2 >= 256
+    assert matmul_mgpu.split_for(4096, 11008) == 4  # 64 row blocks x 4 >= 256: at most two CTAs per SM
+    assert matmul_mgpu.split_for(4096, 4096) == 4  # 16 K steps, 4 each
+    assert matmul_mgpu.split_for(4096, 4096, matmul_mgpu.MosaicMatmulTuning(target_ctas=264)) == 5
+    # the prefill kernel keeps the grid it was measured with: 64 row blocks x 2 tiles of x x 3 >= 264
+    assert matmul_mgpu.split_for(4096, 4096, matmul_mgpu.PREFILL_TUNING, m_tiles=2) == 3
     assert matmul_mgpu.split_for(256, 256) == 1  # never more splits than K steps
 
 
 def test_even_split_divides_the_k_steps():
-    even = matmul_mgpu.MosaicMatmulTuning(even_split=True)
-    assert matmul_mgpu.split_for(8192, 4096) == 3 and matmul_mgpu.split_for(8192, 4096, even) == 4  # 16 steps
+    even = matmul_mgpu.MosaicMatmulTuning(even_split=True, target_ctas=264)
+    base = matmul_mgpu.MosaicMatmulTuning(target_ctas=264)
+    assert matmul_mgpu.split_for(8192, 4096, base) == 3 and matmul_mgpu.split_for(8192, 4096, even) == 4  # 16 steps
     assert matmul_mgpu.split_for(4096, 4096, even) == 8  # 5 does not divide 16; 8 does, within twice 5
     assert matmul_mgpu.split_for(12288, 4096, even) == 2  # already even
     assert matmul_mgpu.split_for(4096, 11008, even) == 5  # 43 steps: no divisor up to 10, the split stays
     assert matmul_mgpu.split_for(4096, 14336, even) == 7  # 56 steps
     for n, k in [(4096, 4096), (8192, 4096), (6144, 4096), (1024, 4096), (4096, 14336), (64, 256)]:
         split, steps = matmul_mgpu.split_for(n, k, even), k // even.tile_k
-        assert matmul_mgpu.split_for(n, k) <= split <= steps
+        assert matmul_mgpu.split_for(n, k, base) <= split <= steps
 
 
 @pytest.mark.parametrize("fmt,m,n,k,stack,tile_k,word_unpack,fold,tiles", [
