@@ -252,7 +252,7 @@ def mosaic_impls(sweep: bool, m: int) -> list[Impl]:
         for tag, kw in [("ctas132", dict(target_ctas=132)), ("ctas192", dict(target_ctas=192)),
                         ("ctas264", dict(target_ctas=264)), ("ctas320", dict(target_ctas=320)),
                         ("ctas396", dict(target_ctas=396)),
-                        ("ctas528", dict(target_ctas=528)), ("stages6", dict(stages=6)),
+                        ("ctas528", dict(target_ctas=528)), ("stages3", dict(stages=3)), ("stages6", dict(stages=6)),
                         ("tile512", dict(tile_k=512, stages=3)), ("wgmma_loads", dict(upcast_loads=False, word_unpack=False)),
                         ("shuffle_unpack", dict(word_unpack=False)), ("rows2", dict(row_tiles=2)),
                         ("rows2_split1", dict(row_tiles=2, target_ctas=1)), ("even_split", dict(even_split=True))]:

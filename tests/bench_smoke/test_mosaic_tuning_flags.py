@@ -32,5 +32,5 @@ def test_flags_replace_the_default_tunings(monkeypatch):
                                                          "prefill": {"fold_offsets": False}}
     assert mgpu_tuning.default_tuning(8).even_split and not mgpu_tuning.default_tuning(8).fold_scales
     assert not mgpu_tuning.default_tuning(512).fold_offsets and mgpu_tuning.default_tuning(512).fold_scales
-    assert mgpu_tuning.split_for(8192, 4096, mgpu_tuning.default_tuning(8)) == 4
+    assert mgpu_tuning.split_for(6144, 4096, mgpu_tuning.default_tuning(8)) == 4  # 3 without even_split
     assert common.apply_mosaic_tuning_arguments(ap.parse_args([])) == {}
