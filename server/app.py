@@ -226,9 +226,12 @@ async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]
         logprobs=parsed.logprobs is not None,
     )
     gen = Generation(engine, parsed, prompts, response_id)
+    # taken before the submit: the engine's own TTFT clock starts inside it, and once a request
+    # is in, the engine thread may hold the GIL for a step before this handler runs on
+    submitted = time.perf_counter()
     gen.submit_all()
     metrics: Metrics = state.metrics
-    metrics.http_admit.observe(time.perf_counter() - entered)
+    metrics.http_admit.observe(submitted - entered)
     if parsed.stream:
         def first_frame() -> None:
             metrics.http_first_frame.observe(time.perf_counter() - entered)

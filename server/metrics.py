@@ -121,7 +121,7 @@ class Metrics:
         # client sees into these and the engine's own).
         self.http_admit = Histogram(
             "pallas_http_admit_seconds",
-            "Handler entry to the engine requests submitted (body read, parsed, prompts prepared)",
+            "Handler entry to the engine requests' submission (body read, parsed, prompts prepared)",
             buckets=QUEUE_BUCKETS,
             registry=self.registry,
         )
