@@ -239,15 +239,31 @@ def triton_impls(fmt: str, m: int, n: int, k: int, x_dtype, interpret: bool, swe
     return out
 
 
-def mosaic_impls(sweep: bool, m: int) -> list[Impl]:
+def parse_variants(spec: str, base) -> list[tuple[str, dict]]:
+    """--mosaic-variants 'tag:field=v,field=v;tag2:...' -> [(tag, fields)], each field read as
+    `base`'s (bench.common.parse_tuning_fields)."""
+    out = []
+    for item in filter(None, (t.strip() for t in spec.split(";"))):
+        tag, sep, fields = item.partition(":")
+        if not sep or not tag.strip():
+            raise ValueError(f"{item!r}: expected TAG:FIELD=VALUE,...")
+        out.append((tag.strip(), common.parse_tuning_fields(fields, base)))
+    return out
+
+
+def mosaic_impls(sweep: bool, m: int, variants: str = "") -> list[Impl]:
     """The Mosaic GPU kernel at its default tuning for the rows of x (`default_tuning`: decode up
-    to 64 rows, prefill beyond), and with --sweep the decode tuning's neighbours: CTAs per SM (K
+    to 64 rows, prefill beyond), with --sweep the decode tuning's neighbours (CTAs per SM (K
     split, and splits that divide the K steps evenly), steps in flight, K step, the code loads and
-    the q4_0 unpacking."""
+    the q4_0 unpacking), and the tunings named by --mosaic-variants (fields over the default
+    tuning for these rows)."""
     from pallas_kernels import matmul_mgpu
 
     base = matmul_mgpu.DEFAULT_TUNING
     tunings = [("mosaic_gpu", None)]
+    default = matmul_mgpu.default_tuning(m)
+    for tag, fields in parse_variants(variants, default):
+        tunings.append((f"mosaic_gpu:{tag}", dataclasses.replace(default, **fields)))
     if sweep and m <= matmul_mgpu.MAX_ROWS:  # the neighbours are decode tunings (unfolded scales)
         for tag, kw in [("ctas132", dict(target_ctas=132)), ("ctas192", dict(target_ctas=192)),
                         ("ctas264", dict(target_ctas=264)), ("ctas320", dict(target_ctas=320)),
@@ -422,7 +438,7 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
             if name == "triton":
                 impls += triton_impls(fmt, m, n, k, x_dtype, args.interpret, args.sweep, args.grid)
             elif name == "mosaic_gpu":  # q4_0/q8_0 (the splits below); other cases report its NotImplementedError
-                impls += mosaic_impls(args.sweep, m)
+                impls += mosaic_impls(args.sweep, m, args.mosaic_variants)
             elif name == "jax_triton":  # q4_0/q8_0 (the splits below)
                 impls += jax_triton_impls(m, n, k, args.sweep)
             elif name == "reference":
@@ -556,6 +572,8 @@ def main(argv=None) -> None:
     ap.add_argument("--device-time", action="store_true",
                     help="us from a profiler trace: the matmul's own kernel, not the wall clock (GPU)")
     ap.add_argument("--sweep", action="store_true", help="also time neighbours of the default triton, mosaic_gpu and jax_triton tunings")
+    ap.add_argument("--mosaic-variants", default="",
+                    help="more mosaic_gpu tunings to time: 'tag:field=value,...;tag2:...' over the default tuning")
     ap.add_argument("--grid", action="store_true", help="also time a grid of block sizes, stages and split-K")
     ap.add_argument("--mats", type=int, default=16, help="at least this many distinct weights per call")
     ap.add_argument("--max-mats", type=int, default=256)
@@ -566,6 +584,9 @@ def main(argv=None) -> None:
     ap.add_argument("--copy-gb", type=float, default=4.0, help="size of the copy test array")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke test: Pallas interpret mode, tiny shapes")
     args = ap.parse_args(argv)
+    if args.mosaic_variants:  # a typo fails here, not after the GPU's ceilings are measured
+        from pallas_kernels import mgpu_tuning
+        parse_variants(args.mosaic_variants, mgpu_tuning.DEFAULT_TUNING)
     args.stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")
     t_start = time.monotonic()
     if args.interpret:

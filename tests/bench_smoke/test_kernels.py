@@ -10,7 +10,9 @@ import pathlib
 import subprocess
 import sys
 
-from bench.kernels import fmt_row, per_matmul
+import pytest
+
+from bench.kernels import fmt_row, mosaic_impls, parse_variants, per_matmul
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
 
@@ -69,3 +71,20 @@ def test_jax_triton_sweep_neighbours_tile_the_shape():
         assert len({i.tuning for i in impls}) == len(impls)
         assert impls[0].tuning.startswith(f"bm{matmul_jax_triton.default_tuning(m, n, k).block_m} ")
     assert [i.name for i in jax_triton_impls(8, 4096, 4096)] == ["jax_triton"]
+
+
+def test_mosaic_variants_are_fields_over_the_rows_default():
+    """--mosaic-variants: each tag's fields replace those of the default tuning for the rows of x
+    (decode or prefill), after the default itself; malformed items and unknown fields refuse."""
+    from pallas_kernels import mgpu_tuning
+
+    assert parse_variants("", mgpu_tuning.DEFAULT_TUNING) == []
+    assert parse_variants("st:static_grid=1; c:target_ctas=264,stages=3", mgpu_tuning.DEFAULT_TUNING) == [
+        ("st", {"static_grid": True}), ("c", {"target_ctas": 264, "stages": 3})]
+    names = [i.name for i in mosaic_impls(False, 8, "st:static_grid=1")]
+    assert names == ["mosaic_gpu", "mosaic_gpu:st"]
+    tuning = [i for i in mosaic_impls(False, 512, "c:stages=3")][1].tuning
+    assert "stages=3" in tuning and "fold_scales=True" in tuning  # over the prefill tuning
+    for bad in ("static_grid=1", ":stages=3", "x:no_such=1", "x:stages=three"):
+        with pytest.raises(ValueError):
+            parse_variants(bad, mgpu_tuning.DEFAULT_TUNING)
