@@ -226,8 +226,9 @@ async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]
         logprobs=parsed.logprobs is not None,
     )
     gen = Generation(engine, parsed, prompts, response_id)
-    # taken before the submit: the engine's own TTFT clock starts inside it, and once a request
-    # is in, the engine thread may hold the GIL for a step before this handler runs on
+    # taken before the submit: the engine's own TTFT clock starts as the request reaches it (in
+    # its process or thread), and this handler may run on only later, so an end taken after
+    # the submit would count that time twice
     submitted = time.perf_counter()
     gen.submit_all()
     metrics: Metrics = state.metrics
