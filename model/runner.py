@@ -265,8 +265,7 @@ class ModelRunner:
         # as the device holds them: each prefill chunk takes the packed words with its tokens and
         # gives back the arrays, for the decode programs after it (a slot decodes only after its
         # prompt's last chunk). No transfer of their own ahead of a new prompt's first program.
-        pack = sampling.pack_sampling(self._slot_params, self.engine_cfg.max_logit_bias)
-        self._samp_words, self._samp_layout = transfer.pack_words(pack)
+        pack = self._pack_sampling()
         self._samp = jax.device_put(pack, None if mesh is None else sharding.replicated(mesh))
         # the outputs' sharding: in pinned host memory where there is some (a GPU) and asked for
         host = transfer.host_outputs(mesh) if engine_cfg.host_outputs else None
@@ -279,6 +278,13 @@ class ModelRunner:
         self._positions = np.zeros((self.num_slots,), np.int64)
         self._compiled: dict[tuple, Any] = {}
         self._masks: dict[tuple[int, ...], jax.Array] = {}  # _active_mask's
+
+    def _pack_sampling(self) -> sampling.SamplingArrays:
+        """Every slot's sampling settings packed (`sampling.pack_sampling`), kept as the words the
+        next prefill chunk carries (`_samp_words`, `_samp_layout`); returns the pack."""
+        pack = sampling.pack_sampling(self._slot_params, self.engine_cfg.max_logit_bias)
+        self._samp_words, self._samp_layout = transfer.pack_words(pack)
+        return pack
 
     def _active_mask(self, slots: tuple[int, ...]) -> jax.Array:
         """The decode program's mask of busy slots, kept on the device for each set of slots seen
@@ -412,8 +418,7 @@ class ModelRunner:
                 if sp.seed is None:
                     sp = dataclasses.replace(sp, seed=int(self._rng.integers(0, 2**63)))
                 self._slot_params[setup.slot] = sp
-            pack = sampling.pack_sampling(self._slot_params, self.engine_cfg.max_logit_bias)
-            self._samp_words, _ = transfer.pack_words(pack)
+            self._pack_sampling()
         decode_out = None
         steps = plan.num_decode_steps
         if plan.decode_slots:

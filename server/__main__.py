@@ -109,8 +109,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
                    help="compile the prefill programs without XLA's command buffers (CUDA graphs; for A/B "
                         "measurements)")
     p.add_argument("--no-host-outputs", dest="host_outputs", action="store_false",
-                   help="leave the step programs' outputs in device memory for the host to copy, rather than "
-                        "have the programs write them to pinned host memory (for A/B measurements)")
+                   help="leave the prefill programs' outputs in device memory for the host to copy, rather than "
+                        "have the programs write them to pinned host memory (for A/B measurements; the decode "
+                        "programs' outputs stay in device memory either way)")
     p.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                    help="leave the heap loading built to Python's cyclic GC (by default it is frozen after warm-up, "
                         "so that full collections, which stall every thread, scan only what requests allocate)")
