@@ -83,7 +83,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import gated as gated_ffn, q4_k_split, registry
-from pallas_kernels.mgpu_store import pallas_mgpu as _plgpu, store_gated, store_out
+from pallas_kernels.mgpu_store import load as mgpu_load, pallas_mgpu as _plgpu, store_gated, store_out
 from pallas_kernels.mgpu_tuning import (  # noqa: F401  (re-exported: the kernel's tuning and plan)
     BLOCK_K, BLOCK_N, CODE_BITS, DEFAULT_TUNING, MAX_ROWS, PREFILL_TUNING, SMEM_BYTES, SUPPORTED_FORMATS,
     MosaicMatmulTuning, default_tuning, fuses_offsets, padded_rows, rows_per_cta, split_for, stage_bytes, stages_for,
@@ -293,7 +293,7 @@ def _words_op(c_smem, convert, dtype, layout: str) -> jax.Array:
     into the wgmma operand by `convert` (`_q4_0_words_to_bf16` or `_q4_0_words_to_s8`, Mosaic GPU
     code inside `inline_mgpu`): `dtype` in Layout `layout`."""
     plgpu = _plgpu()
-    codes = plgpu.load(c_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+    codes = mgpu_load(c_smem, plgpu.Layout.WGMMA_UPCAST_4X)
     return plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
         return_type=plgpu.ShapeDtypeStruct(codes.shape, dtype, getattr(plgpu.Layout, layout)),
@@ -309,7 +309,7 @@ def _codes_bf16(c_smem, fmt: str, upcast_loads: bool, word_unpack: bool) -> jax.
     wgmma_layout = plgpu.Layout.WGMMA
     if upcast_loads:
         load_layout = plgpu.Layout.WGMMA_UPCAST_4X if CODE_BITS[fmt] == 4 else plgpu.Layout.WGMMA_UPCAST_2X
-        codes = plgpu.load(c_smem, (), layout=load_layout)
+        codes = mgpu_load(c_smem, load_layout)
     else:
         codes = c_smem[...]
     if fmt == "q4_0":
@@ -323,7 +323,7 @@ def _block_scales(d_smem, b: int) -> jax.Array:
     """Block b's 64 scales as f32, contiguous in the transposed plane: the row vector of its
     [64, M] result (one per row, in the layout of a WGMMA row)."""
     plgpu = _plgpu()
-    return plgpu.load(d_smem.at[b], (), layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
+    return mgpu_load(d_smem.at[b], plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
 
 
 def _scale_and_sum(acc: jax.Array, parts: list[jax.Array], d_smem) -> jax.Array:
@@ -339,7 +339,7 @@ def _add_offsets(acc: jax.Array, f_smem, xs_smem, nb: int) -> jax.Array:
     plgpu = _plgpu()
     column = plgpu.Layout.WGMMA.reduce(0)
     for b in range(nb):
-        xs = lax.broadcast_in_dim(plgpu.load(xs_smem.at[b], (), layout=column), acc.shape, [1])
+        xs = lax.broadcast_in_dim(mgpu_load(xs_smem.at[b], column), acc.shape, [1])
         acc = acc + lax.broadcast_in_dim(_block_scales(f_smem, b), acc.shape, [0]) * xs
     return acc
 
@@ -399,7 +399,7 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
         return _codes_bf16(c_smem.at[pl.ds(BLOCK_N * t, BLOCK_N)], fmt, upcast_loads, word_unpack)  # [64, tile_k]
 
     def x_block(x_smem, b):
-        return plgpu.transpose_ref(x_smem.at[:, pl.ds(blk * b, blk)], (1, 0))
+        return x_smem.at[:, pl.ds(blk * b, blk)].transpose((1, 0))
 
     def body(idx, x_smem, c_smem, d_smem, *rest):
         del idx
@@ -498,15 +498,15 @@ def _kernel_int8(layer_gmem, xe_gmem, xo_gmem, dx_gmem, cx_gmem, c_gmem, d_gmem,
     column = plgpu.Layout.WGMMA.reduce(0)
 
     def x_chunk(x_smem, j):
-        return plgpu.transpose_ref(x_smem.at[:, pl.ds(64 * j, 64)], (1, 0))
+        return x_smem.at[:, pl.ds(64 * j, 64)].transpose((1, 0))
 
     def body(idx, xe_smem, xo_smem, dx_smem, cx_smem, c_smem, d_smem, acc):
         del idx
         a = _words_op(c_smem, _q4_0_words_to_s8, jnp.int8, "WGMMA_8BIT")  # [64, tile_k] s8
 
         def scaled(acc, part, b):
-            dx = lax.broadcast_in_dim(plgpu.load(dx_smem.at[b], (), layout=column), part.shape, [1])
-            cx = lax.broadcast_in_dim(plgpu.load(cx_smem.at[b], (), layout=column), part.shape, [1])
+            dx = lax.broadcast_in_dim(mgpu_load(dx_smem.at[b], column), part.shape, [1])
+            cx = lax.broadcast_in_dim(mgpu_load(cx_smem.at[b], column), part.shape, [1])
             dw = lax.broadcast_in_dim(_block_scales(d_smem, b), part.shape, [0])
             return acc + (part.astype(jnp.float32) * dx - cx) * dw
 

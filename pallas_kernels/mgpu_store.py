@@ -1,8 +1,12 @@
 """The Mosaic GPU matmul's epilogues (pallas_kernels/matmul_mgpu.py): its f32 accumulators out
 through shared memory, as they are (`store_out`) or as the gated FFN's product (`store_gated`,
-pallas_kernels/gated.py)."""
+pallas_kernels/gated.py); and its loads from shared memory in a given register layout (`load`,
+in the form both jax 0.10.2 and 0.11.2 take)."""
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 from jax.experimental import pallas as pl
 
@@ -18,6 +22,23 @@ def pallas_mgpu():
     return mosaic_gpu
 
 
+def load(ref, layout):
+    """The whole of `ref` (shared memory) loaded in register `layout`. jax 0.10.2's `plgpu.load`
+    takes the index as a second argument; 0.11.2 deprecates it (the ref indexed with `.at`
+    instead), and a later jax may drop it."""
+    plgpu = pallas_mgpu()
+    if _load_takes_index():
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
+@functools.cache
+def _load_takes_index() -> bool:
+    """Whether this jax's `plgpu.load` needs its index argument (it has no default)."""
+    param = inspect.signature(pallas_mgpu().load).parameters.get("idx")
+    return param is not None and param.default is inspect.Parameter.empty
+
+
 def _stage_transposed(accs, o_smem) -> None:
     """Each [64, m] accumulator t into o_smem[:, 64 t : 64 (t + 1)] ([m, rows]) through a
     transposed view. WGMMA_TRANSPOSED holds each thread's pairs down a column (one shuffle from
@@ -25,7 +46,7 @@ def _stage_transposed(accs, o_smem) -> None:
     plgpu = pallas_mgpu()
     for t, acc in enumerate(accs):
         acc = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
-        plgpu.transpose_ref(o_smem.at[:, pl.ds(BLOCK_N * t, BLOCK_N)], (1, 0))[...] = acc
+        o_smem.at[:, pl.ds(BLOCK_N * t, BLOCK_N)].transpose((1, 0))[...] = acc
 
 
 def store_out(accs, o_smem, o_gmem, sid, col0, rows_out: bool, x0, m: int) -> None:
