@@ -361,8 +361,7 @@ def _scaled_blocks(a: jax.Array, d_smem, blk: int = 32, f_smem=None) -> list[jax
 
 def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int, m: int, tile_k: int,
             rows: int, steps: int, split: int, stages: int, upcast_loads: bool, word_unpack: bool,
-            fold_scales: bool, rows_out: bool, m_tiles: int = 1, offsets: bool = False, gated: str | None = None,
-            static_grid: bool = False):
+            fold_scales: bool, rows_out: bool, m_tiles: int = 1, offsets: bool = False, gated: str | None = None):
     """layer_gmem [1] int32; x_gmem [M_pad, K] bf16 (permuted for q4_0), of which this CTA takes
     the m rows of its tile (grid axis "mtile" when m_tiles > 1); c_gmem [L*N, K] codes (int4 or
     int8); d_gmem [L*K/B, N] f16 scales (the transposed plane; B = BLOCK_K[fmt]); with `offsets` (`OFFSET_FORMS`)
@@ -452,13 +451,9 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
         if offsets:
             in_specs.append(plgpu.BlockSpec((nb, rows), lambda j: (lo + j, 0)))
             args.append(f_gmem.at[weight_rows])
-        if split == 1 or (static_grid and steps % split == 0):
-            grid = (steps // split,)  # every CTA the same number of steps, known when lowering
-        else:
-            grid = (hi - lo,)
         return plgpu.emit_pipeline(
             body,
-            grid=grid,
+            grid=(steps,) if split == 1 else (hi - lo,),
             in_specs=in_specs,
             max_concurrent_steps=stages,
             **kwargs,
@@ -622,8 +617,7 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
                                    stages=stages_for(q.fmt, m_tile, tuning, rows, offsets, bool(gated)),
                                    upcast_loads=tuning.upcast_loads,
                                    word_unpack=tuning.word_unpack, fold_scales=tuning.fold_scales,
-                                   rows_out=tuning.rows_out, m_tiles=m_tiles, offsets=offsets, gated=gated,
-                                   static_grid=tuning.static_grid)
+                                   rows_out=tuning.rows_out, m_tiles=m_tiles, offsets=offsets, gated=gated)
         x_inputs = (xp,)
     offset_inputs = ()
     if offsets:  # the offsets, and (unless folded) x's block sums [K/32, M_pad]

@@ -92,11 +92,6 @@ class MosaicMatmulTuning:
     # PREFILL_TUNING: a 7B Q4_K_M 512-token prefill went from 23.3 to 20.2 ms on the H200
     # (1,114 kernels to 778; the Mosaic matmuls 16.67 -> 16.83 ms; twenty-second session).
     fold_offsets: bool = False
-    # Where the K split divides the K steps evenly, each CTA's pipeline runs a loop of a fixed
-    # number of steps (its prologue unrolled) instead of one whose count is computed from the
-    # CTA's split index at run time. A `bench/kernels.py --mosaic-variants` trial; off until
-    # measured in the step.
-    static_grid: bool = False
 
     def __post_init__(self) -> None:
         if self.row_tiles not in (1, 2, 4):

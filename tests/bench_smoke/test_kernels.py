@@ -79,12 +79,12 @@ def test_mosaic_variants_are_fields_over_the_rows_default():
     from pallas_kernels import mgpu_tuning
 
     assert parse_variants("", mgpu_tuning.DEFAULT_TUNING) == []
-    assert parse_variants("st:static_grid=1; c:target_ctas=264,stages=3", mgpu_tuning.DEFAULT_TUNING) == [
-        ("st", {"static_grid": True}), ("c", {"target_ctas": 264, "stages": 3})]
-    names = [i.name for i in mosaic_impls(False, 8, "st:static_grid=1")]
-    assert names == ["mosaic_gpu", "mosaic_gpu:st"]
+    assert parse_variants("ev:even_split=1; c:target_ctas=264,stages=3", mgpu_tuning.DEFAULT_TUNING) == [
+        ("ev", {"even_split": True}), ("c", {"target_ctas": 264, "stages": 3})]
+    names = [i.name for i in mosaic_impls(False, 8, "ev:even_split=1")]
+    assert names == ["mosaic_gpu", "mosaic_gpu:ev"]
     tuning = [i for i in mosaic_impls(False, 512, "c:stages=3")][1].tuning
     assert "stages=3" in tuning and "fold_scales=True" in tuning  # over the prefill tuning
-    for bad in ("static_grid=1", ":stages=3", "x:no_such=1", "x:stages=three"):
+    for bad in ("even_split=1", ":stages=3", "x:no_such=1", "x:stages=three"):
         with pytest.raises(ValueError):
             parse_variants(bad, mgpu_tuning.DEFAULT_TUNING)
