@@ -170,14 +170,16 @@ class Impl:
     prepare: object = None
 
 
-def offset_split_impls(fmt: str, impl_names: list[str], interpret: bool, m: int) -> list[Impl]:
+def offset_split_impls(fmt: str, impl_names: list[str], interpret: bool, m: int, variants: str = "") -> list[Impl]:
     """Q4_K (and Q4_1) through Q4_0's kernels (`pallas_kernels.q4_k_split`), Q5_K (and Q5_1)
     through Q8_0's (`pallas_kernels.q5_k_split`), Q5_0 as Q8_0 (`pallas_kernels.legacy_split`):
-    the Mosaic GPU kernel on a GPU (the offsets added in the decode kernel, and, as
-    "...:offsets_after", in an XLA dot after it; in prefill folded into the kernel's bf16
-    weights by default, and, as "...:offsets_after", in a dot after it; where a tuning leaves the
-    prefill offsets to the dot, a "...:fold_offsets" row folds them), the reference with
-    --interpret (a CPU check of the plumbing)."""
+    the Mosaic GPU kernel on a GPU (the offsets folded into the kernel's bf16 weights by default,
+    in decode (`OFFSET_DECODE_TUNING`) as in prefill; in decode, as "...:unfolded", added by the
+    kernel to its f32 block results with x's block sums made before it (`DEFAULT_TUNING`), and, as
+    "...:offsets_after", in an XLA dot after the unfolded kernel; in prefill, as
+    "...:offsets_after", in a dot after the folded kernel; where a tuning leaves the prefill
+    offsets to the dot, a "...:fold_offsets" row folds them; and as "...:<tag>" under each tuning
+    of --mosaic-variants), the reference with --interpret (a CPU check of the plumbing)."""
     from pallas_kernels import legacy_split, matmul_mgpu, q4_k_split, q5_k_split
 
     split, tag = {"q4_k": (q4_k_split.split_q4_k, "q4_0 codes + f16 offsets"),
@@ -190,7 +192,11 @@ def offset_split_impls(fmt: str, impl_names: list[str], interpret: bool, m: int)
     out = []
     if "mosaic_gpu" in impl_names and not interpret:
         out.append(Impl(f"mosaic_gpu:{form}", matmul_mgpu.qmatmul_mgpu, tag, prepare=jax.jit(split)))
-        tuning = matmul_mgpu.default_tuning(m)
+        out += split_variant_impls(form, m, variants, tag, split, offsets=fmt != "q5_0")
+        tuning = matmul_mgpu.default_tuning(m)  # the tuning of the formats without offsets
+        if fmt != "q5_0" and matmul_mgpu.default_tuning(m, offsets=True) != tuning:
+            out.append(Impl(f"mosaic_gpu:{form}:unfolded", lambda x, w: matmul_mgpu.qmatmul_mgpu(x, w, tuning), tag,
+                            prepare=jax.jit(split)))
         if matmul_mgpu.fuses_offsets(tuning) and fmt != "q5_0":
             after = dataclasses.replace(tuning, fuse_offsets=False, fold_offsets=False)
             out.append(Impl(f"mosaic_gpu:{form}:offsets_after",
@@ -206,9 +212,21 @@ def offset_split_impls(fmt: str, impl_names: list[str], interpret: bool, m: int)
     return out
 
 
-def q6_k_split_impls(impl_names: list[str], interpret: bool) -> list[Impl]:
+def split_variant_impls(form: str, m: int, variants: str, tag: str, split, offsets: bool = False) -> list[Impl]:
+    """The Mosaic GPU kernel on a split form ("mosaic_gpu:<form>:<tag>") under each tuning of
+    --mosaic-variants (fields over the default tuning for m rows, and for `offsets`)."""
+    from pallas_kernels import matmul_mgpu
+
+    default = matmul_mgpu.default_tuning(m, offsets)
+    return [Impl(f"mosaic_gpu:{form}:{vtag}", lambda x, w, t=dataclasses.replace(default, **fields):
+                 matmul_mgpu.qmatmul_mgpu(x, w, t), f"{tag}; {vtag}", prepare=jax.jit(split))
+            for vtag, fields in parse_variants(variants, default)]
+
+
+def q6_k_split_impls(impl_names: list[str], interpret: bool, m: int = 8, variants: str = "") -> list[Impl]:
     """Q6_K through the Mosaic GPU kernel's 8-bit path (`pallas_kernels.q6_k_split`: int8 codes,
-    an f16 scale per 16 weights); the reference with --interpret."""
+    an f16 scale per 16 weights), also under each tuning of --mosaic-variants; the reference
+    with --interpret."""
     from pallas_kernels import matmul_mgpu, q6_k_split
 
     def impl(name, fn):
@@ -217,6 +235,7 @@ def q6_k_split_impls(impl_names: list[str], interpret: bool) -> list[Impl]:
     out = []
     if "mosaic_gpu" in impl_names and not interpret:
         out.append(impl("mosaic_gpu:q6_k_split", matmul_mgpu.qmatmul_mgpu))
+        out += split_variant_impls("q6_k_split", m, variants, "int8 codes + f16 scales per 16", q6_k_split.split_q6_k)
     if "jax_triton" in impl_names and not interpret:
         out.append(impl("jax_triton:q6_k_split", matmul_jax_triton.qmatmul_jax_triton))
     if "reference" in impl_names:
@@ -448,9 +467,9 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
                                                                      preferred_element_type=jnp.float32),
                                   "bf16 weights, xla dot"))
         if fmt in ("q4_k", "q5_k", "q4_1", "q5_0", "q5_1"):
-            impls += offset_split_impls(fmt, impl_names, args.interpret, m)
+            impls += offset_split_impls(fmt, impl_names, args.interpret, m, args.mosaic_variants)
         if fmt == "q6_k":
-            impls += q6_k_split_impls(impl_names, args.interpret)
+            impls += q6_k_split_impls(impl_names, args.interpret, m, args.mosaic_variants)
         for impl in impls:
             if time.monotonic() > deadline:
                 rows.append(dict(op="matmul", format=fmt, impl=impl.name, m=m, n=n, k=k, error="skipped: --budget-s"))
