@@ -26,11 +26,13 @@ Bytes per weight: 0.5 (codes) + 2/32 (s) + 2/32 (C) = 0.625, against Q4_K's 0.56
 The split is a weight format of its own, "q4_k_split" (`quant.DERIVED_FORMATS`: planes `qs` and
 `d` as Q4_0's, `c` [K/32, N] f16), made at load with `EngineConfig.split_q4_k` (`--split-q4-k`),
 so the forward pass is unchanged: the reference dequantizes it (d (q - 8) + c); the Mosaic GPU
-matmul's decode kernel adds the offsets itself (its `fuse_offsets`: on the H200 a 7B Q4_K_M
-decode step took 4.22 ms, against 4.65 ms with them as XLA dots after it, bench/results,
-fourteenth session); its prefill kernel adds them to its bf16 weights (`fold_offsets`: a 7B
-Q4_K_M prefill chunk of 512 tokens took 20.2 ms against 23.3 with the dot, twenty-second
-session); the Triton matmul, and the Mosaic kernel where a tuning turns both off, serve the
+matmul's kernels add the offsets to their bf16 weights (`fold_offsets`, the scales folded too:
+`folded_dequantize` gives those weights): in prefill (a 7B Q4_K_M prefill chunk of 512 tokens
+took 20.2 ms against 23.3 with the offsets as an XLA dot, bench/results, twenty-second session)
+and, since the thirty-fifth session, in decode (`mgpu_tuning.OFFSET_DECODE_TUNING`: a 7B Q4_K_M
+decode step took 2.67 ms against 2.85 with the offsets added by the unfolded kernel, which needs
+x's block sums from an XLA kernel before each call, `fuse_offsets`; that took 4.22 ms against
+4.65 with the XLA dot in the fourteenth session); the Triton matmul, and the Mosaic kernel where a tuning turns both off, serve the
 format through `matmul_via`: their Q4_0 kernel on `codes_and_scales`, plus `offset_term` (at
 tf32 beside the Mosaic GPU kernel, `KERNEL_OFFSET_PRECISION`; f32 beside Triton's). (Triton takes the
 shapes and GPUs Mosaic refuses: a row-parallel shard with K = 5504, a GPU before Hopper).
@@ -43,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.quant import QK_K, QuantizedTensor, array_module, check_layer
+from pallas_kernels.quant import QK_K, QuantizedTensor, array_module, check_layer, dequantize_reference
 
 BLOCK = 32  # weights per Q4_0 block and per Q4_K sub-block
 CODE_OFFSET = 8  # Q4_0 weight = d (q - 8)
@@ -98,6 +100,41 @@ def codes_and_scales(w: QuantizedTensor) -> QuantizedTensor:
     """The block-format part of a tensor in an `OFFSET_FORMS` format (its codes and scales:
     views, stacked as `w` is)."""
     return QuantizedTensor({"qs": w.planes["qs"], "d": w.planes["d"]}, OFFSET_FORMS[w.fmt], w.shape)
+
+
+# Weights per scale of the block formats the folded kernel reads (q4_0 and q8_0 per 32, the
+# Q6_K split per 16).
+FOLDED_BLOCK = {"q4_0": 32, "q8_0": 32, "q6_k_split": 16}
+
+
+def folded_dequantize(qt: QuantizedTensor) -> jax.Array:
+    """f32 [*S, N, K] in natural order: the weights as the Mosaic GPU matmul's folded kernel
+    (`MosaicMatmulTuning.fold_scales`, with `fold_offsets` for `OFFSET_FORMS`) hands them to its
+    bf16 wgmmas: each code (q - 8, or the int8 code) times its block's scale rounded to bf16, the
+    product rounded to bf16, and, for the formats with offsets, plus the block's offset rounded
+    to bf16, the sum rounded to bf16 (`matmul_mgpu._scaled_blocks`). The exact weights are
+    `quant.dequantize_reference`'s; this is what a check of the folded kernel, or a measure of
+    what folding costs, compares with."""
+    base = OFFSET_FORMS.get(qt.fmt, qt.fmt)
+    if base not in FOLDED_BLOCK:
+        raise NotImplementedError(f"the folded kernel does not read {qt.fmt}")
+    blk, (_, k) = FOLDED_BLOCK[base], qt.shape
+    ones = jnp.ones(jnp.shape(qt.planes["d"]), jnp.float16)
+    codes = dequantize_reference(QuantizedTensor({"qs": qt.planes["qs"], "d": ones}, base, qt.shape))  # exact
+
+    def per_weight(plane):  # [*S, K/blk, N] -> [*S, N, K], each block's value repeated, as bf16 in f32
+        v = jnp.repeat(jnp.swapaxes(jnp.asarray(plane).astype(jnp.float32), -1, -2), blk, axis=-1)
+        return _bf16(v)
+
+    w = _bf16(per_weight(qt.planes["d"]) * codes)
+    if qt.fmt in OFFSET_FORMS:
+        w = _bf16(w + per_weight(qt.planes["c"]))
+    assert w.shape[-1] == k
+    return w
+
+
+def _bf16(v: jax.Array) -> jax.Array:
+    return v.astype(jnp.bfloat16).astype(jnp.float32)
 
 
 def block_sums(x: jax.Array) -> jax.Array:
