@@ -162,13 +162,20 @@ def weight_bytes_per_decode(model_path: str | os.PathLike[str], splits: Collecti
 # statistics and prompts
 
 
+# --mosaic-<kind>-tuning -> the tuning of pallas_kernels/mgpu_tuning.py it replaces fields of: decode
+# (Q4_0, Q8_0, the Q6_K split), decode of the formats with offsets (Q4_K, Q4_1, Q5_K, Q5_1 split),
+# prefill.
+MOSAIC_TUNING_KINDS = {"decode": "DEFAULT_TUNING", "offset-decode": "OFFSET_DECODE_TUNING",
+                       "prefill": "PREFILL_TUNING"}
+
+
 def add_mosaic_tuning_arguments(ap: Any) -> None:
     """Bench-only variants of the Mosaic GPU matmul's tunings (`pallas_kernels.mgpu_tuning`), for
     A/B runs without scratch code: `apply_mosaic_tuning_arguments` replaces the named fields."""
-    for kind in ("decode", "prefill"):
+    for kind in MOSAIC_TUNING_KINDS:
         ap.add_argument(f"--mosaic-{kind}-tuning", default="", metavar="FIELD=VALUE,...",
-                        help=f"a variant: these fields of the Mosaic GPU matmul's {kind} tuning replaced "
-                             "(MosaicMatmulTuning, e.g. even_split=true, fold_offsets=false)")
+                        help=f"a variant: these fields of the Mosaic GPU matmul's {kind.replace('-', ' ')} tuning "
+                             "replaced (MosaicMatmulTuning, e.g. even_split=true, fold_offsets=false)")
 
 
 def parse_tuning_fields(spec: str, base: Any) -> dict[str, Any]:
@@ -191,15 +198,15 @@ def parse_tuning_fields(spec: str, base: Any) -> dict[str, Any]:
 
 
 def apply_mosaic_tuning_arguments(args: Any) -> dict[str, dict[str, Any]]:
-    """Replaces `mgpu_tuning.DEFAULT_TUNING` / `PREFILL_TUNING` in this process per
-    `add_mosaic_tuning_arguments` (the kernels take `default_tuning(m)` as they are lowered);
-    returns the replaced fields, for the result file."""
+    """Replaces `mgpu_tuning.DEFAULT_TUNING` / `OFFSET_DECODE_TUNING` / `PREFILL_TUNING` in this
+    process per `add_mosaic_tuning_arguments` (the kernels take `default_tuning(m, offsets)` as
+    they are lowered); returns the replaced fields, for the result file."""
     from pallas_kernels import mgpu_tuning
 
     changed: dict[str, dict[str, Any]] = {}
-    for kind, name in (("decode", "DEFAULT_TUNING"), ("prefill", "PREFILL_TUNING")):
+    for kind, name in MOSAIC_TUNING_KINDS.items():
         base = getattr(mgpu_tuning, name)
-        fields = parse_tuning_fields(getattr(args, f"mosaic_{kind}_tuning", ""), base)
+        fields = parse_tuning_fields(getattr(args, f"mosaic_{kind.replace('-', '_')}_tuning", ""), base)
         if fields:
             setattr(mgpu_tuning, name, dataclasses.replace(base, **fields))
             changed[kind] = fields

@@ -339,8 +339,8 @@ class EngineConfig:
     host_outputs: bool = True
     # Q4_K matrices split at load into Q4_0's codes and block scales plus an offset per block and
     # row, all f16 (a weight moves by at most 2^-11 of its scaled code plus 2^-11 of its block's
-    # offset), 11% more bytes, so that Q4_0's kernels serve them: on a Hopper GPU the Mosaic matmul (its decode
-    # kernel adds the offsets itself), the Triton Q4_0 kernel where Mosaic refuses a shape.
+    # offset), 11% more bytes, so that Q4_0's kernels serve them: on a Hopper GPU the Mosaic matmul (its
+    # kernels fold scales and offsets into bf16 weights), the Triton Q4_0 kernel where Mosaic refuses a shape.
     # "auto" splits where the Mosaic matmul serves them (one device, a Hopper GPU, the matmul not
     # forced to another implementation) or a forced jax-triton one does (`model.loader.split_formats`)
     # and the split weights fit

@@ -1,7 +1,8 @@
 """Quantized matmul as a Mosaic GPU kernel (Hopper: TMA, wgmma): implementation "mosaic_gpu" of op
-"matmul", of Q4_0 and Q8_0 weights: the decode regime (up to 64 rows of x, `DEFAULT_TUNING`) and
-the prefill one (more rows, `PREFILL_TUNING`: folded scales, x in tiles of up to 256 rows on a
-grid axis, each tile the wgmma's N).
+"matmul", of Q4_0 and Q8_0 weights: the decode regime (up to 64 rows of x, `DEFAULT_TUNING`; for
+the formats with offsets, `OFFSET_DECODE_TUNING`: folded scales, as in prefill) and the prefill
+one (more rows, `PREFILL_TUNING`: folded scales, x in tiles of up to 256 rows on a grid axis, each
+tile the wgmma's N).
 
 It reads the planes `pallas_kernels.quant.repack` built, in place (no layout of its own):
 
@@ -85,9 +86,9 @@ from jax.experimental import pallas as pl
 from pallas_kernels import gated as gated_ffn, q4_k_split, registry
 from pallas_kernels.mgpu_store import load as mgpu_load, pallas_mgpu as _plgpu, store_gated, store_out
 from pallas_kernels.mgpu_tuning import (  # noqa: F401  (re-exported: the kernel's tuning and plan)
-    BLOCK_K, BLOCK_N, CODE_BITS, DEFAULT_TUNING, MAX_ROWS, PREFILL_TUNING, SMEM_BYTES, SUPPORTED_FORMATS,
-    MosaicMatmulTuning, default_tuning, fuses_offsets, padded_rows, rows_per_cta, split_for, stage_bytes, stages_for,
-    takes_shape, tile_rows,
+    BLOCK_K, BLOCK_N, CODE_BITS, DEFAULT_TUNING, MAX_ROWS, OFFSET_DECODE_TUNING, PREFILL_TUNING, SMEM_BYTES,
+    SUPPORTED_FORMATS, MosaicMatmulTuning, default_tuning, fuses_offsets, padded_rows, rows_per_cta, split_for,
+    stage_bytes, stages_for, takes_shape, tile_rows,
 )
 from pallas_kernels.q4_k_split import OFFSET_FORMS
 from pallas_kernels.quant import QuantizedTensor, check_layer
@@ -554,7 +555,7 @@ def x_order(w: QuantizedTensor, rows: int, tuning: MosaicMatmulTuning | None = N
     `x[:, order]` itself unless called with `x_in_order=True`); None: x as it is. Q4_0's codes
     (and those of the formats that run as Q4_0, `OFFSET_FORMS`) unpack in a permuted order
     within each 32-block (`permute_x_words`, or `permute_x` without `word_unpack`)."""
-    tuning = tuning or default_tuning(rows)
+    tuning = tuning or default_tuning(rows, w.fmt in OFFSET_FORMS)
     if tuning.int8_x or OFFSET_FORMS.get(w.fmt, w.fmt) != "q4_0":
         return None
     return _block_order(w.shape[1], (16, 2) if tuning.word_unpack else (2, 16))
@@ -575,7 +576,7 @@ def takes_gated(w: QuantizedTensor, rows: int, act: str) -> bool:
     (`_epilogue_takes`), and a K the default tuning would not split anyway (the epilogue needs
     whole sums: `split_for` 1)."""
     n, k = w.shape
-    tuning = default_tuning(rows)
+    tuning = default_tuning(rows, w.fmt in OFFSET_FORMS)
     if act not in gated_ffn.ACTIVATIONS or n % (2 * gated_ffn.GROUP) or not takes_shape(n, k):
         return False
     if not _epilogue_takes(w, tuning):
@@ -665,10 +666,10 @@ def qmatmul_mgpu(
     gated: str | None = None,
 ) -> jax.Array:  # [..., N] f32; with `gated`, [..., N / 2] bf16
     """x @ dequant(w).T through the Mosaic GPU kernel; without a tuning, `default_tuning` of x's
-    rows (decode up to 64, prefill beyond). "q4_k_split" (Q4_K split at load,
-    pallas_kernels/q4_k_split.py) runs as Q4_0 with its offsets added in the decode kernel
-    (`fuse_offsets`) or folded into the prefill kernel's weights (`fold_offsets`, on in PREFILL_TUNING),
-    else as its Q4_0 part plus an XLA dot for them; "q5_k_split"
+    rows (decode up to 64, prefill beyond) and w's format. "q4_k_split" (Q4_K split at load,
+    pallas_kernels/q4_k_split.py) runs as Q4_0 with its offsets folded into the kernel's bf16
+    weights (`fold_offsets`, on in OFFSET_DECODE_TUNING and PREFILL_TUNING) or added by the
+    unfolded decode kernel (`fuse_offsets`), else as its Q4_0 part plus an XLA dot for them; "q5_k_split"
     (pallas_kernels/q5_k_split.py) likewise as Q8_0, and Q4_1 and Q5_1 split into those forms
     (pallas_kernels/legacy_split.py) as they are (`OFFSET_FORMS`). Raises NotImplementedError for
     what it does not take (formats other than q4_0, q8_0, q6_k_split and those of `OFFSET_FORMS`,
@@ -687,7 +688,7 @@ def qmatmul_mgpu(
     the whole product itself, else from its output (`gated.from_interleaved`)."""
     if interpret:
         raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
-    tuning = tuning or default_tuning(math.prod(x.shape[:-1]))
+    tuning = tuning or default_tuning(math.prod(x.shape[:-1]), w.fmt in OFFSET_FORMS)
     if gated is not None:
         if gated not in gated_ffn.ACTIVATIONS:
             raise NotImplementedError(f"mosaic_gpu matmul: no gated activation {gated!r}")

@@ -128,9 +128,26 @@ def takes_shape(n: int, k: int) -> bool:
     return n % BLOCK_N == 0 and k % DEFAULT_TUNING.tile_k == 0 and k % PREFILL_TUNING.tile_k == 0
 
 
-def default_tuning(m: int) -> MosaicMatmulTuning:
-    """The tuning for m rows of x: DEFAULT_TUNING for decode (up to MAX_ROWS), else PREFILL_TUNING."""
-    return DEFAULT_TUNING if m <= MAX_ROWS else PREFILL_TUNING
+# Decode of the formats with offsets (`q4_k_split.OFFSET_FORMS`: Q4_K, Q4_1, Q5_K and Q5_1 split
+# at load): the scales and offsets folded into the bf16 weights, as the prefill kernel does.
+# Unfolded, the kernel adds each block's offsets times x's block sums, which XLA makes in a
+# reduction kernel of its own before each call (112 of a 7B Q4_K_M decode step's 483 kernels).
+# On the H200 (bench/results, thirty-fifth session) the step went from 2.85 / 2.87 to 2.67 /
+# 2.73 ms at 1 / 8 busy slots, the Mosaic matmuls themselves unchanged (1,992 against 1,987
+# us). The cost is the weights' rounding: a folded weight is within about 2^-8 of its scale's
+# and offset's magnitude (`q4_k_split.folded_dequantize`; bench/fold_agreement.py measures
+# what that does to agreement with llama.cpp). Q4_0, Q8_0 and the Q6_K split keep DEFAULT_TUNING:
+# folding made their kernels 1-5% slower and saves them no kernel.
+OFFSET_DECODE_TUNING = dataclasses.replace(DEFAULT_TUNING, fold_scales=True, fold_offsets=True)
+
+
+def default_tuning(m: int, offsets: bool = False) -> MosaicMatmulTuning:
+    """The tuning for m rows of x: for decode (up to MAX_ROWS) DEFAULT_TUNING, or, for a matrix
+    with offsets (`offsets`: its format in `q4_k_split.OFFSET_FORMS`), OFFSET_DECODE_TUNING; else
+    PREFILL_TUNING."""
+    if m > MAX_ROWS:
+        return PREFILL_TUNING
+    return OFFSET_DECODE_TUNING if offsets else DEFAULT_TUNING
 
 
 def fuses_offsets(tuning: MosaicMatmulTuning) -> bool:

@@ -21,8 +21,8 @@ the Triton Q5_K kernel reads the packed bits.
 
 Format "q5_k_split" (`quant.DERIVED_FORMATS`: planes `qs` [N, K] int8 and `d` as Q8_0's, `c`
 [K/32, N] f16), made at load with `EngineConfig.split_q5_k` (`--split-q5-k`). The reference
-dequantizes it (d q + c); the Mosaic GPU decode kernel adds the offsets itself (`fuse_offsets`),
-its prefill kernel folds them into its bf16 weights (`fold_offsets`), and the Triton matmul
+dequantizes it (d q + c); the Mosaic GPU kernels fold them into their bf16 weights
+(`fold_offsets`, in decode as in prefill: `mgpu_tuning.OFFSET_DECODE_TUNING`), and the Triton matmul
 serves it through `q4_k_split.matmul_via`: its Q8_0 kernel on the codes and scales plus the
 offsets' dot (`q4_k_split.OFFSET_FORMS`).
 """

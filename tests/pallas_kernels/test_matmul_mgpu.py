@@ -50,8 +50,8 @@ class TestMosaicGpu(MatmulConformance):
 
 
 # The splits made at load for the Mosaic kernel, by the GGML format they take: Q4_K and Q4_1 as
-# Q4_0's codes and scales plus f16 offsets (added in the decode kernel, folded into the prefill
-# one's bf16 weights), Q5_K and Q5_1 likewise as Q8_0's, Q5_0 as Q8_0 exactly, Q6_K as int8 codes with a scale
+# Q4_0's codes and scales plus f16 offsets (folded with the scales into the kernel's bf16
+# weights, in decode as in prefill), Q5_K and Q5_1 likewise as Q8_0's, Q5_0 as Q8_0 exactly, Q6_K as int8 codes with a scale
 # per 16 weights (16-wide wgmmas).
 SPLITS = {"q4_k": q4_k_split.split_q4_k, "q5_k": q5_k_split.split_q5_k, "q6_k": q6_k_split.split_q6_k,
           "q4_1": legacy_split.split_q4_1, "q5_0": legacy_split.q5_0_as_q8_0, "q5_1": legacy_split.split_q5_1}
@@ -97,6 +97,46 @@ class TestMosaicGpuGatherX(TestMosaicGpu):
         return matmul_mgpu.qmatmul_mgpu(x, w, layer=layer, gather_x=True)
 
 
+OFFSET_SPLITS = ("q4_k", "q5_k", "q4_1", "q5_1")  # the splits with offsets (`q4_k_split.OFFSET_FORMS`)
+
+
+@pytest.mark.gpu
+@pytest.mark.variant
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+class TestMosaicGpuUnfoldedOffsets(TestMosaicGpu):
+    """The formats with offsets through the unfolded decode kernel (DEFAULT_TUNING: exact codes,
+    f32 block results, each block's offsets times x's block sums added by the kernel), the
+    decode default for them until the thirty-fifth session."""
+
+    CASES = tuple(c for c in split_cases(*OFFSET_SPLITS) if c.m <= matmul_mgpu.MAX_ROWS)
+
+    def matmul(self, x, w, case, layer=None):
+        return matmul_mgpu.qmatmul_mgpu(x, SPLITS[case.fmt](w), matmul_mgpu.DEFAULT_TUNING, layer=layer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", OFFSET_SPLITS)
+@pytest.mark.parametrize("m", [1, 8, 200])
+def test_folded_kernel_multiplies_by_the_folded_weights(fmt, m):
+    """By default (decode and prefill) the formats with offsets run with scales and offsets
+    folded into bf16 weights: the product is x times `q4_k_split.folded_dequantize`'s weights,
+    up to f32 summation (far closer than to the exact weights, which the conformance classes
+    bound)."""
+    rng = np.random.default_rng(m)
+    n, k = 512, 4096
+    w = jax.tree_util.tree_map(jnp.asarray, SPLITS[fmt](random_weight(fmt, n, k, rng)))
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    assert matmul_mgpu.default_tuning(m, offsets=True).fold_offsets
+    got = np.asarray(matmul_mgpu.qmatmul_mgpu(x, w), np.float64)
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    folded = x64 @ np.asarray(q4_k_split.folded_dequantize(w), np.float64).T
+    exact = x64 @ np.asarray(quant.dequantize_reference(w), np.float64).T
+    scale = np.linalg.norm(folded)
+    assert np.linalg.norm(got - folded) / scale < 2e-5
+    assert np.linalg.norm(exact - folded) / scale > 1e-4  # the folding is visible at all
+
+
 @pytest.mark.gpu
 @pytest.mark.variant
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
@@ -107,7 +147,8 @@ class TestMosaicGpuQ4KSplitOffsetsAfter(TestMosaicGpu):
     CASES = split_cases("q4_k")
 
     def matmul(self, x, w, case, layer=None):
-        tuning = dataclasses.replace(matmul_mgpu.default_tuning(x.shape[0]), fuse_offsets=False, fold_offsets=False)
+        tuning = dataclasses.replace(matmul_mgpu.default_tuning(x.shape[0], offsets=True), fuse_offsets=False,
+                                     fold_offsets=False)
         return matmul_mgpu.qmatmul_mgpu(x, q4_k_split.split_q4_k(w), tuning, layer=layer)
 
 
@@ -548,6 +589,28 @@ def test_q4_k_split_lowers_for_cuda(m, fuse, fold):
     text = lowered.as_text()
     assert "mosaic_gpu" in text
     assert ("dot_general" in text) == (not matmul_mgpu.fuses_offsets(tuning)), text.count("dot_general")
+
+
+@pytest.mark.parametrize("fmt", ["q4_k_split", "q5_k_split", "q4_1_split", "q5_1_split"])
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_decode_folds_the_offsets_by_default(fmt, m):
+    """At decode rows the formats with offsets take OFFSET_DECODE_TUNING (scales and offsets
+    folded into the kernel's weights): no dot after the kernel and no block sums of x before it,
+    so the program's only reduction is the K splits' sum, as for Q4_0; with DEFAULT_TUNING's
+    unfolded kernel, x's block sums are a second one."""
+    pytest.importorskip("absl")
+    assert matmul_mgpu.default_tuning(m, offsets=True) == matmul_mgpu.OFFSET_DECODE_TUNING
+    assert matmul_mgpu.default_tuning(m) == matmul_mgpu.DEFAULT_TUNING
+    w = _spec(fmt, 4096, 11008, 3)
+    x = jax.ShapeDtypeStruct((m, 11008), jnp.bfloat16)
+    texts = {}
+    for name, tuning in (("default", None), ("unfolded", matmul_mgpu.DEFAULT_TUNING)):
+        fn = lambda x, w, i, t=tuning: matmul_mgpu.qmatmul_mgpu(x, w, t, layer=i)  # noqa: E731
+        texts[name] = jax.jit(fn).trace(x, w, jax.ShapeDtypeStruct((), jnp.int32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert all("mosaic_gpu" in t and "dot_general" not in t for t in texts.values())
+    assert texts["default"].count("stablehlo.reduce") == 1
+    assert texts["unfolded"].count("stablehlo.reduce") == 2
 
 
 @pytest.mark.parametrize("m,fuse,fold", [(1, True, False), (8, True, False), (8, False, False), (512, True, False),
