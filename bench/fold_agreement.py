@@ -3,7 +3,7 @@ teacher-forced comparison with llama.cpp's recorded token streams (as
 tests/model/test_llama_cpp_agreement.py makes it), on the CPU path, once with the split matrices
 as they are and once with every matrix of a format with offsets (`q4_k_split.OFFSET_FORMS`:
 Q4_K, Q4_1, Q5_K, Q5_1 split at load) replaced by the bf16 weights the folded kernel computes
-(`q4_k_split.folded_dequantize`: scale, product, offset and sum each rounded to bf16), which is
+(`q4_k_split.folded_dequantize`: scale and offset rounded to bf16, then the weight), which is
 what the GPU's prefill kernel runs and, since the thirty-fifth session, its decode kernel for
 those formats. The CPU keeps f32 activations, so this isolates the weights' rounding (the GPU
 also rounds x to bf16). A tied output matrix is folded for the output head only; the token

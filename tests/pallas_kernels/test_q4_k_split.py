@@ -127,7 +127,7 @@ def test_triton_matmul_takes_the_split(m):
 
 
 def test_folded_weights_are_the_split_where_every_step_fits_bf16():
-    # d a power of two, sub-block scales under 4 and no mins: every scale, product and sum has
+    # d a power of two, sub-block scales under 4 and no mins: every scale, offset and weight has
     # at most 7 significant bits, within bf16's 8, so the folded weights are the split's exactly
     w = random_q4_k(1, 64, 512, d_values=[2.0**-7, 2.0**-9])
     w.planes["dmin"][:] = 0
@@ -142,12 +142,11 @@ def test_folded_weights_round_each_step_to_bf16():
     got = np.asarray(q4_k_split.folded_dequantize(split), np.float64)
     exact = np.asarray(dequantize_reference(split), np.float64)
     assert np.array_equal(got.astype(np.float32).astype(jnp.bfloat16).astype(np.float64), got)  # bf16 values
-    # four roundings of at most 2^-8 of the value rounded (bf16's 8-bit significand): the scale,
-    # its product with the code, the offset, the sum; none of those values exceeds about
-    # 8 |s| + |c|
+    # three roundings of at most 2^-8 of the value rounded (bf16's 8-bit significand): the scale,
+    # the offset, and their fused product and sum; none of those values exceeds about 8 |s| + |c|
     d = np.repeat(np.asarray(split.planes["d"], np.float64).T, 32, axis=1)
     c = np.repeat(np.asarray(split.planes["c"], np.float64).T, 32, axis=1)
-    bound = 4 * 2.0**-8 * (8 * np.abs(d) + np.abs(c)) * (1 + 2.0**-8) ** 2
+    bound = 3 * 2.0**-8 * (8 * np.abs(d) + np.abs(c)) * (1 + 2.0**-8) ** 2
     assert np.all(np.abs(got - exact) <= bound)
     assert not np.array_equal(got, exact)  # random f16 scales do not fit bf16
 
@@ -165,6 +164,6 @@ def test_folded_weights_of_a_stack_and_of_the_block_formats():
         np.testing.assert_array_equal(got[i], np.asarray(q4_k_split.folded_dequantize(one)))
     q6 = q6_k_split.split_q6_k(random_q6_k(5, 64, 256))
     got, exact = (np.asarray(f(q6), np.float64) for f in (q4_k_split.folded_dequantize, dequantize_reference))
-    np.testing.assert_allclose(got, exact, rtol=2.1 * 2.0**-8, atol=0)  # no offsets: two roundings
+    np.testing.assert_allclose(got, exact, rtol=2.1 * 2.0**-8, atol=0)  # no offsets: the scale's, the product's
     with pytest.raises(NotImplementedError, match="q4_k"):
         q4_k_split.folded_dequantize(random_q4_k(6, 64, 256))
