@@ -113,7 +113,7 @@ def test_gated_epilogue_gives_the_product(fmt, m, act):
     w = q4_k_split.split_q4_k(w0) if fmt == "q4_k" else w0
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     got = np.asarray(matmul_mgpu.qmatmul_mgpu(x, w, gated=act).astype(jnp.float32))
-    whole = dataclasses.replace(matmul_mgpu.default_tuning(m), target_ctas=1)
+    whole = dataclasses.replace(matmul_mgpu.default_tuning(m, offsets=fmt == "q4_k"), target_ctas=1)
     y = matmul_mgpu.qmatmul_mgpu(x, w, whole)
     want = np.asarray(gated.from_interleaved(y, act).astype(jnp.bfloat16).astype(jnp.float32))
     assert got.shape == (m, n // 2)
