@@ -22,9 +22,10 @@ built with it (the runner builds it for its steady-state program, the most decod
 dispatch; here for `--decode-steps`), and the program planned for all slots is timed at one busy
 slot as well (`*_1_active_all_rows_plan`).
 
-`--mosaic-decode-tuning FIELD=VALUE,...` and `--mosaic-prefill-tuning ...` (also bench/engine.py's)
-replace fields of the Mosaic GPU matmul's default tunings (`pallas_kernels.mgpu_tuning`) in this
-process, for A/B runs of a tuning the engine does not use by default (`even_split=true`,
+`--mosaic-decode-tuning FIELD=VALUE,...`, `--mosaic-offset-decode-tuning ...` (the decode tuning
+of the formats with offsets: Q4_K, Q4_1, Q5_K, Q5_1 split) and `--mosaic-prefill-tuning ...` (also
+bench/engine.py's) replace fields of the Mosaic GPU matmul's default tunings
+(`pallas_kernels.mgpu_tuning`) in this process, for A/B runs of a tuning the engine does not use by default (`even_split=true`,
 `fold_offsets=false`); the report records them.
 
 `--decode-steps N` builds the engine's N-step decode program instead of the one-step one

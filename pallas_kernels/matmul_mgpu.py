@@ -64,9 +64,10 @@ store, which is most of the small matrices' time and about 480 us of a 7B decode
 calls. The tuning's neighbours (the K split, stages, K step, code loads) were all slower or tied
 after the PTX conversion, and a store that waits only for its shared-memory read gained nothing.
 
-Exact up to f32 summation by default: the codes (4 or 8 bits) and bf16 x are exact in bf16, and
-their products are exact in the f32 accumulator (with `fold_scales`, each weight is rounded to
-bf16 first). It takes bf16 x only (the GPU engine's activations);
+Exact up to f32 summation with unfolded scales (`DEFAULT_TUNING`: Q4_0, Q8_0 and the Q6_K split
+in decode): the codes (4 or 8 bits) and bf16 x are exact in bf16, and their products are exact in
+the f32 accumulator. With `fold_scales` (prefill, and the formats with offsets in decode) each
+weight is rounded to bf16 first (`q4_k_split.folded_dequantize`). It takes bf16 x only (the GPU engine's activations);
 f32 x is refused rather than rounded.
 
 bench/matmul_ablation.py (variant `mgpu_mma`) and bench/kernels.py (`--impls mosaic_gpu`) time it.
@@ -347,8 +348,9 @@ def _add_offsets(acc: jax.Array, f_smem, xs_smem, nb: int) -> jax.Array:
 
 def _scaled_blocks(a: jax.Array, d_smem, blk: int = 32, f_smem=None) -> list[jax.Array]:
     """The step's codes a [64, tile_k] (bf16, wgmma layout) as its blocks [64, blk], each
-    multiplied by its 64 scales, rounded to bf16; with f_smem ([nb, 64] f16, `fold_offsets`),
-    plus its 64 offsets rounded to bf16."""
+    multiplied by its 64 scales rounded to bf16; with f_smem ([nb, 64] f16, `fold_offsets`),
+    plus its 64 offsets rounded to bf16 (on the H200 the multiply and add compile to one fused
+    bf16 multiply-add: one rounding, `q4_k_split.folded_dequantize`)."""
     blocks = []
     for b in range(a.shape[1] // blk):
         shape = (a.shape[0], blk)

@@ -44,8 +44,9 @@ class MosaicMatmulTuning:
     # permuted to match; False moves the codes to the wgmma layout first (two warp shuffles per
     # word) and converts them there.
     word_unpack: bool = True
-    # Each block's scales multiply its bf16 codes before the wgmma (the scale and then the
-    # product rounded to bf16: a weight is off by up to about 2^-7 of itself), so all of a
+    # Each block's scales multiply its bf16 codes before the wgmma (the scale rounded to bf16,
+    # then the product, fused with the offset's addition where there is one:
+    # `q4_k_split.folded_dequantize`; a weight is off by up to about 2^-7 of itself), so all of a
     # 64-row tile's wgmmas add into one accumulator carried across K steps and a step never
     # waits for its own wgmmas (only for the previous step's, before that step's x is
     # released); False keeps the codes exact, one accumulator per block, and scales the block's
@@ -72,7 +73,8 @@ class MosaicMatmulTuning:
     # a multiple of 8 up to 256 (fewer rows of x run as one tile of their own size).
     m_tile: int = 256
     # "q4_k_split" (Q4_K split at load, pallas_kernels/q4_k_split.py) and the other formats with
-    # offsets (`OFFSET_FORMS`): the decode kernel adds each
+    # offsets (`OFFSET_FORMS`): the unfolded decode kernel (DEFAULT_TUNING; not their default
+    # since the thirty-fifth session, OFFSET_DECODE_TUNING folds them) adds each
     # block's offsets (its row of the `c` plane times x's sums over the block) to the block's
     # scaled result, so a split matrix costs one kernel; False, and where the kernel cannot
     # (int8 x, K steps under 128; folded scales unless `fold_offsets`), they are an XLA dot after
@@ -86,11 +88,12 @@ class MosaicMatmulTuning:
     # step's Mosaic matmuls from 2,184 to 2,248 us (more partial sums for XLA to add). A
     # `bench/kernels.py --sweep` neighbour.
     even_split: bool = False
-    # With `fold_scales` (the prefill kernel), the formats with offsets: each block's offsets are
-    # added to its scaled bf16 codes before the wgmma (the offset rounded to bf16, then the sum),
-    # instead of an XLA dot of x's block sums and the offsets after the call. On in
-    # PREFILL_TUNING: a 7B Q4_K_M 512-token prefill went from 23.3 to 20.2 ms on the H200
-    # (1,114 kernels to 778; the Mosaic matmuls 16.67 -> 16.83 ms; twenty-second session).
+    # With `fold_scales`, the formats with offsets: each block's offsets are added to its scaled
+    # bf16 codes before the wgmma (the offset rounded to bf16, then the sum, fused with the
+    # scale's product), instead of an XLA dot of x's block sums and the offsets after the call.
+    # On in PREFILL_TUNING: a 7B Q4_K_M 512-token prefill went from 23.3 to 20.2 ms on the H200
+    # (1,114 kernels to 778; the Mosaic matmuls 16.67 -> 16.83 ms; twenty-second session); and
+    # in OFFSET_DECODE_TUNING.
     fold_offsets: bool = False
 
     def __post_init__(self) -> None:
@@ -190,7 +193,10 @@ def stage_bytes(fmt: str, m: int, tile_k: int, rows: int = BLOCK_N, int8_x: bool
                 offsets: bool = False) -> int:
     """Shared memory of one pipeline step: x [M, tile_k] bf16, codes [rows, tile_k], scales. With
     `int8_x`, x's two int8 copies take the bytes of the bf16 one, and its two f32 factors per block
-    and row come on top; with `offsets` (`OFFSET_FORMS`), x's f32 block sums and the f16 offsets."""
+    and row come on top; with `offsets` (`OFFSET_FORMS`), x's f32 block sums and the f16 offsets.
+    (The folded kernel loads no block sums, so for it this overcounts: the Q5_K and Q5_1 splits'
+    gated calls at 57-64 and at 256 rows get 3 steps in flight where the count without them
+    gives 4; left so until measured on the GPU.)"""
     extra = 2 * padded_rows(m) * (tile_k // 32) * 4 if int8_x else 0
     if offsets:
         extra += (padded_rows(m) * 4 + rows * 2) * (tile_k // 32)

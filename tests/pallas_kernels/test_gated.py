@@ -59,7 +59,7 @@ def test_takes_gated_where_the_k_is_not_split():
     assert not matmul_mgpu.takes_gated(_spec("q4_0", 1024, 4096), 8, "silu")
     assert not matmul_mgpu.takes_gated(up, 8, "relu")
     assert not matmul_mgpu.takes_gated(_spec("q4_0", 22016, 4064), 8, "silu")  # K no multiple of the step
-    # Q4_K: the decode kernel adds the offsets itself, the prefill one has them folded in
+    # Q4_K: the decode and prefill kernels both fold the offsets into their weights
     assert matmul_mgpu.takes_gated(_spec("q4_k_split", 22016, 4096), 8, "silu")
     assert matmul_mgpu.takes_gated(_spec("q4_k_split", 22016, 4096), 512, "silu")
 

@@ -100,7 +100,8 @@ def test_triton_matmul_of_the_split_is_the_file_s_product(fmt):
                                         ("q5_1_split", 8, True), ("q5_1_split", 8, False), ("q5_1_split", 512, True)])
 def test_mosaic_kernel_lowers_for_cuda(fmt, m, fuse):
     """The split forms run the Mosaic GPU kernel of the K-quant splits of the same form: the
-    decode kernel adds the offsets itself, the prefill one folds them into its bf16 weights."""
+    unfolded decode kernel (DEFAULT_TUNING; the folded one is their decode default) adds the
+    offsets itself, the prefill one folds them into its bf16 weights."""
     pytest.importorskip("absl")
     f = quant.ALL_FORMATS[fmt]
     shapes, dtypes = f.plane_shapes(4096, 11008), f.plane_dtypes()

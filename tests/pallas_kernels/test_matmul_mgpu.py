@@ -141,14 +141,14 @@ def test_folded_kernel_multiplies_by_the_folded_weights(fmt, m):
 @pytest.mark.variant
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 class TestMosaicGpuQ4KSplitOffsetsAfter(TestMosaicGpu):
-    """The split's offsets as an XLA dot after Q4_0's kernel (`fuse_offsets=False`, and at
-    prefill `fold_offsets=False`), not in it."""
+    """The split's offsets as an XLA dot after Q4_0's kernel at its own tuning (the unfolded
+    one in decode, `fuse_offsets=False`; the folded one in prefill, `fold_offsets=False`), not
+    in it: bench/kernels.py's "...:offsets_after"."""
 
     CASES = split_cases("q4_k")
 
     def matmul(self, x, w, case, layer=None):
-        tuning = dataclasses.replace(matmul_mgpu.default_tuning(x.shape[0], offsets=True), fuse_offsets=False,
-                                     fold_offsets=False)
+        tuning = dataclasses.replace(matmul_mgpu.default_tuning(x.shape[0]), fuse_offsets=False, fold_offsets=False)
         return matmul_mgpu.qmatmul_mgpu(x, q4_k_split.split_q4_k(w), tuning, layer=layer)
 
 
@@ -521,7 +521,8 @@ def test_x_in_order_is_taken_as_it_is(fmt, m):
 
     plain, in_order = text(), text(x_in_order=True)
     assert "stablehlo.gather" in text(gather_x=True) and "mosaic_gpu" in in_order
-    # x's transpose gone (Q4_K's offsets keep a transpose of x's block sums), and no gather
+    # x's transpose gone (the unfolded Q4_K kernel's offsets would keep a transpose of x's block
+    # sums; its folded default takes none), and no gather
     assert plain.count("stablehlo.transpose") == in_order.count("stablehlo.transpose") + 1
     assert "stablehlo.gather" not in in_order
     with pytest.raises(NotImplementedError, match="int8"):
@@ -535,10 +536,12 @@ def test_x_in_order_is_taken_as_it_is(fmt, m):
                                      ("q4_k", 8, 512, 4096), ("q4_k", 200, 512, 4096)])
 def test_x_in_order_gives_the_same_product(fmt, m, n, k):
     """x permuted by its producer (`x_order`) and passed with `x_in_order` gives the product of
-    the plain call: bit for bit where x goes to the kernel alone; for Q4_K split at load, whose
-    offsets take x's block sums, up to their f32 rounding (x spans many binades, and XLA's
-    reduce of a block may add its values in another order: it did on the H200, also with x
-    gathered back to the model's order first)."""
+    the plain call: bit for bit where x goes to the kernel alone; for Q4_K split at load, up to
+    the f32 rounding of x's block sums where its offsets take them (the unfolded decode kernel,
+    the default until the thirty-fifth session: x spans many binades, and XLA's reduce of a
+    block may add its values in another order: it did on the H200, also with x gathered back to
+    the model's order first). The folded default takes no block sums, so the bound is loose
+    for it."""
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % (1 << 63)))
     w = random_weight(fmt, n, k, rng)
     if fmt == "q4_k":
@@ -576,9 +579,10 @@ def test_gather_x_lowers_for_cuda(fmt, m):
                                          (512, True, False), (512, True, True), (200, True, True)])
 def test_q4_k_split_lowers_for_cuda(m, fuse, fold):
     """A Q4_K matrix split at load runs Q4_0's kernel (decode or prefill tuning by its rows)
-    on its codes and scales, stacked with a layer index; the decode kernel adds the offsets
-    itself (`fuse_offsets`: no dot left in the program), the prefill one leaves them to a dot
-    unless it folds them into its weights (`fold_offsets`)."""
+    on its codes and scales, stacked with a layer index; the unfolded decode kernel
+    (DEFAULT_TUNING, not the format's default: `test_decode_folds_the_offsets_by_default`) adds
+    the offsets itself (`fuse_offsets`: no dot left in the program), the prefill one leaves
+    them to a dot unless it folds them into its weights (`fold_offsets`)."""
     pytest.importorskip("absl")
     w = _spec("q4_k_split", 4096, 11008, 3)
     x = jax.ShapeDtypeStruct((m, 11008), jnp.bfloat16)
@@ -616,9 +620,9 @@ def test_decode_folds_the_offsets_by_default(fmt, m):
 @pytest.mark.parametrize("m,fuse,fold", [(1, True, False), (8, True, False), (8, False, False), (512, True, False),
                                          (512, True, True)])
 def test_q5_k_split_lowers_for_cuda(m, fuse, fold):
-    """A Q5_K matrix split at load runs Q8_0's kernel on its int8 codes and scales, the decode
-    kernel adding the offsets itself, the prefill one leaving them to a dot unless it folds them
-    (as Q4_K's split)."""
+    """A Q5_K matrix split at load runs Q8_0's kernel on its int8 codes and scales, the unfolded
+    decode kernel adding the offsets itself, the prefill one leaving them to a dot unless it
+    folds them (as Q4_K's split)."""
     pytest.importorskip("absl")
     w = _spec("q5_k_split", 4096, 11008, 3)
     x = jax.ShapeDtypeStruct((m, 11008), jnp.bfloat16)

@@ -167,3 +167,20 @@ def test_folded_weights_of_a_stack_and_of_the_block_formats():
     np.testing.assert_allclose(got, exact, rtol=2.1 * 2.0**-8, atol=0)  # no offsets: the scale's, the product's
     with pytest.raises(NotImplementedError, match="q4_k"):
         q4_k_split.folded_dequantize(random_q4_k(6, 64, 256))
+
+
+def test_folded_weights_round_once_after_the_offset():
+    # the kernel's multiply and add are one fused bf16 operation (measured on the H200): a weight
+    # is bf16(bf16(s) (q - 8) + bf16(c)), which differs from rounding s (q - 8) first wherever
+    # that product needs more than bf16's 8 bits
+    split = q4_k_split.split_q4_k(random_q4_k(7, 64, 512))
+    got = np.asarray(q4_k_split.folded_dequantize(split), np.float32)
+    bf16 = jnp.bfloat16
+    s = np.repeat(np.asarray(split.planes["d"], np.float32).T, 32, axis=1).astype(bf16).astype(np.float32)
+    c = np.repeat(np.asarray(split.planes["c"], np.float32).T, 32, axis=1).astype(bf16).astype(np.float32)
+    ones = np.ones_like(split.planes["d"])
+    q = np.asarray(dequantize_reference(QuantizedTensor({"qs": split.planes["qs"], "d": ones}, "q4_0", split.shape)))
+    once = (s * q + c).astype(bf16).astype(np.float32)
+    twice = ((s * q).astype(bf16).astype(np.float32) + c).astype(bf16).astype(np.float32)
+    np.testing.assert_array_equal(got, once)
+    assert np.mean(once != twice) > 0.05
