@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import gated, matmul_mgpu, q4_k_split
+from pallas_kernels import gated, matmul_mgpu, q4_k_split, q5_k_split
 from pallas_kernels.matmul import qmatmul_reference
 from tests.pallas_kernels.test_matmul_conformance import random_weight, relative_error
 from tests.pallas_kernels.test_matmul_mgpu import _spec
@@ -65,7 +65,8 @@ def test_takes_gated_where_the_k_is_not_split():
 
 
 @pytest.mark.parametrize("fmt,m,stack", [("q4_0", 8, 2), ("q4_0", 512, 2), ("q8_0", 8, None), ("q4_k_split", 200, None),
-                                         ("q4_k_split", 8, None), ("q6_k_split", 8, None)])
+                                         ("q4_k_split", 8, None), ("q6_k_split", 8, None), ("q5_k_split", 8, None),
+                                         ("q5_1_split", 64, 2)])
 @pytest.mark.parametrize("act", gated.ACTIVATIONS)
 def test_gated_epilogue_lowers_for_cuda(fmt, m, stack, act):
     """The kernel with the gated epilogue (one K split, the product out in bf16) lowers, and its
@@ -101,7 +102,8 @@ def test_gated_without_the_epilogue_is_the_product_after_the_call(fmt, tuning):
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fmt,m,act", [("q4_0", 8, "silu"), ("q4_0", 1, "silu"), ("q4_0", 200, "silu"),
                                        ("q8_0", 8, "silu"), ("q4_k", 8, "silu"), ("q4_k", 200, "silu"),
-                                       ("q4_0", 8, "gelu_tanh"), ("q4_k", 200, "gelu_tanh")])
+                                       ("q4_0", 8, "gelu_tanh"), ("q4_k", 200, "gelu_tanh"), ("q5_k", 8, "silu"),
+                                       ("q5_k", 64, "silu")])
 def test_gated_epilogue_gives_the_product(fmt, m, act):
     """The epilogue's act(gate) * up in bf16 against the plain call of the same kernel with K
     unsplit too (`target_ctas=1`) followed by `from_interleaved` (the path without it): the same
@@ -110,10 +112,10 @@ def test_gated_epilogue_gives_the_product(fmt, m, act):
     n, k = 1024, 1024
     rng = np.random.default_rng(seed := int(np.random.SeedSequence().entropy % (1 << 63)))
     w0 = random_weight(fmt, n, k, rng)
-    w = q4_k_split.split_q4_k(w0) if fmt == "q4_k" else w0
+    w = {"q4_k": q4_k_split.split_q4_k, "q5_k": q5_k_split.split_q5_k}.get(fmt, lambda w: w)(w0)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     got = np.asarray(matmul_mgpu.qmatmul_mgpu(x, w, gated=act).astype(jnp.float32))
-    whole = dataclasses.replace(matmul_mgpu.default_tuning(m, offsets=fmt == "q4_k"), target_ctas=1)
+    whole = dataclasses.replace(matmul_mgpu.default_tuning(m, offsets=w.fmt in q4_k_split.OFFSET_FORMS), target_ctas=1)
     y = matmul_mgpu.qmatmul_mgpu(x, w, whole)
     want = np.asarray(gated.from_interleaved(y, act).astype(jnp.bfloat16).astype(jnp.float32))
     assert got.shape == (m, n // 2)
