@@ -140,7 +140,8 @@ def takes_shape(n: int, k: int) -> bool:
 # us). The cost is the weights' rounding: a folded weight is within about 2^-8 of its scale's
 # and offset's magnitude (`q4_k_split.folded_dequantize`; bench/fold_agreement.py measures
 # what that does to agreement with llama.cpp). Q4_0, Q8_0 and the Q6_K split keep DEFAULT_TUNING:
-# folding made their kernels 1-5% slower and saves them no kernel.
+# folding saves them no kernel, and made the Q6_K split's calls 3-5% slower (thirty-fifth
+# session) and Q4_0's 4-5% (sixth).
 OFFSET_DECODE_TUNING = dataclasses.replace(DEFAULT_TUNING, fold_scales=True, fold_offsets=True)
 
 

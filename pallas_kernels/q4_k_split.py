@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.mgpu_tuning import BLOCK_K  # weights per scale of the block formats the kernel reads
 from pallas_kernels.quant import QK_K, QuantizedTensor, array_module, check_layer, dequantize_reference
 
 BLOCK = 32  # weights per Q4_0 block and per Q4_K sub-block
@@ -102,11 +103,6 @@ def codes_and_scales(w: QuantizedTensor) -> QuantizedTensor:
     return QuantizedTensor({"qs": w.planes["qs"], "d": w.planes["d"]}, OFFSET_FORMS[w.fmt], w.shape)
 
 
-# Weights per scale of the block formats the folded kernel reads (q4_0 and q8_0 per 32, the
-# Q6_K split per 16).
-FOLDED_BLOCK = {"q4_0": 32, "q8_0": 32, "q6_k_split": 16}
-
-
 def folded_dequantize(qt: QuantizedTensor) -> jax.Array:
     """f32 [*S, N, K] in natural order: the weights as the Mosaic GPU matmul's folded kernel
     (`MosaicMatmulTuning.fold_scales`, with `fold_offsets` for `OFFSET_FORMS`) hands them to its
@@ -118,9 +114,9 @@ def folded_dequantize(qt: QuantizedTensor) -> jax.Array:
     `quant.dequantize_reference`'s; this is what a check of the folded kernel, or a measure of
     what folding costs, compares with."""
     base = OFFSET_FORMS.get(qt.fmt, qt.fmt)
-    if base not in FOLDED_BLOCK:
+    if base not in BLOCK_K:
         raise NotImplementedError(f"the folded kernel does not read {qt.fmt}")
-    blk, (_, k) = FOLDED_BLOCK[base], qt.shape
+    blk = BLOCK_K[base]
     ones = jnp.ones(jnp.shape(qt.planes["d"]), jnp.float16)
     codes = dequantize_reference(QuantizedTensor({"qs": qt.planes["qs"], "d": ones}, base, qt.shape))  # exact
 
@@ -131,9 +127,7 @@ def folded_dequantize(qt: QuantizedTensor) -> jax.Array:
     w = per_weight(qt.planes["d"]) * codes  # exact in f32: a bf16 scale times a code of at most 8 bits
     if qt.fmt in OFFSET_FORMS:
         w = w + per_weight(qt.planes["c"])
-    w = _bf16(w)
-    assert w.shape[-1] == k
-    return w
+    return _bf16(w)
 
 
 def _bf16(v: jax.Array) -> jax.Array:
