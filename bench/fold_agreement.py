@@ -20,18 +20,19 @@ over llama.cpp's top-10 (p50, p99, max), seconds; and the folded logits against 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import logging
 import pathlib
 import sys
 import time
+import types
 
 if __package__ in (None, ""):
     sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 from bench import common  # noqa: E402
 from bench.kv_dtype_agreement import (  # noqa: E402
-    FIXTURE, against_base, against_llama_cpp, forced_logits, result_record, shortest_cases)
+    FIXTURE, against_base, against_llama_cpp, finish, forced_logits, result_record, shortest_cases)
 
 log = logging.getLogger("bench.fold_agreement")
 
@@ -39,8 +40,6 @@ log = logging.getLogger("bench.fold_agreement")
 def folded_params(params):
     """`params` with every matrix of an `OFFSET_FORMS` format as bf16 weights of the folded
     kernel's values (and a tied output matrix of such a format folded as `output`)."""
-    import dataclasses
-
     import jax
     import jax.numpy as jnp
 
@@ -91,18 +90,15 @@ def main(argv: list[str] | None = None) -> int:
         if name == "split_folded":
             params = folded_params(model.params)
             kernels, _ = choose_kernels({}, model.config, params, engine_cfg)
-        model_view = type("View", (), {"config": model.config, "kernels": kernels, "params": params})
-        logits[name] = forced_logits(model_view, cases, "float32", args.max_context)
+        view = types.SimpleNamespace(config=model.config, kernels=kernels, params=params)  # what forced_logits reads
+        logits[name] = forced_logits(view, cases, "float32", args.max_context)
         results[name] = {**against_llama_cpp(cases, logits[name]), "seconds": round(time.perf_counter() - t0, 1)}
         log.info("%s: %s", name, results[name])
         t0 = time.perf_counter()
     results["matmuls"] = formats
     results["split_folded_vs_split"] = against_base(logits["split"], logits["split_folded"])
-    common.write_json(path_out, result_record("fold-agreement", stamp, model_path, args.fixture, cases,
-                                              args.max_context, results))
-    print(json.dumps(results, indent=1))
-    print(f"wrote {path_out}")
-    return 0
+    return finish(path_out, result_record("fold-agreement", stamp, model_path, args.fixture, cases,
+                                          args.max_context, results))
 
 
 if __name__ == "__main__":

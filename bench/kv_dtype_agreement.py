@@ -82,6 +82,15 @@ def result_record(kind: str, stamp: str, model: pathlib.Path, fixture: pathlib.P
             "max_context": max_context, "results": results}
 
 
+def finish(path_out: pathlib.Path, record: dict) -> int:
+    """Writes an agreement run's record (`result_record`), prints its results and where it went;
+    the script's exit status."""
+    common.write_json(path_out, record)
+    print(json.dumps(record["results"], indent=1))
+    print(f"wrote {path_out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--model", type=pathlib.Path, default=None, help="SmolLM2-135M-Instruct Q4_1 (default: the cached one)")
@@ -118,11 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s: %s", dtype, row)
         # after each dtype, so that a long run keeps what it measured (on the CPU an 8-bit or
         # bf16 cache makes the reference attention far slower than an f32 one: its conversions)
-        common.write_json(path_out, result_record("kv-agreement", stamp, path, FIXTURE.relative_to(common.ROOT), cases,
-                                                  args.max_context, results))
-    print(json.dumps(results, indent=1))
-    print(f"wrote {path_out}")
-    return 0
+        record = result_record("kv-agreement", stamp, path, FIXTURE.relative_to(common.ROOT), cases,
+                               args.max_context, results)
+        common.write_json(path_out, record)
+    return finish(path_out, record)
 
 
 if __name__ == "__main__":

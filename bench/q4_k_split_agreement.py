@@ -16,7 +16,6 @@ bench/results/split-agreement-<date>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import pathlib
 import sys
@@ -27,7 +26,7 @@ if __package__ in (None, ""):
 
 from bench import common  # noqa: E402
 from bench.kv_dtype_agreement import (  # noqa: E402
-    against_base, against_llama_cpp, forced_logits, result_record, shortest_cases)
+    against_base, against_llama_cpp, finish, forced_logits, result_record, shortest_cases)
 
 FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "generation_gemma3.json"
 
@@ -67,11 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         del model
     for name in list(settings)[1:]:
         results[f"{name}_vs_unsplit"] = against_base(logits["unsplit"], logits[name])
-    common.write_json(path_out, result_record("split-agreement", stamp, args.model, args.fixture, cases,
-                                              args.max_context, results))
-    print(json.dumps(results, indent=1))
-    print(f"wrote {path_out}")
-    return 0
+    return finish(path_out, result_record("split-agreement", stamp, args.model, args.fixture, cases,
+                                          args.max_context, results))
 
 
 if __name__ == "__main__":
