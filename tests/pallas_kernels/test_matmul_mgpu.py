@@ -422,6 +422,13 @@ def test_rows_per_warpgroup_divide_n():
     # q4_k_split: x's f32 block sums [8 blocks, 8 rows] and the f16 offsets [8 blocks, 64 rows] on top
     assert matmul_mgpu.stage_bytes("q4_0", 8, 256, 64, offsets=True) == (
         matmul_mgpu.stage_bytes("q4_0", 8, 256, 64) + 8 * 8 * 4 + 8 * 64 * 2)
+    # folded, the offsets alone: the kernel loads no block sums
+    assert matmul_mgpu.stage_bytes("q4_0", 8, 256, 64, offsets=True, fold_scales=True) == (
+        matmul_mgpu.stage_bytes("q4_0", 8, 256, 64) + 8 * 64 * 2)
+    # the Q5_K split's gated decode call at 64 rows: 4 steps in flight folded, 3 with the sums
+    folded = matmul_mgpu.OFFSET_DECODE_TUNING
+    assert matmul_mgpu.stages_for("q8_0", 64, folded, 64, True, True) == 4
+    assert matmul_mgpu.stages_for("q8_0", 64, matmul_mgpu.DEFAULT_TUNING, 64, True, True) == 3
 
 
 def test_split_reaches_the_target_grid():
@@ -532,27 +539,29 @@ def test_x_in_order_is_taken_as_it_is(fmt, m):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
-@pytest.mark.parametrize("fmt,m,n,k", [("q4_0", 8, 512, 4096), ("q4_0", 200, 512, 4096), ("q8_0", 8, 512, 4096),
-                                     ("q4_k", 8, 512, 4096), ("q4_k", 200, 512, 4096)])
-def test_x_in_order_gives_the_same_product(fmt, m, n, k):
+@pytest.mark.parametrize("fmt,m,n,k,unfolded", [("q4_0", 8, 512, 4096, False), ("q4_0", 200, 512, 4096, False),
+                                              ("q8_0", 8, 512, 4096, False), ("q4_k", 8, 512, 4096, False),
+                                              ("q4_k", 200, 512, 4096, False), ("q4_k", 8, 512, 4096, True)])
+def test_x_in_order_gives_the_same_product(fmt, m, n, k, unfolded):
     """x permuted by its producer (`x_order`) and passed with `x_in_order` gives the product of
-    the plain call: bit for bit where x goes to the kernel alone; for Q4_K split at load, up to
-    the f32 rounding of x's block sums where its offsets take them (the unfolded decode kernel,
-    the default until the thirty-fifth session: x spans many binades, and XLA's reduce of a
-    block may add its values in another order: it did on the H200, also with x gathered back to
-    the model's order first). The folded default takes no block sums, so the bound is loose
-    for it."""
+    the plain call bit for bit where x goes to the kernel alone: every default tuning, Q4_K split
+    at load among them (its decode kernel folds the offsets since the thirty-fifth session). The
+    unfolded decode kernel (`unfolded`, DEFAULT_TUNING forced) also takes x's block sums for the
+    offsets: there the two calls agree up to the sums' f32 rounding (x spans many binades, and
+    XLA's reduce of a block may add its values in another order: it did on the H200, also with x
+    gathered back to the model's order first)."""
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % (1 << 63)))
     w = random_weight(fmt, n, k, rng)
     if fmt == "q4_k":
         w = q4_k_split.split_q4_k(w)
     x = rng.standard_normal((m, k)) * np.exp2(rng.integers(-12, 12, (m, k)))
     x = jnp.asarray(x, jnp.float32).astype(jnp.bfloat16)
-    order = matmul_mgpu.x_order(w, m)
+    tuning = matmul_mgpu.DEFAULT_TUNING if unfolded else None
+    order = matmul_mgpu.x_order(w, m, tuning)
     x_in = x if order is None else x[:, order]
-    want = np.asarray(matmul_mgpu.qmatmul_mgpu(x, w))
-    got = np.asarray(matmul_mgpu.qmatmul_mgpu(x_in, w, x_in_order=True))
-    if fmt == "q4_k":
+    want = np.asarray(matmul_mgpu.qmatmul_mgpu(x, w, tuning))
+    got = np.asarray(matmul_mgpu.qmatmul_mgpu(x_in, w, tuning, x_in_order=True))
+    if unfolded:
         # the block sums' f32 rounding, through the offsets: a bound on it from the size of the
         # terms (K/32 blocks of 32 values), not of the result (terms of many binades cancel)
         bound = 2 * np.finfo(np.float32).eps * k * np.abs(np.asarray(x, np.float32)).max()
