@@ -354,12 +354,19 @@ def _scaled_blocks(a: jax.Array, d_smem, blk: int = 32, f_smem=None) -> list[jax
     blocks = []
     for b in range(a.shape[1] // blk):
         shape = (a.shape[0], blk)
-        d = _block_scales(d_smem, b).astype(jnp.bfloat16)
-        block = a[:, blk * b:blk * (b + 1)] * lax.broadcast_in_dim(d, shape, [0])
+        block = a[:, blk * b:blk * (b + 1)] * lax.broadcast_in_dim(_bf16_block_scales(d_smem, b), shape, [0])
         if f_smem is not None:
-            block = block + lax.broadcast_in_dim(_block_scales(f_smem, b).astype(jnp.bfloat16), shape, [0])
+            block = block + lax.broadcast_in_dim(_bf16_block_scales(f_smem, b), shape, [0])
         blocks.append(block)
     return blocks
+
+
+def _bf16_block_scales(d_smem, b: int) -> jax.Array:
+    """Block b's 64 scales (or offsets) rounded to bf16: a bf16 plane's as loaded, an f16 plane's
+    through f32."""
+    plgpu = _plgpu()
+    v = mgpu_load(d_smem.at[b], plgpu.Layout.WGMMA.reduce(1))
+    return v if v.dtype == jnp.bfloat16 else v.astype(jnp.float32).astype(jnp.bfloat16)
 
 
 def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int, m: int, tile_k: int,

@@ -6,26 +6,35 @@ A Q4_K super-block of 256 weights holds per 32-weight sub-block b the codes q (0
 scale sc_b and a 6-bit min m_b, and per super-block f16 d and dmin: w = d sc_b q - dmin m_b
 (llama.cpp). That is Q4_0's form plus one offset per block and row:
 
-    w' = s_b (q - 8) + c_b,   s_b = f16(d sc_b),   c_b = f16(8 s_b - dmin m_b)
+    w' = s_b (q - 8) + c_b,   s_b = bf16(f16(d sc_b)),   c_b = bf16(f16(8 f16(d sc_b) - dmin m_b))
 
 so x @ w'.T = q4_0_matmul(x, codes, s) + xsum @ C, with xsum [M, K/32] the sums of x over each
-32-block and C [K/32, N] the offsets (transposed like Q4_0's scales). w' differs from w = d sc_b q
-- dmin m_b where d sc_b (up to 17 significant bits) does not fit f16's 11, by at most 2^-11 of
-d sc_b times q (2^-11 of the weight's scaled code), and where c_b does not fit f16, by at most
-2^-11 of c_b more (2^-25 absolute below f16's normal range); in a dot with bf16 x (the GPU path)
-both are below x's own rounding (2^-8). The offsets were f32 until the seventeenth session: half
-their bytes, 9% of the split's, for a precision the GPU path could not use. |8 s_b| must stay
-within f16's range (65504), as s_b itself must: scales that large are not found in real
-files (a Q4_K weight of that scale would reach 10^5). The codes keep
-their bits; they move from Q4_K's nibble order (per 64 weights, 32 bytes: low nibbles weights
-0..31, high nibbles 32..63) to Q4_0's (per 32 weights, 16 bytes: low nibbles 0..15, high
-16..31).
+32-block and C [K/32, N] the offsets (transposed like Q4_0's scales). The planes hold s and C in
+bf16: the values the folded Mosaic kernel (the GPU default in decode and prefill) multiplies and
+adds in its bf16 weights, which it made from f16 planes by the same two roundings until the
+thirty-sixth session; held so, its conversions from f16 are gone (on the H200 the Q4_K_M 7B
+decode shapes' calls took 4-6% less: 11008 x 4096 12.2 against 12.7 us at M = 8, 4096 x 11008
+11.6 against 12.2, 22016 x 4096 21.9 against 23.2; bench/results, thirty-sixth session) and its
+products are unchanged bit for bit. w' differs from w = d sc_b q - dmin m_b by at most about
+2^-9 of d sc_b times q (the scale's rounding) and 2^-9 of c_b more (2^-25 absolute below f16's
+normal range), the folded kernel's own rounding; the other paths (Triton, the unfolded Mosaic
+kernel, the reference) read the same planes, so their products move by that much as well (1.8e-3
+in relative norm on random weights, against under 5e-4 with the f16 planes before; the offsets
+were f32 until the seventeenth session). |8 s_b| must stay within f16's
+range (65504), as s_b itself must: scales that large are not found in real files (a Q4_K weight
+of that scale would reach 10^5). The codes keep their bits; they move from Q4_K's nibble order
+(per 64 weights, 32 bytes: low nibbles weights 0..31, high nibbles 32..63) to Q4_0's (per 32
+weights, 16 bytes: low nibbles 0..15, high 16..31).
 
-Bytes per weight: 0.5 (codes) + 2/32 (s) + 2/32 (C) = 0.625, against Q4_K's 0.5625.
+Bytes per weight: 0.5 (codes) + 2/32 (s) + 2/32 (C) = 0.625, against Q4_K's 0.5625. (Q4_K's own
+6-bit scales and mins, packed as an int16 per block beside per-super-block f16 d and dmin, would
+take 0.578; the kernel making each block's scale and offset from them ran 4-10% slower on the
+H200, its steps bound by their arithmetic, not their bytes: branch experiment/q4k-packed,
+bench/results, thirty-sixth session.)
 
-The split is a weight format of its own, "q4_k_split" (`quant.DERIVED_FORMATS`: planes `qs` and
-`d` as Q4_0's, `c` [K/32, N] f16), made at load with `EngineConfig.split_q4_k` (`--split-q4-k`),
-so the forward pass is unchanged: the reference dequantizes it (d (q - 8) + c); the Mosaic GPU
+The split is a weight format of its own, "q4_k_split" (`quant.DERIVED_FORMATS`: plane `qs` as
+Q4_0's, `d` [K/32, N] bf16 where Q4_0's is f16, `c` [K/32, N] bf16), made at load with
+`EngineConfig.split_q4_k` (`--split-q4-k`), so the forward pass is unchanged: the reference dequantizes it (d (q - 8) + c); the Mosaic GPU
 matmul's kernels add the offsets to their bf16 weights (`fold_offsets`, the scales folded too:
 `folded_dequantize` gives those weights): in prefill (a 7B Q4_K_M prefill chunk of 512 tokens
 took 20.2 ms against 23.3 with the offsets as an XLA dot, bench/results, twenty-second session)
@@ -43,6 +52,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from pallas_kernels.mgpu_tuning import BLOCK_K  # weights per scale of the block formats the kernel reads
@@ -67,7 +77,8 @@ def split_q4_k(w: QuantizedTensor) -> QuantizedTensor:
     codes = xp.reshape(codes, (*lead, n, blocks, BLOCK))  # sub-block 8 s + 2 run + nibble, in order
     qs40 = xp.reshape(codes[..., :16] | (codes[..., 16:] << 4), (*lead, n, k // 2)).astype(np.uint8)
     scales, offsets = block_scales_and_offsets(xp, p, CODE_OFFSET)
-    return QuantizedTensor({"qs": qs40, "d": scales, "c": offsets}, "q4_k_split", (n, k))
+    bf16 = ml_dtypes.bfloat16 if xp is np else jnp.bfloat16
+    return QuantizedTensor({"qs": qs40, "d": scales.astype(bf16), "c": offsets.astype(bf16)}, "q4_k_split", (n, k))
 
 
 def block_scales_and_offsets(xp, planes, code_offset: int):

@@ -119,15 +119,16 @@ FORMATS: dict[str, QuantFormat] = {
 _BY_TYPE = {f.ggml_type: f for f in FORMATS.values()}
 
 # Formats of our own, made at load from a GGML one (never read from a file): "q4_k_split" is
-# Q4_K as Q4_0's codes and block scales (the scales rounded to f16) plus an f16 offset per block
-# and row, `c` (pallas_kernels/q4_k_split.py), so that Q4_0's kernels can serve it; "q6_k_split"
+# Q4_K as Q4_0's codes and block scales plus an offset per block and row, `c`, scales and offsets
+# rounded to f16 and then bf16 (pallas_kernels/q4_k_split.py), so that Q4_0's kernels can serve
+# it; "q6_k_split"
 # is Q6_K as int8 codes and an f16 scale per 16 weights (pallas_kernels/q6_k_split.py), for the
 # Mosaic GPU matmul's 8-bit path; "q5_k_split" is Q5_K as Q8_0's codes and block scales plus an
 # offset per block and row, `c` (pallas_kernels/q5_k_split.py), for the same path; "q4_1_split"
 # and "q5_1_split" are Q4_1 and Q5_1 in q4_k_split's and q5_k_split's forms
 # (pallas_kernels/legacy_split.py).
 DERIVED_FORMATS: dict[str, QuantFormat] = {
-    "q4_k_split": QuantFormat("q4_k_split", Q.Q4_K, 32, 16 + 2 + 2, ("qs", "d", "c"), ("u8", "f16", "f16"),
+    "q4_k_split": QuantFormat("q4_k_split", Q.Q4_K, 32, 16 + 2 + 2, ("qs", "d", "c"), ("u8", "bf16", "bf16"),
                               (16, 1, 1), transposed=("d", "c")),
     "q6_k_split": QuantFormat("q6_k_split", Q.Q6_K, 16, 16 + 2, ("qs", "d"), ("i8", "f16"), (16, 1),
                               transposed=("d",)),

@@ -1,6 +1,6 @@
 """EngineConfig.split_q4_k (`--split-q4-k`): a Q4_K_M model's Q4_K matrices load split for Q4_0's
 kernels (pallas_kernels/q4_k_split.py), and its forward pass gives the unsplit model's logits up
-to the f16 rounding of the block scales."""
+to the rounding of the block scales (bf16 for Q4_K's split, f16 for Q5_K's)."""
 
 from __future__ import annotations
 
@@ -26,17 +26,16 @@ def formats(params) -> set[str]:
     return {leaf.fmt for leaf in leaves if isinstance(leaf, QuantizedTensor)}
 
 
-def assert_same_logits(base, split, seed: int) -> None:
+def assert_same_logits(base, split, seed: int, rel: float = 5e-3) -> None:
     """Teacher-forced on two random prompts, the split model's logits are the base model's up to
-    the f16 rounding of the split's scales (and offsets)."""
+    the rounding of the split's scales (and offsets): within `rel` in relative norm."""
     rng = np.random.default_rng(seed)
     cases = [(rng.integers(0, 2048, 40).tolist(), rng.integers(0, 2048, 6).tolist()) for _ in range(2)]
     forced = [teacher_forced_logits(m.config, m.kernels, m.params, cases, max_context=128) for m in (base, split)]
     for a, b in zip(*forced):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.isfinite(b).all()
-        # Q4_K measured 1.8e-3 and 1.9e-3: each block scale's f16 rounding (2^-11 at most), over 2 layers
-        assert np.linalg.norm(a - b) / np.linalg.norm(a) < 5e-3
+        assert np.linalg.norm(a - b) / np.linalg.norm(a) < rel
         assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.8  # random weights: near-ties are common
 
 
@@ -72,7 +71,9 @@ def test_split_model_gives_the_same_logits(tiny_q4_k_m, q6_k):
         assert split.kernel_names["matmul_decode[q6_k_split]"] == "reference"
     assert not split.config.tied_output and split.params.embed.fmt == "q4_k"
     assert split.kernel_names["matmul_decode[q4_k_split]"] == "reference"  # the CPU
-    assert_same_logits(base, split, seed=0)
+    # measured 6.4e-3 and 7.3e-3: the planes' bf16 scales and offsets (2^-9 of each, the folded
+    # kernel's own rounding), over 2 layers; 1.8e-3 and 1.9e-3 with f16 planes (to the 35th session)
+    assert_same_logits(base, split, seed=0, rel=1.5e-2)
 
 
 def test_host_and_device_splits_agree(tiny_q4_k_m):
@@ -94,7 +95,7 @@ def test_split_q5_k_model_gives_the_same_logits_and_host_and_device_splits_agree
     assert "q5_k_split" in formats(split.params.layers) and "q5_k" not in formats(split.params.layers)
     assert split.params.embed.fmt == "q5_k"  # untied: only gathered from
     assert split.kernel_names["matmul_decode[q5_k_split]"] == "reference"  # the CPU
-    assert_same_logits(base, split, seed=1)
+    assert_same_logits(base, split, seed=1)  # measured 1.4e-3 and 1.5e-3: the f16 planes' rounding
     assert "q5_k_split" in formats(host_and_device_splits(tiny_q5_k_m, {"q5_k"}))
 
 

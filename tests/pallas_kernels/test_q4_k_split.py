@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ml_dtypes import bfloat16
 
 from pallas_kernels import q4_k_split
 from pallas_kernels.matmul import qmatmul_reference
@@ -35,35 +36,40 @@ def per_block(w: QuantizedTensor, super_plane: str, sub_plane: str) -> np.ndarra
     return sup * np.asarray(w.planes[sub_plane], np.float64)
 
 
+# A block's scale or offset rounded to f16 and then to bf16 (the planes' values) is within
+# 2^-11 + 2^-9 (1 + 2^-11) < 2^-8 of itself
+PLANE_ROUNDING = 2.0**-8
+
+
 def offset_bound(w: QuantizedTensor) -> np.ndarray:
-    """[N, K] f64: how far c_b's rounding to f16 may move each weight, 2^-11 |8 s_b - dmin m_b|
-    (2^-25 absolute below f16's normal range, 2^-14), s_b taken at its largest, d sc_b (1 + 2^-11)."""
-    c = 8 * per_block(w, "d", "sc") * (1 + 2.0**-11) + per_block(w, "dmin", "m")
-    return np.repeat(np.maximum(2.0**-11 * c, 2.0**-25), 32, axis=1)
+    """[N, K] f64: how far c_b's rounding may move each weight, 2^-8 |8 s_b - dmin m_b| (2^-25
+    absolute below f16's normal range, 2^-14), s_b taken at its largest, d sc_b (1 + 2^-8)."""
+    c = 8 * per_block(w, "d", "sc") * (1 + PLANE_ROUNDING) + per_block(w, "dmin", "m")
+    return np.repeat(np.maximum(PLANE_ROUNDING * c, 2.0**-25), 32, axis=1)
 
 
-def test_split_is_exact_where_the_block_scales_and_offsets_fit_f16():
-    # d a power of two and dmin = 0: d * sc (sc < 64) and 8 d sc are exact in f16, so the split
+def test_split_is_exact_where_the_block_scales_and_offsets_fit_bf16():
+    # d a power of two and dmin = 0: d * sc (sc < 64) and 8 d sc are exact in bf16, so the split
     # dequantizes to w up to f32 rounding
     w = random_q4_k(0, 64, 512, d_values=[2.0**-7, 2.0**-9, 2.0**-12])
     w.planes["dmin"][:] = 0
     split = q4_k_split.split_q4_k(w)
     assert split.fmt == "q4_k_split" and split.shape == (64, 512)
     assert {k: v.shape for k, v in split.planes.items()} == {"qs": (64, 256), "d": (16, 64), "c": (16, 64)}
-    assert {k: v.dtype for k, v in split.planes.items()} == {"qs": np.uint8, "d": np.float16, "c": np.float16}
+    assert {k: v.dtype for k, v in split.planes.items()} == {"qs": np.uint8, "d": bfloat16, "c": bfloat16}
     assert all(isinstance(v, np.ndarray) for v in split.planes.values())  # the loader's host planes stay numpy
     ref = np.asarray(dequantize_reference(w), np.float64)
     got = np.asarray(dequantize_reference(split), np.float64)
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
 
 
-def test_split_moves_each_weight_by_at_most_the_f16_rounding_of_its_scale_and_offset():
+def test_split_moves_each_weight_by_at_most_the_rounding_of_its_scale_and_offset():
     w = random_q4_k(1, 96, 768)
     split = q4_k_split.split_q4_k(w)
     ref = np.asarray(dequantize_reference(w), np.float64)
     diff = np.abs(np.asarray(dequantize_reference(split), np.float64) - ref)
-    # |(s_b - d sc_b) q| <= 2^-11 d sc_b * 15, plus c_b's own rounding
-    bound = 2.0**-11 * 15 * np.repeat(per_block(w, "d", "sc"), 32, axis=1) + offset_bound(w)
+    # |(s_b - d sc_b) q| <= 2^-8 d sc_b * 15, plus c_b's own rounding
+    bound = PLANE_ROUNDING * 15 * np.repeat(per_block(w, "d", "sc"), 32, axis=1) + offset_bound(w)
     assert (diff <= bound + 1e-6 * np.abs(ref).max()).all()
     assert diff.max() > 0  # random d: some scales do not fit f16
 
@@ -78,7 +84,8 @@ def test_q4_0_part_plus_offsets_is_the_q4_k_matmul(m):
     composed = jax.jit(lambda x, s: q4_k_split.matmul_via(qmatmul_reference, x, s))
     for got in (composed(x, split), qmatmul_reference(x, split)):
         got = np.asarray(got, np.float64)
-        assert np.isfinite(got).all() and np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-4
+        # the planes' bf16 scales and offsets: 1.8-2.0e-3 measured (under 5e-4 with the f16 planes before)
+        assert np.isfinite(got).all() and np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3
 
 
 def test_stacked_split_and_a_layer_of_it():
@@ -123,7 +130,7 @@ def test_triton_matmul_takes_the_split(m):
     x = jax.random.normal(jax.random.key(m), (m, 512), jnp.float32)
     got = np.asarray(qmatmul_triton(x, split, interpret=True), np.float64)
     want = np.asarray(qmatmul_reference(x, w), np.float64)
-    assert np.isfinite(got).all() and np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-4
+    assert np.isfinite(got).all() and np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3  # bf16 planes: 1.7e-3 at 8 rows
 
 
 def test_folded_weights_are_the_split_where_every_step_fits_bf16():
