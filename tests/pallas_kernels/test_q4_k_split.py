@@ -145,17 +145,19 @@ def test_folded_weights_are_the_split_where_every_step_fits_bf16():
 
 
 def test_folded_weights_round_each_step_to_bf16():
-    split = q4_k_split.split_q4_k(random_q4_k(2, 64, 512))
+    w = random_q4_k(2, 64, 512)
+    split = q4_k_split.split_q4_k(w)
     got = np.asarray(q4_k_split.folded_dequantize(split), np.float64)
-    exact = np.asarray(dequantize_reference(split), np.float64)
+    exact = np.asarray(dequantize_reference(w), np.float64)  # Q4_K's own weights
     assert np.array_equal(got.astype(np.float32).astype(jnp.bfloat16).astype(np.float64), got)  # bf16 values
-    # three roundings of at most 2^-8 of the value rounded (bf16's 8-bit significand): the scale,
-    # the offset, and their fused product and sum; none of those values exceeds about 8 |s| + |c|
+    # three roundings of at most 2^-8 of the value rounded: the scale and the offset (f16, then
+    # bf16's 8-bit significand: the planes), and their fused product and sum; none of those
+    # values exceeds about 8 |s| + |c|
     d = np.repeat(np.asarray(split.planes["d"], np.float64).T, 32, axis=1)
     c = np.repeat(np.asarray(split.planes["c"], np.float64).T, 32, axis=1)
     bound = 3 * 2.0**-8 * (8 * np.abs(d) + np.abs(c)) * (1 + 2.0**-8) ** 2
     assert np.all(np.abs(got - exact) <= bound)
-    assert not np.array_equal(got, exact)  # random f16 scales do not fit bf16
+    assert not np.array_equal(got, exact)  # random scales do not fit bf16
 
 
 def test_folded_weights_of_a_stack_and_of_the_block_formats():
