@@ -422,13 +422,6 @@ def test_rows_per_warpgroup_divide_n():
     # q4_k_split: x's f32 block sums [8 blocks, 8 rows] and the f16 offsets [8 blocks, 64 rows] on top
     assert matmul_mgpu.stage_bytes("q4_0", 8, 256, 64, offsets=True) == (
         matmul_mgpu.stage_bytes("q4_0", 8, 256, 64) + 8 * 8 * 4 + 8 * 64 * 2)
-    # folded, the offsets alone: the kernel loads no block sums
-    assert matmul_mgpu.stage_bytes("q4_0", 8, 256, 64, offsets=True, fold_scales=True) == (
-        matmul_mgpu.stage_bytes("q4_0", 8, 256, 64) + 8 * 64 * 2)
-    # the Q5_K split's gated decode call at 64 rows: 4 steps in flight folded, 3 with the sums
-    folded = matmul_mgpu.OFFSET_DECODE_TUNING
-    assert matmul_mgpu.stages_for("q8_0", 64, folded, 64, True, True) == 4
-    assert matmul_mgpu.stages_for("q8_0", 64, matmul_mgpu.DEFAULT_TUNING, 64, True, True) == 3
 
 
 def test_split_reaches_the_target_grid():
