@@ -182,7 +182,7 @@ def offset_split_impls(fmt: str, impl_names: list[str], interpret: bool, m: int,
     of --mosaic-variants), the reference with --interpret (a CPU check of the plumbing)."""
     from pallas_kernels import legacy_split, matmul_mgpu, q4_k_split, q5_k_split
 
-    split, tag = {"q4_k": (q4_k_split.split_q4_k, "q4_0 codes + f16 offsets"),
+    split, tag = {"q4_k": (q4_k_split.split_q4_k, "q4_0 codes + bf16 offsets"),
                   "q5_k": (q5_k_split.split_q5_k, "int8 codes + f16 offsets"),
                   "q4_1": (legacy_split.split_q4_1, "q4_0 codes + f16 offsets"),
                   "q5_1": (legacy_split.split_q5_1, "int8 codes + f16 offsets"),

@@ -338,8 +338,9 @@ class EngineConfig:
     # programs: on the H200 theirs made decode 26-30% slower. Off (`--no-host-outputs`) for A/B runs.
     host_outputs: bool = True
     # Q4_K matrices split at load into Q4_0's codes and block scales plus an offset per block and
-    # row, all f16 (a weight moves by at most 2^-11 of its scaled code plus 2^-11 of its block's
-    # offset), 11% more bytes, so that Q4_0's kernels serve them: on a Hopper GPU the Mosaic matmul (its
+    # row, scales and offsets in bf16 (a weight moves by at most about 2^-9 of its scaled code plus
+    # 2^-9 of its block's offset: the rounding of the folded kernel's bf16 weights, which are
+    # unchanged), 11% more bytes, so that Q4_0's kernels serve them: on a Hopper GPU the Mosaic matmul (its
     # kernels fold scales and offsets into bf16 weights), the Triton Q4_0 kernel where Mosaic refuses a shape.
     # "auto" splits where the Mosaic matmul serves them (one device, a Hopper GPU, the matmul not
     # forced to another implementation) or a forced jax-triton one does (`model.loader.split_formats`)
@@ -354,9 +355,10 @@ class EngineConfig:
     split_q6_k: str = "auto"
     # Q5_K matrices split at load into Q8_0's int8 codes and f16 block scales plus an f16 offset
     # per block and row (64% more bytes) for the Mosaic GPU matmul's 8-bit path, the Triton Q8_0
-    # kernel where Mosaic refuses a shape (pallas_kernels/q5_k_split.py; its rounding is
-    # split_q4_k's). "auto" as split_q4_k: on the H200 a 7B Q5_K_M decoded at 136 tok/s for one
-    # user through the Triton Q5_K kernel (bench/results, nineteenth session).
+    # kernel where Mosaic refuses a shape (pallas_kernels/q5_k_split.py; its scales and offsets
+    # rounded to f16 as split_q4_k's were until the thirty-sixth session). "auto" as split_q4_k:
+    # on the H200 a 7B Q5_K_M decoded at 136 tok/s for one user through the Triton Q5_K kernel
+    # (bench/results, nineteenth session).
     split_q5_k: str = "auto"
     # Q4_1, Q5_0 and Q5_1 matrices in the forms of the splits above (pallas_kernels/legacy_split.py:
     # Q5_0 as Q8_0 exactly, Q4_1 as q4_k_split's form with the same bytes, Q5_1 as q5_k_split's),

@@ -16,11 +16,12 @@ Bytes per weight: Q4_1's split 0.625, as Q4_1; Q5_0 as Q8_0 1.0625 against 0.687
 1.125 against 0.75.
 
 Formats "q4_1_split" and "q5_1_split" (`quant.DERIVED_FORMATS`: planes `qs`, `d`, `c` as
-q4_k_split's and q5_k_split's); Q5_0 becomes plain "q8_0". Made with `EngineConfig.split_legacy`
-(`--split-legacy`, auto by default: on the H200 synthetic 7B Q4_1, Q5_0 and Q5_1 files decoded
-1.75-1.81x faster split, bench/results, twentieth session), for the matrices whose shape the
-Mosaic kernel takes (`model.weights.is_split`; the others keep Triton's kernels for their
-format); the kernels treat them as the K-quant splits of the same form (`q4_k_split.OFFSET_FORMS`).
+q4_k_split's, whose `d` and `c` are bf16 where these are f16, and q5_k_split's); Q5_0 becomes plain
+"q8_0". Made with `EngineConfig.split_legacy` (`--split-legacy`, auto by default: on the H200
+synthetic 7B Q4_1, Q5_0 and Q5_1 files decoded 1.75-1.81x faster split, bench/results, twentieth
+session), for the matrices whose shape the Mosaic kernel takes (`model.weights.is_split`; the
+others keep Triton's kernels for their format); the kernels treat them as the K-quant splits of the
+same form (`q4_k_split.OFFSET_FORMS`).
 """
 
 from __future__ import annotations

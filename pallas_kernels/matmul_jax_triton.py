@@ -12,7 +12,7 @@ twenty-fourth and twenty-fifth sessions).
 Formats: Q4_0 (the `qs` plane [*S, N, K/2] uint8, GGUF's bytes: byte l of a 32-block holds
 weight l in its low nibble and weight 16 + l in its high one), and the int8-code formats Q8_0
 (`qs` [*S, N, K] int8, a scale per 32 weights) and Q6_K split at load (`q6_k_split`, a scale per
-16); the scales `d` [*S, K/B, N] f16 are transposed (pallas_kernels/quant.py). The formats of
+16); the scales `d` [*S, K/B, N] f16 (bf16 from the Q4_K split) are transposed (pallas_kernels/quant.py). The formats of
 `q4_k_split.OFFSET_FORMS` run as their block format plus the offsets' XLA dot (`matmul_via`).
 
 One kernel per code width, the same plan for decode and prefill: a program owns BN weight rows
@@ -143,7 +143,7 @@ def _kernels():
     @triton.jit
     def q4_0_kernel(layer_ptr, x_ptr, qs_ptr, d_ptr, out_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                     STEPS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        # x_ptr: x_parts [2, M, K/2] bf16; qs_ptr: [*S, N, K/2] uint8; d_ptr: [*S, K/32, N] f16;
+        # x_ptr: x_parts [2, M, K/2] bf16; qs_ptr: [*S, N, K/2] uint8; d_ptr: [*S, K/32, N] f16 or bf16;
         # out_ptr: [split, M, N] f32
         pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         layer = tl.load(layer_ptr).to(tl.int64)

@@ -21,13 +21,13 @@ It reads the planes `pallas_kernels.quant.repack` built, in place (no layout of 
     nibble's signed reading q - 16 [q >= 8] into q - 8, the centred Q4_0 value.
   * codes, q8_0: the int8 `qs` plane [N, K], in natural order.
   * scales: the `d` plane, which Q4_0 and Q8_0 hold transposed, [K/32, N] f16 ([K/16, N] for
-    q6_k_split) (pallas_kernels/quant.py), so that a block's 64 scales are contiguous: the kernel loads
-    them as the row vector that scales the block's [64, M] result. Two other ways cost more on
-    the H200 (7B shapes, M = 8): a transposed copy made per call (the first cut) cost about 0.8
-    ms per served decode step in XLA's copies (bench/results/trace-20261129-142730.json), and
-    picking each column out of the row-major [64, tile_k/32] tile in registers (a masked sum
-    along the row, since a column cannot be loaded in that layout) made the kernel 10-45%
-    slower (bench/results/ablation-20261129-161337.json).
+    q6_k_split; bf16 for q4_k_split) (pallas_kernels/quant.py), so that a block's 64 scales are
+    contiguous: the kernel loads them as the row vector that scales the block's [64, M] result. Two
+    other ways cost more on the H200 (7B shapes, M = 8): a transposed copy made per call (the first
+    cut) cost about 0.8 ms per served decode step in XLA's copies
+    (bench/results/trace-20261129-142730.json), and picking each column out of the row-major [64,
+    tile_k/32] tile in registers (a masked sum along the row, since a column cannot be loaded in
+    that layout) made the kernel 10-45% slower (bench/results/ablation-20261129-161337.json).
 
 One warpgroup per 64 rows of the weight (the wgmma M dimension; `row_tiles` 64-row tiles), a
 split of K and a tile of x's rows (all of them in decode; up to `m_tile` each beyond MAX_ROWS);
@@ -336,7 +336,7 @@ def _scale_and_sum(acc: jax.Array, parts: list[jax.Array], d_smem) -> jax.Array:
 
 
 def _add_offsets(acc: jax.Array, f_smem, xs_smem, nb: int) -> jax.Array:
-    """acc [64, M] + sum over the step's nb blocks b of block b's 64 offsets (f_smem [nb, 64] f16,
+    """acc [64, M] + sum over the step's nb blocks b of block b's 64 offsets (f_smem [nb, 64] f16 or bf16,
     down the rows) times x's sums over block b (xs_smem [nb, M] f32, across the columns)."""
     plgpu = _plgpu()
     column = plgpu.Layout.WGMMA.reduce(0)
@@ -348,7 +348,7 @@ def _add_offsets(acc: jax.Array, f_smem, xs_smem, nb: int) -> jax.Array:
 
 def _scaled_blocks(a: jax.Array, d_smem, blk: int = 32, f_smem=None) -> list[jax.Array]:
     """The step's codes a [64, tile_k] (bf16, wgmma layout) as its blocks [64, blk], each
-    multiplied by its 64 scales rounded to bf16; with f_smem ([nb, 64] f16, `fold_offsets`),
+    multiplied by its 64 scales rounded to bf16; with f_smem ([nb, 64] f16 or bf16, `fold_offsets`),
     plus its 64 offsets rounded to bf16 (on the H200 the multiply and add compile to one fused
     bf16 multiply-add: one rounding, `q4_k_split.folded_dequantize`)."""
     blocks = []
@@ -374,10 +374,11 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
             fold_scales: bool, rows_out: bool, m_tiles: int = 1, offsets: bool = False, gated: str | None = None):
     """layer_gmem [1] int32; x_gmem [M_pad, K] bf16 (permuted for q4_0), of which this CTA takes
     the m rows of its tile (grid axis "mtile" when m_tiles > 1); c_gmem [L*N, K] codes (int4 or
-    int8); d_gmem [L*K/B, N] f16 scales (the transposed plane; B = BLOCK_K[fmt]); with `offsets` (`OFFSET_FORMS`)
-    and unfolded scales (one tile of x), refs begin with xs_gmem [K/32, M_pad] f32, x's block sums,
-    and f_gmem [L*K/32, N] f16, the offsets (the `c` plane); with folded scales, f_gmem alone
-    (the offsets folded into the weights, `fold_offsets`); then o_gmem [split, M_pad, N] f32
+    int8); d_gmem [L*K/B, N] f16 scales (the transposed plane; B = BLOCK_K[fmt]; bf16 for q4_k_split);
+    with `offsets` (`OFFSET_FORMS`) and unfolded scales (one tile of x), refs begin with xs_gmem
+    [K/32, M_pad] f32, x's block sums, and f_gmem [L*K/32, N] f16 or bf16, the offsets (the `c`
+    plane); with folded scales, f_gmem alone (the offsets folded into the weights,
+    `fold_offsets`); then o_gmem [split, M_pad, N] f32
     partial sums with o_smem [m, rows] (`rows_out`), else [split, N, M_pad] with [rows, m]; with
     `gated` (one split, `rows_out`), o_gmem [M_pad, N / 2] bf16, act(gate) * up of the
     interleaved weight (`mgpu_store.store_gated`), and g_smem [m, rows / 2] bf16 after o_smem. Each

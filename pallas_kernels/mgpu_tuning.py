@@ -194,7 +194,7 @@ def stage_bytes(fmt: str, m: int, tile_k: int, rows: int = BLOCK_N, int8_x: bool
                 offsets: bool = False) -> int:
     """Shared memory of one pipeline step: x [M, tile_k] bf16, codes [rows, tile_k], scales. With
     `int8_x`, x's two int8 copies take the bytes of the bf16 one, and its two f32 factors per block
-    and row come on top; with `offsets` (`OFFSET_FORMS`), x's f32 block sums and the f16 offsets.
+    and row come on top; with `offsets` (`OFFSET_FORMS`), x's f32 block sums and the 16-bit offsets.
     (The folded kernel loads no block sums, so for it this overcounts: the Q5_K and Q5_1 splits'
     gated calls at 57-64 and at 256 rows get 3 steps in flight where the count without them
     gives 4. At 256 rows (gated prefill) those 4 would fill shared memory to the last of the

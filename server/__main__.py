@@ -119,7 +119,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
                    help="lower each Mosaic GPU matmul kernel once for all step programs rather than once per "
                         "program (one GPU; on by default: a 7B's start-up on the H200 40%% shorter)")
     p.add_argument("--split-q4-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
-                   help="split Q4_K matrices at load for Q4_0's kernels (Q4_0 codes, f16 block scales, f16 offsets: "
+                   help="split Q4_K matrices at load for Q4_0's kernels (Q4_0 codes, bf16 block scales, bf16 offsets: "
                         "11%% more weight bytes); auto (default): where Q4_0's Mosaic GPU matmul serves them (one "
                         "Hopper GPU, the matmul not forced elsewhere) or a forced jax_triton one; the bare flag "
                         "means on")

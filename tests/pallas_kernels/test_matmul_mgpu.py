@@ -50,7 +50,7 @@ class TestMosaicGpu(MatmulConformance):
 
 
 # The splits made at load for the Mosaic kernel, by the GGML format they take: Q4_K and Q4_1 as
-# Q4_0's codes and scales plus f16 offsets (folded with the scales into the kernel's bf16
+# Q4_0's codes and scales plus 16-bit offsets (folded with the scales into the kernel's bf16
 # weights, in decode as in prefill), Q5_K and Q5_1 likewise as Q8_0's, Q5_0 as Q8_0 exactly, Q6_K as int8 codes with a scale
 # per 16 weights (16-wide wgmmas).
 SPLITS = {"q4_k": q4_k_split.split_q4_k, "q5_k": q5_k_split.split_q5_k, "q6_k": q6_k_split.split_q6_k,
@@ -419,7 +419,7 @@ def test_rows_per_warpgroup_divide_n():
         matmul_mgpu.rows_per_cta(96, two)
     assert matmul_mgpu.split_for(4096, 11008, two) == 8  # 32 row blocks x 8 >= 256
     assert matmul_mgpu.stage_bytes("q4_0", 8, 256, 128) == 8 * 256 * 2 + 128 * 128 + 128 * 8 * 2
-    # q4_k_split: x's f32 block sums [8 blocks, 8 rows] and the f16 offsets [8 blocks, 64 rows] on top
+    # q4_k_split: x's f32 block sums [8 blocks, 8 rows] and the 16-bit offsets [8 blocks, 64 rows] on top
     assert matmul_mgpu.stage_bytes("q4_0", 8, 256, 64, offsets=True) == (
         matmul_mgpu.stage_bytes("q4_0", 8, 256, 64) + 8 * 8 * 4 + 8 * 64 * 2)
 
