@@ -9,11 +9,12 @@ without them (or without a CUDA GPU) the implementation is not available. jax-tr
 on the H200 image's jax 0.11.2 and Triton 3.6.0; 0.4.1 needs Triton >= 3.7 (bench/results,
 twenty-fourth and twenty-fifth sessions).
 
-Formats: Q4_0 (the `qs` plane [*S, N, K/2] uint8, GGUF's bytes: byte l of a 32-block holds
-weight l in its low nibble and weight 16 + l in its high one), and the int8-code formats Q8_0
-(`qs` [*S, N, K] int8, a scale per 32 weights) and Q6_K split at load (`q6_k_split`, a scale per
-16); the scales `d` [*S, K/B, N] f16 (bf16 from the Q4_K split) are transposed (pallas_kernels/quant.py). The formats of
-`q4_k_split.OFFSET_FORMS` run as their block format plus the offsets' XLA dot (`matmul_via`).
+Formats: Q4_0 (the `qs` plane [*S, N, K/2] uint8, GGUF's bytes: byte l of a 32-block holds weight l
+in its low nibble and weight 16 + l in its high one), and the int8-code formats Q8_0 (`qs` [*S, N,
+K] int8, a scale per 32 weights) and Q6_K split at load (`q6_k_split`, a scale per 16); the scales
+`d` [*S, K/B, N] f16 (bf16 from the Q4_K split) are transposed (pallas_kernels/quant.py). The
+formats of `q4_k_split.OFFSET_FORMS` run as their block format plus the offsets' XLA dot
+(`matmul_via`).
 
 One kernel per code width, the same plan for decode and prefill: a program owns BN weight rows
 and BM rows of x (a grid axis over x's rows, masked past M) and one of `split_k` runs of K;

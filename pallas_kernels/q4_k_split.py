@@ -34,18 +34,19 @@ bench/results, thirty-sixth session.)
 
 The split is a weight format of its own, "q4_k_split" (`quant.DERIVED_FORMATS`: plane `qs` as
 Q4_0's, `d` [K/32, N] bf16 where Q4_0's is f16, `c` [K/32, N] bf16), made at load with
-`EngineConfig.split_q4_k` (`--split-q4-k`), so the forward pass is unchanged: the reference dequantizes it (d (q - 8) + c); the Mosaic GPU
-matmul's kernels add the offsets to their bf16 weights (`fold_offsets`, the scales folded too:
-`folded_dequantize` gives those weights): in prefill (a 7B Q4_K_M prefill chunk of 512 tokens
-took 20.2 ms against 23.3 with the offsets as an XLA dot, bench/results, twenty-second session)
-and, since the thirty-fifth session, in decode (`mgpu_tuning.OFFSET_DECODE_TUNING`: a 7B Q4_K_M
-decode step took 2.67 ms against 2.85 with the offsets added by the unfolded kernel, which needs
-x's block sums from an XLA kernel before each call, `fuse_offsets`; that took 4.22 ms against
-4.65 with the XLA dot in the fourteenth session); the Triton matmul, and the Mosaic kernel where a tuning turns both off, serve the
-format through `matmul_via`: their Q4_0 kernel on `codes_and_scales`, plus `offset_term` (at
-tf32 beside the Mosaic GPU kernel, `KERNEL_OFFSET_PRECISION`; f32 beside Triton's). (Triton takes the
-shapes and GPUs Mosaic refuses: a row-parallel shard with K = 5504, a GPU before Hopper).
-`bench/kernels.py` times it on the GPU as impl "mosaic_gpu:q4_k_split".
+`EngineConfig.split_q4_k` (`--split-q4-k`), so the forward pass is unchanged: the reference
+dequantizes it (d (q - 8) + c); the Mosaic GPU matmul's kernels add the offsets to their bf16
+weights (`fold_offsets`, the scales folded too: `folded_dequantize` gives those weights): in
+prefill (a 7B Q4_K_M prefill chunk of 512 tokens took 20.2 ms against 23.3 with the offsets as an
+XLA dot, bench/results, twenty-second session) and, since the thirty-fifth session, in decode
+(`mgpu_tuning.OFFSET_DECODE_TUNING`: a 7B Q4_K_M decode step took 2.67 ms against 2.85 with the
+offsets added by the unfolded kernel, which needs x's block sums from an XLA kernel before each
+call, `fuse_offsets`; that took 4.22 ms against 4.65 with the XLA dot in the fourteenth session);
+the Triton matmul, and the Mosaic kernel where a tuning turns both off, serve the format through
+`matmul_via`: their Q4_0 kernel on `codes_and_scales`, plus `offset_term` (at tf32 beside the
+Mosaic GPU kernel, `KERNEL_OFFSET_PRECISION`; f32 beside Triton's). (Triton takes the shapes and
+GPUs Mosaic refuses: a row-parallel shard with K = 5504, a GPU before Hopper). `bench/kernels.py`
+times it on the GPU as impl "mosaic_gpu:q4_k_split".
 """
 
 from __future__ import annotations
