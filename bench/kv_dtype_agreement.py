@@ -91,16 +91,26 @@ def finish(path_out: pathlib.Path, record: dict) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    ap.add_argument("--model", type=pathlib.Path, default=None, help="SmolLM2-135M-Instruct Q4_1 (default: the cached one)")
-    ap.add_argument("--kv-dtypes", default="float32,bfloat16,float8_e4m3fn")
+def parse_agreement_args(ap: argparse.ArgumentParser, argv: list[str] | None,
+                         fixture: pathlib.Path | None = None) -> argparse.Namespace:
+    """The agreement scripts' shared options after their own (--fixture where `fixture` is its
+    default, --cases, --max-context, --out), parsed, with INFO logging set up."""
+    if fixture is not None:
+        ap.add_argument("--fixture", type=pathlib.Path, default=fixture, help="llama.cpp's recordings for that model")
     ap.add_argument("--cases", type=int, default=0, help="only the N shortest cases (0: all)")
     ap.add_argument("--max-context", type=int, default=4096,
                     help="the cache's positions (a smaller cache is much faster on the CPU with 8-bit or bf16 KV)")
     ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--model", type=pathlib.Path, default=None, help="SmolLM2-135M-Instruct Q4_1 (default: the cached one)")
+    ap.add_argument("--kv-dtypes", default="float32,bfloat16,float8_e4m3fn")
+    args = parse_agreement_args(ap, argv)
     from model.config import EngineConfig
     from model.loader import load_model
     from server.default_model import ensure_default_model

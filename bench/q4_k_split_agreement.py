@@ -26,7 +26,7 @@ if __package__ in (None, ""):
 
 from bench import common  # noqa: E402
 from bench.kv_dtype_agreement import (  # noqa: E402
-    against_base, against_llama_cpp, finish, forced_logits, result_record, shortest_cases)
+    against_base, against_llama_cpp, finish, forced_logits, parse_agreement_args, result_record, shortest_cases)
 
 FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "generation_gemma3.json"
 
@@ -36,12 +36,7 @@ log = logging.getLogger("bench.q4_k_split_agreement")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--model", type=pathlib.Path, required=True, help="a GGUF with Q4_K matrices")
-    ap.add_argument("--fixture", type=pathlib.Path, default=FIXTURE, help="llama.cpp's recordings for that model")
-    ap.add_argument("--cases", type=int, default=0, help="only the N shortest cases (0: all)")
-    ap.add_argument("--max-context", type=int, default=4096)
-    ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_agreement_args(ap, argv, FIXTURE)
     from model.config import EngineConfig
     from model.loader import load_model
 
