@@ -32,8 +32,7 @@ if __package__ in (None, ""):
 
 from bench import common  # noqa: E402
 from bench.kv_dtype_agreement import (  # noqa: E402
-    FIXTURE, against_base, against_llama_cpp, finish, forced_logits, parse_agreement_args, result_record,
-    shortest_cases)
+    FIXTURE, against_base, against_llama_cpp, finish, forced_logits, parse_agreement_args, result_record)
 
 log = logging.getLogger("bench.fold_agreement")
 
@@ -62,17 +61,13 @@ def folded_params(params):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--model", type=pathlib.Path, help="a GGUF (default: the server's default model)")
-    args = parse_agreement_args(ap, argv, FIXTURE)
+    args, cases = parse_agreement_args(ap, argv, FIXTURE)
     from model.config import EngineConfig
     from model.kernels import choose_kernels
     from model.loader import load_model
     from server.default_model import default_model_path
 
     model_path = args.model or default_model_path()
-    try:
-        cases = shortest_cases(args.fixture, args.cases, args.max_context)
-    except ValueError as e:
-        ap.error(str(e))
     stamp = common.timestamp()
     path_out = common.result_path(args.out, "fold-agreement", stamp)
     engine_cfg = EngineConfig(num_slots=8, max_context=args.max_context, split_q4_k="on", split_q5_k="on",

@@ -76,7 +76,11 @@ def shortest_cases(fixture: pathlib.Path, count: int, max_context: int) -> list[
 
 def result_record(kind: str, stamp: str, model: pathlib.Path, fixture: pathlib.Path, cases: list[dict],
                   max_context: int, results: dict) -> dict:
-    """The JSON an agreement run writes: what ran where, on which fixture, and its results."""
+    """The JSON an agreement run writes: what ran where, on which fixture (relative to the
+    project's root where it lies inside), and its results."""
+    fixture = pathlib.Path(fixture).resolve()
+    if fixture.is_relative_to(common.ROOT):
+        fixture = fixture.relative_to(common.ROOT)
     return {"kind": kind, "date": stamp, "git": common.git_rev(), "device": common.device_info(),
             "model": common.model_facts(model), "fixture": str(fixture), "cases": len(cases),
             "max_context": max_context, "results": results}
@@ -92,35 +96,34 @@ def finish(path_out: pathlib.Path, record: dict) -> int:
 
 
 def parse_agreement_args(ap: argparse.ArgumentParser, argv: list[str] | None,
-                         fixture: pathlib.Path | None = None) -> argparse.Namespace:
-    """The agreement scripts' shared options after their own (--fixture where `fixture` is its
-    default, --cases, --max-context, --out), parsed, with INFO logging set up."""
-    if fixture is not None:
-        ap.add_argument("--fixture", type=pathlib.Path, default=fixture, help="llama.cpp's recordings for that model")
+                         fixture: pathlib.Path = FIXTURE) -> tuple[argparse.Namespace, list[dict]]:
+    """The agreement scripts' shared options after their own (--fixture, by default `fixture`;
+    --cases, --max-context, --out), parsed, with INFO logging set up; and the fixture's cases
+    they name (`shortest_cases`; a usage error where none fit)."""
+    ap.add_argument("--fixture", type=pathlib.Path, default=fixture, help="llama.cpp's recordings for that model")
     ap.add_argument("--cases", type=int, default=0, help="only the N shortest cases (0: all)")
     ap.add_argument("--max-context", type=int, default=4096,
                     help="the cache's positions (a smaller cache is much faster on the CPU with 8-bit or bf16 KV)")
     ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args
+    try:
+        return args, shortest_cases(args.fixture, args.cases, args.max_context)
+    except ValueError as e:
+        ap.error(str(e))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--model", type=pathlib.Path, default=None, help="SmolLM2-135M-Instruct Q4_1 (default: the cached one)")
     ap.add_argument("--kv-dtypes", default="float32,bfloat16,float8_e4m3fn")
-    args = parse_agreement_args(ap, argv)
+    args, cases = parse_agreement_args(ap, argv)
     from model.config import EngineConfig
     from model.loader import load_model
     from server.default_model import ensure_default_model
 
     path = args.model or ensure_default_model()
     model = load_model(path, EngineConfig(num_slots=8, max_context=4096))
-    try:
-        cases = shortest_cases(FIXTURE, args.cases, args.max_context)
-    except ValueError as e:
-        ap.error(str(e))
     stamp = common.timestamp()
     path_out = common.result_path(args.out, "kv-agreement", stamp)
     results, base = {}, None
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s: %s", dtype, row)
         # after each dtype, so that a long run keeps what it measured (on the CPU an 8-bit or
         # bf16 cache makes the reference attention far slower than an f32 one: its conversions)
-        record = result_record("kv-agreement", stamp, path, FIXTURE.relative_to(common.ROOT), cases,
+        record = result_record("kv-agreement", stamp, path, args.fixture, cases,
                                args.max_context, results)
         common.write_json(path_out, record)
     return finish(path_out, record)

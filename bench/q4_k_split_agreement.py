@@ -26,7 +26,7 @@ if __package__ in (None, ""):
 
 from bench import common  # noqa: E402
 from bench.kv_dtype_agreement import (  # noqa: E402
-    against_base, against_llama_cpp, finish, forced_logits, parse_agreement_args, result_record, shortest_cases)
+    against_base, against_llama_cpp, finish, forced_logits, parse_agreement_args, result_record)
 
 FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "generation_gemma3.json"
 
@@ -36,14 +36,10 @@ log = logging.getLogger("bench.q4_k_split_agreement")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--model", type=pathlib.Path, required=True, help="a GGUF with Q4_K matrices")
-    args = parse_agreement_args(ap, argv, FIXTURE)
+    args, cases = parse_agreement_args(ap, argv, FIXTURE)
     from model.config import EngineConfig
     from model.loader import load_model
 
-    try:
-        cases = shortest_cases(args.fixture, args.cases, args.max_context)
-    except ValueError as e:
-        ap.error(str(e))
     stamp = common.timestamp()
     path_out = common.result_path(args.out, "split-agreement", stamp)
     results, logits = {}, {}
