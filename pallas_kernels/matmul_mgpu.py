@@ -551,6 +551,12 @@ def _kernel_int8(layer_gmem, xe_gmem, xo_gmem, dx_gmem, cx_gmem, c_gmem, d_gmem,
     store_out((acc,), o_smem, o_gmem, sid, blk * BLOCK_N, rows_out, 0, m)
 
 
+def tuning_for(w: QuantizedTensor, rows: int) -> MosaicMatmulTuning:
+    """The default tuning of a call on weight w with `rows` rows of x (`default_tuning`: the
+    formats with offsets fold them in decode)."""
+    return default_tuning(rows, w.fmt in OFFSET_FORMS)
+
+
 def codes_of(w: QuantizedTensor) -> jax.Array:
     """The codes of every stacked matrix as [L*N, K] (free views): int4 for q4_0 (see
     `codes_view`), the int8 `qs` plane of q8_0 and q6_k_split as it is."""
@@ -565,7 +571,7 @@ def x_order(w: QuantizedTensor, rows: int, tuning: MosaicMatmulTuning | None = N
     `x[:, order]` itself unless called with `x_in_order=True`); None: x as it is. Q4_0's codes
     (and those of the formats that run as Q4_0, `OFFSET_FORMS`) unpack in a permuted order
     within each 32-block (`permute_x_words`, or `permute_x` without `word_unpack`)."""
-    tuning = tuning or default_tuning(rows, w.fmt in OFFSET_FORMS)
+    tuning = tuning or tuning_for(w, rows)
     if tuning.int8_x or OFFSET_FORMS.get(w.fmt, w.fmt) != "q4_0":
         return None
     return _block_order(w.shape[1], (16, 2) if tuning.word_unpack else (2, 16))
@@ -586,7 +592,7 @@ def takes_gated(w: QuantizedTensor, rows: int, act: str) -> bool:
     (`_epilogue_takes`), and a K the default tuning would not split anyway (the epilogue needs
     whole sums: `split_for` 1)."""
     n, k = w.shape
-    tuning = default_tuning(rows, w.fmt in OFFSET_FORMS)
+    tuning = tuning_for(w, rows)
     if act not in gated_ffn.ACTIVATIONS or n % (2 * gated_ffn.GROUP) or not takes_shape(n, k):
         return False
     if not _epilogue_takes(w, tuning):
@@ -675,7 +681,7 @@ def qmatmul_mgpu(
     x_in_order: bool = False,
     gated: str | None = None,
 ) -> jax.Array:  # [..., N] f32; with `gated`, [..., N / 2] bf16
-    """x @ dequant(w).T through the Mosaic GPU kernel; without a tuning, `default_tuning` of x's
+    """x @ dequant(w).T through the Mosaic GPU kernel; without a tuning, `tuning_for` w and x's
     rows (decode up to 64, prefill beyond) and w's format. "q4_k_split" (Q4_K split at load,
     pallas_kernels/q4_k_split.py) runs as Q4_0 with its offsets folded into the kernel's bf16
     weights (`fold_offsets`, on in OFFSET_DECODE_TUNING and PREFILL_TUNING) or added by the
@@ -698,7 +704,7 @@ def qmatmul_mgpu(
     the whole product itself, else from its output (`gated.from_interleaved`)."""
     if interpret:
         raise NotImplementedError("mosaic_gpu matmul has no interpret mode")
-    tuning = tuning or default_tuning(math.prod(x.shape[:-1]), w.fmt in OFFSET_FORMS)
+    tuning = tuning or tuning_for(w, math.prod(x.shape[:-1]))
     if gated is not None:
         if gated not in gated_ffn.ACTIVATIONS:
             raise NotImplementedError(f"mosaic_gpu matmul: no gated activation {gated!r}")
