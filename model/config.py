@@ -338,8 +338,8 @@ class EngineConfig:
     # programs: on the H200 theirs made decode 26-30% slower. Off (`--no-host-outputs`) for A/B runs.
     host_outputs: bool = True
     # Q4_K matrices split at load into Q4_0's codes and block scales plus an offset per block and
-    # row, scales and offsets in bf16 (a weight moves by at most about 2^-9 of its scaled code plus
-    # 2^-9 of its block's offset: the rounding of the folded kernel's bf16 weights, which are
+    # row, scales and offsets in bf16 (a weight moves by at most about 2^-8 of its scaled code plus
+    # 2^-8 of its block's offset: the rounding of the folded kernel's bf16 weights, which are
     # unchanged), 11% more bytes, so that Q4_0's kernels serve them: on a Hopper GPU the Mosaic matmul (its
     # kernels fold scales and offsets into bf16 weights), the Triton Q4_0 kernel where Mosaic refuses a shape.
     # "auto" splits where the Mosaic matmul serves them (one device, a Hopper GPU, the matmul not

@@ -20,7 +20,7 @@ One kernel per code width, the same plan for decode and prefill: a program owns 
 and BM rows of x (a grid axis over x's rows, masked past M) and one of `split_k` runs of K;
 each K step loads its [BN, BK] codes and [BN, BK/B] scales, turns the codes into bf16 weights
 with their scales folded in (the scale times the code in f32, rounded once to bf16: a weight is
-off by up to 2^-9 of itself), and adds `tl.dot(w [BN, BK], x^T [BK, BM])` into an f32
+off by up to 2^-8 of itself), and adds `tl.dot(w [BN, BK], x^T [BK, BM])` into an f32
 accumulator. So x must be bf16 (f32 x is refused rather than rounded). Q4_0's two nibbles of a
 byte are separate dots against x rearranged outside the kernel as the Pallas Triton kernels
 rearrange it (`matmul_triton.x_parts`: [h, m, 16 b + l] = x[m, 32 b + 16 h + l]): no interleave

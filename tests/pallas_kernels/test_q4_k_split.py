@@ -37,13 +37,15 @@ def per_block(w: QuantizedTensor, super_plane: str, sub_plane: str) -> np.ndarra
 
 
 # A block's scale or offset rounded to f16 and then to bf16 (the planes' values) is within
-# 2^-11 + 2^-9 (1 + 2^-11) < 2^-8 of itself
-PLANE_ROUNDING = 2.0**-8
+# 2^-11 + 2^-8 (1 + 2^-11) of itself: the unit roundoffs of f16's 11-bit and bf16's 8-bit
+# significands (a value halfway between two bf16 neighbours after the first rounding goes to the even one)
+PLANE_ROUNDING = 2.0**-11 + 2.0**-8 * (1 + 2.0**-11)
 
 
 def offset_bound(w: QuantizedTensor) -> np.ndarray:
-    """[N, K] f64: how far c_b's rounding may move each weight, 2^-8 |8 s_b - dmin m_b| (2^-25
-    absolute below f16's normal range, 2^-14), s_b taken at its largest, d sc_b (1 + 2^-8)."""
+    """[N, K] f64: how far c_b's rounding may move each weight, PLANE_ROUNDING |8 s_b - dmin m_b|
+    (2^-25 absolute below f16's normal range, 2^-14), s_b taken at its largest, d sc_b (1 +
+    PLANE_ROUNDING)."""
     c = 8 * per_block(w, "d", "sc") * (1 + PLANE_ROUNDING) + per_block(w, "dmin", "m")
     return np.repeat(np.maximum(PLANE_ROUNDING * c, 2.0**-25), 32, axis=1)
 
@@ -68,7 +70,7 @@ def test_split_moves_each_weight_by_at_most_the_rounding_of_its_scale_and_offset
     split = q4_k_split.split_q4_k(w)
     ref = np.asarray(dequantize_reference(w), np.float64)
     diff = np.abs(np.asarray(dequantize_reference(split), np.float64) - ref)
-    # |(s_b - d sc_b) q| <= 2^-8 d sc_b * 15, plus c_b's own rounding
+    # |(s_b - d sc_b) q| <= PLANE_ROUNDING d sc_b * 15, plus c_b's own rounding
     bound = PLANE_ROUNDING * 15 * np.repeat(per_block(w, "d", "sc"), 32, axis=1) + offset_bound(w)
     assert (diff <= bound + 1e-6 * np.abs(ref).max()).all()
     assert diff.max() > 0  # random d: some scales do not fit f16
