@@ -184,7 +184,7 @@ def offset_split_impls(fmt: str, impl_names: list[str], interpret: bool, m: int,
 
     split, tag = {"q4_k": (q4_k_split.split_q4_k, "q4_0 codes + bf16 offsets"),
                   "q5_k": (q5_k_split.split_q5_k, "int8 codes + f16 offsets"),
-                  "q4_1": (legacy_split.split_q4_1, "q4_0 codes + f16 offsets"),
+                  "q4_1": (legacy_split.split_q4_1, "q4_0 codes + bf16 offsets"),
                   "q5_1": (legacy_split.split_q5_1, "int8 codes + f16 offsets"),
                   "q5_0": (legacy_split.q5_0_as_q8_0, "q8_0 (exact)")}[fmt]
 

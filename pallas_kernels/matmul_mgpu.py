@@ -21,7 +21,7 @@ It reads the planes `pallas_kernels.quant.repack` built, in place (no layout of 
     nibble's signed reading q - 16 [q >= 8] into q - 8, the centred Q4_0 value.
   * codes, q8_0: the int8 `qs` plane [N, K], in natural order.
   * scales: the `d` plane, which Q4_0 and Q8_0 hold transposed, [K/32, N] f16 ([K/16, N] for
-    q6_k_split; bf16 for q4_k_split) (pallas_kernels/quant.py), so that a block's 64 scales are
+    q6_k_split; bf16 for q4_k_split and q4_1_split) (pallas_kernels/quant.py), so that a block's 64 scales are
     contiguous: the kernel loads them as the row vector that scales the block's [64, M] result. Two
     other ways cost more on the H200 (7B shapes, M = 8): a transposed copy made per call (the first
     cut) cost about 0.8 ms per served decode step in XLA's copies
@@ -374,7 +374,7 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
             fold_scales: bool, rows_out: bool, m_tiles: int = 1, offsets: bool = False, gated: str | None = None):
     """layer_gmem [1] int32; x_gmem [M_pad, K] bf16 (permuted for q4_0), of which this CTA takes
     the m rows of its tile (grid axis "mtile" when m_tiles > 1); c_gmem [L*N, K] codes (int4 or
-    int8); d_gmem [L*K/B, N] f16 scales (the transposed plane; B = BLOCK_K[fmt]; bf16 for q4_k_split);
+    int8); d_gmem [L*K/B, N] f16 scales (the transposed plane; B = BLOCK_K[fmt]; bf16 for the 4-bit splits);
     with `offsets` (`OFFSET_FORMS`) and unfolded scales (one tile of x), refs begin with xs_gmem
     [K/32, M_pad] f32, x's block sums, and f_gmem [L*K/32, N] f16 or bf16, the offsets (the `c`
     plane); with folded scales, f_gmem alone (the offsets folded into the weights,

@@ -16,9 +16,9 @@ thirty-sixth session; held so, its conversions from f16 are gone (on the H200 th
 decode shapes' calls took 4-6% less: 11008 x 4096 12.2 against 12.7 us at M = 8, 4096 x 11008
 11.6 against 12.2, 22016 x 4096 21.9 against 23.2; bench/results, thirty-sixth session) and its
 products are unchanged bit for bit. w' differs from w = d sc_b q - dmin m_b by at most about
-2^-9 of d sc_b times q (the scale's rounding) and 2^-9 of c_b more (2^-25 absolute below f16's
-normal range), the folded kernel's own rounding; the other paths (Triton, the unfolded Mosaic
-kernel, the reference) read the same planes, so their products move by that much as well (1.8e-3
+2^-8 of d sc_b times q (the scale's rounding: 2^-11 for f16, 2^-8 for bf16's 8-bit significand)
+and 2^-8 of c_b more (2^-25 absolute below f16's normal range), the folded kernel's own
+rounding; the other paths (Triton, the unfolded Mosaic kernel, the reference) read the same planes, so their products move by that much as well (1.8e-3
 in relative norm on random weights, against under 5e-4 with the f16 planes before; the offsets
 were f32 until the seventeenth session). |8 s_b| must stay within f16's
 range (65504), as s_b itself must: scales that large are not found in real files (a Q4_K weight
@@ -78,8 +78,7 @@ def split_q4_k(w: QuantizedTensor) -> QuantizedTensor:
     codes = xp.reshape(codes, (*lead, n, blocks, BLOCK))  # sub-block 8 s + 2 run + nibble, in order
     qs40 = xp.reshape(codes[..., :16] | (codes[..., 16:] << 4), (*lead, n, k // 2)).astype(np.uint8)
     scales, offsets = block_scales_and_offsets(xp, p, CODE_OFFSET)
-    bf16 = ml_dtypes.bfloat16 if xp is np else jnp.bfloat16
-    return QuantizedTensor({"qs": qs40, "d": scales.astype(bf16), "c": offsets.astype(bf16)}, "q4_k_split", (n, k))
+    return QuantizedTensor({"qs": qs40, "d": as_bf16(xp, scales), "c": as_bf16(xp, offsets)}, "q4_k_split", (n, k))
 
 
 def block_scales_and_offsets(xp, planes, code_offset: int):
@@ -94,6 +93,15 @@ def block_scales_and_offsets(xp, planes, code_offset: int):
     offsets = (code_offset * scales.astype(np.float32) - per_block(planes["dmin"], planes["m"])).astype(np.float16)
 
     return transposed(xp, scales), transposed(xp, offsets)
+
+
+def as_bf16(xp, a):
+    """An f16 plane rounded to bf16 (through f32, as the folded Mosaic kernel rounded the f16
+    planes it read until the thirty-sixth session): the scales and offsets of the splits read
+    as Q4_0 codes (q4_k_split, q4_1_split), whose folded kernel is bound by its instructions.
+    The splits read as int8 codes (q5_k_split, q5_1_split) keep f16: there the folded kernel
+    is bound by its bytes, and bf16 planes took it no faster (bench/results, thirty-seventh session)."""
+    return a.astype(ml_dtypes.bfloat16 if xp is np else jnp.bfloat16)
 
 
 def transposed(xp, a):

@@ -121,11 +121,11 @@ _BY_TYPE = {f.ggml_type: f for f in FORMATS.values()}
 # Formats of our own, made at load from a GGML one (never read from a file): "q4_k_split" is
 # Q4_K as Q4_0's codes and block scales plus an offset per block and row, `c`, scales and offsets
 # rounded to f16 and then bf16 (pallas_kernels/q4_k_split.py), so that Q4_0's kernels can serve
-# it; "q6_k_split"
-# is Q6_K as int8 codes and an f16 scale per 16 weights (pallas_kernels/q6_k_split.py), for the
-# Mosaic GPU matmul's 8-bit path; "q5_k_split" is Q5_K as Q8_0's codes and block scales plus an
-# offset per block and row, `c` (pallas_kernels/q5_k_split.py), for the same path; "q4_1_split"
-# and "q5_1_split" are Q4_1 and Q5_1 in q4_k_split's and q5_k_split's forms
+# it; "q6_k_split" is Q6_K as int8 codes and an f16 scale per 16 weights
+# (pallas_kernels/q6_k_split.py), for the Mosaic GPU matmul's 8-bit path; "q5_k_split" is Q5_K
+# as Q8_0's codes and block scales plus an f16 offset per block and row, `c`
+# (pallas_kernels/q5_k_split.py), for the same path; "q4_1_split" and "q5_1_split" are Q4_1 and
+# Q5_1 in q4_k_split's (bf16 scales and offsets) and q5_k_split's (f16) forms
 # (pallas_kernels/legacy_split.py).
 DERIVED_FORMATS: dict[str, QuantFormat] = {
     "q4_k_split": QuantFormat("q4_k_split", Q.Q4_K, 32, 16 + 2 + 2, ("qs", "d", "c"), ("u8", "bf16", "bf16"),
@@ -134,7 +134,7 @@ DERIVED_FORMATS: dict[str, QuantFormat] = {
                               transposed=("d",)),
     "q5_k_split": QuantFormat("q5_k_split", Q.Q5_K, 32, 32 + 2 + 2, ("qs", "d", "c"), ("i8", "f16", "f16"),
                               (32, 1, 1), transposed=("d", "c")),
-    "q4_1_split": QuantFormat("q4_1_split", Q.Q4_1, 32, 16 + 2 + 2, ("qs", "d", "c"), ("u8", "f16", "f16"),
+    "q4_1_split": QuantFormat("q4_1_split", Q.Q4_1, 32, 16 + 2 + 2, ("qs", "d", "c"), ("u8", "bf16", "bf16"),
                               (16, 1, 1), transposed=("d", "c")),
     "q5_1_split": QuantFormat("q5_1_split", Q.Q5_1, 32, 32 + 2 + 2, ("qs", "d", "c"), ("i8", "f16", "f16"),
                               (32, 1, 1), transposed=("d", "c")),

@@ -71,7 +71,7 @@ def test_split_model_gives_the_same_logits(tiny_q4_k_m, q6_k):
         assert split.kernel_names["matmul_decode[q6_k_split]"] == "reference"
     assert not split.config.tied_output and split.params.embed.fmt == "q4_k"
     assert split.kernel_names["matmul_decode[q4_k_split]"] == "reference"  # the CPU
-    # measured 6.4e-3 and 7.3e-3: the planes' bf16 scales and offsets (2^-9 of each, the folded
+    # measured 6.4e-3 and 7.3e-3: the planes' bf16 scales and offsets (2^-8 of each, the folded
     # kernel's own rounding), over 2 layers; 1.8e-3 and 1.9e-3 with f16 planes (to the 35th session)
     assert_same_logits(base, split, seed=0, rel=1.5e-2)
 
@@ -103,7 +103,8 @@ def test_split_legacy_smollm2_gives_the_same_logits(smollm2, smollm2_path, fixtu
     """SmolLM2's Q4_1 matrices in q4_k_split's form (pallas_kernels/legacy_split.py) where the
     Mosaic GPU matmul takes their shape (ffn_down, 576 x 1536: the others' K of 576 is not a
     multiple of its K step, and they stay Q4_1 for Triton's Q4_1 kernel), teacher-forced on two of
-    the llama.cpp fixture's prompts: the logits move by the f16 offsets' rounding only."""
+    the llama.cpp fixture's prompts: the logits move by the rounding of the split's bf16 scales and
+    offsets only (the folded GPU kernel's own rounding)."""
     import dataclasses
     import json
 
@@ -122,5 +123,7 @@ def test_split_legacy_smollm2_gives_the_same_logits(smollm2, smollm2_path, fixtu
     for a, b in zip(*forced):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.isfinite(b).all()
-        assert np.abs(a - b).max() < 0.01, np.abs(a - b).max()  # 2.5e-4 and 2.6e-4 with every Q4_1 matrix split
+        # measured 0.17 and 0.16 (2.5e-3 and 5.5e-3 in relative norm), the split's bf16 scales and
+        # offsets; 2.5e-4 and 2.6e-4 with f16 scales and offsets (to the 36th session)
+        assert np.abs(a - b).max() < 0.5 and np.linalg.norm(a - b) / np.linalg.norm(a) < 1.5e-2
         assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.9  # measured 1.0
