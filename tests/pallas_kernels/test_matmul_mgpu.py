@@ -1,7 +1,8 @@
 """The Mosaic GPU matmul (pallas_kernels/matmul_mgpu.py), decode and prefill rows: the shared
 conformance checks on the GPU (marked `gpu`), and on the CPU its contract: what it refuses, that it registers above the
 Triton kernel for the GPU only, its x permutation and int4 view of the codes (checked against the
-reference with plain jnp), and that the kernel lowers for CUDA (no GPU needed)."""
+reference with plain jnp), and that the kernel lowers for CUDA (no GPU needed); and the splits
+with offsets through the Pallas Triton matmul on the GPU, the other kernel that reads their planes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import legacy_split, matmul_mgpu, q4_k_split, q5_k_split, q6_k_split, quant, registry
+from pallas_kernels import legacy_split, matmul_mgpu, matmul_triton, q4_k_split, q5_k_split, q6_k_split, quant, registry
 from pallas_kernels.matmul import qmatmul_reference
 from tests.pallas_kernels.test_matmul_conformance import Case, MatmulConformance, random_weight, relative_error
 from tests.pallas_kernels.test_matmul_conformance import pytest_generate_tests  # noqa: F401  (parametrizes `case`)
@@ -112,6 +113,19 @@ class TestMosaicGpuUnfoldedOffsets(TestMosaicGpu):
 
     def matmul(self, x, w, case, layer=None):
         return matmul_mgpu.qmatmul_mgpu(x, SPLITS[case.fmt](w), matmul_mgpu.DEFAULT_TUNING, layer=layer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+class TestTritonGpuOffsetSplits(TestMosaicGpu):
+    """The same splits through the Pallas Triton matmul compiled for the GPU (where the Mosaic
+    kernel refuses a shape, or is not the one chosen): their block format's kernel on the codes and
+    scales (bf16 scales for the 4-bit splits) plus the offsets' dot, `q4_k_split.matmul_via`."""
+
+    CASES = split_cases(*OFFSET_SPLITS)
+
+    def matmul(self, x, w, case, layer=None):
+        return matmul_triton.qmatmul_triton(x, SPLITS[case.fmt](w), layer=layer)
 
 
 @pytest.mark.gpu
