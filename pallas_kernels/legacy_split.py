@@ -17,8 +17,9 @@ folded Mosaic kernel (its GPU default in decode and prefill) rounds them to, so 
 products are those of f16 planes bit for bit, without its conversions from f16 (on the H200 at
 M = 8 its calls took 5-6% less, 11008 x 4096 12.1 against 12.9 us, and a synthetic Llama-2-7B
 Q4_1 decoded 3-4% faster, 430 / 1,704 / 3,294 tok/s at 1 / 4 / 8 users against 414 / 1,643 /
-3,184; bench/results, thirty-seventh session); every other reader (Triton, the unfolded Mosaic kernel, the reference) sees a
-weight move by up to 2^-8 of its scaled code plus 2^-8 of its offset.
+3,184; bench/results, thirty-seventh session); every other reader (Triton, the unfolded Mosaic
+kernel, the reference) sees a weight move by up to 2^-8 of its scaled code plus about 2^-8 of
+its offset (2^-8 + 2^-11: rounded to f16 first).
 Bytes per weight: Q4_1's split 0.625, as Q4_1; Q5_0 as Q8_0 1.0625 against 0.6875; Q5_1's split
 1.125 against 0.75.
 

@@ -18,13 +18,13 @@ decode shapes' calls took 4-6% less: 11008 x 4096 12.2 against 12.7 us at M = 8,
 products are unchanged bit for bit. w' differs from w = d sc_b q - dmin m_b by at most about
 2^-8 of d sc_b times q (the scale's rounding: 2^-11 for f16, 2^-8 for bf16's 8-bit significand)
 and 2^-8 of c_b more (2^-25 absolute below f16's normal range), the folded kernel's own
-rounding; the other paths (Triton, the unfolded Mosaic kernel, the reference) read the same planes, so their products move by that much as well (1.8e-3
-in relative norm on random weights, against under 5e-4 with the f16 planes before; the offsets
-were f32 until the seventeenth session). |8 s_b| must stay within f16's
-range (65504), as s_b itself must: scales that large are not found in real files (a Q4_K weight
-of that scale would reach 10^5). The codes keep their bits; they move from Q4_K's nibble order
-(per 64 weights, 32 bytes: low nibbles weights 0..31, high nibbles 32..63) to Q4_0's (per 32
-weights, 16 bytes: low nibbles 0..15, high 16..31).
+rounding; the other paths (Triton, the unfolded Mosaic kernel, the reference) read the same
+planes, so their products move by that much as well (1.8e-3 in relative norm on random weights,
+against under 5e-4 with the f16 planes before; the offsets were f32 until the seventeenth
+session). |8 s_b| must stay within f16's range (65504), as s_b itself must: scales that large
+are not found in real files (a Q4_K weight of that scale would reach 10^5). The codes keep their
+bits; they move from Q4_K's nibble order (per 64 weights, 32 bytes: low nibbles weights 0..31,
+high nibbles 32..63) to Q4_0's (per 32 weights, 16 bytes: low nibbles 0..15, high 16..31).
 
 Bytes per weight: 0.5 (codes) + 2/32 (s) + 2/32 (C) = 0.625, against Q4_K's 0.5625. (Q4_K's own
 6-bit scales and mins, packed as an int16 per block beside per-super-block f16 d and dmin, would
