@@ -449,6 +449,9 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
     dense = None
     x_dtype = jnp.float32 if args.x_dtype == "f32" else jnp.bfloat16
     tol = 1e-4 if args.x_dtype == "f32" else 2e-2
+    # a split made before timing (`Impl.prepare`) rounds its scales and offsets (bf16 for the 4-bit
+    # splits: 1.8e-3 in relative norm on these weights), which f32 x resolves
+    split_tol = max(tol, 5e-3)
     for m in ms:
         x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(x_dtype)
         ref = jax.jit(qmatmul_reference)(x, probe)
@@ -488,7 +491,7 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
                     prepare = impl.prepare or (lambda w: w)
                     y = jax.jit(impl.fn)(x, prepare(probe))
                     err = rel_error(y, ref)
-                    row["rel_err"], row["ok"] = err, bool(err <= tol)
+                    row["rel_err"], row["ok"] = err, bool(err <= (tol if impl.prepare is None else split_tol))
                     # the XLA reference is slow (tiled dequantize + dot): fewer matrices keep the
                     # run short, and its time is far above the launch cost anyway
                     ws = weights if not impl.name.startswith("reference") else weights[: args.ref_mats]
