@@ -130,7 +130,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
                    help="Q4_1, Q5_0 and Q5_1 matrices at load in forms the Mosaic GPU matmul takes (Q5_0 as "
                         "Q8_0, exactly, 55%% more bytes; Q4_1 as Q4_0's codes with bf16 scales and offsets, 0%% "
                         "more; Q5_1 as Q8_0's codes and scales plus f16 offsets, 50%% more), where the Mosaic kernel "
-                        "takes the shape (else Triton's kernels for the format); auto (default) and the bare flag as --split-q4-k")
+                        "takes the shape (else Triton's kernels for the format); auto (default) and the bare flag "
+                        "as --split-q4-k")
     p.add_argument("--split-q6-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
                    help="split Q6_K matrices at load into int8 codes and f16 scales per 16 weights (37%% more weight "
                         "bytes) for the Mosaic GPU matmul; auto (default) and the bare flag as --split-q4-k")

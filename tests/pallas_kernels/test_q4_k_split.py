@@ -73,7 +73,7 @@ def test_split_moves_each_weight_by_at_most_the_rounding_of_its_scale_and_offset
     # |(s_b - d sc_b) q| <= PLANE_ROUNDING d sc_b * 15, plus c_b's own rounding
     bound = PLANE_ROUNDING * 15 * np.repeat(per_block(w, "d", "sc"), 32, axis=1) + offset_bound(w)
     assert (diff <= bound + 1e-6 * np.abs(ref).max()).all()
-    assert diff.max() > 0  # random d: some scales do not fit f16
+    assert diff.max() > 0  # random d: some scales do not fit bf16
 
 
 @pytest.mark.parametrize("m", [1, 8, 20])
