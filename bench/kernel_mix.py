@@ -1,4 +1,5 @@
-"""The PTX instruction mix of the Mosaic GPU q4_0 matmul's K-step loop (static counts).
+"""The PTX instruction mix of the Mosaic GPU matmul's K-step loop (static counts): Q4_0, or with
+`--format` a Q6_K split at load.
 
 The decode kernel is bound by instruction issue (bench/results, sixth session), so what each K
 step executes per thread is the figure to cut. This compiles one call of the kernel with Mosaic
@@ -93,9 +94,28 @@ def summarize(path: pathlib.Path) -> dict:
             "ptxas": log.read_text(errors="replace")[-2000:] if log.exists() else None}
 
 
+def _q6_k_split(fmt: str, layers: int, n: int, k: int):
+    """A stack of random Q6_K matrices split at load into `fmt` ("q6_k_split" or "q6_k_split6")."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import q6_k_split, quant
+
+    keys = jax.random.split(jax.random.key(2), 4)
+    shape = (layers, n)
+    planes = {"ql": jax.random.randint(keys[0], (*shape, k // 2), 0, 256, jnp.int32).astype(jnp.uint8),
+              "qh": jax.random.randint(keys[1], (*shape, k // 4), 0, 256, jnp.int32).astype(jnp.uint8),
+              "sc": jax.random.randint(keys[2], (*shape, k // 16), -128, 128, jnp.int32).astype(jnp.int8),
+              "d": jax.random.uniform(keys[3], (*shape, k // 256), jnp.float32, 1e-4, 5e-3).astype(jnp.float16)}
+    split = q6_k_split.split_q6_k6 if fmt == "q6_k_split6" else q6_k_split.split_q6_k
+    return jax.jit(split)(quant.QuantizedTensor(planes, "q6_k", (n, k)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="22016x4096", help="NxK of the q4_0 weight")
+    ap.add_argument("--shape", default="22016x4096", help="NxK of the weight")
+    ap.add_argument("--format", default="q4_0", choices=("q4_0", "q6_k_split", "q6_k_split6"),
+                    help="the weight's format: Q4_0, or a random Q6_K split at load (8-bit or 6-bit codes)")
     ap.add_argument("--m", type=int, default=8, help="rows of x")
     ap.add_argument("--keep", action="store_true", help="copy the dumped PTX next to the JSON (with --out)")
     ap.add_argument("--out", type=pathlib.Path, default=None)
@@ -113,7 +133,7 @@ def main() -> None:
     from pallas_kernels import matmul_mgpu
 
     n, k = (int(v) for v in args.shape.split("x"))
-    w = random_q4_0_stack(jax.random.key(0), 2, n, k)
+    w = random_q4_0_stack(jax.random.key(0), 2, n, k) if args.format == "q4_0" else _q6_k_split(args.format, 2, n, k)
     x = jax.random.normal(jax.random.key(1), (args.m, k), jnp.float32).astype(jnp.bfloat16)
     jax.block_until_ready(matmul_mgpu.qmatmul_mgpu(x, w, layer=1))
     files = sorted(dump.rglob("*.ptx"))
@@ -126,7 +146,8 @@ def main() -> None:
     if args.out:
         stamp = common.timestamp()
         path = common.result_path(args.out, "kernel-mix", stamp)
-        common.write_json(path, {**common.device_info(), "shape": args.shape, "m": args.m, "kernels": kernels})
+        common.write_json(path, {**common.device_info(), "shape": args.shape, "format": args.format, "m": args.m,
+                                 "kernels": kernels})
         print("wrote", path)
         if args.keep:
             for p in files:

@@ -217,7 +217,7 @@ def split_variant_impls(form: str, m: int, variants: str, tag: str, split, offse
     --mosaic-variants (fields over the default tuning for m rows, and for `offsets`)."""
     from pallas_kernels import matmul_mgpu
 
-    default = matmul_mgpu.default_tuning(m, offsets)
+    default = matmul_mgpu.default_tuning(m, offsets, form)
     return [Impl(f"mosaic_gpu:{form}:{vtag}", lambda x, w, t=dataclasses.replace(default, **fields):
                  matmul_mgpu.qmatmul_mgpu(x, w, t), f"{tag}; {vtag}", prepare=jax.jit(split))
             for vtag, fields in parse_variants(variants, default)]
@@ -225,8 +225,8 @@ def split_variant_impls(form: str, m: int, variants: str, tag: str, split, offse
 
 def q6_k_split_impls(impl_names: list[str], interpret: bool, m: int = 8, variants: str = "") -> list[Impl]:
     """Q6_K through the Mosaic GPU kernel's 8-bit path (`pallas_kernels.q6_k_split`: int8 codes,
-    an f16 scale per 16 weights), also under each tuning of --mosaic-variants; the reference
-    with --interpret."""
+    an f16 scale per 16 weights) and its 6-bit one ("q6_k_split6": the codes' 6 bits in two
+    planes), also under each tuning of --mosaic-variants; the reference with --interpret."""
     from pallas_kernels import matmul_mgpu, q6_k_split
 
     def impl(name, fn):
@@ -236,6 +236,10 @@ def q6_k_split_impls(impl_names: list[str], interpret: bool, m: int = 8, variant
     if "mosaic_gpu" in impl_names and not interpret:
         out.append(impl("mosaic_gpu:q6_k_split", matmul_mgpu.qmatmul_mgpu))
         out += split_variant_impls("q6_k_split", m, variants, "int8 codes + f16 scales per 16", q6_k_split.split_q6_k)
+        tag6 = "6-bit codes in 2 planes + f16 scales per 16"
+        out.append(Impl("mosaic_gpu:q6_k_split6", matmul_mgpu.qmatmul_mgpu, tag6,
+                        prepare=jax.jit(q6_k_split.split_q6_k6)))
+        out += split_variant_impls("q6_k_split6", m, variants, tag6, q6_k_split.split_q6_k6)
     if "jax_triton" in impl_names and not interpret:
         out.append(impl("jax_triton:q6_k_split", matmul_jax_triton.qmatmul_jax_triton))
     if "reference" in impl_names:

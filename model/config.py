@@ -353,6 +353,10 @@ class EngineConfig:
     # weights (37% more bytes) for the Mosaic GPU matmul's 8-bit path (pallas_kernels/q6_k_split.py;
     # of the other GPU kernels only the jax-triton variant serves them). "auto" as split_q4_k.
     split_q6_k: str = "auto"
+    # The Q6_K split's codes: 6 bits ("q6_k_split6": a nibble plane and a plane of the high two
+    # bits, 0.875 bytes per weight, 22% fewer than the 8-bit split's) or 8 ("q6_k_split", int8
+    # codes, the one the jax-triton variant takes). pallas_kernels/q6_k_split.py.
+    q6_k_split_bits: int = 8
     # Q5_K matrices split at load into Q8_0's int8 codes and f16 block scales plus an f16 offset
     # per block and row (64% more bytes) for the Mosaic GPU matmul's 8-bit path, the Triton Q8_0
     # kernel where Mosaic refuses a shape (pallas_kernels/q5_k_split.py; its scales and offsets
@@ -430,6 +434,8 @@ class EngineConfig:
         if {self.split_q4_k, self.split_q5_k, self.split_q6_k, self.split_legacy} - set(SPLIT_Q4_K):
             raise ValueError(f"split Q4_K / Q5_K / Q6_K / legacy must be auto, on or off, got {self.split_q4_k!r} / "
                              f"{self.split_q5_k!r} / {self.split_q6_k!r} / {self.split_legacy!r}")
+        if self.q6_k_split_bits not in (6, 8):
+            raise ValueError(f"the Q6_K split's code bits must be 6 or 8, got {self.q6_k_split_bits!r}")
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor parallel must be >= 1, got {self.tensor_parallel}")
         if self.numerics not in NUMERICS:

@@ -19,7 +19,7 @@ from model.forward import Kernels, KVCache
 from model.gguf_file import GGUFFile, GGUFLoadError
 from model.runner import ModelRunner
 from model.tokenizer import Tokenizer
-from model.weights import SPLITS, Params, is_split, load_params, params_nbytes
+from model.weights import Q6_K_SPLIT6, SPLITS, Params, is_split, load_params, params_nbytes, split_key
 from model.kernels import choose_kernels
 from model.gated_ffn import interleave_gate_up, labels as gated_labels
 from model.ordered_values import labels as ordered_labels, order_values
@@ -77,8 +77,17 @@ def _available(impl_name: str) -> bool:
 
 def _split_settings(engine_cfg: EngineConfig) -> dict[str, str]:
     legacy = engine_cfg.split_legacy
-    return {"q4_k": engine_cfg.split_q4_k, "q5_k": engine_cfg.split_q5_k, "q6_k": engine_cfg.split_q6_k,
-            "q4_1": legacy, "q5_0": legacy, "q5_1": legacy}
+    return {"q4_k": engine_cfg.split_q4_k, "q5_k": engine_cfg.split_q5_k,
+            _q6_k_split(engine_cfg): engine_cfg.split_q6_k, "q4_1": legacy, "q5_0": legacy, "q5_1": legacy}
+
+
+def _q6_k_split(engine_cfg: EngineConfig) -> str:
+    """The Q6_K split's `SPLITS` key: the 6-bit one ("q6_k_split6", for the Mosaic GPU matmul and
+    the reference) with EngineConfig.q6_k_split_bits 6, unless the jax-triton matmul is forced (it
+    takes the 8-bit one only); else the 8-bit one."""
+    forced = dict(engine_cfg.kernels)
+    jax_triton = "jax_triton" in {forced.get("matmul_decode"), forced.get("matmul")}
+    return Q6_K_SPLIT6 if engine_cfg.q6_k_split_bits == 6 and not jax_triton else "q6_k"
 
 
 # Of a device's memory, the share the weights (as placed) and the KV cache may take for the "auto"
@@ -96,7 +105,7 @@ def tensor_bytes(gf: GGUFFile, name: str, splits: frozenset[str]) -> int:
     n, k = (int(d) for d in info.shape)
     untied_embed = name == "token_embd.weight" and "output.weight" in gf.tensors
     if not untied_embed and is_split(fmt.name, n, k, splits):
-        fmt = quant.format_for(SPLITS[fmt.name][0])
+        fmt = quant.format_for(SPLITS[split_key(fmt.name, splits)][0])
     dtypes = fmt.plane_dtypes()
     return sum(int(np.prod(s)) * dtypes[p].itemsize for p, s in fmt.plane_shapes(n, k).items())
 

@@ -145,10 +145,14 @@ def _float_vector(info: TensorInfo) -> np.ndarray:
 
 
 # Formats split at load for other kernels (EngineConfig.split_q4_k, split_q5_k, split_q6_k,
-# split_legacy): the GGML format -> (the derived format, the split).
+# split_legacy): the GGML format -> (the derived format, the split). Q6_K has two: the 8-bit
+# split under "q6_k", the 6-bit one under Q6_K_SPLIT6, which a set of splits holds in place of
+# "q6_k" (EngineConfig.q6_k_split_bits; `split_key`).
+Q6_K_SPLIT6 = "q6_k6"
 SPLITS = {"q4_k": ("q4_k_split", q4_k_split.split_q4_k), "q5_k": ("q5_k_split", q5_k_split.split_q5_k),
-          "q6_k": ("q6_k_split", q6_k_split.split_q6_k), "q4_1": ("q4_1_split", legacy_split.split_q4_1),
-          "q5_0": ("q8_0", legacy_split.q5_0_as_q8_0), "q5_1": ("q5_1_split", legacy_split.split_q5_1)}
+          "q6_k": ("q6_k_split", q6_k_split.split_q6_k), Q6_K_SPLIT6: ("q6_k_split6", q6_k_split.split_q6_k6),
+          "q4_1": ("q4_1_split", legacy_split.split_q4_1), "q5_0": ("q8_0", legacy_split.q5_0_as_q8_0),
+          "q5_1": ("q5_1_split", legacy_split.split_q5_1)}
 _SPLITS_JIT = {fmt: jax.jit(fn) for fmt, (_, fn) in SPLITS.items()}
 
 
@@ -161,9 +165,14 @@ _SPLITS_JIT = {fmt: jax.jit(fn) for fmt, (_, fn) in SPLITS.items()}
 _SPLIT_WHERE_MOSAIC_TAKES = ("q4_1", "q5_0", "q5_1")
 
 
+def split_key(fmt: str, splits: frozenset[str]) -> str:
+    """The `SPLITS` entry a matrix of GGML format `fmt` would take under `splits`."""
+    return Q6_K_SPLIT6 if fmt == "q6_k" and Q6_K_SPLIT6 in splits else fmt
+
+
 def is_split(fmt: str, n: int, k: int, splits: frozenset[str]) -> bool:
     """Whether a matrix of format `fmt` and shape [N, K] is split, given the formats to split."""
-    if fmt not in splits:
+    if split_key(fmt, splits) not in splits:
         return False
     if fmt == "q6_k":
         return q6_k_split.takes(n)
@@ -173,7 +182,8 @@ def is_split(fmt: str, n: int, k: int, splits: frozenset[str]) -> bool:
 def _split(w: quant.QuantizedTensor, splits: frozenset[str], jit: bool = False) -> quant.QuantizedTensor:
     if not is_split(w.fmt, w.shape[0], w.shape[1], splits):
         return w
-    return (_SPLITS_JIT[w.fmt] if jit else SPLITS[w.fmt][1])(w)
+    key = split_key(w.fmt, splits)
+    return (_SPLITS_JIT[key] if jit else SPLITS[key][1])(w)
 
 
 def _matrix(info: TensorInfo, splits: frozenset[str] = frozenset()) -> quant.QuantizedTensor:
@@ -242,7 +252,7 @@ def _format(info: TensorInfo, splits: frozenset[str] = frozenset(), rows: int | 
     except NotImplementedError as e:
         raise GGUFLoadError(f"tensor {info.name!r}: unsupported tensor type {info.ggml_type.name} ({e})") from e
     n = int(info.shape[0]) if rows is None else rows
-    return SPLITS[name][0] if is_split(name, n, int(info.shape[1]), splits) else name
+    return SPLITS[split_key(name, splits)][0] if is_split(name, n, int(info.shape[1]), splits) else name
 
 
 def _layer_entries(gf: GGUFFile, i: int, fuse: bool, splits: frozenset[str] = frozenset()) -> dict[str, _Entry]:

@@ -10,7 +10,7 @@ It reads the planes `pallas_kernels.quant.repack` built, in place (no layout of 
     free bitcast), brought to registers 32 bits per thread (Mosaic's WGMMA_UPCAST_4X layout: a
     thread holds bytes 4c..4c+3 of a block's row, c = lane % 4). By default
     (`word_unpack`) each thread makes its own four bf16 pairs of the wgmma operand from that word
-    with a shift, a mask-and-OR and one bf16 subtraction per pair (`_q4_0_words_to_bf16`, no data
+    with a shift, a mask-and-OR and one bf16 subtraction per pair (`mgpu_words.q4_0_words_to_bf16`, no data
     exchanged between threads); the weights land at wgmma columns in a fixed order within the
     block (even weights, then odd), and x is permuted the same way outside the kernel
     (`permute_x_words`), which leaves the dot product unchanged. The other way
@@ -53,7 +53,7 @@ call, but rounding x took separate XLA kernels (386 more per served step, +0.6 m
 With about 2.6 warpgroups per SM (N / 64 of them, and K splits cost pipeline refills), each warp
 mostly waits: the latency of a step (TMA barrier, shared-memory loads, the wgmma wait) is what
 more warps or a persistent grid would have to hide. Writing the q4_0 conversion as PTX
-(`_ptx_pair`, sixteenth session) then took it from 3.9 to 2.1 us of gate/up's 21.0 us (19.2 us,
+(`mgpu_words.ptx_pair`, sixteenth session) then took it from 3.9 to 2.1 us of gate/up's 21.0 us (19.2 us,
 80% of copy bandwidth; 17.1 us with constant codes); a K step's PTX per thread is now, besides the
 64 converted pairs, 48 shifts, 64 instructions of scaling (f16 scale loads, conversions, f32
 FMAs), 32 zeroing the blocks' accumulators and 32 of wgmma fences, commits and waits
@@ -86,10 +86,13 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import gated as gated_ffn, q4_k_split, registry
 from pallas_kernels.mgpu_store import load as mgpu_load, pallas_mgpu as _plgpu, store_gated, store_out
+from pallas_kernels.mgpu_words import (  # noqa: F401  (re-exported: the q4_0 conversion's constants)
+    BF16_128_PAIR, BF16_136_PAIR, NIBBLE_PAIR_MASK, q4_0_words_to_bf16, q4_0_words_to_s8, words6_op, words_op,
+)
 from pallas_kernels.mgpu_tuning import (  # noqa: F401  (re-exported: the kernel's tuning and plan)
-    BLOCK_K, BLOCK_N, CODE_BITS, DEFAULT_TUNING, MAX_ROWS, OFFSET_DECODE_TUNING, PREFILL_TUNING, SMEM_BYTES,
-    SUPPORTED_FORMATS, MosaicMatmulTuning, default_tuning, fuses_offsets, padded_rows, rows_per_cta, split_for,
-    stage_bytes, stages_for, takes_shape, tile_rows,
+    BLOCK_K, BLOCK_N, CODE_BITS, DEFAULT_TUNING, HIGH_BITS, MAX_ROWS, MIN_TILE_K6, OFFSET_DECODE_TUNING,
+    PREFILL6_TUNING, PREFILL_TUNING, SMEM_BYTES, SUPPORTED_FORMATS, MosaicMatmulTuning, default_tuning, fuses_offsets,
+    padded_rows, rows_per_cta, split_for, stage_bytes, stages_for, takes_shape, tile_rows,
 )
 from pallas_kernels.q4_k_split import OFFSET_FORMS
 from pallas_kernels.quant import QuantizedTensor, check_layer
@@ -119,6 +122,9 @@ def _check_supported(x: jax.Array, w: QuantizedTensor, layer, tuning: MosaicMatm
         raise NotImplementedError(f"mosaic_gpu matmul: N={n} is not a multiple of {BLOCK_N}")
     if k % tuning.tile_k:
         raise NotImplementedError(f"mosaic_gpu matmul: K={k} is not a multiple of the K step {tuning.tile_k}")
+    if HIGH_BITS.get(w.fmt) and (not tuning.upcast_loads or tuning.tile_k < MIN_TILE_K6):
+        raise NotImplementedError(f"mosaic_gpu matmul reads {w.fmt}'s codes 32 bits per thread: it needs upcast_loads "
+                                  f"and K steps of at least {MIN_TILE_K6}")
     if tuning.int8_x and w.fmt != "q4_0":
         raise NotImplementedError(f"mosaic_gpu matmul with int8 x takes q4_0, not {w.fmt}")
     if stages_for(w.fmt, tile_rows(m, tuning), tuning, rows_per_cta(n, tuning), offsets, gated) < 2:
@@ -157,90 +163,13 @@ def codes_view(qs: jax.Array, k: int) -> jax.Array:
     return jnp.reshape(lax.bitcast_convert_type(flat, jnp.int4), (flat.shape[0], k))
 
 
-# `_q4_0_words_to_bf16` / `_ptx_pair`: pair j of a 32-bit word of codes is (word >> 4 j) &
-# NIBBLE_PAIR_MASK, OR BF16_128_PAIR (two bf16 128 + q, exact), minus BF16_136_PAIR (two bf16
-# 136): q - 8.
-NIBBLE_PAIR_MASK = 0x000F000F
-BF16_128_PAIR = 0x43004300
-BF16_136_PAIR = 0x43084308
-
 
 def permute_x_words(x2: jax.Array, gather: bool = False) -> jax.Array:
-    """x [M, K] in the column order `_q4_0_words_to_bf16` gives the codes: within each 32-block
+    """x [M, K] in the column order `mgpu_words.q4_0_words_to_bf16` gives the codes: within each 32-block
     the even weights, then the odd ones. `gather`: the same as a gather (`_permuted`)."""
     return _permuted(x2, (16, 2), gather)
 
 
-def _registers_for(codes, layout, per_block: int, fallback: str) -> np.ndarray:
-    """An empty register array of `layout` (Mosaic's WGMMA_LAYOUT or WGMMA_LAYOUT_8BIT) for the
-    operand made from `codes` (WGMMA_UPCAST_4X), each 32-block's word giving `per_block` registers.
-    The register indexing the word unpackings use is Mosaic's (private): this checks what they
-    rely on (both register arrays alike but for axis 1, which counts 32-column blocks in one and
-    `32 / per_block`-column tiles in the other) rather than place registers wrongly."""
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-
-    blocks = codes.shape[1] // 32
-    have, want = codes.registers.shape, layout.registers_shape(codes.shape)
-    if (codes.layout != fa.WGMMA_LAYOUT_UPCAST_4X or len(have) != len(want) or len(have) < 2
-            or (have[1], want[1]) != (blocks, per_block * blocks) or have[:1] + have[2:] != want[:1] + want[2:]):
-        raise NotImplementedError("this jax's Mosaic GPU register layouts differ from the ones the q4_0 word "
-                                  f"unpacking was written for; use MosaicMatmulTuning({fallback})")
-    return np.empty(want, dtype=object)
-
-
-def _ptx_pair(nibbles):
-    """Mosaic GPU code: the bf16 pair (q_lo - 8, q_hi - 8) of the nibbles at bits 0-3 and 16-19 of
-    the i32 `nibbles`, as one lop3 ((w & mask) | exponent) and one bf16x2 subtraction, written as
-    PTX. The same steps through MLIR's arith ops (and, or, a bf16 vector subf) made the decode
-    kernel 6-11% slower on the H200 (7B shapes at M = 8, bench/results, sixteenth session): the
-    conversion's share of gate/up's time went from 3.9 to 2.1 us."""
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import llvm
-
-    i32 = ir.IntegerType.get_signless(32)
-    return llvm.inline_asm(
-        i32, [nibbles],
-        f"{{ .reg .b32 t, c; lop3.b32 t, $1, {NIBBLE_PAIR_MASK:#010x}, {BF16_128_PAIR:#010x}, 0xEA; "
-        f"mov.b32 c, {BF16_136_PAIR:#010x}; sub.bf16x2 $0, t, c; }}",
-        "=r,r",
-    )
-
-
-def _q4_0_words_to_bf16(codes):
-    """Mosaic GPU code (inside `inline_mgpu`): q4_0 codes [64, tile_k] loaded in the
-    WGMMA_UPCAST_4X layout (each thread holds, per 32-block and row, one 32-bit word: bytes 4c..4c+3
-    of the block, c = lane % 4, i.e. weights 4c..4c+3 in the low nibbles and 4c+16..4c+19 in the
-    high ones) -> the wgmma operand [64, tile_k] bf16 in the WGMMA layout, q - 8 exactly.
-
-    No data moves between threads: the thread's pair j (0..3) of the block, at wgmma columns
-    8 j + 2 c and 8 j + 2 c + 1, is nibbles j and j + 4 of its word, i.e. (w >> 4 j) & 0x000F000F
-    (one nibble in each 16-bit half), made bf16 by OR-ing in the exponent of 128 (0x4300: 128 + q,
-    exact) and subtracting 136 (128 + 8), in PTX (`_ptx_pair`). That puts weight
-    16 (j % 2) + 4 c + 2 h + j // 2 of the block at wgmma column 8 j + 2 c + h: the even weights, in
-    order, then the odd ones, which is the order `permute_x_words` gives x."""
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith
-
-    i32 = ir.IntegerType.get_signless(32)
-    pair = ir.VectorType.get((2,), ir.BF16Type.get())
-    shifts = [None] + [arith.constant(i32, 4 * j) for j in range(1, 4)]
-    out = _registers_for(codes, fa.WGMMA_LAYOUT, 4, "word_unpack=False")
-    # register index (0, b, 0, 0, row half, 0...) of UPCAST_4X is block b's word; (0, t, ...) of
-    # WGMMA is the pair of columns 8 t + 2 c, so block b's pair j is at t = 4 b + j
-    for idx, reg in np.ndenumerate(codes.registers):
-        word = mgpu_utils.bitcast(reg, i32)
-        for j in range(4):
-            nibbles = word if j == 0 else arith.shrui(word, shifts[j])
-            out[(idx[0], 4 * idx[1] + j, *idx[2:])] = mgpu_utils.bitcast(_ptx_pair(nibbles), pair)
-    assert all(r is not None for r in out.flat)
-    return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
-
-
-# `_q4_0_words_to_s8`: a word's low nibbles (word & NIBBLE_BYTES_MASK) are weights 4c..4c+3 of the
-# block, its high ones ((word >> 4) & NIBBLE_BYTES_MASK) weights 4c+16..4c+19, one per byte.
-NIBBLE_BYTES_MASK = 0x0F0F0F0F
 Q4_0_OFFSET = 8  # q4_0 weight = d (q - 8): the s8 operand is q, the -8 goes to x's block sums
 
 
@@ -264,50 +193,12 @@ def quantize_x_blocks(x2: jax.Array, m_pad: int) -> tuple[jax.Array, jax.Array, 
     return xe, xo, jnp.pad(dx, pad).T, jnp.pad(cx, pad).T
 
 
-def _q4_0_words_to_s8(codes):
-    """Mosaic GPU code (inside `inline_mgpu`): q4_0 codes [64, tile_k] loaded in the
-    WGMMA_UPCAST_4X layout (per 32-block and row a thread holds bytes 4c..4c+3, c = lane % 4) ->
-    the codes q (0..15, not centred) as s8 [64, tile_k] in WGMMA_LAYOUT_8BIT, in natural column
-    order. That layout gives the thread columns 4c..4c+3 of each 16-column tile, four to a
-    register: for block b, tile 2b is the word's low nibbles (weights 4c..4c+3) and tile 2b + 1 its
-    high ones (weights 4c+16..4c+19), each a mask (and a shift) away, with no data exchanged
-    between threads."""
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith
-
-    i32 = ir.IntegerType.get_signless(32)
-    quad = ir.VectorType.get((4,), ir.IntegerType.get_signless(8))
-    mask = arith.constant(i32, NIBBLE_BYTES_MASK)
-    four = arith.constant(i32, 4)
-    out = _registers_for(codes, fa.WGMMA_LAYOUT_8BIT, 2, "int8_x=False")
-    for idx, reg in np.ndenumerate(codes.registers):
-        word = mgpu_utils.bitcast(reg, i32)
-        out[(idx[0], 2 * idx[1], *idx[2:])] = mgpu_utils.bitcast(arith.andi(word, mask), quad)
-        out[(idx[0], 2 * idx[1] + 1, *idx[2:])] = mgpu_utils.bitcast(arith.andi(arith.shrui(word, four), mask), quad)
-    assert all(r is not None for r in out.flat)
-    return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=True)
-
-
-def _words_op(c_smem, convert, dtype, layout: str) -> jax.Array:
-    """A step's q4_0 codes loaded from shared memory 32 bits per thread (WGMMA_UPCAST_4X) and turned
-    into the wgmma operand by `convert` (`_q4_0_words_to_bf16` or `_q4_0_words_to_s8`, Mosaic GPU
-    code inside `inline_mgpu`): `dtype` in Layout `layout`."""
-    plgpu = _plgpu()
-    codes = mgpu_load(c_smem, plgpu.Layout.WGMMA_UPCAST_4X)
-    return plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
-        return_type=plgpu.ShapeDtypeStruct(codes.shape, dtype, getattr(plgpu.Layout, layout)),
-    )(lambda ctx, words: convert(words))(codes)
-
-
 def _codes_bf16(c_smem, fmt: str, upcast_loads: bool, word_unpack: bool) -> jax.Array:
     """One step's codes [64, tile_k] from shared memory as centred bf16 values, in the wgmma layout
     (for q4_0 with `word_unpack`, in the column order of `permute_x_words`)."""
     plgpu = _plgpu()
     if fmt == "q4_0" and word_unpack:
-        return _words_op(c_smem, _q4_0_words_to_bf16, jnp.bfloat16, "WGMMA")
+        return words_op(c_smem, q4_0_words_to_bf16, jnp.bfloat16, "WGMMA")
     wgmma_layout = plgpu.Layout.WGMMA
     if upcast_loads:
         load_layout = plgpu.Layout.WGMMA_UPCAST_4X if CODE_BITS[fmt] == 4 else plgpu.Layout.WGMMA_UPCAST_2X
@@ -375,6 +266,7 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
     """layer_gmem [1] int32; x_gmem [M_pad, K] bf16 (permuted for q4_0), of which this CTA takes
     the m rows of its tile (grid axis "mtile" when m_tiles > 1); c_gmem [L*N, K] codes (int4 or
     int8); d_gmem [L*K/B, N] f16 scales (the transposed plane; B = BLOCK_K[fmt]; bf16 for the 4-bit splits);
+    for "q6_k_split6" (`HIGH_BITS`), refs begin with h_gmem [L*N, K/2] int4, the codes' high bits;
     with `offsets` (`OFFSET_FORMS`) and unfolded scales (one tile of x), refs begin with xs_gmem
     [K/32, M_pad] f32, x's block sums, and f_gmem [L*K/32, N] f16 or bf16, the offsets (the `c`
     plane); with folded scales, f_gmem alone (the offsets folded into the weights,
@@ -383,7 +275,9 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
     `gated` (one split, `rows_out`), o_gmem [M_pad, N / 2] bf16, act(gate) * up of the
     interleaved weight (`mgpu_store.store_gated`), and g_smem [m, rows / 2] bf16 after o_smem. Each
     warpgroup takes `rows` rows (64-row tiles t) of the weight, one K split and one tile of x."""
-    xs_gmem = g_smem = None
+    xs_gmem = g_smem = h_gmem = None
+    if HIGH_BITS.get(fmt):
+        h_gmem, *refs = refs
     if gated:
         *refs, g_smem = refs
     if offsets and fold_scales:
@@ -402,11 +296,15 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
     row0 = layer * n + blk_id * rows
     lo, hi = (sid * steps) // split, ((sid + 1) * steps) // split
     a_swz = plgpu.find_swizzle(tile_k * bits, "lhs")
+    h_swz = plgpu.find_swizzle(tile_k * HIGH_BITS[fmt], "lhs") if h_gmem is not None else None
     x_swz = plgpu.find_swizzle(blk * 16, "rhs")  # one block of x's bf16 columns
     wgmma_layout = plgpu.Layout.WGMMA
 
-    def tile_codes(c_smem, t):
-        return _codes_bf16(c_smem.at[pl.ds(BLOCK_N * t, BLOCK_N)], fmt, upcast_loads, word_unpack)  # [64, tile_k]
+    def tile_codes(c_smem, t):  # [64, tile_k]
+        tile = pl.ds(BLOCK_N * t, BLOCK_N)
+        if h_gmem is not None:  # the codes' two planes
+            return words6_op(c_smem[0].at[tile], c_smem[1].at[tile])
+        return _codes_bf16(c_smem.at[tile], fmt, upcast_loads, word_unpack)
 
     def x_block(x_smem, b):
         return x_smem.at[:, pl.ds(blk * b, blk)].transpose((1, 0))
@@ -456,6 +354,16 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
             plgpu.BlockSpec((nb, rows), lambda j: (lo + j, 0)),
         ]
         args = [x_gmem.at[pl.ds(x0, m)], c_gmem.at[pl.ds(row0, rows)], d_gmem.at[weight_rows]]
+        if h_gmem is not None:  # the high bits' plane after the codes; the body takes both as one
+            h_transforms = () if h_swz < 32 else (plgpu.TilingTransform((8, h_swz * 8 // 4)),
+                                                  plgpu.SwizzleTransform(h_swz))
+            in_specs.insert(2, plgpu.BlockSpec((rows, tile_k * HIGH_BITS[fmt] // 4), lambda j: (0, lo + j),
+                                               transforms=h_transforms))
+            args.insert(2, h_gmem.at[pl.ds(row0, rows)])
+            inner = body
+
+            def body(idx, x_smem, c_smem, h_smem, *rest):
+                return inner(idx, x_smem, (c_smem, h_smem), *rest)
         if offsets and not fold_scales:
             in_specs.append(plgpu.BlockSpec((nb, m), lambda j: (lo + j, 0)))
             args.append(xs_gmem)
@@ -508,7 +416,7 @@ def _kernel_int8(layer_gmem, xe_gmem, xo_gmem, dx_gmem, cx_gmem, c_gmem, d_gmem,
 
     def body(idx, xe_smem, xo_smem, dx_smem, cx_smem, c_smem, d_smem, acc):
         del idx
-        a = _words_op(c_smem, _q4_0_words_to_s8, jnp.int8, "WGMMA_8BIT")  # [64, tile_k] s8
+        a = words_op(c_smem, q4_0_words_to_s8, jnp.int8, "WGMMA_8BIT")  # [64, tile_k] s8
 
         def scaled(acc, part, b):
             dx = lax.broadcast_in_dim(mgpu_load(dx_smem.at[b], column), part.shape, [1])
@@ -554,16 +462,22 @@ def _kernel_int8(layer_gmem, xe_gmem, xo_gmem, dx_gmem, cx_gmem, c_gmem, d_gmem,
 def tuning_for(w: QuantizedTensor, rows: int) -> MosaicMatmulTuning:
     """The default tuning of a call on weight w with `rows` rows of x (`default_tuning`: the
     formats with offsets fold them in decode)."""
-    return default_tuning(rows, w.fmt in OFFSET_FORMS)
+    return default_tuning(rows, w.fmt in OFFSET_FORMS, w.fmt)
 
 
 def codes_of(w: QuantizedTensor) -> jax.Array:
     """The codes of every stacked matrix as [L*N, K] (free views): int4 for q4_0 (see
     `codes_view`), the int8 `qs` plane of q8_0 and q6_k_split as it is."""
     k = w.shape[1]
-    if w.fmt == "q4_0":
+    if w.fmt in ("q4_0", "q6_k_split6"):  # 4-bit codes (for q6_k_split6, the low nibbles)
         return codes_view(w.planes["qs"], k)
     return jnp.reshape(w.planes["qs"], (-1, k))  # q8_0, q6_k_split
+
+
+def high_of(w: QuantizedTensor) -> jax.Array:
+    """"q6_k_split6"'s plane of the codes' high two bits [*S, N, K/4] uint8 as int4 [L*N, K/2] (a
+    free view, loaded 32 bits per thread as the codes are)."""
+    return codes_view(w.planes["qh"], w.shape[1] // 2)
 
 
 def x_order(w: QuantizedTensor, rows: int, tuning: MosaicMatmulTuning | None = None) -> np.ndarray | None:
@@ -663,7 +577,7 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
         grid=grid,
         grid_names=grid_names,
         scratch_types=scratch,
-    )(layer_arr, *x_inputs, codes_of(q), scales, *offset_inputs)
+    )(layer_arr, *x_inputs, codes_of(q), scales, *((high_of(q),) if HIGH_BITS.get(q.fmt) else ()), *offset_inputs)
     if gated:
         return partial[:m]
     out = partial[0] if split == 1 else jnp.sum(partial, axis=0)

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 
-SUPPORTED_FORMATS = ("q4_0", "q8_0", "q6_k_split")
-CODE_BITS = {"q4_0": 4, "q8_0": 8, "q6_k_split": 8}  # bits per code as the kernel views them
+SUPPORTED_FORMATS = ("q4_0", "q8_0", "q6_k_split", "q6_k_split6")
+# Bits per code of the codes plane as the kernel views it; "q6_k_split6" has a second plane of
+# the codes' high bits (`HIGH_BITS` per code, pallas_kernels/q6_k_split.py).
+CODE_BITS = {"q4_0": 4, "q8_0": 8, "q6_k_split": 8, "q6_k_split6": 4}
+HIGH_BITS = {"q6_k_split6": 2}
 # Weights per scale: a block meets x in wgmmas of this K (Q6_K split at load,
-# pallas_kernels/q6_k_split.py, has a scale per 16 weights and runs as int8 codes, as Q8_0 does).
-BLOCK_K = {"q4_0": 32, "q8_0": 32, "q6_k_split": 16}
+# pallas_kernels/q6_k_split.py, has a scale per 16 weights and runs as int8 codes, as Q8_0 does,
+# or as 6-bit codes in two planes).
+BLOCK_K = {"q4_0": 32, "q8_0": 32, "q6_k_split": 16, "q6_k_split6": 16}
 MAX_ROWS = 64  # rows of x in one tile of the decode kernel (unfolded scales: an accumulator per block)
 # Beyond MAX_ROWS (prefill), the folded-scale kernel runs x in tiles of `m_tile` rows (a grid axis;
 # one [64, m_tile] accumulator, carried across K steps); the unfolded one refuses.
@@ -40,7 +44,7 @@ class MosaicMatmulTuning:
     # always loads 32 bits, so False there is refused.
     upcast_loads: bool = True
     # q4_0: each thread turns the 32-bit word of 8 codes it loads into its four bf16 pairs of the
-    # wgmma operand with shifts, masks and one subtraction (`_q4_0_words_to_bf16`), with x
+    # wgmma operand with shifts, masks and one subtraction (`mgpu_words.q4_0_words_to_bf16`), with x
     # permuted to match; False moves the codes to the wgmma layout first (two warp shuffles per
     # word) and converts them there.
     word_unpack: bool = True
@@ -60,7 +64,7 @@ class MosaicMatmulTuning:
     # q4_0: x is rounded to int8 per 32-block (scale amax / 127, as llama.cpp's MMQ kernels and
     # its CPU dot products do) and the codes meet it in int8 wgmmas (s32 accumulators): a word of
     # 8 codes becomes the two s8 registers of the wgmma operand with a mask and a shift (no
-    # conversion to bf16, no x permutation; `_q4_0_words_to_s8`). Each block's integer result is
+    # conversion to bf16, no x permutation; `mgpu_words.q4_0_words_to_s8`). Each block's integer result is
     # scaled by d_w * d_x after the step's wait. Not exact: x's rounding moves a product by about
     # 0.5% (relative norm error; bench/results, seventh session).
     int8_x: bool = False
@@ -123,6 +127,12 @@ DEFAULT_TUNING = MosaicMatmulTuning()
 # 22-28% slower with K steps of 64; tiles of 256 with K steps of 128 (3 stages), 30% slower.
 PREFILL_TUNING = MosaicMatmulTuning(tile_k=64, stages=4, fold_scales=True, m_tile=256,
                                     fold_offsets=True, target_ctas=264)  # the grid the prefill was measured with
+# "q6_k_split6" (`HIGH_BITS`) reads its high bits' plane tile_k / 4 bytes per row and step, which
+# Mosaic GPU loads 32 bits per thread correctly only from swizzled shared memory, 32 bytes or more
+# (on the H200 an unswizzled 16-byte tile gave wrong products): K steps of at least MIN_TILE_K6,
+# so its prefill takes steps of 128 and, for 4 steps in flight, tiles of 128 rows of x.
+MIN_TILE_K6 = 128
+PREFILL6_TUNING = dataclasses.replace(PREFILL_TUNING, tile_k=MIN_TILE_K6, m_tile=128)
 
 
 def takes_shape(n: int, k: int) -> bool:
@@ -145,12 +155,12 @@ def takes_shape(n: int, k: int) -> bool:
 OFFSET_DECODE_TUNING = dataclasses.replace(DEFAULT_TUNING, fold_scales=True, fold_offsets=True)
 
 
-def default_tuning(m: int, offsets: bool = False) -> MosaicMatmulTuning:
+def default_tuning(m: int, offsets: bool = False, fmt: str | None = None) -> MosaicMatmulTuning:
     """The tuning for m rows of x: for decode (up to MAX_ROWS) DEFAULT_TUNING, or, for a matrix
     with offsets (`offsets`: its format in `q4_k_split.OFFSET_FORMS`), OFFSET_DECODE_TUNING; else
-    PREFILL_TUNING."""
+    PREFILL_TUNING (PREFILL6_TUNING for `fmt` "q6_k_split6")."""
     if m > MAX_ROWS:
-        return PREFILL_TUNING
+        return PREFILL6_TUNING if HIGH_BITS.get(fmt) else PREFILL_TUNING
     return OFFSET_DECODE_TUNING if offsets else DEFAULT_TUNING
 
 
@@ -192,7 +202,8 @@ def rows_per_cta(n: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING) -> int:
 
 def stage_bytes(fmt: str, m: int, tile_k: int, rows: int = BLOCK_N, int8_x: bool = False,
                 offsets: bool = False) -> int:
-    """Shared memory of one pipeline step: x [M, tile_k] bf16, codes [rows, tile_k], scales. With
+    """Shared memory of one pipeline step: x [M, tile_k] bf16, codes [rows, tile_k] (and their high
+    bits' plane, `HIGH_BITS`), scales. With
     `int8_x`, x's two int8 copies take the bytes of the bf16 one, and its two f32 factors per block
     and row come on top; with `offsets` (`OFFSET_FORMS`), x's f32 block sums and the 16-bit offsets.
     (The folded kernel loads no block sums, so for it this overcounts: the Q5_K and Q5_1 splits'
@@ -204,7 +215,8 @@ def stage_bytes(fmt: str, m: int, tile_k: int, rows: int = BLOCK_N, int8_x: bool
     if offsets:
         extra += (padded_rows(m) * 4 + rows * 2) * (tile_k // 32)
     scales = rows * (tile_k // BLOCK_K[fmt]) * 2
-    return padded_rows(m) * tile_k * 2 + rows * tile_k * CODE_BITS[fmt] // 8 + scales + extra
+    codes = rows * tile_k * (CODE_BITS[fmt] + HIGH_BITS.get(fmt, 0)) // 8
+    return padded_rows(m) * tile_k * 2 + codes + scales + extra
 
 
 def stages_for(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, rows: int | None = None,

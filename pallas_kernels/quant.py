@@ -122,7 +122,9 @@ _BY_TYPE = {f.ggml_type: f for f in FORMATS.values()}
 # Q4_K as Q4_0's codes and block scales plus an offset per block and row, `c`, scales and offsets
 # rounded to f16 and then bf16 (pallas_kernels/q4_k_split.py), so that Q4_0's kernels can serve
 # it; "q6_k_split" is Q6_K as int8 codes and an f16 scale per 16 weights
-# (pallas_kernels/q6_k_split.py), for the Mosaic GPU matmul's 8-bit path; "q5_k_split" is Q5_K
+# (pallas_kernels/q6_k_split.py), for the Mosaic GPU matmul's 8-bit path, and "q6_k_split6" the
+# same with the codes in 6 bits (a nibble plane `qs` and a plane of the high two bits `qh`, laid
+# out for the Mosaic kernel's 6-bit path); "q5_k_split" is Q5_K
 # as Q8_0's codes and block scales plus an f16 offset per block and row, `c`
 # (pallas_kernels/q5_k_split.py), for the same path; "q4_1_split" and "q5_1_split" are Q4_1 and
 # Q5_1 in q4_k_split's (bf16 scales and offsets) and q5_k_split's (f16) forms
@@ -132,6 +134,8 @@ DERIVED_FORMATS: dict[str, QuantFormat] = {
                               (16, 1, 1), transposed=("d", "c")),
     "q6_k_split": QuantFormat("q6_k_split", Q.Q6_K, 16, 16 + 2, ("qs", "d"), ("i8", "f16"), (16, 1),
                               transposed=("d",)),
+    "q6_k_split6": QuantFormat("q6_k_split6", Q.Q6_K, 64, 32 + 16 + 8, ("qs", "qh", "d"), ("u8", "u8", "f16"),
+                               (32, 16, 4), transposed=("d",)),
     "q5_k_split": QuantFormat("q5_k_split", Q.Q5_K, 32, 32 + 2 + 2, ("qs", "d", "c"), ("i8", "f16", "f16"),
                               (32, 1, 1), transposed=("d", "c")),
     "q4_1_split": QuantFormat("q4_1_split", Q.Q4_1, 32, 16 + 2 + 2, ("qs", "d", "c"), ("u8", "bf16", "bf16"),
@@ -394,7 +398,8 @@ def layout(fmt: str, k: int) -> tuple[int, int, int]:
     """(P, G, g): phases, groups and group width of a row of K elements in format `fmt`."""
     num_phases, width = {
         "q4_0": (2, 16), "q4_1": (2, 16), "q5_0": (2, 16), "q5_1": (2, 16), "q8_0": (1, 32), "q4_k_split": (2, 16),
-        "q6_k_split": (1, 16), "q5_k_split": (1, 32), "q4_1_split": (2, 16), "q5_1_split": (1, 32),
+        "q6_k_split": (1, 16), "q6_k_split6": (1, 16),
+        "q5_k_split": (1, 32), "q4_1_split": (2, 16), "q5_1_split": (1, 32),
         "q2_k": (8, 32), "q3_k": (8, 32), "q4_k": (8, 32), "q5_k": (8, 32), "q6_k": (8, 32),
     }.get(fmt, (1, k))
     return num_phases, k // (num_phases * width), width
@@ -412,8 +417,13 @@ def dequantize_phase(qt: QuantizedTensor, ph: int) -> jax.Array:
     _, num_groups, width = layout(f, qt.shape[1])
     if f in ("f32", "f16", "bf16"):
         return _f32(p["w"])[..., None, :]
-    if f in ("q8_0", "q6_k_split", "q5_k_split", "q5_1_split"):  # G = block of 32 or 16, one scale each
-        w = _f32(p["d"])[..., None] * _f32(_rows(p["qs"], num_groups, width))
+    if f in ("q8_0", "q6_k_split", "q6_k_split6", "q5_k_split", "q5_1_split"):  # G = block of 32 or 16, one scale
+        codes = p["qs"]
+        if f == "q6_k_split6":  # its codes' two planes in natural order
+            from pallas_kernels.q6_k_split import codes6
+
+            codes = codes6(p, qt.shape[1])
+        w = _f32(p["d"])[..., None] * _f32(_rows(codes, num_groups, width))
         return w + _f32(p["c"])[..., None] if "c" in p else w
     # G = block; qs byte l: element l (low nibble), 16 + l
     if f in ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k_split", "q4_1_split"):

@@ -135,6 +135,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
     p.add_argument("--split-q6-k", nargs="?", const="on", default="auto", choices=SPLIT_Q4_K,
                    help="split Q6_K matrices at load into int8 codes and f16 scales per 16 weights (37%% more weight "
                         "bytes) for the Mosaic GPU matmul; auto (default) and the bare flag as --split-q4-k")
+    p.add_argument("--q6-k-split-bits", type=int, default=EngineConfig.q6_k_split_bits, choices=(6, 8),
+                   help="the Q6_K split's codes: 6 bits in two planes (0.875 bytes per weight) or int8 (1.125, "
+                        "the one the jax-triton matmul takes, which keeps it when forced); default %(default)s")
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="KV cache dtype (auto: on CPU float16, llama.cpp's, or float32 with --numerics native; bfloat16 "
                         "on GPU; float8_e4m3fn: 8-bit float, half "
@@ -181,6 +184,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         split_q4_k=args.split_q4_k,
         split_q5_k=args.split_q5_k,
         split_q6_k=args.split_q6_k,
+        q6_k_split_bits=args.q6_k_split_bits,
         split_legacy=args.split_legacy,
     )
 

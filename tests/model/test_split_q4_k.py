@@ -58,17 +58,20 @@ def host_and_device_splits(path: pathlib.Path, splits: set[str]):
     return on_host
 
 
-@pytest.mark.parametrize("q6_k", ["off", "on"])
+@pytest.mark.parametrize("q6_k", ["off", "on", "6bit"])
 def test_split_model_gives_the_same_logits(tiny_q4_k_m, q6_k):
     base = load_model(tiny_q4_k_m, EngineConfig(max_context=128))
-    split = load_model(tiny_q4_k_m, EngineConfig(max_context=128, split_q4_k="on", split_q6_k=q6_k))
-    assert split.splits == ({"q4_k", "q6_k"} if q6_k == "on" else {"q4_k"}) and not base.splits  # "auto": not on a CPU
+    bits = 6 if q6_k == "6bit" else 8
+    split = load_model(tiny_q4_k_m, EngineConfig(max_context=128, split_q4_k="on", split_q6_k="off" if q6_k == "off"
+                                                 else "on", q6_k_split_bits=bits))
+    q6_k_key, q6_k_form = ("q6_k6", "q6_k_split6") if bits == 6 else ("q6_k", "q6_k_split")
+    assert split.splits == ({"q4_k", q6_k_key} if q6_k != "off" else {"q4_k"}) and not base.splits  # "auto": not on a CPU
     assert {"q4_k", "q6_k"} <= formats(base.params) and not {"q4_k_split", "q6_k_split"} & formats(base.params)
     # every layer's Q4_K (and Q6_K) matrix is split; the untied embedding (only gathered from) is not
     assert "q4_k_split" in formats(split.params.layers) and "q4_k" not in formats(split.params.layers)
-    if q6_k == "on":
-        assert "q6_k_split" in formats(split.params) and "q6_k" not in formats(split.params)
-        assert split.kernel_names["matmul_decode[q6_k_split]"] == "reference"
+    if q6_k != "off":
+        assert q6_k_form in formats(split.params) and "q6_k" not in formats(split.params)
+        assert split.kernel_names[f"matmul_decode[{q6_k_form}]"] == "reference"
     assert not split.config.tied_output and split.params.embed.fmt == "q4_k"
     assert split.kernel_names["matmul_decode[q4_k_split]"] == "reference"  # the CPU
     # measured 6.4e-3 and 7.3e-3: the planes' bf16 scales and offsets (2^-8 of each, the folded
@@ -79,6 +82,7 @@ def test_split_model_gives_the_same_logits(tiny_q4_k_m, q6_k):
 def test_host_and_device_splits_agree(tiny_q4_k_m):
     """The split made on the device after placement and on the host before it give the same planes."""
     assert {"q4_k_split", "q6_k_split"} <= formats(host_and_device_splits(tiny_q4_k_m, {"q4_k", "q6_k"}))
+    assert "q6_k_split6" in formats(host_and_device_splits(tiny_q4_k_m, {"q6_k6"}))
 
 
 @pytest.fixture(scope="module")

@@ -207,7 +207,7 @@ def test_registered_above_reference_and_gpu_only():
 
 
 @pytest.mark.parametrize("fmt,n,k", [("f16", 32, 64), ("f32", 32, 64), ("q3_k", 32, 256), ("q2_k", 32, 256),
-                                     ("q4_0", 40, 64), ("q6_k_split", 64, 256)])
+                                     ("q4_0", 40, 64), ("q6_k_split", 64, 256), ("q6_k_split6", 64, 256)])
 def test_refuses_what_it_cannot_take(fmt, n, k):
     x = jax.ShapeDtypeStruct((2, k), jnp.float32)
     with pytest.raises(NotImplementedError):

@@ -82,6 +82,18 @@ class TestMosaicGpuSplits(TestMosaicGpu):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+class TestMosaicGpuQ6KSplit6(TestMosaicGpu):
+    """Q6_K split with its codes in 6 bits (`q6_k_split.split_q6_k6`: a nibble plane and a plane
+    of the high two bits, unpacked by the kernel's 6-bit path), against Q6_K's reference."""
+
+    CASES = split_cases("q6_k")
+
+    def matmul(self, x, w, case, layer=None):
+        return matmul_mgpu.qmatmul_mgpu(x, q6_k_split.split_q6_k6(w), layer=layer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 class TestMosaicGpuGatherX(TestMosaicGpu):
     """x's permutation as a gather (`gather_x`, the output and down projections' x in the engine)."""
 
@@ -651,17 +663,32 @@ def test_q5_k_split_lowers_for_cuda(m, fuse, fold):
     assert ("dot_general" in text) == (not matmul_mgpu.fuses_offsets(tuning)), text.count("dot_general")
 
 
+@pytest.mark.parametrize("fmt", ["q6_k_split", "q6_k_split6"])
 @pytest.mark.parametrize("m", [1, 8, 64, 512])
-def test_q6_k_split_lowers_for_cuda(m):
-    """A Q6_K matrix split at load runs the 8-bit path with a scale per 16 weights (16-wide
-    wgmmas and x blocks), decode or prefill tuning by its rows, stacked with a layer index."""
+def test_q6_k_split_lowers_for_cuda(m, fmt):
+    """A Q6_K matrix split at load runs the 8-bit path (or, "q6_k_split6", the 6-bit one: two
+    code planes) with a scale per 16 weights (16-wide wgmmas and x blocks), decode or prefill
+    tuning by its rows, stacked with a layer index."""
     pytest.importorskip("absl")
-    w = _spec("q6_k_split", 4096, 11008, 3)
+    w = _spec(fmt, 4096, 11008, 3)
     x = jax.ShapeDtypeStruct((m, 11008), jnp.bfloat16)
     fn = lambda x, w, i: matmul_mgpu.qmatmul_mgpu(x, w, layer=i)  # noqa: E731
     assert jax.eval_shape(fn, x, w, jax.ShapeDtypeStruct((), jnp.int32)).shape == (m, 4096)
     lowered = jax.jit(fn).trace(x, w, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_q6_k_split6_takes_k_steps_of_128_or_more():
+    """The 6-bit split's high bits come 32 bytes or more per row and step (swizzled shared
+    memory): its prefill tuning has K steps of 128, and a tuning of 64 is refused."""
+    pytest.importorskip("absl")
+    w = _spec("q6_k_split6", 4096, 11008, 3)
+    assert matmul_mgpu.tuning_for(w, 512) == matmul_mgpu.PREFILL6_TUNING
+    assert matmul_mgpu.PREFILL6_TUNING.tile_k == matmul_mgpu.MIN_TILE_K6 == 128
+    assert matmul_mgpu.tuning_for(_spec("q6_k_split", 4096, 11008), 512) == matmul_mgpu.PREFILL_TUNING
+    x = jax.ShapeDtypeStruct((512, 11008), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="K steps of at least 128"):
+        jax.eval_shape(lambda x, w: matmul_mgpu.qmatmul_mgpu(x, w, matmul_mgpu.PREFILL_TUNING, layer=0), x, w)
 
 
 @pytest.mark.parametrize("m,m_tile", [(512, 128), (200, 128), (512, 256)])

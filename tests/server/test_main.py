@@ -82,6 +82,13 @@ def test_defaults() -> None:
     off = build_configs(build_parser().parse_args(["--split-q4-k", "off", "--split-q5-k", "off", "--split-legacy", "off",
                                                    "--split-q6-k", "on"]), {})[0]
     assert split_formats(off, True) == split_formats(off, False) == {"q6_k"}
+    # the 6-bit Q6_K split in place of the 8-bit one, but where the jax-triton matmul (8-bit only) is forced
+    assert engine.q6_k_split_bits == 8
+    six = build_configs(build_parser().parse_args(["--q6-k-split-bits", "6"]), {})[0]
+    assert split_formats(six, mosaic_available=True) == every - {"q6_k"} | {"q6_k6"}
+    assert split_formats(dataclasses.replace(six, kernels=(("matmul_decode", "jax_triton"),)), True, True) == every
+    with pytest.raises(ValueError, match="6 or 8"):
+        dataclasses.replace(engine, q6_k_split_bits=4)
     bare = build_configs(build_parser().parse_args(["--split-q5-k"]), {})[0]
     assert bare.split_q5_k == "on" and split_formats(bare, False) == {"q5_k"}
     # 0: auto, one thread per usable core up to the backend's cap (never more than programs);
