@@ -355,8 +355,12 @@ class EngineConfig:
     split_q6_k: str = "auto"
     # The Q6_K split's codes: 6 bits ("q6_k_split6": a nibble plane and a plane of the high two
     # bits, 0.875 bytes per weight, 22% fewer than the 8-bit split's) or 8 ("q6_k_split", int8
-    # codes, the one the jax-triton variant takes). pallas_kernels/q6_k_split.py.
-    q6_k_split_bits: int = 8
+    # codes; the jax-triton variant takes only these, and keeps them when forced).
+    # pallas_kernels/q6_k_split.py. On the H200 a 7B Q4_K_M's decode step spent 1,851 against
+    # 1,903 us in the Mosaic matmuls with 6 bits, its step 2.52 / 2.59 against 2.57 / 2.63 ms at 1
+    # / 8 busy slots; a 7B Q4_0's (only its output matrix is Q6_K) 1,554-1,557 against
+    # 1,552-1,554 us (bench/results, thirty-eighth session).
+    q6_k_split_bits: int = 6
     # Q5_K matrices split at load into Q8_0's int8 codes and f16 block scales plus an f16 offset
     # per block and row (64% more bytes) for the Mosaic GPU matmul's 8-bit path, the Triton Q8_0
     # kernel where Mosaic refuses a shape (pallas_kernels/q5_k_split.py; its scales and offsets

@@ -60,10 +60,10 @@ def test_defaults() -> None:
     assert engine.gated_ffn  # the gated activation in the gate/up matmul where it makes it
     # Q4_K, Q5_K, Q6_K, Q4_1, Q5_0 and Q5_1 split where the Mosaic GPU matmul serves them: one Hopper GPU,
     # the matmul not forced elsewhere
-    every = {"q4_k", "q5_k", "q6_k", "q4_1", "q5_0", "q5_1"}
+    every = {"q4_k", "q5_k", "q6_k6", "q4_1", "q5_0", "q5_1"}  # Q6_K to its 6-bit split (`Q6_K_SPLIT6`)
     assert engine.split_q4_k == engine.split_q5_k == engine.split_q6_k == engine.split_legacy == "auto"
     no_legacy = build_configs(build_parser().parse_args(["--split-legacy", "off"]), {})[0]
-    assert split_formats(no_legacy, True) == {"q4_k", "q5_k", "q6_k"} and split_formats(no_legacy, False) == set()
+    assert split_formats(no_legacy, True) == {"q4_k", "q5_k", "q6_k6"} and split_formats(no_legacy, False) == set()
     assert engine.reuse_kernel_lowering and engine.prefill_cuda_graphs and engine.gc_freeze
     assert split_formats(engine) == set() and split_formats(engine, mosaic_available=True) == every
     for other in (dataclasses.replace(engine, kernels=(("matmul", "triton"),)),
@@ -71,22 +71,22 @@ def test_defaults() -> None:
         assert split_formats(other, mosaic_available=True) == set()
     mosaic = dataclasses.replace(engine, kernels=(("matmul", "mosaic_gpu"),))
     assert split_formats(mosaic, mosaic_available=True) == every
-    jax_triton = dataclasses.replace(engine, kernels=(("matmul", "jax_triton"),))  # it takes every split form
-    assert split_formats(jax_triton, mosaic_available=False, jax_triton_available=True) == every
+    jax_triton = dataclasses.replace(engine, kernels=(("matmul", "jax_triton"),))  # every split form but the 6-bit Q6_K
+    eight = every - {"q6_k6"} | {"q6_k"}
+    assert split_formats(jax_triton, mosaic_available=False, jax_triton_available=True) == eight
     assert split_formats(jax_triton, mosaic_available=True, jax_triton_available=False) == set()
     half = dataclasses.replace(engine, kernels=(("matmul_decode", "jax_triton"),))  # prefill: the Mosaic kernel's
-    assert split_formats(half, True, True) == every
+    assert split_formats(half, True, True) == eight
     assert split_formats(half, False, True) == split_formats(half, True, False) == set()
     prefill_elsewhere = (("matmul_decode", "mosaic_gpu"), ("matmul", "triton"))  # Triton takes no Q6_K split
     assert split_formats(dataclasses.replace(engine, kernels=prefill_elsewhere), mosaic_available=True) == set()
     off = build_configs(build_parser().parse_args(["--split-q4-k", "off", "--split-q5-k", "off", "--split-legacy", "off",
                                                    "--split-q6-k", "on"]), {})[0]
-    assert split_formats(off, True) == split_formats(off, False) == {"q6_k"}
-    # the 6-bit Q6_K split in place of the 8-bit one, but where the jax-triton matmul (8-bit only) is forced
-    assert engine.q6_k_split_bits == 8
-    six = build_configs(build_parser().parse_args(["--q6-k-split-bits", "6"]), {})[0]
-    assert split_formats(six, mosaic_available=True) == every - {"q6_k"} | {"q6_k6"}
-    assert split_formats(dataclasses.replace(six, kernels=(("matmul_decode", "jax_triton"),)), True, True) == every
+    assert split_formats(off, True) == split_formats(off, False) == {"q6_k6"}
+    # the 8-bit Q6_K split in place of the 6-bit one when asked
+    assert engine.q6_k_split_bits == 6
+    bits8 = build_configs(build_parser().parse_args(["--q6-k-split-bits", "8"]), {})[0]
+    assert split_formats(bits8, mosaic_available=True) == eight
     with pytest.raises(ValueError, match="6 or 8"):
         dataclasses.replace(engine, q6_k_split_bits=4)
     bare = build_configs(build_parser().parse_args(["--split-q5-k"]), {})[0]
