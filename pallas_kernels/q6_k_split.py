@@ -30,7 +30,11 @@ Q6_K's own, 22% under "q6_k_split"'s). Both planes are laid out for the Mosaic G
 32-bit loads (`split_q6_k6`): thread c (0..3) of a row's quad loads bytes 4c..4c+3 of each
 16-byte chunk of both planes, and finds in them the codes of its own columns of the wgmma
 operand, so that the kernel makes bf16 (q - 32) pairs with shifts and masks alone, x in its
-natural order (`pallas_kernels.matmul_mgpu`).
+natural order (`pallas_kernels.mgpu_words.q6_words_to_bf16`). The loader makes it in place of
+"q6_k_split" with `EngineConfig.q6_k_split_bits` 6, the default (8 where the jax-triton matmul,
+which takes the 8-bit form only, is forced): on the H200 a 7B Q4_K_M's Mosaic matmuls took 1,851
+against 1,903 us per decode step (bench/results, thirty-eighth session). The Mosaic kernel reads
+it in K steps of at least 128 (`mgpu_tuning.MIN_TILE_K6`).
 """
 
 from __future__ import annotations
