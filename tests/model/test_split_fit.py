@@ -22,7 +22,7 @@ def tiny_q5_k_m(synthetic_gguf) -> pathlib.Path:
 
 def test_weight_bytes_are_what_the_loader_places(tiny_q5_k_m):
     gf = GGUFFile(tiny_q5_k_m)
-    for splits, setting in ((frozenset(), "off"), (frozenset({"q5_k", "q6_k"}), "on")):
+    for splits, setting in ((frozenset(), "off"), (frozenset({"q5_k", "q6_k6"}), "on")):
         model = loader.load_model(tiny_q5_k_m, EngineConfig(max_context=128, split_q5_k=setting, split_q6_k=setting))
         assert model.splits == splits
         assert loader.weight_bytes(gf, splits) == loader.params_nbytes(model.params)
