@@ -349,9 +349,10 @@ class EngineConfig:
     # decode step took 4.2 ms split against 7.6 ms through the Triton Q4_K kernel (bench/results,
     # fourteenth session).
     split_q4_k: str = "auto"
-    # Q6_K matrices (N a multiple of 64) split at load into int8 codes and an f16 scale per 16
-    # weights (37% more bytes) for the Mosaic GPU matmul's 8-bit path (pallas_kernels/q6_k_split.py;
-    # of the other GPU kernels only the jax-triton variant serves them). "auto" as split_q4_k.
+    # Q6_K matrices (N a multiple of 64) split at load into codes (6-bit or int8: q6_k_split_bits)
+    # and an f16 scale per 16 weights (7% or 37% more bytes) for the Mosaic GPU matmul
+    # (pallas_kernels/q6_k_split.py; of the other GPU kernels only the jax-triton variant serves
+    # them, the 8-bit form only). "auto" as split_q4_k.
     split_q6_k: str = "auto"
     # The Q6_K split's codes: 6 bits ("q6_k_split6": a nibble plane and a plane of the high two
     # bits, 0.875 bytes per weight, 22% fewer than the 8-bit split's) or 8 ("q6_k_split", int8

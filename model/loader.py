@@ -59,8 +59,7 @@ def split_formats(engine_cfg: EngineConfig, mosaic_available: bool | None = None
     `jax_triton_available` likewise): one device (a tensor-parallel shard of a row-parallel
     matrix may not fit its K steps) and neither the decode nor the prefill matmul forced to
     another implementation (the Pallas Triton kernels take no Q6_K split)."""
-    forced = dict(engine_cfg.kernels)
-    chosen = {forced.get("matmul_decode", forced.get("matmul")), forced.get("matmul")}
+    chosen = _forced_matmuls(engine_cfg)
     auto = engine_cfg.tensor_parallel == 1 and chosen <= {None, "mosaic_gpu", "jax_triton"}
     if auto and chosen & {None, "mosaic_gpu"}:  # the Mosaic kernel serves decode or prefill
         if mosaic_available is None:
@@ -85,9 +84,14 @@ def _q6_k_split(engine_cfg: EngineConfig) -> str:
     """The Q6_K split's `SPLITS` key: the 6-bit one ("q6_k_split6", for the Mosaic GPU matmul and
     the reference) with EngineConfig.q6_k_split_bits 6, unless the jax-triton matmul is forced (it
     takes the 8-bit one only); else the 8-bit one."""
-    forced = dict(engine_cfg.kernels)
-    jax_triton = "jax_triton" in {forced.get("matmul_decode"), forced.get("matmul")}
+    jax_triton = "jax_triton" in _forced_matmuls(engine_cfg)
     return Q6_K_SPLIT6 if engine_cfg.q6_k_split_bits == 6 and not jax_triton else "q6_k"
+
+
+def _forced_matmuls(engine_cfg: EngineConfig) -> set[str | None]:
+    """The implementations `--kernels` forces on the decode and prefill matmuls (None: not forced)."""
+    forced = dict(engine_cfg.kernels)
+    return {forced.get("matmul_decode", forced.get("matmul")), forced.get("matmul")}
 
 
 # Of a device's memory, the share the weights (as placed) and the KV cache may take for the "auto"

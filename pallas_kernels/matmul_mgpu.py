@@ -86,9 +86,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import gated as gated_ffn, q4_k_split, registry
 from pallas_kernels.mgpu_store import load as mgpu_load, pallas_mgpu as _plgpu, store_gated, store_out
-from pallas_kernels.mgpu_words import (  # noqa: F401  (re-exported: the q4_0 conversion's constants)
-    BF16_128_PAIR, BF16_136_PAIR, NIBBLE_PAIR_MASK, q4_0_words_to_bf16, q4_0_words_to_s8, words6_op, words_op,
-)
+from pallas_kernels.mgpu_words import q4_0_words_to_bf16, q4_0_words_to_s8, words6_op, words_op
 from pallas_kernels.mgpu_tuning import (  # noqa: F401  (re-exported: the kernel's tuning and plan)
     BLOCK_K, BLOCK_N, CODE_BITS, DEFAULT_TUNING, HIGH_BITS, MAX_ROWS, MIN_TILE_K6, OFFSET_DECODE_TUNING,
     PREFILL6_TUNING, PREFILL_TUNING, SMEM_BYTES, SUPPORTED_FORMATS, MosaicMatmulTuning, default_tuning, fuses_offsets,
@@ -158,10 +156,10 @@ def _block_order(k: int, block: tuple[int, int]) -> np.ndarray:
 
 
 def codes_view(qs: jax.Array, k: int) -> jax.Array:
-    """The q4_0 qs plane [*S, N, K/2] uint8 as int4 [L*N, K]."""
+    """A plane of 4-bit codes [*S, N, K/2] uint8 (q4_0's and q6_k_split6's `qs`; with K halved,
+    q6_k_split6's `qh`) as int4 [L*N, K]."""
     flat = jnp.reshape(qs, (-1, k // 2))
     return jnp.reshape(lax.bitcast_convert_type(flat, jnp.int4), (flat.shape[0], k))
-
 
 
 def permute_x_words(x2: jax.Array, gather: bool = False) -> jax.Array:
@@ -355,10 +353,9 @@ def _kernel(layer_gmem, x_gmem, c_gmem, d_gmem, *refs, fmt: str, n: int, k: int,
         ]
         args = [x_gmem.at[pl.ds(x0, m)], c_gmem.at[pl.ds(row0, rows)], d_gmem.at[weight_rows]]
         if h_gmem is not None:  # the high bits' plane after the codes; the body takes both as one
-            h_transforms = () if h_swz < 32 else (plgpu.TilingTransform((8, h_swz * 8 // 4)),
-                                                  plgpu.SwizzleTransform(h_swz))
-            in_specs.insert(2, plgpu.BlockSpec((rows, tile_k * HIGH_BITS[fmt] // 4), lambda j: (0, lo + j),
-                                               transforms=h_transforms))
+            # K steps of MIN_TILE_K6 or more (`_check_supported`): rows of 32 bytes or more, swizzled
+            in_specs.insert(2, plgpu.BlockSpec((rows, tile_k * HIGH_BITS[fmt] // 4), lambda j: (0, lo + j), transforms=(
+                plgpu.TilingTransform((8, h_swz * 8 // 4)), plgpu.SwizzleTransform(h_swz))))
             args.insert(2, h_gmem.at[pl.ds(row0, rows)])
             inner = body
 

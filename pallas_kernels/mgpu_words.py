@@ -169,7 +169,7 @@ def q6_words_to_bf16(codes, highs):
 
     i32 = ir.IntegerType.get_signless(32)
     pair = ir.VectorType.get((2,), ir.BF16Type.get())
-    out = registers_for(codes, fa.WGMMA_LAYOUT, 4, "the 8-bit q6_k_split (split_q6_k=8bit)")
+    out = registers_for(codes, fa.WGMMA_LAYOUT, 4, "the 8-bit q6_k_split (--q6-k-split-bits 8)")
     have, want = highs.registers.shape, codes.registers.shape
     if highs.layout != fa.WGMMA_LAYOUT_UPCAST_4X or have != (want[0], want[1] // 2, *want[2:]):
         raise NotImplementedError("this jax's Mosaic GPU register layouts differ from the ones the 6-bit "

@@ -177,8 +177,9 @@ def offset_term(x: jax.Array, w: QuantizedTensor, layer: jax.Array | int | None 
 
 # The offsets' dot beside the Mosaic GPU kernels where they do not add the offsets themselves
 # (the prefill kernel rounds the weights to bf16 itself): at HIGHEST the H200 ran it as f32 SIMT
-# GEMMs, 4.3 ms of a 26.3 ms 7B Q4_K_M prefill chunk of 512 tokens; at HIGH, as tf32 tensor-core GEMMs (an 11-bit significand, against the
-# kernel's 8-bit bf16 weights), the chunk took 22.8 ms (bench/results, fifteenth session).
+# GEMMs, 4.3 ms of a 26.3 ms 7B Q4_K_M prefill chunk of 512 tokens; at HIGH, as tf32 tensor-core
+# GEMMs (an 11-bit significand, against the kernel's 8-bit bf16 weights), the chunk took 22.8 ms
+# (bench/results, fifteenth session).
 KERNEL_OFFSET_PRECISION = jax.lax.Precision.HIGH
 
 

@@ -1,5 +1,6 @@
-"""Q6_K weights split into int8 codes and one f16 scale per 16 weights, so that the Mosaic GPU
-matmul's 8-bit path can serve Q6_K files' Q6_K matrices (in a Q4_K_M file: `attn_v` and
+"""Q6_K weights split into int8 codes ("q6_k_split") or 6-bit codes in two planes
+("q6_k_split6", the default, below) and one f16 scale per 16 weights, so that the Mosaic GPU
+matmul can serve Q6_K files' Q6_K matrices (in a Q4_K_M file: `attn_v` and
 `ffn_down` of half the layers, and the output matrix). Through the Triton Q6_K kernel they
 took a third of a 7B Q4_K_M decode step on the H200 once its Q4_K matrices were split
 (bench/results, fourteenth session).

@@ -13,7 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import legacy_split, matmul_mgpu, matmul_triton, q4_k_split, q5_k_split, q6_k_split, quant, registry
+from pallas_kernels import (
+    legacy_split, matmul_mgpu, matmul_triton, mgpu_words, q4_k_split, q5_k_split, q6_k_split, quant, registry,
+)
 from pallas_kernels.matmul import qmatmul_reference
 from tests.pallas_kernels.test_matmul_conformance import Case, MatmulConformance, random_weight, relative_error
 from tests.pallas_kernels.test_matmul_conformance import pytest_generate_tests  # noqa: F401  (parametrizes `case`)
@@ -397,9 +399,9 @@ def test_word_unpack_bit_arithmetic_and_x_order_give_the_reference_product():
     words = _lane_words(w)
     a = np.zeros((n, k // 32, 32), np.float32)
     for j in range(4):
-        nibbles = (words >> np.uint32(4 * j)) & np.uint32(matmul_mgpu.NIBBLE_PAIR_MASK)
-        pair = _bf16_halves(nibbles | np.uint32(matmul_mgpu.BF16_128_PAIR)) - _bf16_halves(
-            np.uint32(matmul_mgpu.BF16_136_PAIR))
+        nibbles = (words >> np.uint32(4 * j)) & np.uint32(mgpu_words.NIBBLE_PAIR_MASK)
+        pair = _bf16_halves(nibbles | np.uint32(mgpu_words.BF16_128_PAIR)) - _bf16_halves(
+            np.uint32(mgpu_words.BF16_136_PAIR))
         for c in range(4):
             a[:, :, 8 * j + 2 * c:8 * j + 2 * c + 2] = pair[:, :, c, :]
     assert set(np.unique(a)) <= set(range(-8, 8))
