@@ -164,9 +164,9 @@ def weight_bytes_per_decode(model_path: str | os.PathLike[str], splits: Collecti
 
 # --mosaic-<kind>-tuning -> the tuning of pallas_kernels/mgpu_tuning.py it replaces fields of: decode
 # (Q4_0, Q8_0, the Q6_K split), decode of the formats with offsets (Q4_K, Q4_1, Q5_K, Q5_1 split),
-# prefill.
+# prefill, and prefill of the 6-bit Q6_K split (its own K steps, `mgpu_tuning.MIN_TILE_K6`).
 MOSAIC_TUNING_KINDS = {"decode": "DEFAULT_TUNING", "offset-decode": "OFFSET_DECODE_TUNING",
-                       "prefill": "PREFILL_TUNING"}
+                       "prefill": "PREFILL_TUNING", "prefill6": "PREFILL6_TUNING"}
 
 
 def add_mosaic_tuning_arguments(ap: Any) -> None:
@@ -188,7 +188,9 @@ def parse_tuning_fields(spec: str, base: Any) -> dict[str, Any]:
         if not sep or name not in fields:
             raise ValueError(f"{item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
         current = getattr(base, name)
-        if isinstance(current, bool):
+        if current is None:  # an optional int field (e.g. DecodeAttentionConfig.num_splits)
+            out[name] = None if text.lower() == "none" else int(text)
+        elif isinstance(current, bool):
             if text.lower() not in ("true", "false", "1", "0"):
                 raise ValueError(f"{item!r}: {name} takes true or false")
             out[name] = text.lower() in ("true", "1")
@@ -198,8 +200,8 @@ def parse_tuning_fields(spec: str, base: Any) -> dict[str, Any]:
 
 
 def apply_mosaic_tuning_arguments(args: Any) -> dict[str, dict[str, Any]]:
-    """Replaces `mgpu_tuning.DEFAULT_TUNING` / `OFFSET_DECODE_TUNING` / `PREFILL_TUNING` in this
-    process per `add_mosaic_tuning_arguments` (the kernels take `default_tuning(m, offsets)` as
+    """Replaces `mgpu_tuning.DEFAULT_TUNING` / `OFFSET_DECODE_TUNING` / `PREFILL_TUNING` /
+    `PREFILL6_TUNING` in this process per `add_mosaic_tuning_arguments` (the kernels take `default_tuning(m, offsets)` as
     they are lowered); returns the replaced fields, for the result file."""
     from pallas_kernels import mgpu_tuning
 
@@ -211,6 +213,25 @@ def apply_mosaic_tuning_arguments(args: Any) -> dict[str, dict[str, Any]]:
             setattr(mgpu_tuning, name, dataclasses.replace(base, **fields))
             changed[kind] = fields
     return changed
+
+
+def add_attention_config_arguments(ap: Any) -> None:
+    """A bench-only variant of the Triton decode attention's plan (`attention_triton.DecodeAttentionConfig`)."""
+    ap.add_argument("--attention-decode-config", default="", metavar="FIELD=VALUE,...",
+                    help="a variant: these fields of the Triton decode attention's default config replaced "
+                         "(DecodeAttentionConfig, e.g. target_programs=512,min_split_keys=64)")
+
+
+def apply_attention_config_arguments(args: Any) -> dict[str, Any]:
+    """Replaces `attention_triton.DEFAULT_DECODE_CONFIG` in this process (calls read it when they
+    are traced); returns the replaced fields, for the result file."""
+    from pallas_kernels import attention_triton
+
+    base = attention_triton.DEFAULT_DECODE_CONFIG
+    fields = parse_tuning_fields(args.attention_decode_config, base)
+    if fields:
+        attention_triton.DEFAULT_DECODE_CONFIG = dataclasses.replace(base, **fields)
+    return fields
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:

@@ -448,7 +448,7 @@ def main_run(args: argparse.Namespace) -> int:
                           "split_legacy": config.split_legacy,
                           "split_formats": engine_info.get("split_formats"),
                           "tensor_parallel": config.tensor_parallel,
-                          "mosaic_tuning": args.mosaic_tuning},
+                          "mosaic_tuning": args.mosaic_tuning, "attention_config": args.attention_config},
         "settings": {"prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
                      "prefill_len": args.prefill_len, "join_len": args.join_len, "repeats": args.repeats,
                      "sampling": "temperature 1.0, seeded; ignore_eos"},
@@ -574,6 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--plot-only", nargs="+", type=pathlib.Path, help="draw these engine-*.json results and exit")
     ap.add_argument("--startup-only", action="store_true", help=argparse.SUPPRESS)
     common.add_mosaic_tuning_arguments(ap)
+    common.add_attention_config_arguments(ap)
     return ap
 
 
@@ -594,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"not {args.trace_users!r}")
     try:
         args.mosaic_tuning = common.apply_mosaic_tuning_arguments(args)  # the cold-start child's too (its argv)
+        args.attention_config = common.apply_attention_config_arguments(args)
     except ValueError as e:
         ap.error(str(e))
     if args.startup_only:

@@ -160,6 +160,7 @@ def trace_prefill(args, t: int, m, runner, out) -> dict:
     weights = params_nbytes(m.params)
     report = {"model": m.name, "weights_bytes": weights, "attend": attend, "prefill": t, "position": args.position,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "mosaic_tuning": args.mosaic_tuning,
+              "attention_config": args.attention_config,
               "step_ms": ms, "tok_s": t / ms * 1e3,
               "call_ms": {"p50": 1e3 * float(np.median(calls)), "min": 1e3 * min(calls)}}
     print(f"prefill[{t}] at {args.position}: {ms:.2f} ms per chunk = {t / ms * 1e3:.0f} tok/s; host time in the "
@@ -183,9 +184,11 @@ def main() -> None:
     ap.add_argument("--matmul-warps", type=int, default=None,
                     help="a variant: this many warps in the Triton decode matmuls (M <= 64) instead of the default")
     common.add_mosaic_tuning_arguments(ap)
+    common.add_attention_config_arguments(ap)
     args = ap.parse_args()
     try:
         args.mosaic_tuning = common.apply_mosaic_tuning_arguments(args)
+        args.attention_config = common.apply_attention_config_arguments(args)
     except ValueError as e:
         ap.error(str(e))
     if args.matmul_warps:
@@ -241,7 +244,8 @@ def main() -> None:
     report = {"model": m.name, "weights_bytes": weights, "attend": attend, "slots": args.slots,
               "position": args.position, "decode_steps": args.decode_steps, "few_rows_limit": few_limit,
               "kv_write_in_attention": runner.kernels.decode_writes_cache,
-              "xla_flags": os.environ.get("XLA_FLAGS", ""), "mosaic_tuning": args.mosaic_tuning}
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "mosaic_tuning": args.mosaic_tuning,
+              "attention_config": args.attention_config}
     # (busy slots, the program, the report's key): the runner's choice at 1 and all slots busy;
     # where it runs the few-rows program for one, the all-rows program at one busy slot as well
     runs = [(n, few_prog if few_prog is not None and n <= few_limit else prog, f"{n}_active")

@@ -596,7 +596,7 @@ def attention_decode_triton(
     # and value for that head, which the call writes into the caches at these positions (of
     # `layer`); a position outside [0, S) writes nothing
     write_pos: jax.Array | None = None,
-    config: DecodeAttentionConfig = DEFAULT_DECODE_CONFIG,
+    config: DecodeAttentionConfig | None = None,  # None: DEFAULT_DECODE_CONFIG as it is at the call
     interpret: bool = False,
     # The output's dtype: f32 (the reference's), or the activations' (bf16) where the next op
     # takes them: one split writes it from the kernel, saving a conversion kernel per layer
@@ -636,7 +636,7 @@ def attention_decode_triton(
         k_cache, v_cache = k_cache[None], v_cache[None]
     result = _decode(
         q, k_cache, v_cache, positions, scale, window, _layer_arr(layer), write_pos,
-        config=config, interpret=interpret, static_scale=_static_scale(scale), static_window=_static_window(window),
+        config=config or DEFAULT_DECODE_CONFIG, interpret=interpret, static_scale=_static_scale(scale), static_window=_static_window(window),
         span=_span(span, s), few_rows=few_rows, out_dtype=jnp.dtype(out_dtype),
     )
     if write_pos is None or stacked:
