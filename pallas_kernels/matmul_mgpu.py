@@ -90,7 +90,7 @@ from pallas_kernels.mgpu_words import q4_0_words_to_bf16, q4_0_words_to_s8, word
 from pallas_kernels.mgpu_tuning import (  # noqa: F401  (re-exported: the kernel's tuning and plan)
     BLOCK_K, BLOCK_N, CODE_BITS, DEFAULT_TUNING, HIGH_BITS, MAX_ROWS, MIN_TILE_K6, OFFSET_DECODE_TUNING,
     PREFILL6_TUNING, PREFILL_TUNING, SMEM_BYTES, SUPPORTED_FORMATS, MosaicMatmulTuning, default_tuning, fuses_offsets,
-    padded_rows, rows_per_cta, split_for, stage_bytes, stages_for, takes_shape, tile_rows,
+    padded_rows, resident_ctas, rows_per_cta, split_for, stage_bytes, stages_for, takes_shape, tile_rows,
 )
 from pallas_kernels.q4_k_split import OFFSET_FORMS
 from pallas_kernels.quant import QuantizedTensor, check_layer
@@ -501,7 +501,8 @@ def takes_gated(w: QuantizedTensor, rows: int, act: str) -> bool:
     """Whether `gated=act` on w [N, K] (interleaved) at `rows` rows of x makes the product in
     the kernel at no cost to the matmul: an activation it has, a kernel that can
     (`_epilogue_takes`), and a K the default tuning would not split anyway (the epilogue needs
-    whole sums: `split_for` 1)."""
+    whole sums: `split_for` 1, waves not counted: a gated call keeps its last wave partly empty
+    rather than lose the epilogue)."""
     n, k = w.shape
     tuning = tuning_for(w, rows)
     if act not in gated_ffn.ACTIVATIONS or n % (2 * gated_ffn.GROUP) or not takes_shape(n, k):
@@ -523,12 +524,13 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
     m_tiles = -(-m // m_tile)
     m_pad = m_tile * m_tiles
     scales = jnp.reshape(q.planes["d"], (-1, n))  # [L*K/B, N]: a view, read in place
+    rows = BLOCK_N if tuning.int8_x else rows_per_cta(n, tuning)
+    resident = resident_ctas(q.fmt, m_tile, tuning, rows, offsets and not tuning.int8_x)
     # the epilogue of `gated` needs each output's whole sum: one split
-    split, steps = 1 if gated else split_for(n, k, tuning, m_tiles), k // tuning.tile_k
+    split, steps = 1 if gated else split_for(n, k, tuning, m_tiles, resident), k // tuning.tile_k
     if tuning.int8_x:
         if x_in_order:
             raise NotImplementedError("mosaic_gpu matmul with int8 x rounds x itself: it takes x in its own order")
-        rows = BLOCK_N
         kernel = functools.partial(_kernel_int8, n=n, k=k, m=m_tile, tile_k=tuning.tile_k, steps=steps, split=split,
                                    stages=stages_for(q.fmt, m_tile, tuning, rows), rows_out=tuning.rows_out)
         x_inputs = quantize_x_blocks(x2, m_pad)
@@ -539,7 +541,6 @@ def _qmatmul_jit(x2: jax.Array, w: QuantizedTensor, layer_arr: jax.Array, tuning
             xp = x2
         if m_pad != m:
             xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
-        rows = rows_per_cta(n, tuning)
         kernel = functools.partial(_kernel, fmt=q.fmt, n=n, k=k, m=m_tile, tile_k=tuning.tile_k, rows=rows,
                                    steps=steps, split=split,
                                    stages=stages_for(q.fmt, m_tile, tuning, rows, offsets, bool(gated)),

@@ -38,6 +38,19 @@ class MosaicMatmulTuning:
     # step's Mosaic matmuls from 1,584-1,610 to 1,550-1,567 us (bench/results, thirty-third
     # session). Matrices of other widths take the same split either way at the 7B shapes.
     target_ctas: int = 256
+    # SMs the GPU runs CTAs on (the H200's 132; 0: off, as in prefill). A matrix of more row
+    # tiles than one wave (these SMs times the CTAs one SM holds, `resident_ctas`), which
+    # `target_ctas` leaves unsplit, has its K split in 2 where that leaves its last wave much
+    # fuller (`split_for`). On the H200 at M = 8 (thirty-ninth session, kernel alone): the 6-bit
+    # Q6_K split's 32000 x 4096 (500 tiles at 3 per SM: 1.26 waves unsplit, taking two waves'
+    # time, and 2.53 waves of half the steps in 2 splits) went from 50.9 to 39.6 us; at 2 per SM
+    # (the 8-bit codes' shared memory) Q8_0's 22016 x 4096 from 36.8 to 32.6 and the 8-bit
+    # split's from 42.1 to 36.5, while their 32000 x 4096 (1.89 waves) stays unsplit, where 2
+    # splits had made it 2-6% slower. A 7B Q4_0 decode step's Mosaic matmuls: 10-15 us less
+    # (the output projection), with one more kernel (its two partial sums added).
+    # Llama-3-8B's 128256-row output (6 waves against 5.5 in 2 splits) got 5% faster alone
+    # but its step 5-8 us slower: a split needs a gain of `WAVE_GAIN`.
+    wave_sms: int = 132
     # Codes come out of shared memory 32 bits per thread (Mosaic's upcast layouts: 8 int4 or 4
     # int8 per load) and are moved to the wgmma layout in registers before conversion; False
     # loads them in the wgmma layout itself (8 or 16 bits per load); q4_0 with `word_unpack`
@@ -111,6 +124,8 @@ class MosaicMatmulTuning:
             raise ValueError(f"m_tile must be a multiple of 8 from 8 to 256, got {self.m_tile!r}")
         if not isinstance(self.target_ctas, int) or self.target_ctas < 1:
             raise ValueError(f"target_ctas must be an int >= 1, got {self.target_ctas!r}")
+        if not isinstance(self.wave_sms, int) or self.wave_sms < 0:
+            raise ValueError(f"wave_sms must be an int >= 0, got {self.wave_sms!r}")
         if self.word_unpack and not self.upcast_loads:
             raise ValueError("word_unpack reads the codes 32 bits per thread: it needs upcast_loads")
         if self.int8_x and (self.fold_scales or self.row_tiles != 1 or not self.upcast_loads or self.tile_k < 128):
@@ -126,7 +141,8 @@ DEFAULT_TUNING = MosaicMatmulTuning()
 # 4096: 54 us in all, 46% of the dot). Tiles of 128 rows were 2-7% slower with K steps of 128 and
 # 22-28% slower with K steps of 64; tiles of 256 with K steps of 128 (3 stages), 30% slower.
 PREFILL_TUNING = MosaicMatmulTuning(tile_k=64, stages=4, fold_scales=True, m_tile=256,
-                                    fold_offsets=True, target_ctas=264)  # the grid the prefill was measured with
+                                    fold_offsets=True, target_ctas=264,  # the grid the prefill was measured with
+                                    wave_sms=0)
 # "q6_k_split6" (`HIGH_BITS`) reads its high bits' plane tile_k / 4 bytes per row and step, which
 # Mosaic GPU loads 32 bits per thread correctly only from swizzled shared memory, 32 bytes or more
 # (on the H200 an unswizzled 16-byte tile gave wrong products): K steps of at least MIN_TILE_K6,
@@ -174,6 +190,12 @@ def fuses_offsets(tuning: MosaicMatmulTuning) -> bool:
 
 
 SMEM_BYTES = 227 * 1024  # shared memory one CTA may use on the H100/H200
+SM_SMEM_BYTES = 228 * 1024  # shared memory of one SM, 1 KiB of it reserved per CTA
+# CTAs of the decode kernel one SM holds by its registers: 161-167 per thread of a 128-thread
+# warpgroup (ptxas, bench/kernel_mix.py; thirty-eighth session), 3 of 64 Ki.
+REG_CTAS_PER_SM = 3
+# `wave_sms`: 2 splits must take at most this share of the unsplit call's waves' time
+WAVE_GAIN = 0.85
 
 
 def padded_rows(m: int) -> int:
@@ -230,12 +252,31 @@ def stages_for(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, ro
     return min(tuning.stages, room // stage_bytes(fmt, m, tuning.tile_k, rows, tuning.int8_x, offsets))
 
 
-def split_for(n: int, k: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, m_tiles: int = 1) -> int:
+def resident_ctas(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, rows: int | None = None,
+                  offsets: bool = False, gated: bool = False) -> int:
+    """CTAs the GPU runs at once (`wave_sms` SMs; 0 with it off): each SM holds REG_CTAS_PER_SM,
+    or fewer where their shared memory (`stages_for` steps in flight and the output tile, as
+    the kernel allocates them) does not fit."""
+    rows = BLOCK_N * tuning.row_tiles if rows is None else rows
+    stages = stages_for(fmt, m, tuning, rows, offsets, gated)
+    smem = (stages * stage_bytes(fmt, m, tuning.tile_k, rows, tuning.int8_x, offsets)
+            + rows * padded_rows(m) * (4 + (1 if gated else 0)) + 1024)
+    return tuning.wave_sms * min(REG_CTAS_PER_SM, SM_SMEM_BYTES // (smem + 1024))
+
+
+def split_for(n: int, k: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, m_tiles: int = 1,
+              resident: int = 0) -> int:
     """K splits: the fewest giving `target_ctas` warpgroups (with `m_tiles` tiles of x's rows),
-    at most one per K step; with `even_split`, rounded up to divide the steps."""
+    at most one per K step; with `even_split`, rounded up to divide the steps. Beyond one wave
+    of `resident` CTAs (`resident_ctas`; 0: no waves counted), 2 splits where they divide the
+    steps and take at most WAVE_GAIN of the waves' time of one (each wave as long as a CTA's
+    steps): a split adds [M, N] f32 partial sums to write and add."""
     ctas = (n // rows_per_cta(n, tuning)) * m_tiles
     steps = k // tuning.tile_k
     split = max(1, min(steps, -(-tuning.target_ctas // ctas)))
     if tuning.even_split:
         split = next((s for s in range(split, min(steps, 2 * split) + 1) if steps % s == 0), split)
+    if resident and split == 1 and ctas > resident and steps % 2 == 0:
+        waves = -(-ctas // resident), -(-2 * ctas // resident) / 2
+        split = 2 if waves[1] <= WAVE_GAIN * waves[0] else 1
     return split

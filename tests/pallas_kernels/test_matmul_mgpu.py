@@ -463,6 +463,29 @@ def test_split_reaches_the_target_grid():
     assert matmul_mgpu.split_for(256, 256) == 1  # never more splits than K steps
 
 
+def test_resident_ctas_count_shared_memory():
+    # 3 per SM by registers; the 8-bit codes' 4 steps in flight (86 KiB) fit 2 per SM's 228 KiB
+    assert matmul_mgpu.resident_ctas("q4_0", 8) == 3 * 132
+    assert matmul_mgpu.resident_ctas("q6_k_split6", 8) == 3 * 132
+    assert matmul_mgpu.resident_ctas("q8_0", 8) == matmul_mgpu.resident_ctas("q6_k_split", 8) == 2 * 132
+    assert matmul_mgpu.resident_ctas("q4_0", 512, matmul_mgpu.PREFILL_TUNING) == 0  # waves not counted
+    assert matmul_mgpu.resident_ctas("q4_0", 8, matmul_mgpu.MosaicMatmulTuning(wave_sms=100)) == 300
+
+
+def test_split_fills_the_last_wave():
+    # 500 row tiles: 2 waves' time unsplit and 1.5 in 2 splits at 396 CTAs a wave; equal at 264
+    assert matmul_mgpu.split_for(32000, 4096, resident=396) == 2
+    assert matmul_mgpu.split_for(32000, 4096, resident=264) == 1
+    assert matmul_mgpu.split_for(32000, 4096) == 1  # no waves counted
+    assert matmul_mgpu.split_for(22016, 4096, resident=396) == 1  # 344 tiles: one wave
+    assert matmul_mgpu.split_for(22016, 4096, resident=264) == 2
+    assert matmul_mgpu.split_for(152064, 3584, resident=396) == 1  # 2,376 tiles: 6 whole waves
+    assert matmul_mgpu.split_for(128256, 4096, resident=396) == 1  # 2,004 tiles: 5.5 waves against 6, too little
+    assert matmul_mgpu.split_for(28672, 4096, resident=396) == 2  # 448 tiles
+    assert matmul_mgpu.split_for(4096, 4096, resident=396) == 4  # split by target_ctas as before
+    assert matmul_mgpu.split_for(32000, 4352, resident=396) == 1  # 17 K steps: 2 does not divide them
+
+
 def test_even_split_divides_the_k_steps():
     even = matmul_mgpu.MosaicMatmulTuning(even_split=True, target_ctas=264)
     base = matmul_mgpu.MosaicMatmulTuning(target_ctas=264)
