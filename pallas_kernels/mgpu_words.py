@@ -139,6 +139,14 @@ CRUMB_PAIR_MASK = 0x00300030
 BF16_160_PAIR = 0x43204320
 
 
+def pair6_shifts(block: int, j: int) -> tuple[int, int]:
+    """Right shifts (negative: left) that bring pair j of 32-block `block` of a 64-block to where
+    `ptx_pair6` reads it: the low nibbles of the `qs` word to bits 0-3 and 16-19, the high two
+    bits of the `qh` word, at 2 p and 16 + 2 p (p = 4 (block % 2) + j), to bits 4-5 and 20-21."""
+    p = 4 * (block % 2) + j
+    return 4 * j, 2 * p - 4
+
+
 def ptx_pair6(nibbles, crumbs):
     """Mosaic GPU code: the bf16 pair (q_lo - 32, q_hi - 32) of 6-bit codes whose low nibbles sit at
     bits 0-3 and 16-19 of the i32 `nibbles` and high two bits at bits 4-5 and 20-21 of the i32
@@ -187,9 +195,9 @@ def q6_words_to_bf16(codes, highs):
         word = mgpu_utils.bitcast(reg, i32)
         high = mgpu_utils.bitcast(highs.registers[(idx[0], idx[1] // 2, *idx[2:])], i32)
         for j in range(4):
-            p = 4 * (idx[1] % 2) + j  # the pair's high bits at 2 p and 16 + 2 p, wanted at 4 and 20
+            low_shift, high_shift = pair6_shifts(idx[1], j)
             out[(idx[0], 4 * idx[1] + j, *idx[2:])] = mgpu_utils.bitcast(
-                ptx_pair6(shifted(word, 4 * j), shifted(high, 2 * p - 4)), pair)
+                ptx_pair6(shifted(word, low_shift), shifted(high, high_shift)), pair)
     assert all(r is not None for r in out.flat)
     return fa.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 

@@ -411,6 +411,38 @@ def test_word_unpack_bit_arithmetic_and_x_order_give_the_reference_product():
     assert relative_error(jnp.asarray(y), qmatmul_reference(x, w)) < 1e-5
 
 
+def test_6bit_word_arithmetic_gives_the_reference_product():
+    """`q6_words_to_bf16` restated per thread in numpy: lane c's words of the "q6_k_split6" planes
+    (bytes 4c..4c+3 of a row's 32-block of `qs` and of its 64-block of `qh`), shifted as
+    `pair6_shifts` says, masked and OR'd as the PTX's two lop3 ((a & b) | c) do and read as two bf16
+    less 160, are codes - 32 at wgmma columns 8j + 2c (+1) in natural order; with each 16-block's
+    scale that is the reference product (the register placement is checked on the GPU)."""
+    from tests.pallas_kernels.test_q6_k_split import random_q6_k
+
+    n, k, m = 64, 512, 5
+    w = q6_k_split.split_q6_k6(random_q6_k(4, n, k))
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((m, k)), jnp.float32).astype(jnp.bfloat16)
+    lo_words = w.planes["qs"].view("<u4").reshape(n, k // 32, 4)  # [row, 32-block, lane]
+    hi_words = w.planes["qh"].view("<u4").reshape(n, k // 64, 4)  # [row, 64-block, lane]
+    a = np.zeros((n, k // 32, 32), np.float32)
+    for b in range(k // 32):
+        for j in range(4):
+            low_shift, high_shift = mgpu_words.pair6_shifts(b, j)
+            nibbles = lo_words[:, b] >> np.uint32(low_shift)
+            high = hi_words[:, b // 2]
+            crumbs = high >> np.uint32(high_shift) if high_shift >= 0 else high << np.uint32(-high_shift)
+            t = (nibbles & np.uint32(mgpu_words.NIBBLE_PAIR_MASK)) | (
+                (crumbs & np.uint32(mgpu_words.CRUMB_PAIR_MASK)) | np.uint32(mgpu_words.BF16_128_PAIR))
+            pair = _bf16_halves(t) - _bf16_halves(np.uint32(mgpu_words.BF16_160_PAIR))  # [row, lane, 2]
+            for c in range(4):
+                a[:, b, 8 * j + 2 * c:8 * j + 2 * c + 2] = pair[:, c, :]
+    assert set(np.unique(a)) <= set(range(-32, 32))
+    d = np.repeat(np.asarray(w.planes["d"], np.float32).T, 16, axis=1)  # held [K/16, N]
+    deq = a.reshape(n, k) * d
+    y = np.asarray(x, np.float32) @ deq.T
+    assert relative_error(jnp.asarray(y), qmatmul_reference(x, w)) < 1e-5
+
+
 @pytest.mark.parametrize("kwargs", [dict(tile_k=32), dict(tile_k=384), dict(stages=0), dict(target_ctas=0),
                                     dict(upcast_loads=False), dict(row_tiles=3), dict(row_tiles=0),
                                     dict(int8_x=True, fold_scales=True), dict(int8_x=True, row_tiles=2),
