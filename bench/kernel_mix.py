@@ -105,7 +105,8 @@ def _q6_k_split(fmt: str, layers: int, n: int, k: int):
     shape = (layers, n)
     planes = {"ql": jax.random.randint(keys[0], (*shape, k // 2), 0, 256, jnp.int32).astype(jnp.uint8),
               "qh": jax.random.randint(keys[1], (*shape, k // 4), 0, 256, jnp.int32).astype(jnp.uint8),
-              "sc": jax.random.randint(keys[2], (*shape, k // 16), -128, 128, jnp.int32).astype(jnp.int8),
+              # Q6_K's usual scale range, as bench/kernels.py draws it
+              "sc": jax.random.randint(keys[2], (*shape, k // 16), -32, 32, jnp.int32).astype(jnp.int8),
               "d": jax.random.uniform(keys[3], (*shape, k // 256), jnp.float32, 1e-4, 5e-3).astype(jnp.float16)}
     split = q6_k_split.split_q6_k6 if fmt == "q6_k_split6" else q6_k_split.split_q6_k
     return jax.jit(split)(quant.QuantizedTensor(planes, "q6_k", (n, k)))
