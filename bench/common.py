@@ -201,8 +201,9 @@ def parse_tuning_fields(spec: str, base: Any) -> dict[str, Any]:
 
 def apply_mosaic_tuning_arguments(args: Any) -> dict[str, dict[str, Any]]:
     """Replaces `mgpu_tuning.DEFAULT_TUNING` / `OFFSET_DECODE_TUNING` / `PREFILL_TUNING` /
-    `PREFILL6_TUNING` in this process per `add_mosaic_tuning_arguments` (the kernels take `default_tuning(m, offsets)` as
-    they are lowered); returns the replaced fields, for the result file."""
+    `PREFILL6_TUNING` in this process per `add_mosaic_tuning_arguments` (the kernels take
+    `default_tuning(m, offsets, fmt)` as they are lowered); returns the replaced fields, for the
+    result file."""
     from pallas_kernels import mgpu_tuning
 
     changed: dict[str, dict[str, Any]] = {}

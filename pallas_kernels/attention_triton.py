@@ -636,7 +636,8 @@ def attention_decode_triton(
         k_cache, v_cache = k_cache[None], v_cache[None]
     result = _decode(
         q, k_cache, v_cache, positions, scale, window, _layer_arr(layer), write_pos,
-        config=config or DEFAULT_DECODE_CONFIG, interpret=interpret, static_scale=_static_scale(scale), static_window=_static_window(window),
+        config=config or DEFAULT_DECODE_CONFIG, interpret=interpret, static_scale=_static_scale(scale),
+        static_window=_static_window(window),
         span=_span(span, s), few_rows=few_rows, out_dtype=jnp.dtype(out_dtype),
     )
     if write_pos is None or stacked:

@@ -48,8 +48,8 @@ class MosaicMatmulTuning:
     # split's from 42.1 to 36.5, while their 32000 x 4096 (1.89 waves) stays unsplit, where 2
     # splits had made it 2-6% slower. A 7B Q4_0 decode step's Mosaic matmuls: 10-15 us less
     # (the output projection), with one more kernel (its two partial sums added).
-    # Llama-3-8B's 128256-row output (6 waves against 5.5 in 2 splits) got 5% faster alone
-    # but its step 5-8 us slower: a split needs a gain of `WAVE_GAIN`.
+    # Llama-3-8B's 128256-row output (6 waves against 5.5 in 2 splits) got 5% faster alone,
+    # but its step's Mosaic matmuls 5-8 us slower: a split needs a gain of `WAVE_GAIN`.
     wave_sms: int = 132
     # Codes come out of shared memory 32 bits per thread (Mosaic's upcast layouts: 8 int4 or 4
     # int8 per load) and are moved to the wgmma layout in registers before conversion; False
