@@ -241,14 +241,19 @@ def stage_bytes(fmt: str, m: int, tile_k: int, rows: int = BLOCK_N, int8_x: bool
     return padded_rows(m) * tile_k * 2 + codes + scales + extra
 
 
+def _fixed_smem(m: int, rows: int, gated: bool) -> int:
+    """Shared memory a CTA holds beside its steps in flight: the [rows, m] f32 output tile, with
+    `gated` the [rows / 2, m] bf16 product's, and 1 KiB of barriers and alignment."""
+    return rows * padded_rows(m) * (4 + (1 if gated else 0)) + 1024
+
+
 def stages_for(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING, rows: int | None = None,
                offsets: bool = False, gated: bool = False) -> int:
     """Steps in flight: `tuning.stages`, or as many as fit beside the [rows, m] f32 output tile
     (m: the CTA's rows of x, `tile_rows`; rows: `rows_per_cta(n, tuning)`, by default the most
     the tuning allows) and, `gated`, the [rows / 2, m] bf16 product's."""
     rows = BLOCK_N * tuning.row_tiles if rows is None else rows
-    out_bytes = rows * padded_rows(m) * (4 + (1 if gated else 0))
-    room = SMEM_BYTES - out_bytes - 1024  # barriers and alignment
+    room = SMEM_BYTES - _fixed_smem(m, rows, gated)
     return min(tuning.stages, room // stage_bytes(fmt, m, tuning.tile_k, rows, tuning.int8_x, offsets))
 
 
@@ -259,8 +264,7 @@ def resident_ctas(fmt: str, m: int, tuning: MosaicMatmulTuning = DEFAULT_TUNING,
     the kernel allocates them) does not fit."""
     rows = BLOCK_N * tuning.row_tiles if rows is None else rows
     stages = stages_for(fmt, m, tuning, rows, offsets, gated)
-    smem = (stages * stage_bytes(fmt, m, tuning.tile_k, rows, tuning.int8_x, offsets)
-            + rows * padded_rows(m) * (4 + (1 if gated else 0)) + 1024)
+    smem = stages * stage_bytes(fmt, m, tuning.tile_k, rows, tuning.int8_x, offsets) + _fixed_smem(m, rows, gated)
     return tuning.wave_sms * min(REG_CTAS_PER_SM, SM_SMEM_BYTES // (smem + 1024))
 
 
