@@ -285,15 +285,50 @@ class StreamRecord:
 def steady_tok_s(records: list[StreamRecord]) -> float | None:
     """Tokens per second while every request is generating: between the last request's first
     token and the first request's last token (prefill and TTFT excluded)."""
+    window = steady_window(records)
+    if window is None:
+        return None
+    start, end = window
+    count = sum(n for r in records if len(r.arrivals) >= 2 for t, n in r.arrivals if start < t <= end)
+    return count / (end - start)
+
+
+def steady_window(records: list[StreamRecord]) -> tuple[float, float] | None:
+    """(start, end) of the steady state `steady_tok_s` counts: the last request's first token to
+    the first request's last token; None where there is none."""
     live = [r for r in records if len(r.arrivals) >= 2]
     if not live or len(live) != len([r for r in records if not r.rejected]):
         return None
     start = max(r.arrivals[0][0] for r in live)
     end = min(r.arrivals[-1][0] for r in live)
-    if end <= start:
+    return (start, end) if end > start else None
+
+
+def steady_gaps(records: list[StreamRecord]) -> dict[str, Any] | None:
+    """The inter-token gaps that end inside the steady window, every stream's: where the steady
+    rate stands below one step per p50 gap, whether a few long gaps or all of them make the
+    difference. "long" gaps are over twice the p50; "long_excess_pct" is what they last beyond
+    the p50, summed over the streams and divided by the window times the streams (the share of
+    the steady rate they cost)."""
+    window = steady_window(records)
+    if window is None:
         return None
-    count = sum(n for r in live for t, n in r.arrivals if start < t <= end)
-    return count / (end - start)
+    start, end = window
+    gaps = [b - a for r in records if len(r.arrivals) >= 2
+            for (a, _), (b, _) in zip(r.arrivals, r.arrivals[1:]) if start < b <= end]
+    if not gaps:
+        return None
+    arr = np.asarray(gaps, np.float64)
+    p50 = float(np.percentile(arr, 50))
+    long = arr[arr > 2 * p50]
+    streams = len([r for r in records if len(r.arrivals) >= 2])
+    return {
+        "gaps": int(arr.size),
+        "ms_mean": ms(float(arr.mean())), "ms_p50": ms(p50), "ms_p90": ms(float(np.percentile(arr, 90))),
+        "ms_p99": ms(float(np.percentile(arr, 99))), "ms_max": ms(float(arr.max())),
+        "long": int(long.size),
+        "long_excess_pct": round(100 * float((long - p50).sum()) / ((end - start) * streams), 2),
+    }
 
 
 def summarize(records: list[StreamRecord]) -> dict[str, Any]:
@@ -310,6 +345,7 @@ def summarize(records: list[StreamRecord]) -> dict[str, Any]:
         out["tok_s"] = round(out["tokens"] / wall, 2) if wall > 0 else None
         steady = steady_tok_s(records)
         out["steady_tok_s"] = round(steady, 2) if steady else None
+        out["steady_itl"] = steady_gaps(records)
         ttfts = [r.ttft for r in done]
         gaps = [g for r in done for g in r.gaps]
         out.update(
