@@ -305,17 +305,20 @@ def steady_window(records: list[StreamRecord]) -> tuple[float, float] | None:
 
 
 def steady_gaps(records: list[StreamRecord]) -> dict[str, Any] | None:
-    """The inter-token gaps that end inside the steady window, every stream's: where the steady
+    """The inter-token gaps wholly inside the steady window, every stream's: where the steady
     rate stands below one step per p50 gap, whether a few long gaps or all of them make the
-    difference. "long" gaps are over twice the p50; "long_excess_pct" is what they last beyond
-    the p50, summed over the streams and divided by the window times the streams (the share of
-    the steady rate they cost)."""
+    difference. A gap that starts before the window is left out: the window opens with the step
+    that gives the last prompt its first token, so the other streams' gaps that end there span
+    that prompt's prefill (they may be counted only for arriving a moment after it). "long" gaps
+    are over twice the p50; "long_excess_pct" is what they last beyond the p50, summed over the
+    streams and divided by the window times the streams (the share of the steady rate they
+    cost)."""
     window = steady_window(records)
     if window is None:
         return None
     start, end = window
     gaps = [b - a for r in records if len(r.arrivals) >= 2
-            for (a, _), (b, _) in zip(r.arrivals, r.arrivals[1:]) if start < b <= end]
+            for (a, _), (b, _) in zip(r.arrivals, r.arrivals[1:]) if start <= a and b <= end]
     if not gaps:
         return None
     arr = np.asarray(gaps, np.float64)

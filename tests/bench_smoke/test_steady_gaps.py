@@ -17,7 +17,7 @@ def test_one_long_gap_is_counted_with_its_excess():
     b = _record("b", b_times)
     window = (max(a.arrivals[0][0], b.arrivals[0][0]), min(a.arrivals[-1][0], b.arrivals[-1][0]))
     g = steady_gaps([a, b])
-    inside = [y - x for r in (a, b) for (x, _), (y, _) in zip(r.arrivals, r.arrivals[1:]) if window[0] < y <= window[1]]
+    inside = [y - x for r in (a, b) for (x, _), (y, _) in zip(r.arrivals, r.arrivals[1:]) if window[0] <= x and y <= window[1]]
     assert g["gaps"] == len(inside)
     assert g["ms_p50"] == pytest.approx(2.0)
     assert g["ms_max"] == pytest.approx(10.0)
@@ -33,6 +33,15 @@ def test_even_gaps_have_no_long_ones():
     assert g["long"] == 0 and g["long_excess_pct"] == 0.0
     assert g["ms_p50"] == pytest.approx(2.0) and g["ms_p99"] == pytest.approx(2.0)
     assert steady_tok_s(recs) == pytest.approx(500 * 4, rel=0.05)
+
+
+def test_gaps_from_before_the_window_are_left_out():
+    # a decodes from 0; b's prompt is prefilled meanwhile (a waits 20 ms), and b's first token
+    # arrives a moment before a's token of the same step: the window opens there
+    a = _record("a", [0.000, 0.0201] + [0.0221 + 0.002 * i for i in range(20)])
+    b = _record("b", [0.0200] + [0.0220 + 0.002 * i for i in range(20)])
+    g = steady_gaps([a, b])
+    assert g["ms_max"] == pytest.approx(2.0) and g["long"] == 0
 
 
 def test_no_window_without_overlap():
