@@ -444,6 +444,28 @@ def num_matrices(w_bytes: int, args) -> int:
     return int(min(args.max_mats, max(args.mats, math.ceil(want / max(w_bytes, 1)))))
 
 
+def split_forms(fmt: str) -> tuple[str, ...]:
+    """The forms a format's split rows name ("mosaic_gpu:<form>", "reference:<form>", ...)."""
+    if fmt == "q6_k":
+        return ("q6_k_split", "q6_k_split6")
+    if fmt == "q5_0":
+        return ("q5_0_as_q8_0",)
+    return (f"{fmt}_split",) if fmt in ("q4_k", "q5_k", "q4_1", "q5_1") else ()
+
+
+def is_default_row(name: str, fmt: str) -> bool:
+    """--defaults-only: whether a row is an implementation's default form of the format, the one
+    an engine would run: a bare name ("mosaic_gpu", "reference", ...) or "<impl>:<form>" for the
+    formats that run split; not a tuning variant (":unfolded", ":offsets_after", a
+    --mosaic-variants tag, a --sweep neighbour), nor a bare Mosaic GPU or jax-triton row of a
+    format they take only split (its NotImplementedError row)."""
+    impl, _, rest = name.partition(":")
+    forms = split_forms(fmt)
+    if not rest:
+        return not (forms and impl in ("mosaic_gpu", "jax_triton"))
+    return rest in forms
+
+
 def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
     key = jax.random.key(hash((fmt, n, k)) & 0x7FFFFFFF)
     probe = _random_weight(key, fmt, n, k)
@@ -477,6 +499,8 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
             impls += offset_split_impls(fmt, impl_names, args.interpret, m, args.mosaic_variants)
         if fmt == "q6_k":
             impls += q6_k_split_impls(impl_names, args.interpret, m, args.mosaic_variants)
+        if args.defaults_only:
+            impls = [impl for impl in impls if is_default_row(impl.name, fmt)]
         for impl in impls:
             if time.monotonic() > deadline:
                 rows.append(dict(op="matmul", format=fmt, impl=impl.name, m=m, n=n, k=k, error="skipped: --budget-s"))
@@ -601,6 +625,9 @@ def main(argv=None) -> None:
     ap.add_argument("--mosaic-variants", default="",
                     help="more mosaic_gpu tunings to time: 'tag:field=value,...;tag2:...' over the default tuning")
     ap.add_argument("--grid", action="store_true", help="also time a grid of block sizes, stages and split-K")
+    ap.add_argument("--defaults-only", action="store_true",
+                    help="only each implementation's default form of a format (issue 5's table in one call): no "
+                         "tuning variant rows, no bare rows of kernels that take the format only split")
     ap.add_argument("--mats", type=int, default=16, help="at least this many distinct weights per call")
     ap.add_argument("--max-mats", type=int, default=256)
     ap.add_argument("--ref-mats", type=int, default=16, help="matrices per call for the reference impl")
