@@ -170,7 +170,12 @@ class Impl:
     prepare: object = None
 
 
-def offset_split_impls(fmt: str, impl_names: list[str], interpret: bool, m: int, variants: str = "") -> list[Impl]:
+# formats the bench runs through a split at load (`offset_split_impls`; Q6_K: `q6_k_split_impls`)
+OFFSET_SPLIT_FORMATS = ("q4_k", "q5_k", "q4_1", "q5_0", "q5_1")
+
+
+def offset_split_impls(fmt: str, impl_names: list[str], interpret: bool, m: int, variants: str = "",
+                       extras: bool = True) -> list[Impl]:
     """Q4_K (and Q4_1) through Q4_0's kernels (`pallas_kernels.q4_k_split`), Q5_K (and Q5_1)
     through Q8_0's (`pallas_kernels.q5_k_split`), Q5_0 as Q8_0 (`pallas_kernels.legacy_split`):
     the Mosaic GPU kernel on a GPU (the offsets folded into the kernel's bf16 weights by default,
@@ -179,7 +184,8 @@ def offset_split_impls(fmt: str, impl_names: list[str], interpret: bool, m: int,
     "...:offsets_after", in an XLA dot after the unfolded kernel; in prefill, as
     "...:offsets_after", in a dot after the folded kernel; where a tuning leaves the prefill
     offsets to the dot, a "...:fold_offsets" row folds them; and as "...:<tag>" under each tuning
-    of --mosaic-variants), the reference with --interpret (a CPU check of the plumbing)."""
+    of --mosaic-variants), the reference with --interpret (a CPU check of the plumbing).
+    `extras` False: the default form alone (no ":unfolded", ":offsets_after", ":fold_offsets")."""
     from pallas_kernels import legacy_split, matmul_mgpu, q4_k_split, q5_k_split
 
     split, tag = {"q4_k": (q4_k_split.split_q4_k, "q4_0 codes + bf16 offsets"),
@@ -194,14 +200,14 @@ def offset_split_impls(fmt: str, impl_names: list[str], interpret: bool, m: int,
         out.append(Impl(f"mosaic_gpu:{form}", matmul_mgpu.qmatmul_mgpu, tag, prepare=jax.jit(split)))
         out += split_variant_impls(form, m, variants, tag, split, offsets=fmt != "q5_0")
         tuning = matmul_mgpu.default_tuning(m)  # the tuning of the formats without offsets
-        if fmt != "q5_0" and matmul_mgpu.default_tuning(m, offsets=True) != tuning:
+        if extras and fmt != "q5_0" and matmul_mgpu.default_tuning(m, offsets=True) != tuning:
             out.append(Impl(f"mosaic_gpu:{form}:unfolded", lambda x, w: matmul_mgpu.qmatmul_mgpu(x, w, tuning), tag,
                             prepare=jax.jit(split)))
-        if matmul_mgpu.fuses_offsets(tuning) and fmt != "q5_0":
+        if extras and matmul_mgpu.fuses_offsets(tuning) and fmt != "q5_0":
             after = dataclasses.replace(tuning, fuse_offsets=False, fold_offsets=False)
             out.append(Impl(f"mosaic_gpu:{form}:offsets_after",
                             lambda x, w: matmul_mgpu.qmatmul_mgpu(x, w, after), tag, prepare=jax.jit(split)))
-        if tuning.fold_scales and not tuning.fold_offsets and fmt != "q5_0":
+        if extras and tuning.fold_scales and not tuning.fold_offsets and fmt != "q5_0":
             folded = dataclasses.replace(tuning, fold_offsets=True)
             out.append(Impl(f"mosaic_gpu:{form}:fold_offsets",
                             lambda x, w: matmul_mgpu.qmatmul_mgpu(x, w, folded), tag, prepare=jax.jit(split)))
@@ -444,28 +450,6 @@ def num_matrices(w_bytes: int, args) -> int:
     return int(min(args.max_mats, max(args.mats, math.ceil(want / max(w_bytes, 1)))))
 
 
-def split_forms(fmt: str) -> tuple[str, ...]:
-    """The forms a format's split rows name ("mosaic_gpu:<form>", "reference:<form>", ...)."""
-    if fmt == "q6_k":
-        return ("q6_k_split", "q6_k_split6")
-    if fmt == "q5_0":
-        return ("q5_0_as_q8_0",)
-    return (f"{fmt}_split",) if fmt in ("q4_k", "q5_k", "q4_1", "q5_1") else ()
-
-
-def is_default_row(name: str, fmt: str) -> bool:
-    """--defaults-only: whether a row is an implementation's default form of the format, the one
-    an engine would run: a bare name ("mosaic_gpu", "reference", ...) or "<impl>:<form>" for the
-    formats that run split; not a tuning variant (":unfolded", ":offsets_after", a
-    --mosaic-variants tag, a --sweep neighbour), nor a bare Mosaic GPU or jax-triton row of a
-    format they take only split (its NotImplementedError row)."""
-    impl, _, rest = name.partition(":")
-    forms = split_forms(fmt)
-    if not rest:
-        return not (forms and impl in ("mosaic_gpu", "jax_triton"))
-    return rest in forms
-
-
 def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
     key = jax.random.key(hash((fmt, n, k)) & 0x7FFFFFFF)
     probe = _random_weight(key, fmt, n, k)
@@ -482,25 +466,29 @@ def run_case(fmt, n, k, ms, impl_names, args, ceilings, rows, deadline):
         x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(x_dtype)
         ref = jax.jit(qmatmul_reference)(x, probe)
         impls = []
+        # --defaults-only: no variant rows are made, nor the bare rows of the kernels that take
+        # this format only split (each an error row)
+        sweep, grid, variants = (False, False, "") if args.defaults_only else (args.sweep, args.grid,
+                                                                             args.mosaic_variants)
+        runs_split = fmt in OFFSET_SPLIT_FORMATS or fmt == "q6_k"
         for name in impl_names:
             if name == "triton":
-                impls += triton_impls(fmt, m, n, k, x_dtype, args.interpret, args.sweep, args.grid)
-            elif name == "mosaic_gpu":  # q4_0/q8_0 (the splits below); other cases report its NotImplementedError
-                impls += mosaic_impls(args.sweep, m, args.mosaic_variants)
-            elif name == "jax_triton":  # q4_0/q8_0 (the splits below)
-                impls += jax_triton_impls(m, n, k, args.sweep)
+                impls += triton_impls(fmt, m, n, k, x_dtype, args.interpret, sweep, grid)
+            elif name == "mosaic_gpu" and not (args.defaults_only and runs_split):
+                # q4_0/q8_0 (the splits below); other cases report its NotImplementedError
+                impls += mosaic_impls(sweep, m, variants)
+            elif name == "jax_triton" and not (args.defaults_only and runs_split):  # q4_0/q8_0 (the splits below)
+                impls += jax_triton_impls(m, n, k, sweep)
             elif name == "reference":
                 impls.append(Impl("reference", qmatmul_reference, "xla dequant + dot (HIGHEST)"))
             elif name == "dense_bf16":
                 impls.append(Impl("dense_bf16", lambda x, w: jnp.dot(x.astype(jnp.bfloat16), w.T,
                                                                      preferred_element_type=jnp.float32),
                                   "bf16 weights, xla dot"))
-        if fmt in ("q4_k", "q5_k", "q4_1", "q5_0", "q5_1"):
-            impls += offset_split_impls(fmt, impl_names, args.interpret, m, args.mosaic_variants)
+        if fmt in OFFSET_SPLIT_FORMATS:
+            impls += offset_split_impls(fmt, impl_names, args.interpret, m, variants, extras=not args.defaults_only)
         if fmt == "q6_k":
-            impls += q6_k_split_impls(impl_names, args.interpret, m, args.mosaic_variants)
-        if args.defaults_only:
-            impls = [impl for impl in impls if is_default_row(impl.name, fmt)]
+            impls += q6_k_split_impls(impl_names, args.interpret, m, variants)
         for impl in impls:
             if time.monotonic() > deadline:
                 rows.append(dict(op="matmul", format=fmt, impl=impl.name, m=m, n=n, k=k, error="skipped: --budget-s"))

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from bench.kernels import fmt_row, is_default_row, mosaic_impls, parse_variants, per_matmul
+from bench.kernels import fmt_row, mosaic_impls, offset_split_impls, parse_variants, per_matmul
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
 
@@ -90,30 +90,26 @@ def test_mosaic_variants_are_fields_over_the_rows_default():
             parse_variants(bad, mgpu_tuning.DEFAULT_TUNING)
 
 
-@pytest.mark.parametrize("fmt, name, kept", [
-    ("q4_0", "mosaic_gpu", True), ("q4_0", "triton", True), ("q4_0", "reference", True),
-    ("q4_0", "mosaic_gpu:rows2", False), ("q4_0", "triton:bn64-bk256-s3-w4", False),
-    ("q4_k", "mosaic_gpu", False), ("q4_k", "jax_triton", False), ("q4_k", "reference", True),
-    ("q4_k", "mosaic_gpu:q4_k_split", True), ("q4_k", "reference:q4_k_split", True),
-    ("q4_k", "mosaic_gpu:q4_k_split:unfolded", False), ("q4_k", "mosaic_gpu:q4_k_split:offsets_after", False),
-    ("q6_k", "mosaic_gpu:q6_k_split", True), ("q6_k", "mosaic_gpu:q6_k_split6", True),
-    ("q6_k", "mosaic_gpu:q6_k_split6:s5", False), ("q5_0", "mosaic_gpu:q5_0_as_q8_0", True),
-    ("q5_0", "mosaic_gpu:q5_0_split", False), ("q8_0", "mosaic_gpu", True),
-])
-def test_defaults_only_keeps_each_implementations_default_form(fmt, name, kept):
-    assert is_default_row(name, fmt) is kept
+def test_offset_split_extras_are_the_variant_rows():
+    # the split's default row alone without extras; the extra rows are all "<impl>:<form>:<tag>"
+    names = [i.name for i in offset_split_impls("q4_k", ["mosaic_gpu"], False, 8)]
+    assert names[0] == "mosaic_gpu:q4_k_split" and len(names) > 1
+    assert all(n.startswith("mosaic_gpu:q4_k_split:") for n in names[1:])
+    assert [i.name for i in offset_split_impls("q4_k", ["mosaic_gpu"], False, 8, extras=False)] == ["mosaic_gpu:q4_k_split"]
 
 
 def test_defaults_only_run(tmp_path):
-    # the Triton kernel's --sweep neighbours are rows the flag must drop (they exist: checked first)
+    # the Triton kernel's --sweep neighbours are rows the flag must leave out (they exist: checked first)
     import jax.numpy as jnp
 
     from bench.kernels import triton_impls
     assert len(triton_impls("q4_0", 8, 64, 512, jnp.bfloat16, True, True)) > 1
-    subprocess.run([sys.executable, str(SCRIPT), "--interpret", "--formats", "q4_0,q4_k", "--impls", "triton,reference",
-                    "--sweep", "--shapes", "64x512", "--ms", "8", "--runs", "1", "--mats", "1", "--copy-gb", "0.01",
+    subprocess.run([sys.executable, str(SCRIPT), "--interpret", "--formats", "q4_0,q4_k", "--impls",
+                    "triton,mosaic_gpu,reference", "--sweep", "--shapes", "64x512", "--ms", "8", "--runs", "1", "--mats", "1", "--copy-gb", "0.01",
                     "--defaults-only", "--out", str(tmp_path)], check=True, timeout=600)
     (path,) = tmp_path.glob("kernels-*.json")
     names = [(r["format"], r["impl"]) for r in json.loads(path.read_text())["rows"]]
-    assert names == [("q4_0", "triton"), ("q4_0", "reference"),
+    # no bare Mosaic row for Q4_K, which the kernel takes only split (on the CPU the split's
+    # Mosaic rows are not made, and Q4_0's Mosaic row is an error row)
+    assert names == [("q4_0", "triton"), ("q4_0", "mosaic_gpu"), ("q4_0", "reference"),
                      ("q4_k", "triton"), ("q4_k", "reference"), ("q4_k", "reference:q4_k_split")]
