@@ -288,20 +288,21 @@ def steady_tok_s(records: list[StreamRecord]) -> float | None:
     window = steady_window(records)
     if window is None:
         return None
-    start, end = window
-    count = sum(n for r in records if len(r.arrivals) >= 2 for t, n in r.arrivals if start < t <= end)
+    start, end, live = window
+    count = sum(n for r in live for t, n in r.arrivals if start < t <= end)
     return count / (end - start)
 
 
-def steady_window(records: list[StreamRecord]) -> tuple[float, float] | None:
-    """(start, end) of the steady state `steady_tok_s` counts: the last request's first token to
-    the first request's last token; None where there is none."""
+def steady_window(records: list[StreamRecord]) -> tuple[float, float, list[StreamRecord]] | None:
+    """(start, end, streams) of the steady state `steady_tok_s` counts: the last request's first
+    token to the first request's last token, and the streams that generate in it (every request
+    not rejected, with two tokens or more); None where there is none."""
     live = [r for r in records if len(r.arrivals) >= 2]
     if not live or len(live) != len([r for r in records if not r.rejected]):
         return None
     start = max(r.arrivals[0][0] for r in live)
     end = min(r.arrivals[-1][0] for r in live)
-    return (start, end) if end > start else None
+    return (start, end, live) if end > start else None
 
 
 def steady_gaps(records: list[StreamRecord]) -> dict[str, Any] | None:
@@ -316,21 +317,19 @@ def steady_gaps(records: list[StreamRecord]) -> dict[str, Any] | None:
     window = steady_window(records)
     if window is None:
         return None
-    start, end = window
-    gaps = [b - a for r in records if len(r.arrivals) >= 2
-            for (a, _), (b, _) in zip(r.arrivals, r.arrivals[1:]) if start <= a and b <= end]
+    start, end, live = window
+    gaps = [b - a for r in live for (a, _), (b, _) in zip(r.arrivals, r.arrivals[1:]) if start <= a and b <= end]
     if not gaps:
         return None
     arr = np.asarray(gaps, np.float64)
     p50 = float(np.percentile(arr, 50))
     long = arr[arr > 2 * p50]
-    streams = len([r for r in records if len(r.arrivals) >= 2])
     return {
         "gaps": int(arr.size),
         "ms_mean": ms(float(arr.mean())), "ms_p50": ms(p50), "ms_p90": ms(float(np.percentile(arr, 90))),
         "ms_p99": ms(float(np.percentile(arr, 99))), "ms_max": ms(float(arr.max())),
         "long": int(long.size),
-        "long_excess_pct": round(100 * float((long - p50).sum()) / ((end - start) * streams), 2),
+        "long_excess_pct": round(100 * float((long - p50).sum()) / ((end - start) * len(live)), 2),
     }
 
 
