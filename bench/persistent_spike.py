@@ -32,12 +32,23 @@ variant's relative error against the reference (on the first pair alone) (`palla
 - "persistent_prefetch<P>": as "persistent", but before the barrier each CTA asks the L2 for the
   codes of the first P K steps of its first second-phase item (`cp.async.bulk.prefetch.L2`), so
   that the weights stream while the CTAs wait: where a persistent layer kernel would gain most.
+- "persistent_manual": as "persistent", the second phase through a hand-written pipeline
+  (`_manual_tile_matmul`: codes, scales and x in `stages` slots, one barrier per slot for the
+  weights and one for x) instead of `emit_pipeline`: the baseline of the next variant.
+- "persistent_smem": as "persistent_manual", but each CTA starts the TMA copies of the first
+  `stages` K steps of its first second-phase item's weights into shared memory before the
+  barrier (`_preload_weights`; CTAs without a first-phase tile start them at once), and x's
+  copies after it.
 
 Measured on the H200 (twenty-second session, bench/results/persistent-spike-20261201-*): per
 pair, up (11008 x 4096) then down (4096 x 11008), Q8_0, M = 8, 264 CTAs: two_kernels 43.2-43.3
 us, persistent 42.2-43.0 us (-0.6% to -2.4%), with the L2 prefetch of 4 or 8 K steps 42.8-43.7 us;
 4096 x 4096 twice: 26.0 against 26.4 us (+1.4%), prefetch 27.8 us. The semaphore barrier took
 83-111 us per pair; with 132 CTAs (work unevenly spread) the counter barrier's pair took 52.3 us.
+Forty-second session (persistent-spike-20261204-*, another machine, 256 CTAs): the 7B pair two_kernels
+37.9 us, persistent 39.1, persistent_manual 39.4, persistent_smem 38.3 (the preload 1.1 us better than
+the same pipeline without it, still 0.35 us behind two kernels); 4096 x 4096 twice 23.1 / 24.1 /
+24.1 / 24.5 us.
 So a grid barrier costs about what a kernel boundary costs under CUDA graphs (about 1 us); the
 per-matmul fixed cost lies inside each kernel, not between kernels.
 """
@@ -107,6 +118,90 @@ def _tile_matmul(x_gmem, c_gmem, d_gmem, row0, lo, hi, *, m: int, tile_k: int, s
                                  init_carry=(zero,))(x_gmem, c_gmem.at[pl.ds(row0, ROWS)],
                                                      d_gmem.at[:, pl.ds(row0, ROWS)])
     return acc
+
+
+def _weight_copies(c_gmem, d_gmem, bufs, row0, step, slot) -> None:
+    """Starts the TMA copies of one K step's codes and scales into `slot` (its weight barrier)."""
+    plgpu = mm._plgpu()
+    cbuf, dbuf, _, wbar, _ = bufs
+    tile_k, nb = cbuf.shape[-1], dbuf.shape[1]
+    plgpu.copy_gmem_to_smem(c_gmem.at[pl.ds(row0, ROWS), pl.ds(step * tile_k, tile_k)], cbuf.at[slot], wbar.at[slot])
+    plgpu.copy_gmem_to_smem(d_gmem.at[pl.ds(step * nb, nb), pl.ds(row0, ROWS)], dbuf.at[slot], wbar.at[slot])
+
+
+def _x_copy(x_gmem, bufs, step, slot) -> None:
+    plgpu = mm._plgpu()
+    _, _, xbuf, _, xbar = bufs
+    tile_k = xbuf.shape[-1]
+    plgpu.copy_gmem_to_smem(x_gmem.at[:, pl.ds(step * tile_k, tile_k)], xbuf.at[slot], xbar.at[slot])
+
+
+def _preload_weights(c_gmem, d_gmem, bufs, row0, lo, hi, valid) -> None:
+    """The first `stages` K steps' weights of a tile, before its x exists (what a persistent
+    kernel can do while it waits at a barrier)."""
+    stages = bufs[0].shape[0]
+    for s in range(stages):
+        @pl.when(jnp.logical_and(valid, lo + s < hi))
+        def _():
+            _weight_copies(c_gmem, d_gmem, bufs, row0, lo + s, s)
+
+
+def _manual_tile_matmul(x_gmem, c_gmem, d_gmem, bufs, row0, lo, hi, *, m: int, preloaded: bool):
+    """As `_tile_matmul`, with a hand-written pipeline over `bufs` (codes, scales and x in
+    `stages` slots, a barrier per slot for the weights and one for x), so that the weights of
+    the first steps can be in flight before x may be read (`preloaded`: `_preload_weights` ran)."""
+    plgpu = mm._plgpu()
+    cbuf, dbuf, xbuf, wbar, xbar = bufs
+    stages, tile_k, nb = cbuf.shape[0], cbuf.shape[-1], dbuf.shape[1]
+    n = hi - lo
+    for s in range(stages):
+        @pl.when(jnp.logical_and(s < n, jnp.logical_not(preloaded)))
+        def _():
+            _weight_copies(c_gmem, d_gmem, bufs, row0, lo + s, s)
+
+        @pl.when(s < n)
+        def _():
+            _x_copy(x_gmem, bufs, lo + s, s)
+
+    def step(j, acc):
+        slot = lax.rem(j, stages)
+        plgpu.barrier_wait(wbar.at[slot])
+        plgpu.barrier_wait(xbar.at[slot])
+        a = mm._codes_bf16(cbuf.at[slot], "q8_0", upcast_loads=True, word_unpack=False)
+        x_smem = xbuf.at[slot]
+
+        def blockdots(*acc_refs):
+            for b, acc_ref in enumerate(acc_refs):
+                xb = plgpu.transpose_ref(x_smem.at[:, pl.ds(BLOCK * b, BLOCK)], (1, 0))
+                plgpu.wgmma(acc_ref, a[:, BLOCK * b:BLOCK * (b + 1)], xb)
+            return [r[...] for r in acc_refs]
+
+        parts = pl.run_scoped(blockdots, *[plgpu.ACC((ROWS, m), jnp.float32) for _ in range(nb)])
+        acc = mm._scale_and_sum(acc, parts, dbuf.at[slot])
+
+        @pl.when(j + stages < n)  # the slot's wgmmas are done (their results were read)
+        def _():
+            _weight_copies(c_gmem, d_gmem, bufs, row0, lo + j + stages, slot)
+            _x_copy(x_gmem, bufs, lo + j + stages, slot)
+
+        return acc
+
+    zero = plgpu.layout_cast(jnp.zeros((ROWS, m), jnp.float32), plgpu.Layout.WGMMA)
+    return lax.fori_loop(0, n, step, zero)
+
+
+def _manual_bufs(m: int, tile_k: int, stages: int):
+    """Scratch types of `_manual_tile_matmul`'s slots (Q8_0 codes, f16 scales, bf16 x)."""
+    plgpu = mm._plgpu()
+    a_swz = plgpu.find_swizzle(tile_k * 8, "lhs")
+    x_swz = plgpu.find_swizzle(BLOCK * 16, "rhs")
+    return [plgpu.SMEM((stages, ROWS, tile_k), jnp.int8,
+                       transforms=(plgpu.TilingTransform((8, a_swz * 8 // 8)), plgpu.SwizzleTransform(a_swz))),
+            plgpu.SMEM((stages, tile_k // BLOCK, ROWS), jnp.float16),
+            plgpu.SMEM((stages, m, tile_k), jnp.bfloat16,
+                       transforms=(plgpu.TilingTransform((8, x_swz * 8 // 16)), plgpu.SwizzleTransform(x_swz))),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=1, num_barriers=stages)]
 
 
 def _store_rows(acc, smem, gmem_slice, dtype) -> None:
@@ -264,7 +359,7 @@ def two_kernels(x, w1, w2, *, tile_k: int, stages: int, split: int):
 
 
 def persistent(x, w1, w2, *, tile_k: int, stages: int, split: int, ctas: int, prefetch_steps: int = 0,
-               barrier: str = "counter"):
+               barrier: str = "counter", smem_preload: str = ""):
     """z partial sums [split, M, N2] by one kernel of `ctas` CTAs with a grid barrier; with
     `prefetch_steps`, each CTA asks the L2 for its first second-phase weights before the barrier."""
     plgpu = mm._plgpu()
@@ -287,12 +382,35 @@ def persistent(x, w1, w2, *, tile_k: int, stages: int, split: int, ctas: int, pr
         if prefetch_steps:
             _prefetch_first_steps(c2, k=k2, tile_k=tile_k, split=split, items=(n2 // ROWS) * split,
                                   prefetch_steps=prefetch_steps)
+        items2 = (n2 // ROWS) * split
+        if smem_preload:
+            steps2 = k2 // tile_k
+
+            def item_range(item):
+                sid = item % split
+                return (item // split) * ROWS, (sid * steps2) // split, ((sid + 1) * steps2) // split
+
+            def second_phase(*bufs):
+                row0, lo, hi = item_range(cta)
+                if smem_preload == "preload":
+                    _preload_weights(c2, d2, bufs, row0, lo, hi, cta < items2)
+                counter_barrier(counter, ctas)
+
+                @pl.loop(cta, items2, step=ctas)
+                def _(item):
+                    row0, lo, hi = item_range(item)
+                    acc = _manual_tile_matmul(y_gmem, c2, d2, bufs, row0, lo, hi, m=m,
+                                              preloaded=jnp.logical_and(item == cta, smem_preload == "preload"))
+                    _store_rows(acc, z_smem, z_gmem.at[item % split, :, pl.ds(row0, ROWS)], jnp.float32)
+
+            pl.run_scoped(second_phase, *_manual_bufs(m, tile_k, stages))
+            return
         if barrier == "semaphores":
             grid_barrier(arrive, release, ctas, cta)
         else:
             counter_barrier(counter, ctas)
 
-        @pl.loop(cta, (n2 // ROWS) * split, step=ctas)
+        @pl.loop(cta, items2, step=ctas)
         def _(item):
             _second(y_gmem, c2, d2, z_gmem, z_smem, item // split, item % split, k=k2, split=split, **kw)
 
@@ -371,7 +489,9 @@ def main(argv=None) -> None:
     variants = {"two_kernels": functools.partial(two_kernels, **kw),
                 "persistent_semaphores": functools.partial(persistent, ctas=ctas, barrier="semaphores", **kw),
                 "persistent": functools.partial(persistent, ctas=ctas, **kw),
-                f"persistent_prefetch{prefetch}": functools.partial(persistent, ctas=ctas, prefetch_steps=prefetch, **kw)}
+                f"persistent_prefetch{prefetch}": functools.partial(persistent, ctas=ctas, prefetch_steps=prefetch, **kw),
+                "persistent_manual": functools.partial(persistent, ctas=ctas, smem_preload="manual", **kw),
+                "persistent_smem": functools.partial(persistent, ctas=ctas, smem_preload="preload", **kw)}
 
     key = jax.random.PRNGKey(0)
     if args.lower_only:

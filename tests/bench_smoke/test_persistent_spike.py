@@ -38,6 +38,19 @@ def test_both_variants_lower_for_cuda():
     assert fetched.count("custom_call @mosaic_gpu") == 1 and "cp.async.bulk.prefetch.L2.global" in fetched
 
 
+def test_hand_pipelined_variants_lower_for_cuda():
+    """The second phase through `_manual_tile_matmul`, with and without its weights' first copies
+    started before the barrier: one kernel each, holding the barrier, and not the same kernel."""
+    pytest.importorskip("absl")
+    kw = dict(tile_k=256, stages=2, split=2, ctas=4)
+    manual = _lowered(functools.partial(ps.persistent, smem_preload="manual", **kw))
+    preload = _lowered(functools.partial(ps.persistent, smem_preload="preload", **kw))
+    for text in (manual, preload):
+        assert text.count("custom_call @mosaic_gpu") == 1
+        assert "atom.add.release.gpu" in text and "ld.acquire.gpu" in text
+    assert manual != preload
+
+
 def test_spans_split_at_idle_gaps():
     events = [{"ts": 0, "dur": 10}, {"ts": 12, "dur": 5}, {"ts": 100, "dur": 4}, {"ts": 104.5, "dur": 1}]
     assert ps.spans_per_call(events, gap_us=30) == [17.0, 5.5]
