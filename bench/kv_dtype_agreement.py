@@ -1,6 +1,7 @@
 """What the KV cache's dtype costs in correctness: the teacher-forced comparison of
 tests/model/test_llama_cpp_agreement.py (our logits on llama.cpp's recorded token streams,
-tests/fixtures/generation_smollm2.json) run once per KV dtype, on the CPU path.
+tests/fixtures/generation_smollm2.json) run once per KV dtype, on jax's default backend (the
+CPU, or a GPU where there is one).
 
     python bench/kv_dtype_agreement.py [--model PATH] [--kv-dtypes float32,bfloat16,float8_e4m3fn] [--out DIR]
 
