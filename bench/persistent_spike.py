@@ -85,32 +85,49 @@ BLOCK = 32  # Q8_0's block
 ROWS = mgpu_tuning.BLOCK_N  # weight rows per tile (one warpgroup's wgmma M)
 
 
+def _code_transforms(tile_k: int) -> tuple:
+    """The shared-memory tiling and swizzle of a [64, tile_k] Q8_0 code tile (the wgmma's A)."""
+    plgpu = mm._plgpu()
+    a_swz = plgpu.find_swizzle(tile_k * 8, "lhs")
+    return plgpu.TilingTransform((8, a_swz * 8 // 8)), plgpu.SwizzleTransform(a_swz)
+
+
+def _x_transforms() -> tuple:
+    """The same for an [m, tile_k] bf16 x tile (the transposed B, a 32-block at a time)."""
+    plgpu = mm._plgpu()
+    x_swz = plgpu.find_swizzle(BLOCK * 16, "rhs")
+    return plgpu.TilingTransform((8, x_swz * 8 // 16)), plgpu.SwizzleTransform(x_swz)
+
+
+def _step_product(acc, x_smem, c_smem, d_smem, *, m: int, nb: int):
+    """acc + one K step's product: the step's codes [64, tile_k] in bf16 against x [m, tile_k],
+    a wgmma per 32-block, each block's [64, m] result scaled by its scales [tile_k/32, 64]."""
+    plgpu = mm._plgpu()
+    a = mm._codes_bf16(c_smem, "q8_0", upcast_loads=True, word_unpack=False)
+
+    def blockdots(*acc_refs):
+        for b, acc_ref in enumerate(acc_refs):
+            xb = plgpu.transpose_ref(x_smem.at[:, pl.ds(BLOCK * b, BLOCK)], (1, 0))
+            plgpu.wgmma(acc_ref, a[:, BLOCK * b:BLOCK * (b + 1)], xb)
+        return [r[...] for r in acc_refs]
+
+    parts = pl.run_scoped(blockdots, *[plgpu.ACC((ROWS, m), jnp.float32) for _ in range(nb)])
+    return mm._scale_and_sum(acc, parts, d_smem)
+
+
 def _tile_matmul(x_gmem, c_gmem, d_gmem, row0, lo, hi, *, m: int, tile_k: int, stages: int):
     """[64, m] f32: weight rows row0..row0+63 (Q8_0: c_gmem [N, K] int8 codes, d_gmem [K/32, N]
     f16 scales) times x_gmem [m, K] bf16 over K steps lo..hi-1 of tile_k."""
     plgpu = mm._plgpu()
     nb = tile_k // BLOCK
-    a_swz = plgpu.find_swizzle(tile_k * 8, "lhs")
-    x_swz = plgpu.find_swizzle(BLOCK * 16, "rhs")
 
     def body(idx, x_smem, c_smem, d_smem, carry):
         del idx
-        a = mm._codes_bf16(c_smem, "q8_0", upcast_loads=True, word_unpack=False)
-
-        def blockdots(*acc_refs):
-            for b, acc_ref in enumerate(acc_refs):
-                xb = plgpu.transpose_ref(x_smem.at[:, pl.ds(BLOCK * b, BLOCK)], (1, 0))
-                plgpu.wgmma(acc_ref, a[:, BLOCK * b:BLOCK * (b + 1)], xb)
-            return [r[...] for r in acc_refs]
-
-        parts = pl.run_scoped(blockdots, *[plgpu.ACC((ROWS, m), jnp.float32) for _ in range(nb)])
-        return (mm._scale_and_sum(carry[0], parts, d_smem),)
+        return (_step_product(carry[0], x_smem, c_smem, d_smem, m=m, nb=nb),)
 
     in_specs = [
-        plgpu.BlockSpec((m, tile_k), lambda j: (0, lo + j),
-                        transforms=(plgpu.TilingTransform((8, x_swz * 8 // 16)), plgpu.SwizzleTransform(x_swz))),
-        plgpu.BlockSpec((ROWS, tile_k), lambda j: (0, lo + j),
-                        transforms=(plgpu.TilingTransform((8, a_swz * 8 // 8)), plgpu.SwizzleTransform(a_swz))),
+        plgpu.BlockSpec((m, tile_k), lambda j: (0, lo + j), transforms=_x_transforms()),
+        plgpu.BlockSpec((ROWS, tile_k), lambda j: (0, lo + j), transforms=_code_transforms(tile_k)),
         plgpu.BlockSpec((nb, ROWS), lambda j: (lo + j, 0)),
     ]
     zero = plgpu.layout_cast(jnp.zeros((ROWS, m), jnp.float32), plgpu.Layout.WGMMA)
@@ -152,7 +169,7 @@ def _manual_tile_matmul(x_gmem, c_gmem, d_gmem, bufs, row0, lo, hi, *, m: int, p
     the first steps can be in flight before x may be read (`preloaded`: `_preload_weights` ran)."""
     plgpu = mm._plgpu()
     cbuf, dbuf, xbuf, wbar, xbar = bufs
-    stages, tile_k, nb = cbuf.shape[0], cbuf.shape[-1], dbuf.shape[1]
+    stages, nb = cbuf.shape[0], dbuf.shape[1]
     n = hi - lo
     for s in range(stages):
         @pl.when(jnp.logical_and(s < n, jnp.logical_not(preloaded)))
@@ -167,17 +184,7 @@ def _manual_tile_matmul(x_gmem, c_gmem, d_gmem, bufs, row0, lo, hi, *, m: int, p
         slot = lax.rem(j, stages)
         plgpu.barrier_wait(wbar.at[slot])
         plgpu.barrier_wait(xbar.at[slot])
-        a = mm._codes_bf16(cbuf.at[slot], "q8_0", upcast_loads=True, word_unpack=False)
-        x_smem = xbuf.at[slot]
-
-        def blockdots(*acc_refs):
-            for b, acc_ref in enumerate(acc_refs):
-                xb = plgpu.transpose_ref(x_smem.at[:, pl.ds(BLOCK * b, BLOCK)], (1, 0))
-                plgpu.wgmma(acc_ref, a[:, BLOCK * b:BLOCK * (b + 1)], xb)
-            return [r[...] for r in acc_refs]
-
-        parts = pl.run_scoped(blockdots, *[plgpu.ACC((ROWS, m), jnp.float32) for _ in range(nb)])
-        acc = mm._scale_and_sum(acc, parts, dbuf.at[slot])
+        acc = _step_product(acc, xbuf.at[slot], cbuf.at[slot], dbuf.at[slot], m=m, nb=nb)
 
         @pl.when(j + stages < n)  # the slot's wgmmas are done (their results were read)
         def _():
@@ -193,13 +200,9 @@ def _manual_tile_matmul(x_gmem, c_gmem, d_gmem, bufs, row0, lo, hi, *, m: int, p
 def _manual_bufs(m: int, tile_k: int, stages: int):
     """Scratch types of `_manual_tile_matmul`'s slots (Q8_0 codes, f16 scales, bf16 x)."""
     plgpu = mm._plgpu()
-    a_swz = plgpu.find_swizzle(tile_k * 8, "lhs")
-    x_swz = plgpu.find_swizzle(BLOCK * 16, "rhs")
-    return [plgpu.SMEM((stages, ROWS, tile_k), jnp.int8,
-                       transforms=(plgpu.TilingTransform((8, a_swz * 8 // 8)), plgpu.SwizzleTransform(a_swz))),
+    return [plgpu.SMEM((stages, ROWS, tile_k), jnp.int8, transforms=_code_transforms(tile_k)),
             plgpu.SMEM((stages, tile_k // BLOCK, ROWS), jnp.float16),
-            plgpu.SMEM((stages, m, tile_k), jnp.bfloat16,
-                       transforms=(plgpu.TilingTransform((8, x_swz * 8 // 16)), plgpu.SwizzleTransform(x_swz))),
+            plgpu.SMEM((stages, m, tile_k), jnp.bfloat16, transforms=_x_transforms()),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             plgpu.Barrier(num_arrivals=1, num_barriers=stages)]
 
