@@ -22,8 +22,8 @@ What it runs, per "pair" (a stand-in for a layer's up and down projections, both
   adds 1 to `arrive`; CTA 0 waits for all, then adds ctas to `release`; each CTA takes 1 from
   `release`, a compare-and-swap loop on one word).
 
-Both variants share the per-tile code (a K-pipelined Q8_0 matmul of 64 weight rows, as
-`pallas_kernels.matmul_mgpu`'s decode kernel with one row tile). `--pairs` pairs are chained in
+All variants share the per-step product (`_step_product`: a K step of a Q8_0 matmul of 64
+weight rows, as `pallas_kernels.matmul_mgpu`'s decode kernel with one row tile). `--pairs` pairs are chained in
 one jit (z of one, cast to bf16, is x of the next), so the weights read per call exceed the L2.
 The report: device time per pair (sum of kernel durations, and the span from the first kernel's
 start to the last one's end, per call, over the pairs), the wall clock per call, and each
