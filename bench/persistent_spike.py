@@ -364,7 +364,13 @@ def two_kernels(x, w1, w2, *, tile_k: int, stages: int, split: int):
 def persistent(x, w1, w2, *, tile_k: int, stages: int, split: int, ctas: int, prefetch_steps: int = 0,
                barrier: str = "counter", smem_preload: str = ""):
     """z partial sums [split, M, N2] by one kernel of `ctas` CTAs with a grid barrier; with
-    `prefetch_steps`, each CTA asks the L2 for its first second-phase weights before the barrier."""
+    `prefetch_steps`, each CTA asks the L2 for its first second-phase weights before the barrier;
+    `smem_preload` "manual": the second phase through `_manual_tile_matmul`, "preload": the same
+    with its first weights copied into shared memory before the (counter) barrier."""
+    if smem_preload not in ("", "manual", "preload"):
+        raise ValueError(f"smem_preload must be '', 'manual' or 'preload', got {smem_preload!r}")
+    if smem_preload and (barrier != "counter" or prefetch_steps):
+        raise ValueError("smem_preload runs the counter barrier alone, without prefetch_steps")
     plgpu = mm._plgpu()
     m, (n1, k1), (n2, k2) = x.shape[0], w1.shape, w2.shape
     kw = dict(m=m, tile_k=tile_k, stages=stages)

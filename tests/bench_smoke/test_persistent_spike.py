@@ -49,6 +49,10 @@ def test_hand_pipelined_variants_lower_for_cuda():
         assert text.count("custom_call @mosaic_gpu") == 1
         assert "atom.add.release.gpu" in text and "ld.acquire.gpu" in text
     assert manual != preload
+    for bad in (dict(smem_preload="yes"), dict(smem_preload="preload", barrier="semaphores"),
+                dict(smem_preload="manual", prefetch_steps=1)):
+        with pytest.raises(ValueError):
+            _lowered(functools.partial(ps.persistent, **{**kw, **bad}))
 
 
 def test_spans_split_at_idle_gaps():
