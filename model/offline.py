@@ -19,17 +19,23 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def generate(runner, prompts: list[list[int]], num_tokens: int, slots: list[int] | None = None,
-             sampling: SamplingParams = GREEDY, stop_ids: frozenset[int] = frozenset()) -> list[list[int]]:
-    """Generates up to `num_tokens` tokens for each prompt, each in its own slot, all at once."""
+             sampling: SamplingParams = GREEDY, stop_ids: frozenset[int] = frozenset(),
+             reused: list[int] | None = None) -> list[list[int]]:
+    """Generates up to `num_tokens` tokens for each prompt, each in its own slot, all at once.
+    `reused[i]`: prompt i's first tokens already in its slot's cache (`PrefillChunk.reused`, a
+    multiple of the largest chunk), which are not prefilled again."""
     slots = slots if slots is not None else list(range(len(prompts)))
+    reused = reused if reused is not None else [0] * len(prompts)
     chunk = runner.prefill_chunks[-1]
     out: list[list[int]] = [[] for _ in prompts]
     setups = tuple(SlotSetup(s, sampling) for s in slots)
     prefills = []
-    for s, ids in zip(slots, prompts):
-        for start in range(0, len(ids), chunk):
+    for s, ids, kept in zip(slots, prompts, reused):
+        if kept % chunk or not 0 <= kept < len(ids):
+            raise ValueError(f"{kept} reused tokens: not a multiple of {chunk} below the prompt's {len(ids)}")
+        for start in range(kept, len(ids), chunk):
             piece = np.asarray(ids[start:start + chunk], np.int32)
-            prefills.append(PrefillChunk(s, piece, start, start + chunk >= len(ids)))
+            prefills.append(PrefillChunk(s, piece, start, start + chunk >= len(ids), kept))
     res = runner.dispatch(StepPlan(setups=setups, prefills=tuple(prefills))).result()
     live = []
     for i, s in enumerate(slots):

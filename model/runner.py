@@ -40,15 +40,19 @@ class SlotState:
     prompt_mask: jax.Array  # [B, V] bool: token appears in the prompt (repetition penalty)
     counts: jax.Array  # [B, V] int32: generated-token counts (presence/frequency penalties)
     step_index: jax.Array  # [B] int32: tokens generated so far (RNG stream position)
+    # [B, S] int32: the prompt token prefilled at each cache position (stale past the prompt), so
+    # that a request reusing a cached prompt prefix gets that prefix's prompt mask
+    history: jax.Array
 
     @staticmethod
-    def create(num_slots: int, vocab: int) -> "SlotState":
+    def create(num_slots: int, vocab: int, max_context: int) -> "SlotState":
         return SlotState(
             tokens=jnp.zeros((num_slots,), jnp.int32),
             positions=jnp.zeros((num_slots,), jnp.int32),
             prompt_mask=jnp.zeros((num_slots, vocab), jnp.bool_),
             counts=jnp.zeros((num_slots, vocab), jnp.int32),
             step_index=jnp.zeros((num_slots,), jnp.int32),
+            history=jnp.zeros((num_slots, max_context), jnp.int32),
         )
 
 
@@ -65,6 +69,7 @@ def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, par
         prompt_mask=st.prompt_mask,
         counts=sampling.update_counts(st.counts, tok, active),
         step_index=st.step_index + inc,
+        history=st.history,
     )
     return cache, st, _pack_outputs(tok, active, lp, top_ids, top_lps)
 
@@ -101,12 +106,15 @@ def _multi_decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: in
     return cache, st, outs
 
 
+PREFILL_HEAD = 5  # prefill_args' scalars
+
+
 def prefill_args(slot: int, tokens: np.ndarray, start: int, num_valid: int, is_last: bool,
-                 samp_words: np.ndarray) -> np.ndarray:
+                 samp_words: np.ndarray, reused: int = 0) -> np.ndarray:
     """`_prefill_step`'s host arguments as one int32 vector, one transfer (model/transfer.py):
-    slot, start, num_valid, is_last, every slot's sampling settings as `transfer.pack_words`
-    gives them, then the chunk's (padded) tokens."""
-    head = np.asarray([slot, start, num_valid, int(is_last)], np.int32)
+    slot, start, num_valid, is_last, reused (`PrefillChunk.reused`), every slot's sampling
+    settings as `transfer.pack_words` gives them, then the chunk's (padded) tokens."""
+    head = np.asarray([slot, start, num_valid, int(is_last), reused], np.int32)
     return np.concatenate([head, samp_words, np.asarray(tokens, np.int32)])
 
 
@@ -115,17 +123,21 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
     """One prompt chunk (`prefill_args`); returns (cache, state, the sampling arrays it unpacked
     for the decode programs after it, its outputs)."""
     words = transfer.words_size(samp_layout)
-    slot, start, num_valid, is_last = args[0], args[1], args[2], args[3] != 0
-    samp = transfer.unpack_words(args[4:4 + words], samp_layout)
-    tokens = args[4 + words:]
+    slot, start, num_valid, is_last, reused = args[0], args[1], args[2], args[3] != 0, args[4]
+    samp = transfer.unpack_words(args[PREFILL_HEAD:PREFILL_HEAD + words], samp_layout)
+    tokens = args[PREFILL_HEAD + words:]
     t = tokens.shape[0]
-    vocab = st.prompt_mask.shape[1]
-    fresh = start == 0  # a new request: clear the slot's penalty state
-    row_mask = jnp.where(fresh, False, st.prompt_mask[slot])
+    vocab, s = st.prompt_mask.shape[1], st.history.shape[1]
+    fresh = start == reused  # a new request's first chunk: reset the slot's penalty state
+    row_history = st.history[slot]
+    kept = jnp.where(jnp.arange(s) < reused, row_history, vocab)  # the reused prompt prefix's tokens
+    row_mask = jnp.where(fresh, jnp.zeros((vocab,), jnp.bool_).at[kept].set(True, mode="drop"), st.prompt_mask[slot])
     row_counts = jnp.where(fresh, 0, st.counts[slot])
     row_step = jnp.where(fresh, 0, st.step_index[slot])
-    ids = jnp.where(jnp.arange(t) < num_valid, tokens, vocab)  # padding: dropped
+    valid = jnp.arange(t) < num_valid
+    ids = jnp.where(valid, tokens, vocab)  # padding: dropped
     row_mask = row_mask.at[ids].set(True, mode="drop")
+    row_history = row_history.at[jnp.where(valid, start + jnp.arange(t), s)].set(tokens, mode="drop")
 
     logits, cache = forward.prefill(cfg, kern, params, cache, slot, tokens, start, num_valid, attend)
     row_samp = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), samp)
@@ -141,6 +153,7 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
         prompt_mask=st.prompt_mask.at[slot].set(row_mask),
         counts=st.counts.at[slot].set(row_counts),
         step_index=st.step_index.at[slot].set(row_step + is_last.astype(jnp.int32)),
+        history=st.history.at[slot].set(row_history),
     )
     return cache, st, samp, jnp.concatenate([slot[None], _pack_outputs(tok, is_last, lp[0], top_ids[0], top_lps[0])])
 
@@ -255,10 +268,11 @@ class ModelRunner:
                  engine_cfg.unroll_decode_layers)
         if mesh is None:
             self._cache = KVCache.create(cfg, self.num_slots, self.max_context, jnp.dtype(engine_cfg.kv_dtype))
-            self._state = SlotState.create(self.num_slots, cfg.vocab_size)
+            self._state = SlotState.create(self.num_slots, cfg.vocab_size, self.max_context)
         else:  # the cache splits over kv heads; the slot state is replicated
             self._cache = sharding.create_cache(cfg, self.num_slots, self.max_context, jnp.dtype(engine_cfg.kv_dtype), mesh)
-            self._state = jax.device_put(SlotState.create(self.num_slots, cfg.vocab_size), sharding.replicated(mesh))
+            self._state = jax.device_put(SlotState.create(self.num_slots, cfg.vocab_size, self.max_context),
+                                         sharding.replicated(mesh))
         self._slot_params: list[SamplingParams | None] = [None] * self.num_slots
         self._rng = np.random.default_rng()
         # Every slot's sampling settings, as the host packs them (repacked at each SlotSetup) and
@@ -331,7 +345,7 @@ class ModelRunner:
     def _example_args(self, kind: str, size: int) -> tuple:
         if kind == "decode":
             return (self.params, self._cache, self._state, self._samp, self._active_mask(()))
-        return (self.params, self._cache, self._state, jnp.zeros((4 + self._samp_words.size + size,), jnp.int32))
+        return (self.params, self._cache, self._state, jnp.zeros((PREFILL_HEAD + self._samp_words.size + size,), jnp.int32))
 
     def warmup(self) -> None:
         """Compiles every program the serving path can run: decode (once per decode-steps count)
@@ -446,6 +460,6 @@ class ModelRunner:
         self._positions[chunk.slot] = chunk.start_pos + n
         self._cache, self._state, self._samp, out = self._program("prefill", size, attend)(
             self.params, self._cache, self._state,
-            prefill_args(chunk.slot, padded, chunk.start_pos, n, chunk.is_last, self._samp_words),
+            prefill_args(chunk.slot, padded, chunk.start_pos, n, chunk.is_last, self._samp_words, chunk.reused),
         )
         return _start_copies(out)

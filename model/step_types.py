@@ -76,12 +76,21 @@ class PrefillChunk:
 
     `is_last`: the chunk ends the prompt, so the step samples the request's first token.
     Chunks of one prompt arrive in order; the runner pads `tokens` to a compiled chunk size.
+    `reused`: positions [0, reused) of the slot's cache already hold this request's first
+    prompt tokens, prefilled for an earlier request with the same ones (the engine's prompt
+    cache); its first chunk starts there, and that chunk (start_pos == reused) resets the
+    slot's penalty state, taking the prompt tokens below it from the slot's token history.
     """
 
     slot: int
     tokens: np.ndarray  # [T] int32, 1 <= T <= largest compiled chunk
     start_pos: int
     is_last: bool
+    reused: int = 0
+
+    @property
+    def is_first(self) -> bool:
+        return self.start_pos == self.reused
 
 
 @dataclasses.dataclass(frozen=True)

@@ -220,3 +220,29 @@ def test_prefill_programs_may_compile_without_cuda_graphs(smol_runner):
         assert runner._compiler_options("decode") is None
     # an option XLA takes (a misspelt one fails the compile: "No such compile option")
     jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile(compiler_options={"xla_gpu_enable_command_buffer": ""})
+
+
+def test_a_reused_prompt_prefix_gives_the_tokens_and_penalty_state_of_a_cold_prefill(smol_runner, prompt_ids):
+    """A request that keeps the first 512 positions of its slot's cache (`PrefillChunk.reused`,
+    prefilled there for an earlier request with the same tokens) and prefills only the rest gets
+    the tokens a cold prefill of its whole prompt gets in another slot, and the same penalty state:
+    its prompt mask holds the reused tokens too (from the slot's token history), and the counts
+    of the earlier request's output are gone."""
+    chunk = smol_runner.prefill_chunks[-1]
+    head = (prompt_ids[7] * 40)[:chunk]
+    first = head + prompt_ids[1] * 3
+    second = head + prompt_ids[2] * 4  # the same first chunk, another tail
+    sampled = SamplingParams(temperature=0.8, top_k=40, seed=11, repetition_penalty=1.3, frequency_penalty=0.5)
+    for sampling in (SamplingParams(temperature=0.0), sampled):
+        generate(smol_runner, [first], 6, slots=[3], sampling=sampling)  # leaves head's keys and values in slot 3
+        warm = generate(smol_runner, [second], 1, slots=[3], sampling=sampling, reused=[chunk])
+        warm_state = jax.tree_util.tree_map(lambda a: np.asarray(a)[3], smol_runner._state)
+        cold = generate(smol_runner, [second], 1, slots=[6], sampling=sampling)
+        cold_state = jax.tree_util.tree_map(lambda a: np.asarray(a)[6], smol_runner._state)
+        assert warm == cold
+        for name in ("prompt_mask", "counts", "step_index", "positions", "tokens"):
+            np.testing.assert_array_equal(getattr(warm_state, name), getattr(cold_state, name), err_msg=name)
+        assert warm_state.prompt_mask[head].all() and warm_state.counts.sum() == 1
+        # and the whole continuation, decode steps after the reused prefill included
+        warm = generate(smol_runner, [second], 8, slots=[3], sampling=sampling, reused=[chunk])
+        assert warm == generate(smol_runner, [second], 8, slots=[6], sampling=sampling)
