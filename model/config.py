@@ -291,6 +291,11 @@ class EngineConfig:
     # so a request's tokens may then differ in rare near-ties with what else runs. Off: the
     # engine stays batch-invariant. Costs a compile per context bucket that has it.
     few_rows_attention: bool = False
+    # A slot's keys and values kept after its request for a later one whose prompt starts with
+    # the same whole chunks (scheduler/engine.py's prompt cache): a chat's next turn prefills only
+    # what follows the chunks its history shares with an earlier prompt. The tokens are those of a
+    # cold prefill. Off: every request prefills its whole prompt (for A/B measurements).
+    prompt_cache: bool = True
     # The decode step's new keys and values written by XLA scatters before the attention kernel
     # instead of by the kernel itself (where it can: the Triton one, `Kernels.decode_writes_cache`).
     # For A/B measurements: the kernel's own write saved 64 kernels and 89-97 us per step of a 7B

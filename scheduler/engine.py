@@ -31,6 +31,26 @@ but the text stops before it. A stop token's (or EOS's) text is never sent.
 Batch invariance: a prompt is cut at fixed absolute boundaries (multiples of the largest
 compiled chunk), so its chunks, and therefore its tokens, never depend on its neighbours.
 
+Prompt cache (`EngineConfig.prompt_cache`, on by default): a slot's keys and values outlive its
+request. The engine remembers, per slot, the tokens of the whole chunks (the largest compiled
+size, from position 0) prefilled there; a new request takes the free slot whose remembered
+chunks match the longest prefix of its prompt (else an empty slot, else the one idle longest)
+and prefills only from the first chunk that differs, keeping at least one prompt token to
+prefill. Only whole prefilled chunks are kept, never a partial chunk or decoded tokens, and the
+boundaries are the fixed ones above, so the positions reused hold exactly what a cold prefill
+would write there: a request's tokens are the same with or without the cache (a chat turn
+reuses what earlier turns prefilled of its history, not the previous turn's own answer).
+
+Prompt cache (`EngineConfig.prompt_cache`, on by default): a slot's keys and values outlive its
+request. The engine remembers, per slot, the tokens of the whole chunks (the largest compiled
+size, from position 0) prefilled there; a new request takes the free slot whose remembered
+chunks match the longest prefix of its prompt (else an empty slot, else the one idle longest)
+and prefills only from the first chunk that differs, keeping at least one prompt token to
+prefill. Only whole prefilled chunks are kept, never a partial chunk or decoded tokens, and the
+boundaries are the fixed ones above, so the positions reused hold exactly what a cold prefill
+would write there: a request's tokens are the same with or without the cache (a chat turn
+reuses what earlier turns prefilled of its history, not the previous turn's own answer).
+
 Timing for /metrics: `Engine.add_observer(fn)` registers `fn(RequestTiming)`, called on the
 engine thread once per finished request with its queue time, time to first token, inter-token
 gaps and end-to-end time (`scheduler.requests.RequestTiming`). Observers must be quick and
@@ -220,6 +240,10 @@ class Engine:
         self._slots: list[RequestState | None] = [None] * config.num_slots  # resized to the model's
         self._waiting: collections.deque[RequestState] = collections.deque()
         self._requests: dict[int, RequestState] = {}
+        # Prompt cache (module docstring): per slot, the tokens of the whole chunks prefilled
+        # there from position 0, and when its last request ended (for the least recently used).
+        self._held: list[np.ndarray] = [np.zeros((0,), np.int32)] * config.num_slots
+        self._freed_at: list[float] = [0.0] * config.num_slots
         self._chunk_sizes: tuple[int, ...] = config.prefill_chunks
         self._max_context = config.max_context
         self._max_top_logprobs = config.max_top_logprobs
@@ -230,6 +254,7 @@ class Engine:
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, StreamEvent]]] | None = None
         self._is_stopping = False
         self._prompt_tokens_total = 0
+        self._prompt_tokens_cached_total = 0
         self._generation_tokens_total = 0
         # Read from any thread: immutable objects, replaced whole by the engine thread.
         self._stats = self._snapshot("loading")
@@ -390,6 +415,8 @@ class Engine:
         if self.config.prefill_budget < chunks[-1]:
             raise ValueError(f"prefill budget {self.config.prefill_budget} is below the largest chunk {chunks[-1]}")
         self._slots = [None] * int(model.num_slots)
+        self._held = [np.zeros((0,), np.int32)] * len(self._slots)
+        self._freed_at = [0.0] * len(self._slots)
         self._chunk_sizes = chunks
         self._max_context = int(model.max_context)
         self._max_top_logprobs = int(model.max_top_logprobs)
@@ -410,6 +437,7 @@ class Engine:
             "max_top_logprobs": self._max_top_logprobs,
             "decode_steps_per_dispatch": max(self._decode_steps),  # the most, while no prompt waits
             "dispatch_ahead": self._dispatch_ahead,
+            "prompt_cache": self.config.prompt_cache,
         }
         model_info = getattr(model, "info", None)
         if callable(model_info):
@@ -510,11 +538,16 @@ class Engine:
         free = [slot for slot, state in enumerate(self._slots) if state is None]
         while self._waiting and free:
             state = self._waiting[0]
-            if self._chunk_cost(min(self._chunk_sizes[-1], state.num_prompt)) > budget:
+            slot, reused = self._pick_slot(state, free)
+            if self._chunk_cost(min(self._chunk_sizes[-1], state.num_prompt - reused)) > budget:
                 break
             self._waiting.popleft()
-            state.slot = free.pop(0)
+            free.remove(slot)
+            state.slot = slot
             state.admitted_at = now
+            state.num_reused = state.num_prefilled = reused
+            self._held[slot] = self._held[slot][:reused]  # the rest is overwritten from here on
+            self._prompt_tokens_cached_total += reused
             self._slots[state.slot] = state
             setups.append(SlotSetup(state.slot, state.request.sampling))
             budget = self._plan_chunks(state, budget, prefills, rows)
@@ -525,6 +558,26 @@ class Engine:
             num_decode_steps=steps if decode_slots and not prefills else 1,
         )
         return plan, rows
+
+    def _pick_slot(self, state: RequestState, free: list[int]) -> tuple[int, int]:
+        """The free slot for a request, and how many of its prompt tokens that slot's cache holds
+        (module docstring): the longest match of whole chunks, leaving at least one token to
+        prefill; without one, the first slot holding nothing, else the one idle longest. A request
+        with `cache_prompt` off reuses nothing but is placed the same way (other slots' caches last)."""
+        largest = self._chunk_sizes[-1]
+        if not self.config.prompt_cache:
+            return free[0], 0
+        limit = (state.num_prompt - 1) // largest * largest if state.request.cache_prompt else 0
+        best, best_key = free[0], None
+        for slot in free:
+            held = self._held[slot]
+            n = min(len(held), limit)
+            differ = np.flatnonzero(held[:n] != state.prompt[:n])
+            matched = (int(differ[0]) if differ.size else n) // largest * largest
+            key = (matched, len(held) == 0, -self._freed_at[slot])
+            if best_key is None or key > best_key:
+                best, best_key = slot, key
+        return best, best_key[0]
 
     def _plan_chunks(
         self, state: RequestState, budget: int, prefills: list[PrefillChunk], rows: dict[int, RequestState]
@@ -542,7 +595,10 @@ class Engine:
                 break
             budget -= cost
             is_last = end == state.num_prompt
-            prefills.append(PrefillChunk(state.slot, state.prompt[start:end], start, is_last))
+            tokens = state.prompt[start:end]
+            prefills.append(PrefillChunk(state.slot, tokens, start, is_last, state.num_reused))
+            if end - start == largest:  # held since admission: [0, start), the chunks before this one
+                self._held[state.slot] = np.concatenate([self._held[state.slot], tokens])
             state.num_prefilled = end
             self._prompt_tokens_total += end - start
             if is_last:
@@ -615,6 +671,7 @@ class Engine:
         state.is_finished = True
         if state.slot is not None:
             self._slots[state.slot] = None
+            self._freed_at[state.slot] = now
         else:
             self._waiting.remove(state)
         del self._requests[state.seq]
@@ -675,6 +732,7 @@ class Engine:
             requests_waiting=len(self._waiting),
             requests_rejected_total=self._rejected,
             prompt_tokens_total=self._prompt_tokens_total,
+            prompt_tokens_cached_total=self._prompt_tokens_cached_total,
             generation_tokens_total=self._generation_tokens_total,
             error=error,
         )

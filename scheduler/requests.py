@@ -141,7 +141,8 @@ class RequestState:
         self.limit = min(request.max_tokens, max_context - self.num_prompt)
         self.deadline = deadline
         self.slot: int | None = None
-        self.num_prefilled = 0  # prompt tokens dispatched
+        self.num_reused = 0  # prompt tokens the slot's cache held at admission (the prompt cache)
+        self.num_prefilled = 0  # prompt tokens dispatched (or reused)
         self.num_scheduled = 0  # generated tokens whose sampling was dispatched (some in flight)
         self.num_generated = 0  # generated tokens accepted
         self.is_finished = False
@@ -239,4 +240,5 @@ class RequestState:
             error=error,
             prompt_tokens=self.num_prompt,
             completion_tokens=self.num_generated,
+            cached_tokens=self.num_reused,
         )

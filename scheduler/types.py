@@ -49,6 +49,7 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False  # return the chosen token's logprob (and sampling.top_logprobs alternatives)
+    cache_prompt: bool = True  # may reuse a prompt prefix a slot's cache holds (llama.cpp's cache_prompt)
     timeout_s: float | None = None  # None: the engine's default
 
     def __post_init__(self) -> None:
@@ -78,6 +79,7 @@ class StreamEvent:
     error: str | None = None
     prompt_tokens: int = 0  # usage, set on the final event
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those reused from the prompt cache, not prefilled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +92,7 @@ class EngineStats:
     requests_running: int
     requests_waiting: int
     requests_rejected_total: int
-    prompt_tokens_total: int
+    prompt_tokens_total: int  # prefilled
     generation_tokens_total: int
     error: str | None = None
+    prompt_tokens_cached_total: int = 0  # reused from the prompt cache instead

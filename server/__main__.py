@@ -112,6 +112,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
                    help="leave the prefill programs' outputs in device memory for the host to copy, rather than "
                         "have the programs write them to pinned host memory (for A/B measurements; the decode "
                         "programs' outputs stay in device memory either way)")
+    p.add_argument("--no-prompt-cache", dest="prompt_cache", action="store_false",
+                   help="prefill every prompt whole, rather than reuse the whole chunks a free slot's cache "
+                        "holds of its start (the same tokens either way; for A/B measurements)")
     p.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                    help="leave the heap loading built to Python's cyclic GC (by default it is frozen after warm-up, "
                         "so that full collections, which stall every thread, scan only what requests allocate)")
@@ -175,6 +178,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dispatch_ahead=args.dispatch_ahead,
         unroll_decode_layers=args.unroll_decode_layers,
         few_rows_attention=args.few_rows_attention,
+        prompt_cache=args.prompt_cache,
         separate_kv_write=args.separate_kv_write,
         gather_x=args.gather_x,
         ordered_values=args.ordered_values,

@@ -246,7 +246,7 @@ async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]
     if not is_done or results is None:
         log.info("client left before %s finished", response_id)
         return Response(status_code=CLIENT_CLOSED)
-    return json_response(renderer.response(results, gen.prompt_tokens, gen.completion_tokens))
+    return json_response(renderer.response(results, gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
 
 
 async def completions(request: Request) -> Response:

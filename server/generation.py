@@ -52,6 +52,7 @@ class _Choice:
     prompt: PreparedPrompt
     stream: RequestStream
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's tokens, those the engine reused from its prompt cache
     is_finished: bool = False
 
 
@@ -81,6 +82,7 @@ class Generation:
             stop_token_ids=self._parsed.stop_token_ids,
             ignore_eos=self._parsed.ignore_eos,
             logprobs=self._parsed.logprobs is not None,
+            cache_prompt=self._parsed.cache_prompt,
         )
 
     def submit_all(self) -> None:
@@ -122,12 +124,22 @@ class Generation:
     def completion_tokens(self) -> int:
         return sum(c.completion_tokens for c in self.choices)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Per prompt, the most any of its choices reused (its tokens are counted once too)."""
+        most: dict[int, int] = {}
+        for c in self.choices:
+            key = id(c.prompt)
+            most[key] = max(most.get(key, 0), c.cached_tokens)
+        return sum(most.values())
+
     def _record(self, choice: _Choice, event: StreamEvent) -> None:
         choice.completion_tokens += len(event.token_ids)
         if event.finish_reason is not None:
             choice.is_finished = True
             if event.completion_tokens:  # the engine's count is authoritative
                 choice.completion_tokens = event.completion_tokens
+            choice.cached_tokens = event.cached_tokens
 
     async def events(self) -> AsyncIterator[tuple[_Choice, StreamEvent]]:
         """Events of all choices as they arrive, each choice ending with its final event."""
@@ -216,7 +228,7 @@ async def sse_frames(gen: Generation, renderer: Renderer, include_usage: bool,
                     return
                 yield sse_frame(renderer.finish_chunk(choice.index, event.finish_reason))
         if include_usage:
-            yield sse_frame(renderer.usage_chunk(gen.prompt_tokens, gen.completion_tokens))
+            yield sse_frame(renderer.usage_chunk(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
         yield DONE_FRAME
     except Exception:
         log.exception("streaming response %s failed", renderer.response_id)

@@ -79,6 +79,10 @@ class _EngineCollector:
             "pallas_prompt_tokens", "Prompt tokens prefilled", value=st.prompt_tokens_total if st else 0
         )
         yield CounterMetricFamily(
+            "pallas_prompt_tokens_cached", "Prompt tokens reused from the prompt cache, not prefilled",
+            value=st.prompt_tokens_cached_total if st else 0,
+        )
+        yield CounterMetricFamily(
             "pallas_generation_tokens", "Tokens generated", value=st.generation_tokens_total if st else 0
         )
 

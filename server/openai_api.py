@@ -50,6 +50,7 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
+    cache_prompt: bool = True  # llama-server's field: false prefills the whole prompt
 
     @property
     def prompt_field(self) -> str:
@@ -206,6 +207,7 @@ def _parse_common(fields: Fields, max_tokens_names: tuple[str, ...], top_logprob
         stop=_parse_stop(fields.raw("stop")),
         stop_token_ids=_parse_stop_token_ids(fields.raw("stop_token_ids")),
         ignore_eos=fields.boolean("ignore_eos", False),
+        cache_prompt=fields.boolean("cache_prompt", True),
         stream=stream,
         include_usage=stream and include_usage,
     )
@@ -370,11 +372,13 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens reused from the prompt cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -425,14 +429,15 @@ class Renderer:
             out["usage"] = None  # OpenAI sends null on every chunk but the usage one
         return out
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         out = self._envelope(self.chunk_object_name, [])
-        out["usage"] = usage(prompt_tokens, completion_tokens)
+        out["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return out
 
-    def response(self, choices: list[ChoiceResult], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def response(self, choices: list[ChoiceResult], prompt_tokens: int, completion_tokens: int,
+                 cached_tokens: int = 0) -> dict[str, Any]:
         out = self._envelope(self.object_name, [self._choice(c) for c in choices])
-        out["usage"] = usage(prompt_tokens, completion_tokens)
+        out["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return out
 
     # Per endpoint.

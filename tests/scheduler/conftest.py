@@ -1,9 +1,13 @@
 """Fakes for the scheduler tests: a StepModel with hand-computable tokens and a byte tokenizer.
 
 `FakeModel`: the token sampled after input t is (t + 1) % V, for prefills (t = the prompt's
-last token) and decodes alike, so a prompt ending in 'a' generates "bcd...". It checks the
-runner contract (setups before chunks, chunks in order, decodes only after the last chunk),
-records every plan, and can delay results (a device still running) or fail on a chosen step.
+last token) and decodes alike, so a prompt ending in 'a' generates "bcd...". With
+`context_tokens` it is instead a hash of every token its slot's cache holds at positions
+[0, position) (what prefills and decodes wrote there, or None where nothing did), so a request
+that reuses a prompt prefix gets a cold request's tokens only if the cache really held that
+prefix. It checks the runner contract (setups before chunks, chunks in order from the reused
+prefix, decodes only after the last chunk), records every plan, and can delay results (a device
+still running) or fail on a chosen step.
 
 `ByteTokenizer`: token id = byte (0..255); 256 is EOS, 257 another special token.
 """
@@ -122,6 +126,7 @@ class FakeModel:
         parts: bool = False,
         prefill_gate: threading.Event | None = None,
         dispatch_ahead: int | None = None,
+        context_tokens: bool = False,
     ) -> None:
         self.num_slots = num_slots
         self.decode_steps = decode_steps
@@ -139,6 +144,8 @@ class FakeModel:
         self.is_warm = False
         self._last: list[int | None] = [None] * num_slots  # device-held next input token
         self._pos: list[int | None] = [None] * num_slots  # next cache position; None: no request
+        self.context_tokens = context_tokens
+        self.cache: list[list[int | None]] = [[None] * max_context for _ in range(num_slots)]  # token per position
         self._busy_until = 0.0  # the fake device runs one program after another
 
     def warmup(self) -> None:
@@ -153,21 +160,27 @@ class FakeModel:
         outs = [StepOutput.empty(self.num_slots, self.max_top_logprobs) for _ in range(plan.num_decode_steps)]
         out = outs[0]
         for setup in plan.setups:
-            self._pos[setup.slot], self._last[setup.slot] = 0, None
+            self._pos[setup.slot], self._last[setup.slot] = -1, None  # -1: before the first chunk
         prefill_slots = {c.slot for c in plan.prefills}
         for step_out in outs:
             for slot in plan.decode_slots:
                 assert slot not in prefill_slots, f"slot {slot} decodes and prefills in one step"
                 assert self._last[slot] is not None, f"slot {slot} decodes before its prompt is done"
                 assert self._pos[slot] < self.max_context, f"slot {slot} decodes past the context"
+                self.cache[slot][self._pos[slot]] = self._last[slot]
                 self._pos[slot] += 1
                 self._sample(step_out, slot, self._last[slot])
         for chunk in plan.prefills:
             n = len(chunk.tokens)
             assert self._pos[chunk.slot] is not None, f"slot {chunk.slot} prefilled without a setup"
             assert self._last[chunk.slot] is None, f"slot {chunk.slot} prefilled after its last chunk"
+            if self._pos[chunk.slot] == -1:  # the request's first chunk
+                assert chunk.is_first and chunk.start_pos == chunk.reused, "the first chunk starts after the reused prefix"
+                assert None not in self.cache[chunk.slot][:chunk.reused], "reused positions nothing wrote"
+                self._pos[chunk.slot] = chunk.start_pos
             assert chunk.start_pos == self._pos[chunk.slot], "chunks out of order"
             assert 1 <= n <= self.prefill_chunks[-1], f"chunk of {n} tokens"
+            self.cache[chunk.slot][chunk.start_pos:chunk.start_pos + n] = [int(t) for t in chunk.tokens]
             self._pos[chunk.slot] += n
             if chunk.is_last:
                 self._sample(out, chunk.slot, int(chunk.tokens[-1]))
@@ -177,7 +190,10 @@ class FakeModel:
         return _FakePending(outs, self._busy_until, self.gate)
 
     def _sample(self, out: StepOutput, slot: int, last: int) -> None:
-        token = (last + 1) % VOCAB
+        if self.context_tokens:  # a byte (never EOS) that depends on every position before
+            token = hash(tuple(self.cache[slot][:self._pos[slot]])) % 256
+        else:
+            token = (last + 1) % VOCAB
         self._last[slot] = token
         out.tokens[slot], out.valid[slot] = token, True
         out.logprobs[slot] = -token / 1000

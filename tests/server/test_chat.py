@@ -30,7 +30,8 @@ async def test_chat_completion(client: httpx.AsyncClient, engine: FakeEngine) ->
     # The template writes bos_token itself: exactly one BOS.
     assert engine.requests[0].prompt_tokens == (BOS, *tok(rendered))
     n_prompt = 1 + len(rendered)
-    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 11, "total_tokens": n_prompt + 11}
+    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 11, "total_tokens": n_prompt + 11,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_message_forms(client: httpx.AsyncClient, engine: FakeEngine) -> None:

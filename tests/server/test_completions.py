@@ -21,7 +21,7 @@ async def test_plain_completion(client: httpx.AsyncClient, engine: FakeEngine) -
     assert body["model"] == "anything"  # echoed, whatever it is
     assert isinstance(body["created"], int)
     assert body["choices"] == [{"index": 0, "text": REPLY, "logprobs": None, "finish_reason": "stop"}]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 11, "total_tokens": 14}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 11, "total_tokens": 14, "prompt_tokens_details": {"cached_tokens": 0}}
     (request,) = engine.requests
     assert request.prompt_tokens == (BOS, *tok("Hi"))
     assert request.max_tokens == 64 - 3  # default: the rest of the context
@@ -84,7 +84,7 @@ async def test_list_of_prompts_and_n(client: httpx.AsyncClient, engine: FakeEngi
     assert all(c["text"] == "Hel" for c in body["choices"])
     assert [r.prompt_tokens for r in engine.requests] == [(BOS, *tok("a"))] * 2 + [(BOS, *tok("bc"))] * 2
     # Prompt tokens count once per prompt; completion tokens once per choice.
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17, "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_n_with_seed_derives_distinct_seeds(client: httpx.AsyncClient, engine: FakeEngine) -> None:
@@ -151,7 +151,7 @@ async def test_streaming_usage_chunk(client: httpx.AsyncClient) -> None:
     assert events[-1] == "[DONE]"
     usage_chunk = events[-2]
     assert usage_chunk["choices"] == []
-    assert usage_chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert usage_chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}
     assert all(c["usage"] is None for c in events[:-2])
 
 

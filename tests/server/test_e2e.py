@@ -100,3 +100,22 @@ def test_disconnect_frees_the_slot(server):
     while httpx.get(server + "/health").json()["slots_busy"] != 0:
         assert time.monotonic() < deadline, "the cancelled request still holds its slot"
         time.sleep(0.1)
+
+
+def test_a_chats_next_turn_reuses_its_history_with_the_same_answer(client):
+    """The prompt cache: the second turn of a chat whose first turn filled a whole chunk (512
+    tokens) reuses that chunk (usage.prompt_tokens_details.cached_tokens) and answers as the same
+    prompt prefilled whole does (llama-server's `cache_prompt: false`)."""
+    system = "You are a careful assistant. " + " ".join(f"Rule {i}: answer briefly and politely." for i in range(60))
+    turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "Name a color."}]
+    kwargs = dict(model="m", max_tokens=8, temperature=0)
+    first = client.chat.completions.create(messages=turn1, **kwargs)
+    assert first.usage.prompt_tokens > 512
+    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And a fruit?"}]
+    cold = client.chat.completions.create(messages=turn2, extra_body={"cache_prompt": False}, **kwargs)
+    warm = client.chat.completions.create(messages=turn2, **kwargs)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.usage.prompt_tokens_details.cached_tokens == 512
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+    assert warm.usage.prompt_tokens == cold.usage.prompt_tokens
