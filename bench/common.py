@@ -263,6 +263,9 @@ class StreamRecord:
     rejected: bool = False  # 429 / QueueFullError
     reported_tokens: int | None = None  # the server's usage count, where one was sent
     sent: float | None = None  # when the request was written (HTTP clients that know it)
+    cached_tokens: int = 0  # prompt tokens the engine reused from its prompt cache
+    tokens: list[int] = dataclasses.field(default_factory=list)  # the generated ids (the engine's streams)
+    logprobs: list[Any] = dataclasses.field(default_factory=list)  # their TokenLogprobs, where asked for
 
     @property
     def num_tokens(self) -> int:

@@ -115,6 +115,7 @@ class TimingLog:
 def make_request(
     label: str, prompt: tuple[int, ...], max_tokens: int, seed: int, *, logprobs: bool = False,
     stop: tuple[str, ...] = (), sampling: SamplingParams | None = None, ignore_eos: bool = True,
+    cache_prompt: bool = True,
 ) -> GenerationRequest:
     return GenerationRequest(
         request_id=label,
@@ -124,6 +125,7 @@ def make_request(
         stop=stop,
         ignore_eos=ignore_eos,
         logprobs=logprobs,
+        cache_prompt=cache_prompt,
     )
 
 
@@ -145,6 +147,8 @@ async def consume(stream, record: common.StreamRecord, cancel_after: int | None 
     async for event in stream:
         if event.token_ids:
             record.arrivals.append((time.perf_counter(), len(event.token_ids)))
+            record.tokens.extend(event.token_ids)
+            record.logprobs.extend(event.logprobs)
             if progress is not None:
                 progress.set()
             if cancel_after is not None and record.num_tokens >= cancel_after:
@@ -152,6 +156,7 @@ async def consume(stream, record: common.StreamRecord, cancel_after: int | None 
                 cancel_after = None
         if event.finish_reason is not None:
             record.finish_reason = event.finish_reason
+            record.cached_tokens = event.cached_tokens
             if event.finish_reason == "error":
                 record.error = event.error or "error"
     return record
@@ -249,6 +254,46 @@ async def measure_join(engine, background: int, prompt_len: int, repeats: int, r
     }
 
 
+async def measure_chat_turn(engine, history_len: int, turn_len: int, repeats: int,
+                            rng: np.random.Generator) -> dict[str, Any]:
+    """A chat's next turn: a history of `history_len` tokens is sent (turn 1, max_tokens 1), then
+    the history plus `turn_len` more (turn 2), alone, twice: with the prompt cache on (the
+    history's whole chunks reused) and then off for the request (`cache_prompt`: the whole prompt
+    prefilled; second, since what it prefills whole would be reused by a warm turn after it).
+    TTFT of turn 2 each way, and whether the two first tokens agree with their logprobs and top 5
+    alternatives bit for bit (a random-weight model's greedy token alone says little)."""
+    vocab = engine.tokenizer.vocab_size
+    greedy = SamplingParams(temperature=0.0, top_logprobs=min(5, engine.info()["max_top_logprobs"]))
+    cold, warm, cached, agree = [], [], [], 0
+    for i in range(repeats + 1):  # the first round: a warm-up
+        history = common.random_prompt(rng, history_len, vocab)
+        turn2 = history + common.random_prompt(rng, turn_len, vocab)
+        await run_batch(engine, [make_request(f"chat-{i}-1", history, 1, seed=i, sampling=greedy)])
+        firsts = {}
+        for reuse in (True, False):
+            req = make_request(f"chat-{i}-2-{'warm' if reuse else 'cold'}", turn2, 1, seed=i, sampling=greedy,
+                               cache_prompt=reuse, logprobs=True)
+            (rec,) = await run_batch(engine, [req])
+            if rec.ttft is None:
+                raise RuntimeError(f"chat turn ended without a token: {rec.finish_reason} {rec.error}")
+            firsts[reuse] = rec
+        if i:
+            cold.append(firsts[False].ttft)
+            warm.append(firsts[True].ttft)
+            cached.append(firsts[True].cached_tokens)
+            agree += firsts[True].logprobs == firsts[False].logprobs != []
+    return {
+        "history_tokens": history_len,
+        "turn_tokens": turn_len,
+        "cached_tokens": sorted(set(cached)),
+        "ttft_ms_cold_p50": common.ms(statistics.median(cold)),
+        "ttft_ms_warm_p50": common.ms(statistics.median(warm)),
+        "speedup": round(statistics.median(cold) / statistics.median(warm), 2),
+        "same_first_token": f"{agree}/{repeats}",  # with its logprob and top 5, bit for bit
+        "repeats": repeats,
+    }
+
+
 async def run_suite(engine, timings: TimingLog, args: argparse.Namespace, max_context: int) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     await run_batch(engine, [make_request("warmup", common.random_prompt(rng, 64, engine.tokenizer.vocab_size), 8, 0)])
@@ -263,6 +308,10 @@ async def run_suite(engine, timings: TimingLog, args: argparse.Namespace, max_co
         log.info("decode x%d: %s", u, out["decode"][str(u)])
     out["join"] = await measure_join(engine, 3, args.join_len, args.repeats, rng, max_context)
     log.info("join: %s", out["join"])
+    history = args.chat_history_len or max_context // 2 + args.chat_turn_len
+    if engine.info().get("prompt_cache") and history + args.chat_turn_len + 1 <= max_context:
+        out["chat_turn"] = await measure_chat_turn(engine, history, args.chat_turn_len, args.repeats, rng)
+        log.info("chat turn: %s", out["chat_turn"])
     trace_users = trace_user_counts(args, users)
     if trace_users:
         out["decode_traces"] = {}
@@ -455,6 +504,7 @@ def main_run(args: argparse.Namespace) -> int:
         "decode_tok_s": decode_tok_s,
         "prefill_tok_s": {str(args.prefill_len): suite["prefill"]["tok_s"]} if "prefill" in suite else {},
         "ttft_ms_join3": suite["join"]["ttft_ms_p50"],
+        "chat_turn": suite.get("chat_turn"),  # the prompt cache: a chat's next turn, cold and warm
         "itl_ms_p50": decode[itl_users]["engine_itl_ms_p50"],
         "itl_ms_p99": decode[itl_users]["engine_itl_ms_p99"],
         "itl_ms_mean": decode[itl_users].get("engine_itl_ms_mean"),
@@ -491,6 +541,11 @@ def print_summary(r: dict[str, Any]) -> None:
     print(f"  prefill tok/s: {r['prefill_tok_s']}")
     print("  decode tok/s: " + ", ".join(f"{u} users {v}" for u, v in r["decode_tok_s"].items()))
     print(f"  TTFT of a {r['settings']['join_len']}-token prompt joining 3 streams: {r['ttft_ms_join3']} ms")
+    chat = r.get("chat_turn")
+    if chat:
+        print(f"  TTFT of a chat's next turn ({chat['history_tokens']} tokens of history, {chat['turn_tokens']} new): "
+              f"{chat['ttft_ms_warm_p50']} ms reusing {chat['cached_tokens']} against {chat['ttft_ms_cold_p50']} ms "
+              f"prefilled whole ({chat['speedup']}x; same first token {chat['same_first_token']})")
     print(f"  inter-token latency ({r['itl_users']} users): mean {r.get('itl_ms_mean')} ms, p50 {r['itl_ms_p50']} ms, "
           f"p99 {r['itl_ms_p99']} ms ({r['engine_config'].get('decode_steps')} decode steps per dispatch)")
     print(f"  copy bandwidth {r['copy_bandwidth_gb_s']} GB/s, weights {r['weight_bytes_per_step'] / 2**20:,.1f} MiB "
@@ -553,6 +608,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-tokens", type=int, default=256, help="max_tokens of the decode runs")
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--join-len", type=int, default=128)
+    ap.add_argument("--chat-history-len", type=int, default=0,
+                    help="a chat's history before its next turn, whose whole chunks the prompt cache reuses "
+                         "(0: half the context plus --chat-turn-len)")
+    ap.add_argument("--chat-turn-len", type=int, default=64, help="the new tokens of that next turn")
     ap.add_argument("--repeats", type=int, default=5, help="prefill and join measurements")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--copy-mib", type=int, default=0, help="copy-bandwidth buffer (0: 4096 on GPU, 256 on CPU)")
