@@ -484,7 +484,7 @@ def main_run(args: argparse.Namespace) -> int:
                           "dispatch_ahead": config.dispatch_ahead,
                           "unroll_decode_layers": config.unroll_decode_layers,
                           "compile_threads": config.compile_threads,  # 0: auto
-                          "few_rows_attention": config.few_rows_attention,
+                          "few_rows_attention": config.few_rows_attention, "prompt_cache": config.prompt_cache,
                           "separate_kv_write": config.separate_kv_write, "gather_x": config.gather_x,
                           "ordered_values": config.ordered_values,
                           "ordered_value_matrices": engine_info.get("ordered_values"),
