@@ -187,6 +187,7 @@ class FakeEngine:
             requests_rejected_total=self.rejected,
             prompt_tokens_total=sum(len(r.prompt_tokens) for r in self.requests),
             generation_tokens_total=7,
+            prompt_tokens_cached_total=5,
             error="device lost" if self.state == "failed" else None,
         )
 

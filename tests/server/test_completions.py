@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import pytest
 
-from tests.server.fakes import BOS, FakeEngine, parse_sse, tok
+from tests.server.fakes import BOS, FakeEngine, parse_sse, script_reply, tok
 
 pytestmark = pytest.mark.anyio
 
@@ -66,6 +68,7 @@ async def test_sampling_fields_reach_the_engine(client: httpx.AsyncClient, engin
         "ignore_eos": True,
         "stop_token_ids": [7],
         "user": "u1",
+        "cache_prompt": False,
     }
     r = await client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
@@ -75,6 +78,29 @@ async def test_sampling_fields_reach_the_engine(client: httpx.AsyncClient, engin
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.seed) == (0.5, -0.5, 1.1, 5)
     assert s.logit_bias == ((4, 2.5), (10, -100.0))
     assert request.ignore_eos and request.stop_token_ids == (7,)
+    assert not request.cache_prompt
+
+
+async def test_usage_reports_the_prompt_tokens_the_engine_reused(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    """usage.prompt_tokens_details.cached_tokens: per prompt the most any of its choices reused
+    (a prompt's tokens count once, whatever n is), summed over the prompts; streamed too."""
+    reused = {"a": [3, 1], "bc": [0, 2]}
+
+    def script(request):
+        events = script_reply(request, "Hi")
+        text = "a" if tuple(request.prompt_tokens) == (BOS, *tok("a")) else "bc"
+        return events[:-1] + [dataclasses.replace(events[-1], cached_tokens=reused[text].pop(0))]
+
+    engine.script = script
+    r = await client.post("/v1/completions", json={"prompt": ["a", "bc"], "n": 2, "max_tokens": 2})
+    assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 3 + 2}
+    assert all(r.cache_prompt for r in engine.requests)  # the default
+    reused = {"a": [4]}
+    r = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "stream": True,
+                                                   "stream_options": {"include_usage": True}})
+    usage = [f["usage"] for f in parse_sse(r.text) if isinstance(f, dict) and f.get("usage")]
+    assert usage == [{"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4,
+                      "prompt_tokens_details": {"cached_tokens": 4}}]
 
 
 async def test_list_of_prompts_and_n(client: httpx.AsyncClient, engine: FakeEngine) -> None:

@@ -128,6 +128,7 @@ async def test_metrics(client: httpx.AsyncClient) -> None:
     assert m[("pallas_requests_rejected_total", ())] == 0
     assert m[("pallas_prompt_tokens_total", ())] == 2
     assert m[("pallas_generation_tokens_total", ())] == 7
+    assert m[("pallas_prompt_tokens_cached_total", ())] == 5
     # the HTTP layer's share: every generation request is admitted; only streamed ones have frames
     assert m[("pallas_http_admit_seconds_count", ())] == 1
     assert m[("pallas_http_time_to_first_frame_seconds_count", ())] == 0
