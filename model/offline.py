@@ -13,17 +13,17 @@ import numpy as np
 
 from model import forward
 
-from model.step_types import PrefillChunk, SamplingParams, SlotSetup, StepPlan
+from model.step_types import PrefillChunk, PrefixCopy, SamplingParams, SlotSetup, StepPlan
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 def generate(runner, prompts: list[list[int]], num_tokens: int, slots: list[int] | None = None,
              sampling: SamplingParams = GREEDY, stop_ids: frozenset[int] = frozenset(),
-             reused: list[int] | None = None) -> list[list[int]]:
+             reused: list[int] | None = None, copies: tuple[PrefixCopy, ...] = ()) -> list[list[int]]:
     """Generates up to `num_tokens` tokens for each prompt, each in its own slot, all at once.
     `reused[i]`: prompt i's first tokens already in its slot's cache (`PrefillChunk.reused`, a
-    multiple of the largest chunk), which are not prefilled again."""
+    multiple of the largest chunk), which are not prefilled again; `copies` put them there first."""
     slots = slots if slots is not None else list(range(len(prompts)))
     reused = reused if reused is not None else [0] * len(prompts)
     chunk = runner.prefill_chunks[-1]
@@ -36,7 +36,7 @@ def generate(runner, prompts: list[list[int]], num_tokens: int, slots: list[int]
         for start in range(kept, len(ids), chunk):
             piece = np.asarray(ids[start:start + chunk], np.int32)
             prefills.append(PrefillChunk(s, piece, start, start + chunk >= len(ids), kept))
-    res = runner.dispatch(StepPlan(setups=setups, prefills=tuple(prefills))).result()
+    res = runner.dispatch(StepPlan(setups=setups, copies=copies, prefills=tuple(prefills))).result()
     live = []
     for i, s in enumerate(slots):
         out[i].append(int(res.tokens[s]))

@@ -118,6 +118,21 @@ def prefill_args(slot: int, tokens: np.ndarray, start: int, num_valid: int, is_l
     return np.concatenate([head, samp_words, np.asarray(tokens, np.int32)])
 
 
+def _copy_prefix(span: int, params, cache: KVCache, st: SlotState, args):
+    """`PrefixCopy`: positions [0, span) of slot args[0]'s keys, values and prompt tokens into
+    slot args[1] (a whole context bucket, in place)."""
+    src, dst = args[0], args[1]
+
+    def move(buf: jax.Array, axis: int) -> jax.Array:  # `axis`: the slot axis, positions after it
+        rows = jax.lax.dynamic_slice_in_dim(buf, src, 1, axis=axis)
+        rows = jax.lax.slice_in_dim(rows, 0, span, axis=axis + 1)
+        at = [jnp.zeros((), jnp.int32)] * buf.ndim
+        at[axis] = dst
+        return jax.lax.dynamic_update_slice(buf, rows, at)
+
+    return KVCache(move(cache.k, 1), move(cache.v, 1)), dataclasses.replace(st, history=move(st.history, 0))
+
+
 def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, samp_layout: transfer.WordsLayout,
                   params, cache, st: SlotState, args):
     """One prompt chunk (`prefill_args`); returns (cache, state, the sampling arrays it unpacked
@@ -285,7 +300,8 @@ class ModelRunner:
         host = transfer.host_outputs(mesh) if engine_cfg.host_outputs else None
         # (a decode program's outputs placed there made its steps 26-30% slower on the H200)
         self._out_shardings = {"prefill": self._step_out_shardings(mesh, 4, host),
-                               "decode": self._step_out_shardings(mesh, 3, None)}
+                               "decode": self._step_out_shardings(mesh, 3, None),
+                               "copy": self._step_out_shardings(mesh, 2, None)}
         log.info("prefill outputs written to %s", "pinned host memory by the programs" if host else "device memory")
         self.context_buckets = engine_cfg.attention_buckets
         # Host mirror of SlotState.positions, to pick the attention bucket without a device sync.
@@ -321,6 +337,8 @@ class ModelRunner:
         if kind == "decode":
             fn = functools.partial(_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend,
                                    unroll=self._unroll_decode, few_rows=few_rows)
+        elif kind == "copy":
+            fn = functools.partial(_copy_prefix, attend)
         else:
             fn = functools.partial(_prefill_step, self.cfg, self.kernels, self.max_top_logprobs, attend,
                                    self._samp_layout)
@@ -345,15 +363,20 @@ class ModelRunner:
     def _example_args(self, kind: str, size: int) -> tuple:
         if kind == "decode":
             return (self.params, self._cache, self._state, self._samp, self._active_mask(()))
-        return (self.params, self._cache, self._state, jnp.zeros((PREFILL_HEAD + self._samp_words.size + size,), jnp.int32))
+        if kind == "copy":
+            return (self.params, self._cache, self._state, jnp.zeros((2,), jnp.int32))
+        args = jnp.zeros((PREFILL_HEAD + self._samp_words.size + size,), jnp.int32)
+        return (self.params, self._cache, self._state, args)
 
     def warmup(self) -> None:
         """Compiles every program the serving path can run: decode (once per decode-steps count)
-        and one prefill per chunk size, each for every context bucket; on several threads where
-        `EngineConfig.compile_workers` allows (XLA compiles without holding the GIL)."""
+        and one prefill per chunk size, each for every context bucket, and a prefix copy per
+        bucket; on several threads where `EngineConfig.compile_workers` allows (XLA compiles
+        without holding the GIL)."""
         targets = [("decode", self.num_slots, k) for k in self.decode_steps]
         targets += [("prefill", t, 1) for t in self.prefill_chunks]
         jobs = [(kind, size, steps, attend, False) for kind, size, steps in targets for attend in self.context_buckets]
+        jobs += [("copy", attend, 1, attend, False) for attend in self.context_buckets]
         jobs += [("decode", self.num_slots, steps, attend, True) for steps in self.decode_steps
                  for attend in self.context_buckets if self._few_rows_limit(attend, steps)]
         workers = self.engine_cfg.compile_workers(jax.default_backend(), len(jobs))
@@ -383,8 +406,8 @@ class ModelRunner:
         # (tracing and lowering hold it) and for the cores, so they exceed the work done
         lowering, compiling = (sum(times[i] for _, _, times in built) for i in (0, 1))
         log.info(
-            "compiled %d step programs (decode[%d] x steps %s, prefill%s; context buckets %s) in %.1f s on %d "
-            "thread(s); per-program wall times summed: tracing and lowering %.1f s, XLA compiling %.1f s",
+            "compiled %d step programs (decode[%d] x steps %s, prefill%s, prefix copies; context buckets %s) in "
+            "%.1f s on %d thread(s); per-program wall times summed: tracing and lowering %.1f s, XLA compiling %.1f s",
             len(self._compiled), self.num_slots, list(self.decode_steps), list(self.prefill_chunks),
             list(self.context_buckets), time.perf_counter() - t_all, workers, lowering, compiling,
         )
@@ -433,6 +456,12 @@ class ModelRunner:
                     sp = dataclasses.replace(sp, seed=int(self._rng.integers(0, 2**63)))
                 self._slot_params[setup.slot] = sp
             self._pack_sampling()
+        for copy in plan.copies:
+            if not 0 < copy.num_tokens < self.max_context or copy.src == copy.dst:
+                raise ValueError(f"prefix copy {copy} outside the context or onto its own slot")
+            span = self._bucket(copy.num_tokens)
+            self._cache, self._state = self._program("copy", span, span)(
+                self.params, self._cache, self._state, np.asarray([copy.src, copy.dst], np.int32))
         decode_out = None
         steps = plan.num_decode_steps
         if plan.decode_slots:

@@ -94,8 +94,21 @@ class PrefillChunk:
 
 
 @dataclasses.dataclass(frozen=True)
+class PrefixCopy:
+    """The keys and values of positions [0, num_tokens) (and their prompt tokens) copied from
+    slot `src` to slot `dst`, where a new request reuses a prompt prefix another slot holds (the
+    engine's prompt cache). Positions past num_tokens may be copied too (the runner copies a
+    whole context bucket); the request overwrites them before it reads them."""
+
+    src: int
+    dst: int
+    num_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
 class StepPlan:
     setups: tuple[SlotSetup, ...] = ()  # applied first
+    copies: tuple[PrefixCopy, ...] = ()  # then these, in order, before the decode and the prefills
     decode_slots: tuple[int, ...] = ()  # slots that compute their next token this step
     prefills: tuple[PrefillChunk, ...] = ()  # applied after the decode, in order
     # Decode steps run back to back in one device program (lax.scan), each feeding the next its

@@ -36,17 +36,10 @@ request. The engine remembers, per slot, the tokens of the whole chunks (the lar
 size, from position 0) prefilled there; a new request takes the free slot whose remembered
 chunks match the longest prefix of its prompt (else an empty slot, else the one idle longest)
 and prefills only from the first chunk that differs, keeping at least one prompt token to
-prefill. Only whole prefilled chunks are kept, never a partial chunk or decoded tokens, and the
-boundaries are the fixed ones above, so the positions reused hold exactly what a cold prefill
-would write there: a request's tokens are the same with or without the cache (a chat turn
-reuses what earlier turns prefilled of its history, not the previous turn's own answer).
-
-Prompt cache (`EngineConfig.prompt_cache`, on by default): a slot's keys and values outlive its
-request. The engine remembers, per slot, the tokens of the whole chunks (the largest compiled
-size, from position 0) prefilled there; a new request takes the free slot whose remembered
-chunks match the longest prefix of its prompt (else an empty slot, else the one idle longest)
-and prefills only from the first chunk that differs, keeping at least one prompt token to
-prefill. Only whole prefilled chunks are kept, never a partial chunk or decoded tokens, and the
+prefill. Where another slot, busy or not, holds a longer match, the new request's slot gets a
+copy of those positions first (`PrefixCopy`, in the step's plan before its prefills): users
+who share a system prompt prefill it once. Only chunks dispatched in earlier steps are copied
+(a copy runs before the step's prompt chunks). Only whole prefilled chunks are kept, never a partial chunk or decoded tokens, and the
 boundaries are the fixed ones above, so the positions reused hold exactly what a cold prefill
 would write there: a request's tokens are the same with or without the cache (a chat turn
 reuses what earlier turns prefilled of its history, not the previous turn's own answer).
@@ -73,7 +66,7 @@ from typing import Any, Callable
 import numpy as np
 
 from model.config import EngineConfig
-from model.step_types import PendingStep, PrefillChunk, SlotSetup, StepModel, StepOutput, StepPlan
+from model.step_types import PendingStep, PrefillChunk, PrefixCopy, SlotSetup, StepModel, StepOutput, StepPlan
 from model.tokenizer import IncrementalDetokenizer
 from scheduler.requests import Detokenizer, RequestState, RequestTiming, validate_request
 from scheduler.types import (
@@ -244,6 +237,7 @@ class Engine:
         # there from position 0, and when its last request ended (for the least recently used).
         self._held: list[np.ndarray] = [np.zeros((0,), np.int32)] * config.num_slots
         self._freed_at: list[float] = [0.0] * config.num_slots
+        self._copyable: list[int] = [0] * config.num_slots  # of each slot's held tokens, those a copy may read now
         self._chunk_sizes: tuple[int, ...] = config.prefill_chunks
         self._max_context = config.max_context
         self._max_top_logprobs = config.max_top_logprobs
@@ -417,6 +411,7 @@ class Engine:
         self._slots = [None] * int(model.num_slots)
         self._held = [np.zeros((0,), np.int32)] * len(self._slots)
         self._freed_at = [0.0] * len(self._slots)
+        self._copyable = [0] * len(self._slots)
         self._chunk_sizes = chunks
         self._max_context = int(model.max_context)
         self._max_top_logprobs = int(model.max_top_logprobs)
@@ -533,12 +528,14 @@ class Engine:
         for state in prefilling:
             budget = self._plan_chunks(state, budget, prefills, rows)
         # Then waiting requests take free slots in arrival order while their first chunk fits.
-        setups = []
+        setups, copies = [], []
         now = time.monotonic()
         free = [slot for slot, state in enumerate(self._slots) if state is None]
+        # what earlier steps dispatched (prompt chunks planned below run after this step's copies)
+        self._copyable = [len(held) for held in self._held]
         while self._waiting and free:
             state = self._waiting[0]
-            slot, reused = self._pick_slot(state, free)
+            slot, reused, src = self._pick_slot(state, free)
             if self._chunk_cost(min(self._chunk_sizes[-1], state.num_prompt - reused)) > budget:
                 break
             self._waiting.popleft()
@@ -546,7 +543,12 @@ class Engine:
             state.slot = slot
             state.admitted_at = now
             state.num_reused = state.num_prefilled = reused
-            self._held[slot] = self._held[slot][:reused]  # the rest is overwritten from here on
+            if src is None:
+                self._held[slot] = self._held[slot][:reused]  # the rest is overwritten from here on
+            else:
+                copies.append(PrefixCopy(src, slot, reused))
+                self._held[slot] = self._held[src][:reused]
+            self._copyable[slot] = reused  # (its chunks planned below: not before the next step)
             self._prompt_tokens_cached_total += reused
             self._slots[state.slot] = state
             setups.append(SlotSetup(state.slot, state.request.sampling))
@@ -554,30 +556,38 @@ class Engine:
         if not decode_slots and not prefills:
             return None, rows
         plan = StepPlan(
-            setups=tuple(setups), decode_slots=tuple(decode_slots), prefills=tuple(prefills),
+            setups=tuple(setups), copies=tuple(copies), decode_slots=tuple(decode_slots), prefills=tuple(prefills),
             num_decode_steps=steps if decode_slots and not prefills else 1,
         )
         return plan, rows
 
-    def _pick_slot(self, state: RequestState, free: list[int]) -> tuple[int, int]:
-        """The free slot for a request, and how many of its prompt tokens that slot's cache holds
-        (module docstring): the longest match of whole chunks, leaving at least one token to
-        prefill; without one, the first slot holding nothing, else the one idle longest. A request
-        with `cache_prompt` off reuses nothing but is placed the same way (other slots' caches last)."""
+    def _matched(self, slot: int, prompt: np.ndarray, limit: int) -> int:
+        """How many of `prompt`'s first tokens, in whole chunks and at most `limit`, the slot holds."""
+        held = self._held[slot]
+        n = min(len(held), limit)
+        differ = np.flatnonzero(held[:n] != prompt[:n])
         largest = self._chunk_sizes[-1]
+        return (int(differ[0]) if differ.size else n) // largest * largest
+
+    def _pick_slot(self, state: RequestState, free: list[int]) -> tuple[int, int, int | None]:
+        """(the free slot for a request, how many of its prompt tokens it reuses, the slot they are
+        copied from or None) (module docstring): the free slot holding the longest match of whole
+        chunks, leaving at least one token to prefill, unless another slot holds a longer one, copied
+        into the free slot that holds nothing, else the one idle longest; without a match, that slot
+        too. A request with `cache_prompt` off reuses nothing but is placed the same way (other slots'
+        caches last)."""
         if not self.config.prompt_cache:
-            return free[0], 0
+            return free[0], 0, None
+        largest = self._chunk_sizes[-1]
         limit = (state.num_prompt - 1) // largest * largest if state.request.cache_prompt else 0
-        best, best_key = free[0], None
-        for slot in free:
-            held = self._held[slot]
-            n = min(len(held), limit)
-            differ = np.flatnonzero(held[:n] != state.prompt[:n])
-            matched = (int(differ[0]) if differ.size else n) // largest * largest
-            key = (matched, len(held) == 0, -self._freed_at[slot])
-            if best_key is None or key > best_key:
-                best, best_key = slot, key
-        return best, best_key[0]
+        spare = max(free, key=lambda s: (len(self._held[s]) == 0, -self._freed_at[s]))
+        own, reused = max(((s, self._matched(s, state.prompt, limit)) for s in free),
+                          key=lambda sm: (sm[1], sm[0] == spare))
+        src, copied = max(((s, self._matched(s, state.prompt, min(limit, self._copyable[s])))
+                           for s in range(len(self._slots))), key=lambda sm: sm[1])
+        if copied > reused:
+            return spare, copied, src
+        return (own, reused, None) if reused else (spare, 0, None)
 
     def _plan_chunks(
         self, state: RequestState, budget: int, prefills: list[PrefillChunk], rows: dict[int, RequestState]

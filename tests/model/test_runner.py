@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from model.offline import generate
-from model.step_types import SamplingParams
+from model.step_types import PrefixCopy, SamplingParams
 
 PROMPTS = [
     "The quick brown fox",
@@ -245,4 +245,12 @@ def test_a_reused_prompt_prefix_gives_the_tokens_and_penalty_state_of_a_cold_pre
         assert warm_state.prompt_mask[head].all() and warm_state.counts.sum() == 1
         # and the whole continuation, decode steps after the reused prefill included
         warm = generate(smol_runner, [second], 8, slots=[3], sampling=sampling, reused=[chunk])
-        assert warm == generate(smol_runner, [second], 8, slots=[6], sampling=sampling)
+        cold = generate(smol_runner, [second], 8, slots=[6], sampling=sampling)
+        assert warm == cold
+        # the prefix copied into another slot (`PrefixCopy`, a whole context bucket), over what it held
+        copied = generate(smol_runner, [second], 8, slots=[1], sampling=sampling, reused=[chunk],
+                          copies=(PrefixCopy(3, 1, chunk),))
+        assert copied == cold
+        copied_state = jax.tree_util.tree_map(lambda a: np.asarray(a)[1], smol_runner._state)
+        np.testing.assert_array_equal(copied_state.prompt_mask, jax.tree_util.tree_map(
+            lambda a: np.asarray(a)[6], smol_runner._state).prompt_mask)

@@ -3,9 +3,9 @@
 `FakeModel`: the token sampled after input t is (t + 1) % V, for prefills (t = the prompt's
 last token) and decodes alike, so a prompt ending in 'a' generates "bcd...". With
 `context_tokens` it is instead a hash of every token its slot's cache holds at positions
-[0, position) (what prefills and decodes wrote there, or None where nothing did), so a request
-that reuses a prompt prefix gets a cold request's tokens only if the cache really held that
-prefix. It checks the runner contract (setups before chunks, chunks in order from the reused
+[0, position) (what prefills, decodes and prefix copies wrote there, or None where nothing did),
+so a request that reuses a prompt prefix gets a cold request's tokens only if the cache really
+held that prefix. It checks the runner contract (setups before chunks, chunks in order from the reused
 prefix, decodes only after the last chunk), records every plan, and can delay results (a device
 still running) or fail on a chosen step.
 
@@ -161,6 +161,11 @@ class FakeModel:
         out = outs[0]
         for setup in plan.setups:
             self._pos[setup.slot], self._last[setup.slot] = -1, None  # -1: before the first chunk
+        for copy in plan.copies:  # before the decode and the prompt chunks
+            n = copy.num_tokens
+            assert copy.src != copy.dst and self._pos[copy.dst] == -1, "a copy into a slot not just set up"
+            assert None not in self.cache[copy.src][:n], "a copy of positions nothing wrote (yet)"
+            self.cache[copy.dst][:n] = self.cache[copy.src][:n]
         prefill_slots = {c.slot for c in plan.prefills}
         for step_out in outs:
             for slot in plan.decode_slots:

@@ -851,3 +851,57 @@ def test_an_overwritten_slot_no_longer_offers_its_prefix(make_engine, fake_model
     warm, cold = _serially(engine, *requests), _serially(cold_engine, *requests)
     assert [r.final.cached_tokens for r in warm] == [0, 0, 0, 0, 16]
     assert [r.tokens for r in warm] == [r.tokens for r in cold]
+
+
+def test_a_prefix_another_slot_holds_is_copied_into_the_new_requests_slot(make_engine, fake_model_cls):
+    """Users sharing a system prompt: while the first decodes, a second prompt with the same first
+    two chunks gets them copied (`PrefixCopy`) from the first's slot into its own before its
+    prefill, and a cold engine's tokens; so does a third once both hold them."""
+    system = list(range(65, 81))  # two whole chunks of 8
+    prompts = [system + [1, 2, 3], system + [4, 5], system + [6] * 9]
+    engine, model = make_engine(fake_model_cls(num_slots=3, context_tokens=True, step_delay=0.002))
+    cold_engine, _ = make_engine(fake_model_cls(num_slots=3, context_tokens=True, step_delay=0.002), prompt_cache=False)
+
+    async def staggered(eng):
+        streams = []
+        for i, prompt in enumerate(prompts):
+            streams.append(eng.submit(req(prompt, max_tokens=60 - 10 * i, request_id=str(i))))
+            first = await streams[-1].__anext__()  # decoding before the next arrives
+            streams[-1] = (first, streams[-1])
+        return [Result([first] + (await collect(stream)).events) for first, stream in streams]
+
+    warm, cold = run(staggered(engine)), run(staggered(cold_engine))
+    assert [r.tokens for r in warm] == [r.tokens for r in cold]
+    assert [r.final.cached_tokens for r in warm] == [0, 16, 16]
+    copies = [c for plan in model.plans for c in plan.copies]
+    assert [(c.dst, c.num_tokens) for c in copies] == [(1, 16), (2, 16)] and copies[0].src == 0
+    assert all(plan.copies == () for plan in model.plans if not plan.setups)
+
+
+def test_chunks_planned_in_the_same_step_are_not_copied(make_engine, fake_model_cls):
+    """Two prompts with the same first chunks admitted in one step: the second cannot copy what
+    the first's chunks will write in that step (a copy runs before the step's prompt chunks), so it
+    prefills whole; a third, arriving while both decode, copies. The fake model fails a copy of
+    positions nothing wrote yet."""
+    gate = threading.Event()
+    system = list(range(65, 81))
+    engine, model = make_engine(fake_model_cls(num_slots=4, context_tokens=True, gate=gate, step_delay=0.002),
+                                prefill_budget=64)
+
+    async def main():
+        blocker = engine.submit(req("z", max_tokens=3, request_id="blocker"))
+        await asyncio.to_thread(wait_until, lambda: len(model.plans) >= 1)  # its step waits on the gate
+        a = engine.submit(req(system + [1], max_tokens=20, request_id="a"))
+        b = engine.submit(req(system + [2], max_tokens=20, request_id="b"))
+        await asyncio.sleep(0.05)
+        gate.set()
+        await a.__anext__()
+        c = await collect(engine.submit(req(system + [3], max_tokens=3, request_id="c")))
+        return [await collect(s) for s in (blocker, a, b)] + [c]
+
+    results = run(main())
+    assert [r.final.cached_tokens for r in results] == [0, 0, 0, 16]
+    same_step = [plan for plan in model.plans if len([c for c in plan.prefills if c.is_first]) == 2]
+    assert same_step and all(plan.copies == () for plan in same_step)
+    (copy,) = [c for plan in model.plans for c in plan.copies]
+    assert copy.dst == 3 and copy.src in (1, 2) and copy.num_tokens == 16
