@@ -255,20 +255,32 @@ async def measure_join(engine, background: int, prompt_len: int, repeats: int, r
 
 
 async def measure_chat_turn(engine, history_len: int, turn_len: int, repeats: int,
-                            rng: np.random.Generator) -> dict[str, Any]:
+                            rng: np.random.Generator, *, shared: bool = False) -> dict[str, Any]:
     """A chat's next turn: a history of `history_len` tokens is sent (turn 1, max_tokens 1), then
     the history plus `turn_len` more (turn 2), alone, twice: with the prompt cache on (the
     history's whole chunks reused) and then off for the request (`cache_prompt`: the whole prompt
     prefilled; second, since what it prefills whole would be reused by a warm turn after it).
     TTFT of turn 2 each way, and whether the two first tokens agree with their logprobs and top 5
-    alternatives bit for bit (a random-weight model's greedy token alone says little)."""
+    alternatives bit for bit (a random-weight model's greedy token alone says little).
+    `shared`: a shared system prompt instead; turn 1 keeps decoding in its slot while the two
+    turn 2 requests run, so the warm one gets the history copied into another slot."""
     vocab = engine.tokenizer.vocab_size
     greedy = SamplingParams(temperature=0.0, top_logprobs=min(5, engine.info()["max_top_logprobs"]))
     cold, warm, cached, agree = [], [], [], 0
     for i in range(repeats + 1):  # the first round: a warm-up
         history = common.random_prompt(rng, history_len, vocab)
         turn2 = history + common.random_prompt(rng, turn_len, vocab)
-        await run_batch(engine, [make_request(f"chat-{i}-1", history, 1, seed=i, sampling=greedy)])
+        first = make_request(f"chat-{i}-1", history, engine.info()["max_context"] - history_len if shared else 1,
+                             seed=i, sampling=greedy)
+        stream, record = submit(engine, first)
+        if stream is None:
+            raise RuntimeError("the engine refused a chat's first turn (queue full)")
+        running = asyncio.create_task(consume(stream, record))
+        if shared:
+            while record.num_tokens < 2:  # decoding: its prompt's chunks were dispatched steps ago
+                await asyncio.sleep(0.001)
+        else:
+            await running
         firsts = {}
         for reuse in (True, False):
             req = make_request(f"chat-{i}-2-{'warm' if reuse else 'cold'}", turn2, 1, seed=i, sampling=greedy,
@@ -277,6 +289,9 @@ async def measure_chat_turn(engine, history_len: int, turn_len: int, repeats: in
             if rec.ttft is None:
                 raise RuntimeError(f"chat turn ended without a token: {rec.finish_reason} {rec.error}")
             firsts[reuse] = rec
+        if shared:
+            stream.cancel()
+        await running
         if i:
             cold.append(firsts[False].ttft)
             warm.append(firsts[True].ttft)
@@ -312,6 +327,9 @@ async def run_suite(engine, timings: TimingLog, args: argparse.Namespace, max_co
     if engine.info().get("prompt_cache") and history + args.chat_turn_len + 1 <= max_context:
         out["chat_turn"] = await measure_chat_turn(engine, history, args.chat_turn_len, args.repeats, rng)
         log.info("chat turn: %s", out["chat_turn"])
+        out["shared_prompt"] = await measure_chat_turn(engine, history, args.chat_turn_len, args.repeats, rng,
+                                                       shared=True)
+        log.info("shared prompt: %s", out["shared_prompt"])
     trace_users = trace_user_counts(args, users)
     if trace_users:
         out["decode_traces"] = {}
@@ -505,6 +523,7 @@ def main_run(args: argparse.Namespace) -> int:
         "prefill_tok_s": {str(args.prefill_len): suite["prefill"]["tok_s"]} if "prefill" in suite else {},
         "ttft_ms_join3": suite["join"]["ttft_ms_p50"],
         "chat_turn": suite.get("chat_turn"),  # the prompt cache: a chat's next turn, cold and warm
+        "shared_prompt": suite.get("shared_prompt"),  # the same with the history in a busy slot (copied)
         "itl_ms_p50": decode[itl_users]["engine_itl_ms_p50"],
         "itl_ms_p99": decode[itl_users]["engine_itl_ms_p99"],
         "itl_ms_mean": decode[itl_users].get("engine_itl_ms_mean"),
@@ -541,11 +560,12 @@ def print_summary(r: dict[str, Any]) -> None:
     print(f"  prefill tok/s: {r['prefill_tok_s']}")
     print("  decode tok/s: " + ", ".join(f"{u} users {v}" for u, v in r["decode_tok_s"].items()))
     print(f"  TTFT of a {r['settings']['join_len']}-token prompt joining 3 streams: {r['ttft_ms_join3']} ms")
-    chat = r.get("chat_turn")
-    if chat:
-        print(f"  TTFT of a chat's next turn ({chat['history_tokens']} tokens of history, {chat['turn_tokens']} new): "
-              f"{chat['ttft_ms_warm_p50']} ms reusing {chat['cached_tokens']} against {chat['ttft_ms_cold_p50']} ms "
-              f"prefilled whole ({chat['speedup']}x; same first token {chat['same_first_token']})")
+    for key, what in (("chat_turn", "a chat's next turn"), ("shared_prompt", "a prompt sharing a busy slot's")):
+        chat = r.get(key)
+        if chat:
+            print(f"  TTFT of {what} ({chat['history_tokens']} tokens of history, {chat['turn_tokens']} new): "
+                  f"{chat['ttft_ms_warm_p50']} ms reusing {chat['cached_tokens']} against {chat['ttft_ms_cold_p50']} "
+                  f"ms prefilled whole ({chat['speedup']}x; same first token {chat['same_first_token']})")
     print(f"  inter-token latency ({r['itl_users']} users): mean {r.get('itl_ms_mean')} ms, p50 {r['itl_ms_p50']} ms, "
           f"p99 {r['itl_ms_p99']} ms ({r['engine_config'].get('decode_steps')} decode steps per dispatch)")
     print(f"  copy bandwidth {r['copy_bandwidth_gb_s']} GB/s, weights {r['weight_bytes_per_step'] / 2**20:,.1f} MiB "

@@ -46,10 +46,11 @@ def test_traced_user_counts():
             engine.main(["--model", "m.gguf", "--slots", "8", "--trace-users", bad])
 
 
-def test_the_chat_turn_measure_reuses_the_history_and_agrees_with_the_cold_prefill():
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_chat_turn_measure_reuses_the_history_and_agrees_with_the_cold_prefill(shared):
     """`measure_chat_turn` on the engine over the scheduler tests' fake model (chunks of 8, whose
     tokens hash every cached position): turn 2 reuses the history's two whole chunks when asked,
-    none when not, with the same first token."""
+    none when not, with the same first token; `shared`: copied from turn 1's busy slot."""
     import asyncio
 
     import numpy as np
@@ -58,16 +59,17 @@ def test_the_chat_turn_measure_reuses_the_history_and_agrees_with_the_cold_prefi
     from scheduler.engine import Engine
     from tests.scheduler.conftest import ByteDetokenizer, ByteTokenizer, FakeModel
 
-    model = FakeModel(num_slots=2, context_tokens=True, dispatch_ahead=1)
-    config = EngineConfig(num_slots=2, max_context=256, prefill_chunks=(4, 8), prefill_budget=16, max_top_logprobs=3,
+    model = FakeModel(num_slots=3, context_tokens=True, dispatch_ahead=1, step_delay=0.001)
+    config = EngineConfig(num_slots=3, max_context=256, prefill_chunks=(4, 8), prefill_budget=16, max_top_logprobs=3,
                           gc_freeze=False)
     eng = Engine(lambda: model, ByteTokenizer(), config, detokenizer_factory=ByteDetokenizer)
     eng.start()
     try:
         assert eng.wait_ready(10)
-        out = asyncio.run(engine.measure_chat_turn(eng, 20, 5, 3, np.random.default_rng(0)))
+        out = asyncio.run(engine.measure_chat_turn(eng, 20, 5, 3, np.random.default_rng(0), shared=shared))
     finally:
         eng.shutdown(10)
     assert out["cached_tokens"] == [16] and out["same_first_token"] == "3/3"
     reused = [c.reused for plan in model.plans for c in plan.prefills if c.is_first]
     assert reused == [0, 16, 0] * 4  # per round: turn 1, turn 2 warm, turn 2 cold
+    assert len([c for plan in model.plans for c in plan.copies]) == (4 if shared else 0)
