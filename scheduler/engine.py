@@ -523,6 +523,8 @@ class Engine:
             rows[slot] = state
         budget = self.config.prefill_budget
         prefills: list[PrefillChunk] = []
+        # What earlier steps dispatched: a copy may read it (this step's prompt chunks run after its copies).
+        self._copyable = [len(held) for held in self._held]
         # Prompts already in a slot continue first, oldest first; each takes what fits.
         prefilling = sorted((s for s in self._slots if s is not None and not s.is_decoding), key=lambda s: s.seq)
         for state in prefilling:
@@ -531,8 +533,6 @@ class Engine:
         setups, copies = [], []
         now = time.monotonic()
         free = [slot for slot, state in enumerate(self._slots) if state is None]
-        # what earlier steps dispatched (prompt chunks planned below run after this step's copies)
-        self._copyable = [len(held) for held in self._held]
         while self._waiting and free:
             state = self._waiting[0]
             slot, reused, src = self._pick_slot(state, free)

@@ -905,3 +905,26 @@ def test_chunks_planned_in_the_same_step_are_not_copied(make_engine, fake_model_
     assert same_step and all(plan.copies == () for plan in same_step)
     (copy,) = [c for plan in model.plans for c in plan.copies]
     assert copy.dst == 3 and copy.src in (1, 2) and copy.num_tokens == 16
+
+
+def test_a_long_prompts_chunks_of_this_step_are_not_copied(make_engine, fake_model_cls):
+    """A prompt prefilled over two steps (budget 32, chunks of 8): a request with the same start
+    admitted in the step that plans the long prompt's fifth chunk gets a copy of the four
+    dispatched before, not of that one (it runs after the step's copies)."""
+    shared = list(range(65, 105))  # 40 tokens: five chunks
+    engine, model = make_engine(fake_model_cls(num_slots=2, context_tokens=True, step_delay=0.002),
+                                prefill_budget=32)
+    cold_engine, _ = make_engine(fake_model_cls(num_slots=2, context_tokens=True), prompt_cache=False,
+                                 prefill_budget=32)
+
+    async def main(eng):
+        a = eng.submit(req(shared + [1], max_tokens=30, request_id="a"))
+        b = eng.submit(req(shared + [2], max_tokens=3, request_id="b"))
+        return [await collect(s) for s in (a, b)]
+
+    warm, cold = run(main(engine)), run(main(cold_engine))
+    assert [r.tokens for r in warm] == [r.tokens for r in cold]
+    (copy,) = [c for plan in model.plans for c in plan.copies]
+    assert (copy.src, copy.dst, copy.num_tokens) == (0, 1, 32) and warm[1].final.cached_tokens == 32
+    (step,) = [plan for plan in model.plans if plan.copies]
+    assert [(c.slot, c.start_pos) for c in step.prefills] == [(0, 32), (0, 40), (1, 32), (1, 40)]
