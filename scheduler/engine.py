@@ -39,10 +39,11 @@ and prefills only from the first chunk that differs, keeping at least one prompt
 prefill. Where another slot, busy or not, holds a longer match, the new request's slot gets a
 copy of those positions first (`PrefixCopy`, in the step's plan before its prefills): users
 who share a system prompt prefill it once. Only chunks dispatched in earlier steps are copied
-(a copy runs before the step's prompt chunks). Only whole prefilled chunks are kept, never a partial chunk or decoded tokens, and the
-boundaries are the fixed ones above, so the positions reused hold exactly what a cold prefill
-would write there: a request's tokens are the same with or without the cache (a chat turn
-reuses what earlier turns prefilled of its history, not the previous turn's own answer).
+(a copy runs before the step's prompt chunks). Only whole prefilled chunks are kept, never a
+partial chunk or decoded tokens, and the boundaries are the fixed ones above, so the positions
+reused hold exactly what a cold prefill would write there: a request's tokens are the same with
+or without the cache (a chat turn reuses what earlier turns prefilled of its history, not the
+previous turn's own answer).
 
 Timing for /metrics: `Engine.add_observer(fn)` registers `fn(RequestTiming)`, called on the
 engine thread once per finished request with its queue time, time to first token, inter-token
@@ -237,7 +238,7 @@ class Engine:
         # there from position 0, and when its last request ended (for the least recently used).
         self._held: list[np.ndarray] = [np.zeros((0,), np.int32)] * config.num_slots
         self._freed_at: list[float] = [0.0] * config.num_slots
-        self._copyable: list[int] = [0] * config.num_slots  # of each slot's held tokens, those a copy may read now
+        self._copyable: list[int] = [0] * config.num_slots  # of a slot's held tokens, those a copy may read now
         self._chunk_sizes: tuple[int, ...] = config.prefill_chunks
         self._max_context = config.max_context
         self._max_top_logprobs = config.max_top_logprobs
