@@ -118,19 +118,31 @@ def prefill_args(slot: int, tokens: np.ndarray, start: int, num_valid: int, is_l
     return np.concatenate([head, samp_words, np.asarray(tokens, np.int32)])
 
 
-def _copy_prefix(span: int, params, cache: KVCache, st: SlotState, args):
+COPY_LAYERS = 4  # layers per iteration of `_copy_prefix`'s loop
+
+
+def _copy_prefix(span: int, layers: int, params, cache: KVCache, st: SlotState, args):
     """`PrefixCopy`: positions [0, span) of slot args[0]'s keys, values and prompt tokens into
-    slot args[1] (a whole context bucket, in place)."""
+    slot args[1] (a whole context bucket), in place. The keys and values go `layers` layers an
+    iteration of a loop: one slice of them all at once is a temporary copy of the source slot's
+    rows (on the CPU, 90 MiB where a loop of single layers needed 1.5)."""
     src, dst = args[0], args[1]
+    zero = jnp.zeros((), jnp.int32)
 
-    def move(buf: jax.Array, axis: int) -> jax.Array:  # `axis`: the slot axis, positions after it
-        rows = jax.lax.dynamic_slice_in_dim(buf, src, 1, axis=axis)
-        rows = jax.lax.slice_in_dim(rows, 0, span, axis=axis + 1)
-        at = [jnp.zeros((), jnp.int32)] * buf.ndim
-        at[axis] = dst
-        return jax.lax.dynamic_update_slice(buf, rows, at)
+    def move(buf: jax.Array) -> jax.Array:  # [L, B, S, K, D]
+        num_layers = buf.shape[0]
+        group = min(layers, num_layers)
 
-    return KVCache(move(cache.k, 1), move(cache.v, 1)), dataclasses.replace(st, history=move(st.history, 0))
+        def body(i, buf):
+            first = jnp.minimum(i * group, num_layers - group)  # the last group may overlap the one before
+            rows = jax.lax.dynamic_slice(buf, (first, src, zero, zero, zero), (group, 1, span, *buf.shape[3:]))
+            return jax.lax.dynamic_update_slice(buf, rows, (first, dst, zero, zero, zero))
+
+        return jax.lax.fori_loop(0, -(-num_layers // group), body, buf)
+
+    rows = jax.lax.dynamic_slice(st.history, (src, zero), (1, span))
+    history = jax.lax.dynamic_update_slice(st.history, rows, (dst, zero))
+    return KVCache(move(cache.k), move(cache.v)), dataclasses.replace(st, history=history)
 
 
 def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, samp_layout: transfer.WordsLayout,
@@ -277,6 +289,7 @@ class ModelRunner:
         self.max_top_logprobs = engine_cfg.max_top_logprobs
         self.decode_steps = tuple(sorted({1, engine_cfg.decode_steps()}))
         self.dispatch_ahead = engine_cfg.dispatch_ahead
+        self.copy_layers = COPY_LAYERS  # `_copy_prefix`'s layers per iteration (bench/prefix_copy.py)
         self._mesh = mesh
         self._unroll_decode = engine_cfg.unrolls_decode(jax.default_backend())
         log.info("decode layer loop: %s (unroll_decode_layers=%s)", "unrolled" if self._unroll_decode else "scanned",
@@ -338,7 +351,7 @@ class ModelRunner:
             fn = functools.partial(_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend,
                                    unroll=self._unroll_decode, few_rows=few_rows)
         elif kind == "copy":
-            fn = functools.partial(_copy_prefix, attend)
+            fn = functools.partial(_copy_prefix, attend, self.copy_layers)
         else:
             fn = functools.partial(_prefill_step, self.cfg, self.kernels, self.max_top_logprobs, attend,
                                    self._samp_layout)
@@ -456,12 +469,6 @@ class ModelRunner:
                     sp = dataclasses.replace(sp, seed=int(self._rng.integers(0, 2**63)))
                 self._slot_params[setup.slot] = sp
             self._pack_sampling()
-        for copy in plan.copies:
-            if not 0 < copy.num_tokens < self.max_context or copy.src == copy.dst:
-                raise ValueError(f"prefix copy {copy} outside the context or onto its own slot")
-            span = self._bucket(copy.num_tokens)
-            self._cache, self._state = self._program("copy", span, span)(
-                self.params, self._cache, self._state, np.asarray([copy.src, copy.dst], np.int32))
         decode_out = None
         steps = plan.num_decode_steps
         if plan.decode_slots:
@@ -474,6 +481,12 @@ class ModelRunner:
             )
             _start_copies(decode_out)
             self._positions[active] += steps
+        for copy in plan.copies:  # after the decode, whose tokens need not wait for them
+            if not 0 < copy.num_tokens < self.max_context or copy.src == copy.dst:
+                raise ValueError(f"prefix copy {copy} outside the context or onto its own slot")
+            span = self._bucket(copy.num_tokens)
+            self._cache, self._state = self._program("copy", span, span)(
+                self.params, self._cache, self._state, np.asarray([copy.src, copy.dst], np.int32))
         prefill_outs = [self._dispatch_prefill(chunk) for chunk in plan.prefills]
         return _Pending(self.num_slots, self.max_top_logprobs, decode_out, prefill_outs,
                         steps if decode_out is not None else 1, plan.decode_slots, plan.prefills)

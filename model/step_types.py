@@ -108,7 +108,7 @@ class PrefixCopy:
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
     setups: tuple[SlotSetup, ...] = ()  # applied first
-    copies: tuple[PrefixCopy, ...] = ()  # then these, in order, before the decode and the prefills
+    copies: tuple[PrefixCopy, ...] = ()  # applied after the decode, in order, before the prefills
     decode_slots: tuple[int, ...] = ()  # slots that compute their next token this step
     prefills: tuple[PrefillChunk, ...] = ()  # applied after the decode, in order
     # Decode steps run back to back in one device program (lax.scan), each feeding the next its

@@ -161,11 +161,6 @@ class FakeModel:
         out = outs[0]
         for setup in plan.setups:
             self._pos[setup.slot], self._last[setup.slot] = -1, None  # -1: before the first chunk
-        for copy in plan.copies:  # before the decode and the prompt chunks
-            n = copy.num_tokens
-            assert copy.src != copy.dst and self._pos[copy.dst] == -1, "a copy into a slot not just set up"
-            assert None not in self.cache[copy.src][:n], "a copy of positions nothing wrote (yet)"
-            self.cache[copy.dst][:n] = self.cache[copy.src][:n]
         prefill_slots = {c.slot for c in plan.prefills}
         for step_out in outs:
             for slot in plan.decode_slots:
@@ -175,6 +170,11 @@ class FakeModel:
                 self.cache[slot][self._pos[slot]] = self._last[slot]
                 self._pos[slot] += 1
                 self._sample(step_out, slot, self._last[slot])
+        for copy in plan.copies:  # after the decode, before the prompt chunks
+            n = copy.num_tokens
+            assert copy.src != copy.dst and self._pos[copy.dst] == -1, "a copy into a slot not just set up"
+            assert None not in self.cache[copy.src][:n], "a copy of positions nothing wrote (yet)"
+            self.cache[copy.dst][:n] = self.cache[copy.src][:n]
         for chunk in plan.prefills:
             n = len(chunk.tokens)
             assert self._pos[chunk.slot] is not None, f"slot {chunk.slot} prefilled without a setup"
