@@ -39,11 +39,13 @@ and prefills only from the first chunk that differs, keeping at least one prompt
 prefill. Where another slot, busy or not, holds a longer match, the new request's slot gets a
 copy of those positions first (`PrefixCopy`, in the step's plan before its prefills): users
 who share a system prompt prefill it once. Only chunks dispatched in earlier steps are copied
-(a copy runs before the step's prompt chunks). Only whole prefilled chunks are kept, never a
-partial chunk or decoded tokens, and the boundaries are the fixed ones above, so the positions
-reused hold exactly what a cold prefill would write there: a request's tokens are the same with
-or without the cache (a chat turn reuses what earlier turns prefilled of its history, not the
-previous turn's own answer).
+(a copy runs before the step's prompt chunks), and only what requests of the same `cache_salt`
+prefilled (a tenant that must not learn from timings or `cached_tokens` what others' prompts
+start with sends its own salt). Only whole prefilled chunks are kept, never a partial chunk or
+decoded tokens, and the boundaries are the fixed ones above, so the positions reused hold
+exactly what a cold prefill would write there: a request's tokens are the same with or without
+the cache (a chat turn reuses what earlier turns prefilled of its history, not the previous
+turn's own answer).
 
 Timing for /metrics: `Engine.add_observer(fn)` registers `fn(RequestTiming)`, called on the
 engine thread once per finished request with its queue time, time to first token, inter-token
@@ -239,6 +241,7 @@ class Engine:
         self._held: list[np.ndarray] = [np.zeros((0,), np.int32)] * config.num_slots
         self._freed_at: list[float] = [0.0] * config.num_slots
         self._copyable: list[int] = [0] * config.num_slots  # of a slot's held tokens, those a copy may read now
+        self._salts: list[str] = [""] * config.num_slots  # the cache_salt of the requests that prefilled them
         self._chunk_sizes: tuple[int, ...] = config.prefill_chunks
         self._max_context = config.max_context
         self._max_top_logprobs = config.max_top_logprobs
@@ -413,6 +416,7 @@ class Engine:
         self._held = [np.zeros((0,), np.int32)] * len(self._slots)
         self._freed_at = [0.0] * len(self._slots)
         self._copyable = [0] * len(self._slots)
+        self._salts = [""] * len(self._slots)
         self._chunk_sizes = chunks
         self._max_context = int(model.max_context)
         self._max_top_logprobs = int(model.max_top_logprobs)
@@ -550,6 +554,7 @@ class Engine:
                 copies.append(PrefixCopy(src, slot, reused))
                 self._held[slot] = self._held[src][:reused]
             self._copyable[slot] = reused  # (its chunks planned below: not before the next step)
+            self._salts[slot] = state.request.cache_salt
             self._prompt_tokens_cached_total += reused
             self._slots[state.slot] = state
             setups.append(SlotSetup(state.slot, state.request.sampling))
@@ -562,9 +567,12 @@ class Engine:
         )
         return plan, rows
 
-    def _matched(self, slot: int, prompt: np.ndarray, limit: int) -> int:
-        """How many of `prompt`'s first tokens, in whole chunks and at most `limit`, the slot holds."""
-        held = self._held[slot]
+    def _matched(self, slot: int, state: RequestState, limit: int) -> int:
+        """How many of the request's first prompt tokens, in whole chunks and at most `limit`, the
+        slot holds for its cache_salt."""
+        if self._salts[slot] != state.request.cache_salt:
+            return 0
+        held, prompt = self._held[slot], state.prompt
         n = min(len(held), limit)
         differ = np.flatnonzero(held[:n] != prompt[:n])
         largest = self._chunk_sizes[-1]
@@ -582,9 +590,9 @@ class Engine:
         largest = self._chunk_sizes[-1]
         limit = (state.num_prompt - 1) // largest * largest if state.request.cache_prompt else 0
         spare = max(free, key=lambda s: (len(self._held[s]) == 0, -self._freed_at[s]))
-        own, reused = max(((s, self._matched(s, state.prompt, limit)) for s in free),
+        own, reused = max(((s, self._matched(s, state, limit)) for s in free),
                           key=lambda sm: (sm[1], sm[0] == spare))
-        src, copied = max(((s, self._matched(s, state.prompt, min(limit, self._copyable[s])))
+        src, copied = max(((s, self._matched(s, state, min(limit, self._copyable[s])))
                            for s in range(len(self._slots))), key=lambda sm: sm[1])
         if copied > reused:
             return spare, copied, src

@@ -50,6 +50,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     logprobs: bool = False  # return the chosen token's logprob (and sampling.top_logprobs alternatives)
     cache_prompt: bool = True  # may reuse a prompt prefix a slot's cache holds (llama.cpp's cache_prompt)
+    cache_salt: str = ""  # reuses only what requests of the same salt prefilled (vLLM's cache_salt)
     timeout_s: float | None = None  # None: the engine's default
 
     def __post_init__(self) -> None:

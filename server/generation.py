@@ -83,6 +83,7 @@ class Generation:
             ignore_eos=self._parsed.ignore_eos,
             logprobs=self._parsed.logprobs is not None,
             cache_prompt=self._parsed.cache_prompt,
+            cache_salt=self._parsed.cache_salt,
         )
 
     def submit_all(self) -> None:

@@ -51,6 +51,7 @@ class ParsedRequest:
     include_usage: bool = False
     echo: bool = False
     cache_prompt: bool = True  # llama-server's field: false prefills the whole prompt
+    cache_salt: str = ""  # vLLM's field: reuse only what requests of the same salt prefilled
 
     @property
     def prompt_field(self) -> str:
@@ -208,6 +209,7 @@ def _parse_common(fields: Fields, max_tokens_names: tuple[str, ...], top_logprob
         stop_token_ids=_parse_stop_token_ids(fields.raw("stop_token_ids")),
         ignore_eos=fields.boolean("ignore_eos", False),
         cache_prompt=fields.boolean("cache_prompt", True),
+        cache_salt=fields.string("cache_salt") or "",
         stream=stream,
         include_usage=stream and include_usage,
     )

@@ -928,3 +928,15 @@ def test_a_long_prompts_chunks_of_this_step_are_not_copied(make_engine, fake_mod
     assert (copy.src, copy.dst, copy.num_tokens) == (0, 1, 32) and warm[1].final.cached_tokens == 32
     (step,) = [plan for plan in model.plans if plan.copies]
     assert [(c.slot, c.start_pos) for c in step.prefills] == [(0, 32), (0, 40), (1, 32), (1, 40)]
+
+
+def test_only_what_requests_of_the_same_cache_salt_prefilled_is_reused(make_engine, fake_model_cls):
+    """cache_salt isolates the prompt cache: a slot's chunks serve (own or copied) only requests
+    with the salt of the request that prefilled them."""
+    system = list(range(65, 81))
+    engine, model = make_engine(fake_model_cls(num_slots=2, context_tokens=True))
+    requests = [req(system + [1], 2, cache_salt="a"), req(system + [2], 2, cache_salt="b"),
+                req(system + [3], 2, cache_salt="b"), req(system + [4], 2, cache_salt="a"),
+                req(system + [5], 2)]
+    results = _serially(engine, *requests)
+    assert [r.final.cached_tokens for r in results] == [0, 0, 16, 16, 0]

@@ -69,6 +69,7 @@ async def test_sampling_fields_reach_the_engine(client: httpx.AsyncClient, engin
         "stop_token_ids": [7],
         "user": "u1",
         "cache_prompt": False,
+        "cache_salt": "team-a",
     }
     r = await client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
@@ -78,7 +79,7 @@ async def test_sampling_fields_reach_the_engine(client: httpx.AsyncClient, engin
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.seed) == (0.5, -0.5, 1.1, 5)
     assert s.logit_bias == ((4, 2.5), (10, -100.0))
     assert request.ignore_eos and request.stop_token_ids == (7,)
-    assert not request.cache_prompt
+    assert not request.cache_prompt and request.cache_salt == "team-a"
 
 
 async def test_usage_reports_the_prompt_tokens_the_engine_reused(client: httpx.AsyncClient, engine: FakeEngine) -> None:

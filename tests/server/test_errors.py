@@ -92,6 +92,8 @@ BAD_INPUTS: list[tuple[str, Any, str | None]] = [
     ),
     ("/v1/completions", {"prompt": "x", "user": 5}, "user"),
     ("/v1/completions", {"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
+    ("/v1/completions", {"prompt": "x", "cache_prompt": "no"}, "cache_prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "cache_salt": 7}, "cache_salt"),
     ("/v1/chat/completions", {}, "messages"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
