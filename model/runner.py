@@ -118,7 +118,7 @@ def prefill_args(slot: int, tokens: np.ndarray, start: int, num_valid: int, is_l
     return np.concatenate([head, samp_words, np.asarray(tokens, np.int32)])
 
 
-COPY_LAYERS = 4  # layers per iteration of `_copy_prefix`'s loop
+COPY_LAYERS = 4  # layers per iteration of `_copy_prefix`'s loop (bench/prefix_copy.py measured 1, 4, 8, all)
 
 
 def _copy_prefix(span: int, layers: int, params, cache: KVCache, st: SlotState, args):
@@ -289,7 +289,6 @@ class ModelRunner:
         self.max_top_logprobs = engine_cfg.max_top_logprobs
         self.decode_steps = tuple(sorted({1, engine_cfg.decode_steps()}))
         self.dispatch_ahead = engine_cfg.dispatch_ahead
-        self.copy_layers = COPY_LAYERS  # `_copy_prefix`'s layers per iteration (bench/prefix_copy.py)
         self._mesh = mesh
         self._unroll_decode = engine_cfg.unrolls_decode(jax.default_backend())
         log.info("decode layer loop: %s (unroll_decode_layers=%s)", "unrolled" if self._unroll_decode else "scanned",
@@ -351,7 +350,7 @@ class ModelRunner:
             fn = functools.partial(_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend,
                                    unroll=self._unroll_decode, few_rows=few_rows)
         elif kind == "copy":
-            fn = functools.partial(_copy_prefix, attend, self.copy_layers)
+            fn = functools.partial(_copy_prefix, attend, COPY_LAYERS)
         else:
             fn = functools.partial(_prefill_step, self.cfg, self.kernels, self.max_top_logprobs, attend,
                                    self._samp_layout)
