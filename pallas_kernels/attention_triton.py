@@ -14,9 +14,11 @@ takes.
 Decode is flash decoding (split-K): one program per (slot row, kv head, split) loads [block_s,
 D] tiles of K and V of its kv head once for all G = H / K query heads of that head (the G
 queries padded to >= 16 rows, the smallest Triton dot), keeps an online softmax in f32 and
-writes a partial (max, sum, unnormalised output); an elementwise jnp step merges the splits
-(XLA fuses it into what follows where it can, `_merge_splits`; with one split the kernel writes
-the final output itself). The grid's splits are static (`DecodeAttentionConfig.plan`: enough to
+writes a partial (max, sum, unnormalised output); the last of a (row, kv head)'s programs to
+finish, counted with an atomic add, merges the splits' partials into the output
+(`_merge_if_last`; or, with `merge_in_kernel=False`, an elementwise jnp step after the call,
+which XLA fuses into what follows where it can, `_merge_splits`; with one split the kernel
+writes the final output itself). The grid's splits are static (`DecodeAttentionConfig.plan`: enough to
 fill about `target_programs` programs with all B rows). By default a row's tiles are divided among them by its own length
 alone, never by the span (the context bucket) or the other rows, so a row's output does not
 depend on what else is in the batch (the engine's batch invariance). Under `few_rows` (opt-in:
@@ -129,6 +131,9 @@ class DecodeAttentionConfig:
     # None: 2 with the 8 KiB tile of one query per kv head, else 4.
     num_warps: int | None = None
     num_stages: int = 3
+    # Splits merged by the last of a row's programs to finish (`_merge_if_last`), not by XLA
+    # after the call (`_merge_splits`).
+    merge_in_kernel: bool = True
 
     def __post_init__(self) -> None:
         _check_pow2("block_s", self.block_s, _MIN_DOT)
@@ -331,9 +336,11 @@ def _decode_kernel(
     k_ref,  # [L, S, D] this row's keys of this kv head, every layer (read in place)
     v_ref,  # [L, S, D]
     # with `writes`: wpos_ref [B] int32 (where each row's new key goes; outside [0, S): nowhere);
+    # with `merge_in_kernel`: the counts [B, K] int32 (the output count_ref's buffer);
     # then the outputs: one split: o_ref [H, D] (f32 or `out_dtype`); else acc_ref [G_pad, D], m_ref [G_pad],
-    # l_ref [G_pad] f32; with `writes`, then k_out_ref, v_out_ref [L, S, D] (the caches, aliased
-    # to k_ref and v_ref)
+    # l_ref [G_pad] f32, or with `merge_in_kernel` o_ref [H, D] and whole acc_ref [P, B, K, G_pad, D],
+    # m_ref and l_ref [P, B, K, G_pad] and count_ref [B, K]; with `writes`, then k_out_ref,
+    # v_out_ref [L, S, D] (the caches, aliased to k_ref and v_ref)
     *refs,
     writes: bool,
     block_s: int,
@@ -346,11 +353,15 @@ def _decode_kernel(
     g_pad: int,
     has_window: bool,
     is_ragged: bool,
+    merge_in_kernel: bool,
+    interpret: bool,
 ):
+    out_refs = list(refs)
+    wpos_ref = out_refs.pop(0) if writes else None
+    if merge_in_kernel:
+        out_refs.pop(0)  # the counts as input: the output `count_ref` is the same buffer
     if writes:
-        wpos_ref, *out_refs, k_out_ref, v_out_ref = refs
-    else:
-        out_refs = refs
+        *out_refs, k_out_ref, v_out_ref = out_refs
     row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     pos = pos_ref[row]
@@ -445,13 +456,70 @@ def _decode_kernel(
         else:
             _store(o_ref.at[out_rows, :], out, mask=row_mask)
         return
-    acc_ref, m_ref, l_ref = out_refs
-    if row_mask is None:
-        acc_ref[...] = acc
-    else:  # padding rows are never read back: do not write them
-        _store(acc_ref, acc, mask=row_mask)
-    m_ref[...] = m
-    l_ref[...] = l
+    if len(out_refs) == 3:  # the splits' partials, merged by `_merge_splits` after the call
+        acc_ref, m_ref, l_ref = out_refs
+        if row_mask is None:
+            acc_ref[...] = acc
+        else:  # padding rows are never read back: do not write them
+            _store(acc_ref, acc, mask=row_mask)
+        m_ref[...] = m
+        l_ref[...] = l
+        return
+    # Merged in the kernel: every split's partial goes to the whole-array buffers, and the last
+    # split of this (row, kv head) to arrive merges them all.
+    o_ref, acc_ref, m_ref, l_ref, count_ref = out_refs
+    at = (split, row, head)
+    _store(acc_ref.at[(*at, slice(None), slice(None))], acc, mask=row_mask)
+    m_ref[(*at, slice(None))] = m
+    l_ref[(*at, slice(None))] = l
+    _merge_if_last(o_ref, acc_ref, m_ref, l_ref, count_ref, at, out_rows, row_mask, num_splits, num_groups,
+                   interpret)
+
+
+def _merge_if_last(o_ref, acc_ref, m_ref, l_ref, count_ref, at, out_rows, row_mask, num_splits: int,
+                   num_groups: int, interpret: bool):
+    """The in-kernel merge: each split's program counts itself in `count_ref[row, kv head]`
+    once its partial is written, and the one that counts last merges all of them, in split
+    order (`_merge_splits`' sums), into the output rows, and sets the count back to 0 for the
+    next call. Ordering: the barrier makes every thread's stores of the partial precede the
+    count (one thread's atomic add, acquire-release at GPU scope), so the program that sees
+    the others' counts also sees their partials; it reads them as volatile loads, past the L1, which
+    never held them. The merge depends on nothing but the row's partials: batch invariance
+    holds as with the merge outside. (Interpreted, the programs run one after another: no
+    barrier, which has no CPU lowering.)"""
+    split, row, head = at
+    if not interpret:
+        plt.debug_barrier()
+    ticket = plt.atomic_add(count_ref, (row, head), jnp.int32(1))
+
+    @pl.when(ticket == num_splits - 1)
+    def _merge():
+        count_ref[row, head] = jnp.int32(0)
+        # All splits at once, each of the G query rows (padded to a power of two): one batch of
+        # loads rather than a chain of them.
+        p_pad, d = acc_ref.shape[0], acc_ref.shape[-1]
+        g_p = out_rows.size if row_mask is None else _pow2_at_least(num_groups)
+        splits = jnp.arange(p_pad, dtype=jnp.int32) < num_splits
+        ml_at = (pl.ds(0, p_pad), row, head, pl.ds(0, g_p))
+        ml_mask = jnp.broadcast_to(splits[:, None], (p_pad, g_p))
+        m = _load(m_ref.at[ml_at], mask=ml_mask, other=jnp.full((), _NEG, jnp.float32), volatile=True)
+        l = _load(l_ref.at[ml_at], mask=ml_mask, other=jnp.zeros((), jnp.float32), volatile=True)
+        acc = _load(acc_ref.at[(*ml_at, slice(None))], mask=jnp.broadcast_to(splits[:, None, None], (p_pad, g_p, d)),
+                    other=jnp.zeros((), jnp.float32), volatile=True)
+        w = jnp.exp2(m - jnp.max(m, axis=0)[None, :])  # [P, G]
+        num = jnp.sum(acc * w[:, :, None], axis=0)
+        den = jnp.sum(l * w, axis=0)
+        out = (num / den[:, None]).astype(o_ref.dtype)
+        rows = pl.ds(out_rows.start, g_p)
+        if g_p == num_groups:
+            o_ref[rows, :] = out
+        else:
+            live = jnp.broadcast_to((jnp.arange(g_p, dtype=jnp.int32) < num_groups)[:, None], (g_p, d))
+            _store(o_ref.at[rows, :], out, mask=live)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "static_scale", "static_window", "span",
@@ -492,23 +560,33 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, *, 
         g_pad=g_pad,
         has_window=static_window != 0,
         is_ragged=num_tiles * block_s > s_max,  # the last tile would cross the cache's end
+        merge_in_kernel=num_splits > 1 and config.merge_in_kernel,
+        interpret=interpret,
     )
     num_layers = k_cache.shape[0]
     kv_spec = pl.BlockSpec((num_layers, None, s_max, None, d), lambda i, j, p: (0, i, 0, j, 0))
+    merge_in_kernel = num_splits > 1 and config.merge_in_kernel
+    # merged in the kernel: room for a power of two of splits, which it loads at once
+    p_alloc = _pow2_at_least(num_splits) if merge_in_kernel else num_splits
+    partials = [
+        jax.ShapeDtypeStruct((p_alloc, b, kh, g_pad, d), jnp.float32),
+        jax.ShapeDtypeStruct((p_alloc, b, kh, g_pad), jnp.float32),
+        jax.ShapeDtypeStruct((p_alloc, b, kh, g_pad), jnp.float32),
+    ]
     if num_splits == 1:
         out_specs = [pl.BlockSpec((None, h, d), lambda i, j, p: (i, 0, 0))]
         out_shape = [jax.ShapeDtypeStruct((b, h, d), out_dtype)]
+    elif merge_in_kernel:  # the output, then the partials and the counts whole (`_merge_if_last`)
+        out_specs = [pl.BlockSpec((None, h, d), lambda i, j, p: (i, 0, 0))] + [pl.BlockSpec() for _ in range(4)]
+        out_shape = [jax.ShapeDtypeStruct((b, h, d), out_dtype), *partials,
+                     jax.ShapeDtypeStruct((b, kh), jnp.int32)]
     else:
         out_specs = [
             pl.BlockSpec((None, None, None, g_pad, d), lambda i, j, p: (p, i, j, 0, 0)),
             pl.BlockSpec((None, None, None, g_pad), lambda i, j, p: (p, i, j, 0)),
             pl.BlockSpec((None, None, None, g_pad), lambda i, j, p: (p, i, j, 0)),
         ]
-        out_shape = [
-            jax.ShapeDtypeStruct((num_splits, b, kh, g_pad, d), jnp.float32),
-            jax.ShapeDtypeStruct((num_splits, b, kh, g_pad), jnp.float32),
-            jax.ShapeDtypeStruct((num_splits, b, kh, g_pad), jnp.float32),
-        ]
+        out_shape = partials
     in_specs = [
         pl.BlockSpec((b,), lambda i, j, p: (0,)),
         pl.BlockSpec((1,), lambda i, j, p: (0,)),
@@ -528,7 +606,11 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, *, 
         out_specs += [kv_spec, kv_spec]
         out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                       jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
-        aliases = {6: num_outs, 7: num_outs + 1}
+        aliases.update({6: num_outs, 7: num_outs + 1})
+    if merge_in_kernel:  # the counts start at 0; the merging program leaves its count at 0
+        in_specs.append(pl.BlockSpec())
+        args.append(jnp.zeros((b, kh), jnp.int32))
+        aliases[len(args) - 1] = num_outs - 1
     outs = pl.pallas_call(
         kernel,
         grid=(b, kh, num_splits),
@@ -542,7 +624,7 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, *, 
     )(*args)
     caches = tuple(outs[num_outs:])
     outs = outs[:num_outs]
-    if num_splits == 1:
+    if num_splits == 1 or merge_in_kernel:
         out = outs[0]
     else:
         out = _merge_splits(*(x[:, :, :, :g] for x in outs)).reshape(b, h, d).astype(out_dtype)

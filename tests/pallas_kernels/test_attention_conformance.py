@@ -380,6 +380,9 @@ class TestDecodeInterpret(DecodeConformance):
         # an 8-bit float cache, converted to f16 per tile
         DecodeCase(3, 100, 4, 2, 64, jnp.float8_e4m3fn, windows=(0, 7),
                    config=DecodeAttentionConfig(block_s=16, num_splits=2, min_split_keys=16), checks_out_dtype=False),
+        # the splits merged by XLA after the call, not in the kernel; out_dtype: that merge's
+        DecodeCase(3, 100, 6, 2, 32, jnp.float32, windows=(0, 7, 40),
+                   config=DecodeAttentionConfig(block_s=16, num_splits=3, min_split_keys=16, merge_in_kernel=False)),
     )
 
 
@@ -427,6 +430,8 @@ class TestDecodeGpu(DecodeConformance):
         DecodeCase(8, 2048, 32, 8, 128, jnp.bfloat16, windows=(0, 300), few_rows=True),  # Llama-3-8B: 16 splits
         DecodeCase(8, 4096, 32, 8, 128, jnp.float8_e4m3fn, is_window_static=True),  # Llama-3-8B, 8-bit cache
         DecodeCase(8, 1024, 32, 32, 128, jnp.float8_e4m3fn, windows=(0, 100)),  # the 7B's 8 slots, 8-bit cache
+        DecodeCase(8, 4096, 32, 8, 128, jnp.bfloat16, is_window_static=True,  # Llama-3-8B, merged by XLA
+                   config=DecodeAttentionConfig(merge_in_kernel=False)),
     )
 
 
