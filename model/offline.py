@@ -6,6 +6,7 @@ llama.cpp agreement test and bench/agreement.py use."""
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -79,8 +80,7 @@ def teacher_forced_logits(cfg, kernels, params, cases: list[tuple[list[int], lis
     chunks = tuple(sorted(chunks))
     num_slots = len(cases)
     cache = forward.KVCache.create(cfg, num_slots, max_context, jnp.dtype(kv_dtype))
-    prefill = jax.jit(functools.partial(forward.prefill, cfg, kernels), donate_argnums=(1,), static_argnums=(6,))
-    decode = jax.jit(functools.partial(forward.decode, cfg, kernels), donate_argnums=(1,), static_argnums=(4,))
+    prefill, decode = _forced_programs(cfg, kernels)
     out: list[list[np.ndarray]] = [[] for _ in cases]
     for s, (prompt, _) in enumerate(cases):
         start = 0
@@ -108,6 +108,15 @@ def teacher_forced_logits(cfg, kernels, params, cases: list[tuple[list[int], lis
             if j < len(cont):
                 out[s].append(logits[s])
     return [np.stack(rows) for rows in out]
+
+
+@functools.lru_cache(maxsize=8)
+def _forced_programs(cfg, kernels) -> tuple[Callable, Callable]:
+    """`teacher_forced_logits`' jitted prefill and decode, one pair per (config, kernels): a
+    later call with the same model and shapes runs what an earlier one compiled."""
+    prefill = jax.jit(functools.partial(forward.prefill, cfg, kernels), donate_argnums=(1,), static_argnums=(6,))
+    decode = jax.jit(functools.partial(forward.decode, cfg, kernels), donate_argnums=(1,), static_argnums=(4,))
+    return prefill, decode
 
 
 def _prefix(n: int, max_context: int) -> int:

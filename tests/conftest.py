@@ -7,14 +7,26 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import atexit
 import contextlib
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
+import jax
 import pytest
+
+# One persistent compilation cache for the whole run, set before any test module compiles: a
+# program that several tests build (the same model, engine config and shapes) compiles once.
+# It starts empty, as on a fresh CI machine, and is removed at exit.
+_COMPILE_CACHE = tempfile.mkdtemp(prefix="pallas-serve-test-jax-cache-")
+atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _COMPILE_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 from server.default_model import default_model_path
 
