@@ -479,14 +479,14 @@ def _decode_kernel(
 def _merge_if_last(o_ref, acc_ref, m_ref, l_ref, count_ref, at, out_rows, row_mask, num_splits: int,
                    num_groups: int, interpret: bool):
     """The in-kernel merge: each split's program counts itself in `count_ref[row, kv head]`
-    once its partial is written, and the one that counts last merges all of them, in split
-    order (`_merge_splits`' sums), into the output rows, and sets the count back to 0 for the
-    next call. Ordering: the barrier makes every thread's stores of the partial precede the
-    count (one thread's atomic add, acquire-release at GPU scope), so the program that sees
-    the others' counts also sees their partials; it reads them as volatile loads, past the L1, which
-    never held them. The merge depends on nothing but the row's partials: batch invariance
-    holds as with the merge outside. (Interpreted, the programs run one after another: no
-    barrier, which has no CPU lowering.)"""
+    (0 at the call) once its partial is written, and the one that counts last merges all of
+    them into the output rows: the same sums as `_merge_splits`, taken over the split axis at
+    once. Ordering: the barrier makes every thread's stores of the partial precede the count
+    (one thread's atomic add, acquire-release at GPU scope), so the program that sees the
+    others' counts also sees their partials; it reads them as volatile loads, past the L1,
+    which never held them. The merge depends on nothing but the row's partials: batch
+    invariance holds as with the merge outside. (Interpreted, the programs run one after
+    another: no barrier, which has no CPU lowering.)"""
     split, row, head = at
     if not interpret:
         plt.debug_barrier()
@@ -494,7 +494,6 @@ def _merge_if_last(o_ref, acc_ref, m_ref, l_ref, count_ref, at, out_rows, row_ma
 
     @pl.when(ticket == num_splits - 1)
     def _merge():
-        count_ref[row, head] = jnp.int32(0)
         # All splits at once, each of the G query rows (padded to a power of two): one batch of
         # loads rather than a chain of them.
         p_pad, d = acc_ref.shape[0], acc_ref.shape[-1]
@@ -547,6 +546,7 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, *, 
     else:
         work = np.ones((1,), np.int32)
 
+    merge_in_kernel = num_splits > 1 and config.merge_in_kernel
     kernel = functools.partial(
         _decode_kernel,
         writes=write_pos is not None,
@@ -560,12 +560,11 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, *, 
         g_pad=g_pad,
         has_window=static_window != 0,
         is_ragged=num_tiles * block_s > s_max,  # the last tile would cross the cache's end
-        merge_in_kernel=num_splits > 1 and config.merge_in_kernel,
+        merge_in_kernel=merge_in_kernel,
         interpret=interpret,
     )
     num_layers = k_cache.shape[0]
     kv_spec = pl.BlockSpec((num_layers, None, s_max, None, d), lambda i, j, p: (0, i, 0, j, 0))
-    merge_in_kernel = num_splits > 1 and config.merge_in_kernel
     # merged in the kernel: room for a power of two of splits, which it loads at once
     p_alloc = _pow2_at_least(num_splits) if merge_in_kernel else num_splits
     partials = [
@@ -607,7 +606,7 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, *, 
         out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                       jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
         aliases.update({6: num_outs, 7: num_outs + 1})
-    if merge_in_kernel:  # the counts start at 0; the merging program leaves its count at 0
+    if merge_in_kernel:  # the counts, 0 at each call
         in_specs.append(pl.BlockSpec())
         args.append(jnp.zeros((b, kh), jnp.int32))
         aliases[len(args) - 1] = num_outs - 1
