@@ -21,42 +21,29 @@ from model.config import EngineConfig
 from model.step_types import SamplingParams
 from scheduler.engine_process import EngineProcess, EngineSpec, _OpenStreams
 from scheduler.gc_pauses import GC_BUCKETS
-from scheduler.types import EngineUnavailableError, GenerationRequest, QueueFullError, RequestValidationError
+from scheduler.types import EngineUnavailableError, QueueFullError, RequestValidationError
+from tests.scheduler import streams as shared
 from tests.scheduler.conftest import ByteTokenizer
+from tests.scheduler.streams import req
 
 BUILDER = "tests.scheduler.fake_engine_process:build"
 START_TIMEOUT_S = 60
 
 
-def req(prompt: str, max_tokens: int = 5, **kw) -> GenerationRequest:
-    return GenerationRequest(request_id=kw.pop("request_id", "r"), prompt_tokens=tuple(prompt.encode()),
-                             max_tokens=max_tokens, **kw)
-
-
 async def collect(stream) -> list:
-    events = [event async for event in stream]
-    assert events[-1].finish_reason is not None
-    assert all(e.finish_reason is None for e in events[:-1])
-    return events
+    return (await shared.collect(stream)).events
 
 
 def text(events) -> str:
     return "".join(e.text for e in events)
 
 
-def run(coro, timeout: float = 30.0):
-    async def bounded():
-        return await asyncio.wait_for(coro, timeout)
-
-    return asyncio.run(bounded())
+def run(coro):
+    return shared.run(coro, timeout=30.0)  # a spawned child answers slower than a thread
 
 
-def wait_until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.005)
+def wait_until(predicate) -> None:
+    shared.wait_until(predicate, timeout=10.0)
 
 
 @pytest.fixture
