@@ -81,6 +81,10 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _pow2_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def _check_pow2(name: str, value: int | None, minimum: int) -> None:
     if value is not None and (not _is_pow2(value) or value < minimum):
         raise ValueError(f"{name} must be a power of two >= {minimum}, got {value}")
@@ -472,12 +476,11 @@ def _decode_kernel(
     _store(acc_ref.at[(*at, slice(None), slice(None))], acc, mask=row_mask)
     m_ref[(*at, slice(None))] = m
     l_ref[(*at, slice(None))] = l
-    _merge_if_last(o_ref, acc_ref, m_ref, l_ref, count_ref, at, out_rows, row_mask, num_splits, num_groups,
-                   interpret)
+    _merge_if_last(o_ref, acc_ref, m_ref, l_ref, count_ref, at, out_rows, num_splits, num_groups, interpret)
 
 
-def _merge_if_last(o_ref, acc_ref, m_ref, l_ref, count_ref, at, out_rows, row_mask, num_splits: int,
-                   num_groups: int, interpret: bool):
+def _merge_if_last(o_ref, acc_ref, m_ref, l_ref, count_ref, at, out_rows, num_splits: int, num_groups: int,
+                   interpret: bool):
     """The in-kernel merge: each split's program counts itself in `count_ref[row, kv head]`
     (0 at the call) once its partial is written, and the one that counts last merges all of
     them into the output rows: the same sums as `_merge_splits`, taken over the split axis at
@@ -497,7 +500,7 @@ def _merge_if_last(o_ref, acc_ref, m_ref, l_ref, count_ref, at, out_rows, row_ma
         # All splits at once, each of the G query rows (padded to a power of two): one batch of
         # loads rather than a chain of them.
         p_pad, d = acc_ref.shape[0], acc_ref.shape[-1]
-        g_p = out_rows.size if row_mask is None else _pow2_at_least(num_groups)
+        g_p = _pow2_at_least(num_groups)
         splits = jnp.arange(p_pad, dtype=jnp.int32) < num_splits
         ml_at = (pl.ds(0, p_pad), row, head, pl.ds(0, g_p))
         ml_mask = jnp.broadcast_to(splits[:, None], (p_pad, g_p))
@@ -517,10 +520,6 @@ def _merge_if_last(o_ref, acc_ref, m_ref, l_ref, count_ref, at, out_rows, row_ma
             _store(o_ref.at[rows, :], out, mask=live)
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "static_scale", "static_window", "span",
                                              "few_rows", "out_dtype"))
 def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, *, config, interpret, static_scale,
@@ -534,7 +533,7 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, *, 
         h -= 2 * kh  # the packed rows: G queries, a key and a value per kv head
     g = h // kh
     s = span
-    g_pad = max(_MIN_DOT, 1 << (g - 1).bit_length())
+    g_pad = max(_MIN_DOT, _pow2_at_least(g))
     plan = config.plan(b, kh, g, d, k_cache.dtype.itemsize, s, few_rows=few_rows)
     block_s, num_splits = plan.block_s, plan.num_splits
     num_tiles = -(-s // block_s)

@@ -30,6 +30,7 @@ from pallas_kernels.attention_triton import (
     _dot_precision,
     _load_tile,
     _online_softmax_step,
+    _pow2_at_least,
     _scalar_inputs,
     _scale_q,
     _span,
@@ -156,7 +157,7 @@ def _prefill(q, k_cache, v_cache, start_pos, scale, window, where, *, config, in
     g = h // kh
     block_t, block_k, num_warps, num_stages = config.resolve(d, k_cache.dtype.itemsize)
     # A chunk shorter than a block: shrink the block (still >= 16, Triton's smallest dot).
-    block_t = min(block_t, max(_MIN_DOT, 1 << (t - 1).bit_length()))
+    block_t = min(block_t, max(_MIN_DOT, _pow2_at_least(t)))
     num_q_blocks = -(-t // block_t)
     kernel = functools.partial(
         _prefill_kernel,
