@@ -47,8 +47,12 @@ def attention_decode_reference(
     *,
     layer: jax.Array | int | None = None,  # the layer of a stacked cache (may be traced)
     span: int | None = None,  # static: only cache positions [0, span) are attended (default S)
+    # [B] int32: the cache row (slot) of each query row (None: row b's is b); rows may share one
+    slots: jax.Array | None = None,
 ) -> jax.Array:  # [B, H, D] f32
     k_cache, v_cache = _cache_rows(k_cache, v_cache, () if layer is None else (layer,), span, 1)
+    if slots is not None:
+        k_cache, v_cache = k_cache[slots], v_cache[slots]
     b, h, d = q.shape
     s, kh = k_cache.shape[1], k_cache.shape[2]
     g = h // kh
@@ -101,5 +105,6 @@ def pack_decode_write(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.concatenate(parts, axis=2).reshape(b, kh * (h // kh + 2), d)
 
 
+attention_decode_reference.takes_slots = True  # (model/forward.py's speculative decode)
 registry.register("attention_decode", "reference", attention_decode_reference)
 registry.register("attention_prefill", "reference", attention_prefill_reference)

@@ -340,6 +340,8 @@ def _decode_kernel(
     k_ref,  # [L, S, D] this row's keys of this kv head, every layer (read in place)
     v_ref,  # [L, S, D]
     # with `writes`: wpos_ref [B] int32 (where each row's new key goes; outside [0, S): nowhere);
+    # with `by_slot`: slots_ref [B] int32, the cache row each query row reads (and writes), and
+    # k_ref / v_ref (and k_out_ref / v_out_ref) [L, B_cache, S, D], every cache row of this kv head;
     # with `merge_in_kernel`: the counts [B, K] int32 (the output count_ref's buffer);
     # then the outputs: one split: o_ref [H, D] (f32 or `out_dtype`); else acc_ref [G_pad, D], m_ref [G_pad],
     # l_ref [G_pad] f32, or with `merge_in_kernel` o_ref [H, D] and whole acc_ref [P, B, K, G_pad, D],
@@ -347,6 +349,7 @@ def _decode_kernel(
     # v_out_ref [L, S, D] (the caches, aliased to k_ref and v_ref)
     *refs,
     writes: bool,
+    by_slot: bool,
     block_s: int,
     num_splits: int,
     by_share: bool,
@@ -362,12 +365,14 @@ def _decode_kernel(
 ):
     out_refs = list(refs)
     wpos_ref = out_refs.pop(0) if writes else None
+    slots_ref = out_refs.pop(0) if by_slot else None
     if merge_in_kernel:
         out_refs.pop(0)  # the counts as input: the output `count_ref` is the same buffer
     if writes:
         *out_refs, k_out_ref, v_out_ref = out_refs
     row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
+    lead = (layer, slots_ref[row]) if by_slot else (layer,)  # the row's [S, D] keys in k_ref
     pos = pos_ref[row]
     # Only tiles holding visible keys of this row: nothing past its position is read.
     first_key, last_key, lo, hi, win = _visible_tiles(pos, pos, num_keys, win_ref, has_window, block_s)
@@ -400,7 +405,7 @@ def _decode_kernel(
     dot_dtype = _dot_dtype(k_ref.dtype)
     q = _scale_q(q, scale_ref, dot_dtype)  # [G_pad, D]
     precision = _dot_precision(dot_dtype)
-    s_max = k_ref.shape[1]  # the cache's extent; attention reads [0, num_keys) of it
+    s_max = k_ref.shape[-2]  # the cache's extent; attention reads [0, num_keys) of it
     if writes:
         # One program per (row, kv head) takes the new key and value: the one whose run of tiles
         # holds the row's last tile. It attends them (where visible) as one more key of the
@@ -422,7 +427,7 @@ def _decode_kernel(
     def body(t, carry):
         start = pl.multiple_of(t * block_s, block_s)
         keys = start + jnp.arange(block_s, dtype=jnp.int32)
-        k = _load_tile(k_ref, start, block_s, s_max, is_ragged, (layer,))  # [block_s, D]
+        k = _load_tile(k_ref, start, block_s, s_max, is_ragged, lead)  # [block_s, D]
         s = _dot_nt(q, _tile_for_dot(k, dot_dtype), precision)  # [G_pad, block_s]
         visible = keys <= last_key
         if has_window:
@@ -430,7 +435,7 @@ def _decode_kernel(
         if writes:  # the cache's stale row at wpos: the new key is attended after the loop
             visible = visible & (keys != wpos)
         visible = jnp.broadcast_to(visible[None, :], s.shape)
-        v = _load_tile(v_ref, start, block_s, s_max, is_ragged, (layer,))
+        v = _load_tile(v_ref, start, block_s, s_max, is_ragged, lead)
         return _online_softmax_step(carry, s, visible, _tile_for_dot(v, dot_dtype), precision)
 
     init = (
@@ -441,7 +446,7 @@ def _decode_kernel(
     acc, m, l = lax.fori_loop(lo, hi, body, init)
     if writes:  # the new key: one more step of the online softmax; then the cache write
         mask = jnp.broadcast_to(owns & (wpos >= 0) & (wpos < s_max), (1, d))
-        at = (layer, pl.ds(lax.clamp(0, wpos, s_max - 1), 1), slice(None))
+        at = (*lead, pl.ds(lax.clamp(0, wpos, s_max - 1), 1), slice(None))
         _store(k_out_ref.at[at], new_k, mask=mask)
         _store(v_out_ref.at[at], new_v, mask=mask)
         m_new = jnp.maximum(m, s_new)
@@ -522,11 +527,12 @@ def _merge_if_last(o_ref, acc_ref, m_ref, l_ref, count_ref, at, out_rows, num_sp
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "static_scale", "static_window", "span",
                                              "few_rows", "out_dtype"))
-def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, *, config, interpret, static_scale,
-            static_window, span, few_rows, out_dtype):
-    """k_cache, v_cache [L, B, S_max, K, D]; keys [0, span) of layer `layer` are attended.
+def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, slots, *, config, interpret,
+            static_scale, static_window, span, few_rows, out_dtype):
+    """k_cache, v_cache [L, B_cache, S_max, K, D]; keys [0, span) of layer `layer` are attended.
     write_pos: None, or [B] int32 with q packed as [B, K * (G + 2), D] (see
-    `attention_decode_triton`); then the result is (out, k_cache, v_cache)."""
+    `attention_decode_triton`); then the result is (out, k_cache, v_cache). slots: None (row b
+    reads cache row b), or [B] int32, the cache row of each query row."""
     b, h, d = q.shape
     s_max, kh = k_cache.shape[2], k_cache.shape[3]
     if write_pos is not None:
@@ -549,6 +555,7 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, *, 
     kernel = functools.partial(
         _decode_kernel,
         writes=write_pos is not None,
+        by_slot=slots is not None,
         block_s=block_s,
         num_splits=num_splits,
         by_share=plan.by_share,
@@ -563,7 +570,10 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, *, 
         interpret=interpret,
     )
     num_layers = k_cache.shape[0]
-    kv_spec = pl.BlockSpec((num_layers, None, s_max, None, d), lambda i, j, p: (0, i, 0, j, 0))
+    if slots is None:
+        kv_spec = pl.BlockSpec((num_layers, None, s_max, None, d), lambda i, j, p: (0, i, 0, j, 0))
+    else:  # every cache row of the kv head: the kernel picks the row's own (a block index cannot read slots)
+        kv_spec = pl.BlockSpec((num_layers, k_cache.shape[1], s_max, None, d), lambda i, j, p: (0, 0, 0, j, 0))
     # merged in the kernel: room for a power of two of splits, which it loads at once
     p_alloc = _pow2_at_least(num_splits) if merge_in_kernel else num_splits
     partials = [
@@ -605,6 +615,9 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, *, 
         out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                       jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
         aliases.update({6: num_outs, 7: num_outs + 1})
+    if slots is not None:
+        in_specs.append(pl.BlockSpec((b,), lambda i, j, p: (0,)))
+        args.append(slots.astype(jnp.int32))
     if merge_in_kernel:  # the counts, 0 at each call
         in_specs.append(pl.BlockSpec())
         args.append(jnp.zeros((b, kh), jnp.int32))
@@ -676,6 +689,10 @@ def attention_decode_triton(
     # and value for that head, which the call writes into the caches at these positions (of
     # `layer`); a position outside [0, S) writes nothing
     write_pos: jax.Array | None = None,
+    # [B] int32: the cache row (slot) each query row reads, and writes with `write_pos` (None: row
+    # b's is b). Several rows may share a slot (the engine's speculative decode: a slot's next
+    # token and its drafts at consecutive positions; their keys must be in the cache already)
+    slots: jax.Array | None = None,
     config: DecodeAttentionConfig | None = None,  # None: DEFAULT_DECODE_CONFIG as it is at the call
     interpret: bool = False,
     # The output's dtype: f32 (the reference's), or the activations' (bf16) where the next op
@@ -697,10 +714,12 @@ def attention_decode_triton(
     included) in one kernel. The result equals writing first within f32 rounding (the new key's
     terms are added last), and a row's output still depends on nothing but the row."""
     want = 4 if layer is None else 5
-    if q.ndim != 3 or k_cache.ndim != want or positions.shape != (q.shape[0],) or k_cache.shape[-4] != q.shape[0]:
+    rows_ok = k_cache.shape[-4] == q.shape[0] if slots is None else slots.shape == (q.shape[0],)
+    if q.ndim != 3 or k_cache.ndim != want or positions.shape != (q.shape[0],) or not rows_ok:
         raise ValueError(
-            f"want q [B, H, D], caches {'[B, S, K, D]' if layer is None else '[L, B, S, K, D]'}, positions [B]; "
-            f"got {q.shape}, {k_cache.shape}, {positions.shape}"
+            f"want q [B, H, D], caches {'[B, S, K, D]' if layer is None else '[L, B, S, K, D]'}, positions [B]"
+            f"{', slots [B]' if slots is not None else ''}; got {q.shape}, {k_cache.shape}, {positions.shape}"
+            f"{'' if slots is None else f', {slots.shape}'}"
         )
     if write_pos is not None:
         kh = k_cache.shape[-2]
@@ -715,7 +734,7 @@ def attention_decode_triton(
     if not stacked:
         k_cache, v_cache = k_cache[None], v_cache[None]
     result = _decode(
-        q, k_cache, v_cache, positions, scale, window, _layer_arr(layer), write_pos,
+        q, k_cache, v_cache, positions, scale, window, _layer_arr(layer), write_pos, slots,
         config=config or DEFAULT_DECODE_CONFIG, interpret=interpret, static_scale=_static_scale(scale),
         static_window=_static_window(window),
         span=_span(span, s), few_rows=few_rows, out_dtype=jnp.dtype(out_dtype),
@@ -738,6 +757,8 @@ attention_decode_triton.few_rows_limit = _few_rows_limit
 attention_decode_triton.writes_cache = True
 # It writes its output in the activations' dtype when asked (`out_dtype=`, model/kernels.py).
 attention_decode_triton.takes_out_dtype = True
+# It takes each row's cache row (`slots=`): the engine's speculative decode.
+attention_decode_triton.takes_slots = True
 
 
 def is_available() -> bool:

@@ -273,6 +273,51 @@ class DecodeConformance:
             ref = decode_reference(q, k_want[1, :, :case.s], v_want[1, :, :case.s], positions, window)
             assert_rel_close(out[keep], ref[keep], TOL[jnp.dtype(case.dtype)], f"seed {seed}, window {window}")
 
+    def test_rows_by_slot(self, case: DecodeCase):
+        """`slots=`: each query row reads (and with write_pos writes) the cache row it names,
+        several rows sharing one at consecutive positions (the engine's speculative decode, the
+        keys of the earlier positions already in the cache). Row r's output is bitwise the plain
+        call's for its slot at its position and query, and the caches come back as a scatter at
+        (slot, write_pos) leaves them."""
+        if case.few_rows:
+            pytest.skip("a few-rows plan follows the other rows: no bitwise row identity to check")
+        rng, seed = fresh_rng()
+        q, k, v, positions = self.inputs(case, rng)
+        b, window = case.b, case.windows[0]
+        slots = np.asarray([(r + 1) % b if r < b - 1 else 0 for r in range(b)], np.int32)  # a rotation ...
+        slots[: min(3, b)] = slots[0]  # ... whose first rows share one slot
+        pos = np.asarray(positions).copy()
+        first = min(int(pos[0]), case.s - 3)
+        pos[: min(3, b)] = first + np.arange(min(3, b))  # consecutive positions in the shared slot
+        pos, slots_j, pos_j = pos, jnp.asarray(slots), jnp.asarray(pos, jnp.int32)
+        ks, vs = (stack_layers(a, 1, 0, rng, 1) for a in (k, v))
+        new_k = normal(rng, (b, case.k, case.d), jnp.float32)
+        new_v = normal(rng, (b, case.k, case.d), jnp.float32)
+        # every row's key in its slot first; the write-mode call writes them again (same values)
+        k_pre = ks.at[1, slots_j, pos_j].set(new_k.astype(ks.dtype))
+        v_pre = vs.at[1, slots_j, pos_j].set(new_v.astype(vs.dtype))
+        packed = attention.pack_decode_write(q, new_k, new_v)
+        common = dict(layer=jnp.int32(1), span=case.s, config=case.config, interpret=self.interpret)
+        run = jax.jit(lambda q, k, v, p, w, sl: attention_triton.attention_decode_triton(
+            q, k, v, p, case.d ** -0.5, window, write_pos=w, slots=sl, **common), donate_argnums=())
+        plain = jax.jit(lambda q, k, v, p, w: attention_triton.attention_decode_triton(
+            q, k, v, p, case.d ** -0.5, window, write_pos=w, **common))
+        out, k_out, v_out = run(packed, k_pre, v_pre, pos_j, pos_j, slots_j)
+        np.testing.assert_array_equal(np.asarray(k_out, np.float32), np.asarray(k_pre, np.float32))
+        np.testing.assert_array_equal(np.asarray(v_out, np.float32), np.asarray(v_pre, np.float32))
+        for r in range(b):  # row r alone in the plain call, at its slot's row; the others idle
+            p_r = np.full((b,), 0, np.int32)
+            p_r[slots[r]] = pos[r]
+            w_r = np.full((b,), ks.shape[2], np.int32)
+            w_r[slots[r]] = pos[r]
+            q_r = jnp.zeros_like(packed).at[slots[r]].set(packed[r])
+            want, _, _ = plain(q_r, k_pre, v_pre, jnp.asarray(p_r), jnp.asarray(w_r))
+            np.testing.assert_array_equal(np.asarray(out[r]), np.asarray(want[slots[r]]),
+                                          err_msg=f"seed {seed}, row {r}, slot {slots[r]}, position {pos[r]}")
+        ref = attention.attention_decode_reference(q, k_pre, v_pre, pos_j, case.d ** -0.5, window, layer=1,
+                                                   slots=slots_j)
+        assert_rel_close(out, ref, TOL[jnp.dtype(case.dtype)], f"seed {seed}")
+
 
 # ---------------------------------------------------------------------------------------------
 # prefill
@@ -624,6 +669,14 @@ def test_lowers_to_triton_for_cuda(kv_dtype, d, s, g):
             jax.ShapeDtypeStruct((3,), jnp.int32), i32, jax.ShapeDtypeStruct((3,), jnp.int32),
         ).lower(lowering_platforms=("cuda",))
         assert "triton" in lowered.as_text() and lowered.as_text().count("output_operand_alias") >= 2
+    # ... with each row's cache row named (`slots=`, the speculative decode)
+    fn = lambda q, k, v, p, layer, w, sl: attention_triton.attention_decode_triton(  # noqa: E731
+        q, k, v, p, 0.1, 0, layer=layer, span=s, write_pos=w, slots=sl)
+    lowered = jax.jit(fn, donate_argnums=(1, 2)).trace(
+        jax.ShapeDtypeStruct((3, (g + 2) * k_heads, d), jnp.float32), kv5, kv5, jax.ShapeDtypeStruct((3,), jnp.int32),
+        i32, jax.ShapeDtypeStruct((3,), jnp.int32), jax.ShapeDtypeStruct((3,), jnp.int32),
+    ).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text()
     fn = lambda q, k, v, p, layer, slot: attention_triton_prefill.attention_prefill_triton(  # noqa: E731
         q, k, v, p, 0.1, 0, layer=layer, slot=slot, span=s)
     lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((64, g * k_heads, d), jnp.bfloat16), kv5, kv5, i32, i32,
