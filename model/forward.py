@@ -53,6 +53,9 @@ class Kernels:
     # otherwise be two scatters of its own (pallas_kernels/attention_triton.py); False:
     # KVCache.write_decode first.
     decode_writes_cache: bool = False
+    # attention_decode takes `slots=` (each row's cache row): decode(..., slots=...), the engine's
+    # speculative decode, can run on it.
+    decode_takes_slots: bool = False
     # The arithmetic of the norms, RoPE and the gated activation where it must be an op's own
     # (`--numerics ggml`: pallas_kernels/ggml_cpu.py); None: this module's jnp forms.
     # norm(x, w, eps) -> RMS-normed x times w; rope(x [..., N, D], pos [...]) -> roped x (its own
@@ -108,11 +111,12 @@ class KVCache:
     def max_context(self) -> int:
         return self.k.shape[2]
 
-    def write_decode(self, layer, rows, positions, k, v) -> "KVCache":
-        """k, v [B, K, D] at positions [B] of each row; out-of-range positions are dropped.
-        `rows` must be distinct and ascending (one write per row: the indices are declared
-        sorted and unique, which lets XLA write without atomics)."""
-        hints = dict(mode="drop", indices_are_sorted=True, unique_indices=True)
+    def write_decode(self, layer, rows, positions, k, v, distinct: bool = True) -> "KVCache":
+        """k, v [B, K, D] at positions [B] of each row's cache row `rows` [B]; out-of-range
+        positions are dropped. With `distinct`, `rows` must be distinct and ascending (one write
+        per row: the indices are declared sorted and unique, which lets XLA write without
+        atomics); without, rows may repeat (at distinct positions)."""
+        hints = dict(mode="drop", indices_are_sorted=True, unique_indices=True) if distinct else dict(mode="drop")
         return KVCache(
             self.k.at[layer, rows, positions].set(k.astype(self.k.dtype), **hints),
             self.v.at[layer, rows, positions].set(v.astype(self.v.dtype), **hints),
@@ -394,17 +398,28 @@ def decode(
     attend: int | None = None,  # static: attention reads cache positions [0, attend); > every position
     unroll: bool = False,  # static: unroll the layer loop (EngineConfig.unroll_decode_layers)
     few_rows: bool = False,  # static: attention planned for few busy rows (Kernels.decode_few_rows_limit)
+    # [B] int32: the cache row (slot) of each input row; None: row b's is b. Rows may share a slot
+    # at consecutive positions (a speculative decode's next token and drafts): every row's key
+    # is in the cache before any row attends, so each row computes what a plain decode of its
+    # slot at its position would, bit for bit (the attention implementation must take `slots`)
+    slots: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:  # logits [B, V] f32
     b = tokens.shape[0]
     s = cache.max_context
     active = positions >= 0
     pos = jnp.where(active, positions, 0)
     write_pos = jnp.where(active, positions, s)  # out of range: dropped
-    rows = jnp.arange(b)  # distinct and ascending: write_decode declares its indices sorted and unique
-    # only implementations with a few-rows plan, or an output dtype, take them
+    by_slot = slots is not None
+    if by_slot and few_rows:
+        raise ValueError("rows by slot take the plan made for all rows (few_rows=False): its rows are row-invariant")
+    # distinct and ascending without slots: write_decode declares its indices sorted and unique
+    rows = slots if by_slot else jnp.arange(b)
+    # only implementations with a few-rows plan, or an output dtype, or rows by slot take them
     options = {"few_rows": True} if few_rows else {}
     if kern.attention_out_dtype is not None:
         options["out_dtype"] = kern.attention_out_dtype
+    if by_slot:
+        options["slots"] = slots
 
     def body(lp, c: KVCache, i, x, w_index):  # x [B, E]
         inv_freq, window = _layer_consts(cfg, params, i)
@@ -412,11 +427,13 @@ def decode(
         q, k, v = _qkv(cfg, kern, lp, w_index, h, pos, inv_freq)
         k, v = _fit_cache(k, c.k.dtype), _fit_cache(v, c.v.dtype)
         if kern.decode_writes_cache:
+            if by_slot:  # the other rows' keys in the cache first, as the kernel writes them (through q's dtype)
+                c = c.write_decode(i, rows, write_pos, k.astype(q.dtype), v.astype(q.dtype), distinct=False)
             attn, ck, cv = kern.attention_decode(pack_decode_write(q, k, v), c.k, c.v, pos, cfg.scale, window,
                                                  layer=i, span=attend or s, write_pos=write_pos, **options)
             c = KVCache(ck, cv)
         else:
-            c = c.write_decode(i, rows, write_pos, k, v)
+            c = c.write_decode(i, rows, write_pos, k, v, distinct=not by_slot)
             attn = kern.attention_decode(q, c.k, c.v, pos, cfg.scale, window, layer=i, span=attend or s,
                                          **options)  # [B, H, D]
         return _attn_out_and_ffn(cfg, kern, lp, w_index, x, attn), c

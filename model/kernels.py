@@ -245,6 +245,7 @@ def choose_kernels(
     return Kernels(matmul=matmul, embed=embed_fn, attention_decode=dec_fn, attention_prefill=pre_fn,
                    decode_few_rows_limit=few_rows_limit,
                    decode_writes_cache=bool(getattr(dec_fn, "writes_cache", False)) and not engine_cfg.separate_kv_write,
+                   decode_takes_slots=bool(getattr(dec_fn, "takes_slots", False)),
                    x_order=x_order, attention_out_dtype=act_dtype if takes_dtype else None,
                    takes_gated=takes_gated), names
 
@@ -305,6 +306,7 @@ def _ggml_kernels(cfg: ModelConfig, engine_cfg: EngineConfig) -> tuple[Kernels, 
         rope=ggml_cpu.make_rope(cos, sin, cfg.rope_neox),
         gated_act=ggml_cpu.swiglu,
         numerics="ggml",
+        decode_takes_slots=bool(getattr(fns["attention_decode"], "takes_slots", False)),
     )
     log.info("numerics ggml: llama.cpp's CPU arithmetic for every op, as run on %d threads (%s)",
              engine_cfg.ggml_threads, ", ".join(f"{k}: {v}" for k, v in names.items()))

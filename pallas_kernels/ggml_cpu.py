@@ -505,9 +505,10 @@ def _expand_heads(cache_rows: jax.Array, groups: int) -> jax.Array:
 
 
 def attention_decode(q, k_cache, v_cache, positions, scale, window=0, *, layer=None, span=None,
-                     threads: int = GGML_THREADS, **_):
+                     threads: int = GGML_THREADS, slots=None, **_):
     """One query per slot, q [B, H, D], over its f16 cache (positions 0..pos): ggml's decode
-    path for each row as llama.cpp would run it alone."""
+    path for each row as llama.cpp would run it alone. `slots` [B]: each row's cache row (None:
+    row b's is b)."""
     if not isinstance(window, int) or window:
         raise NotImplementedError("ggml numerics: no sliding window")
     if k_cache.dtype != jnp.float16:
@@ -516,6 +517,8 @@ def attention_decode(q, k_cache, v_cache, positions, scale, window=0, *, layer=N
     if layer is not None:
         k_cache = jax.lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
         v_cache = jax.lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
+    if slots is not None:
+        k_cache, v_cache = k_cache[slots], v_cache[slots]
     pos = jnp.maximum(positions, 0)
     return _rows_one_chunk(q, (k_cache, v_cache, True), pos, scale, cells, split=True,
                            threads=threads)
@@ -618,6 +621,7 @@ def _cpu_only() -> bool:
 
 # Never chosen by default (below the reference): `--numerics ggml` forces them.
 registry.register("matmul", "ggml_cpu", matmul, is_available=_cpu_only, priority=-100)
+attention_decode.takes_slots = True  # (model/forward.py's speculative decode)
 registry.register("attention_decode", "ggml_cpu", attention_decode, is_available=_cpu_only, priority=-100)
 registry.register("attention_prefill", "ggml_cpu", attention_prefill, is_available=_cpu_only, priority=-100)
 
