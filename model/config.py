@@ -383,6 +383,15 @@ class EngineConfig:
     # Triton kernels, their cold start compiling for 32-53 s against 20-23 (bench/results,
     # twentieth session).
     split_legacy: str = "auto"
+    # Speculative decoding by prompt lookup (model/speculative.py): the most drafts of its next
+    # tokens a greedy request without penalties checks per decode step, in the rows of the
+    # padded batch that idle slots leave (so at most num_slots minus the busy slots); the drafts are
+    # the tokens that followed the latest earlier occurrence of its last ngram_max down to
+    # ngram_min tokens. The tokens are exactly those of a plain decode. 0: off. Needs a decode
+    # attention that takes each row's slot (the Triton kernels, the reference), one device.
+    draft_max: int = 0
+    ngram_max: int = 3
+    ngram_min: int = 1
 
     def compile_workers(self, backend: str, programs: int) -> int:
         """Threads to compile `programs` programs on `backend`, "auto" (0) resolved: the cores
@@ -454,5 +463,9 @@ class EngineConfig:
             raise ValueError(f"ggml threads must be >= 1, got {self.ggml_threads}")
         if self.numerics == "ggml" and self.kv_dtype not in ("auto", "float16"):
             raise ValueError(f"numerics ggml keeps llama.cpp's f16 cache, not {self.kv_dtype}")
+        if self.draft_max < 0 or self.draft_max >= max(self.num_slots, 2):
+            raise ValueError(f"draft max must be in [0, {max(self.num_slots, 2) - 1}] (slots - 1), got {self.draft_max}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {self.ngram_min} and {self.ngram_max}")
         if self.compile_threads < 0:
             raise ValueError(f"compile threads must be >= 1, or 0 for auto, got {self.compile_threads}")

@@ -44,12 +44,15 @@ def generate(runner, prompts: list[list[int]], num_tokens: int, slots: list[int]
         if out[i][-1] not in stop_ids and num_tokens > 1:
             live.append(i)
     while live:
-        res = runner.dispatch(StepPlan(decode_slots=tuple(slots[i] for i in live))).result()
+        # a speculative step (model/speculative.py) gives a slot several tokens: one output each
+        outs = runner.dispatch(StepPlan(decode_slots=tuple(slots[i] for i in live))).results()
+        if any(not outs[0].valid[slots[i]] for i in live):
+            raise RuntimeError(f"slots {[slots[i] for i in live if not outs[0].valid[slots[i]]]} produced no token")
         nxt = []
         for i in live:
-            if not res.valid[slots[i]]:
-                raise RuntimeError(f"slot {slots[i]} produced no token")
-            out[i].append(int(res.tokens[slots[i]]))
+            for res in outs:
+                if res.valid[slots[i]] and out[i][-1] not in stop_ids and len(out[i]) < num_tokens:
+                    out[i].append(int(res.tokens[slots[i]]))
             if out[i][-1] not in stop_ids and len(out[i]) < num_tokens:
                 nxt.append(i)
         live = nxt

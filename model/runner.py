@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from model import forward, sampling, sharding, transfer
+from model import forward, sampling, sharding, speculative, transfer
 from model.config import EngineConfig, ModelConfig
 from model.forward import Kernels, KVCache
 from model.step_types import PrefillChunk, SamplingParams, StepOutput, StepPlan
@@ -57,21 +57,86 @@ class SlotState:
 
 
 def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, params, cache, st: SlotState, samp, active,
-                 *, unroll: bool = False, few_rows: bool = False):
+                 *, unroll: bool = False, few_rows: bool = False, record: bool = False):
+    """One decode step of the busy slots (`active` [B]). `record`: each input token goes into
+    the slot's history at its position (the speculative decode's drafts are looked up there)."""
     positions = jnp.where(active, st.positions, -1)
     logits, cache = forward.decode(cfg, kern, params, cache, st.tokens, positions, attend, unroll, few_rows)
     samp = sampling.for_rows(samp, active)  # inactive rows' outputs are discarded: no draw, sort or top-k for them
     tok, lp, top_ids, top_lps = sampling.sample(logits, samp, st.prompt_mask, st.counts, st.step_index, num_top)
     inc = active.astype(jnp.int32)
+    history = st.history
+    if record:
+        history = history.at[jnp.arange(active.shape[0]), jnp.where(active, st.positions, history.shape[1])].set(
+            st.tokens, mode="drop")
     st = SlotState(
         tokens=jnp.where(active, tok, st.tokens),
         positions=st.positions + inc,
         prompt_mask=st.prompt_mask,
         counts=sampling.update_counts(st.counts, tok, active),
         step_index=st.step_index + inc,
-        history=st.history,
+        history=history,
     )
     return cache, st, _pack_outputs(tok, active, lp, top_ids, top_lps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """The speculative decode's static settings (EngineConfig.draft_max, ngram_max, ngram_min)."""
+
+    draft_max: int
+    ngram_max: int
+    ngram_min: int
+
+
+def _spec_decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, spec: Speculation, params, cache,
+                      st: SlotState, samp, layout, *, unroll: bool = False):
+    """One speculative decode step (model/speculative.py): each row of `layout` [3, R] runs its
+    slot's next token (offset 0) or draft `offset`, the drafts looked up in the slot's history;
+    returns the rows' outputs, flag bit 0 set where the row's choice is emitted, bit 1 where the
+    row held a draft."""
+    slot, off, used = layout[0], layout[1], layout[2] != 0
+    s = st.history.shape[1]
+    drafts, count = speculative.ngram_drafts(st.history, st.tokens, st.positions, max(spec.draft_max, 1),
+                                             spec.ngram_max, spec.ngram_min)
+    row_pos = st.positions[slot] + off
+    valid = used & (off <= count[slot]) & (row_pos < s)
+    drafted = jnp.take_along_axis(drafts[slot], jnp.clip(off - 1, 0, drafts.shape[1] - 1)[:, None], axis=1)[:, 0]
+    inputs = jnp.where(off == 0, st.tokens[slot], drafted)
+    logits, cache = forward.decode(cfg, kern, params, cache, inputs, jnp.where(valid, row_pos, -1), attend, unroll,
+                                   slots=slot)
+    gather = lambda a: a[slot]  # noqa: E731  (each row takes its slot's settings and state)
+    row_samp = sampling.for_rows(jax.tree_util.tree_map(gather, samp), valid)
+    tok, lp, top_ids, top_lps = sampling.sample(logits, row_samp, st.prompt_mask[slot], st.counts[slot],
+                                                st.step_index[slot] + off, num_top)
+    emitted = speculative.accept(layout, valid, inputs, tok)
+    b = st.tokens.shape[0]
+    n = jnp.zeros((b,), jnp.int32).at[slot].add(emitted.astype(jnp.int32))  # tokens each slot emits
+    last = emitted & (off == n[slot] - 1)  # the row whose choice is the slot's next input
+    st = SlotState(
+        tokens=st.tokens.at[jnp.where(last, slot, b)].set(tok, mode="drop"),
+        positions=st.positions + n,
+        prompt_mask=st.prompt_mask,
+        counts=st.counts.at[jnp.where(emitted, slot, b), tok].add(1, mode="drop"),
+        step_index=st.step_index + n,
+        history=st.history.at[jnp.where(emitted, slot, b), row_pos].set(inputs, mode="drop"),
+    )
+    flag = emitted.astype(jnp.int32) + 2 * (valid & (off >= 1)).astype(jnp.int32)
+    return cache, st, _pack_outputs(tok, flag, lp, top_ids, top_lps)
+
+
+def _multi_spec_decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, spec: Speculation,
+                            num_steps: int, params, cache, st: SlotState, samp, layout, *, unroll: bool = False):
+    """num_steps speculative decode steps in one program; outputs stacked on a leading axis."""
+
+    def one(carry, _):
+        cache, st = carry
+        cache, st, out = _spec_decode_step(cfg, kern, num_top, attend, spec, params, cache, st, samp, layout,
+                                           unroll=unroll)
+        return (cache, st), out
+
+    (cache, st), outs = jax.lax.scan(one, (cache, st), None, length=num_steps)
+    return cache, st, outs
 
 
 def _pack_outputs(tok, flag, lp, top_ids, top_lps):
@@ -93,13 +158,13 @@ def _unpack_outputs(a: np.ndarray) -> tuple[np.ndarray, ...]:
 
 
 def _multi_decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, num_steps: int, params, cache, st: SlotState, samp, active,
-                       *, unroll: bool = False, few_rows: bool = False):
+                       *, unroll: bool = False, few_rows: bool = False, record: bool = False):
     """num_steps decode steps in one program; outputs stacked on a leading [num_steps] axis."""
 
     def one(carry, _):
         cache, st = carry
         cache, st, out = _decode_step(cfg, kern, num_top, attend, params, cache, st, samp, active, unroll=unroll,
-                                      few_rows=few_rows)
+                                      few_rows=few_rows, record=record)
         return (cache, st), out
 
     (cache, st), outs = jax.lax.scan(one, (cache, st), None, length=num_steps)
@@ -274,6 +339,77 @@ class _Pending:
             yield [out], (chunk.slot,)
 
 
+def _draft_cap(sp: SamplingParams | None, draft_max: int) -> int:
+    """The most drafts a request checks per step: the engine's draft_max, or the request's own
+    below it; 0 unless it is greedy and without penalties (so that each accepted draft is the
+    token a plain decode would choose)."""
+    if sp is None or not sp.is_greedy or sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty:
+        return 0
+    return draft_max if sp.draft_max is None else min(draft_max, sp.draft_max)
+
+
+class _SpecPending(_Pending):
+    """A dispatched step whose decode was speculative: its decode part comes as one output per
+    (decode step, offset) that some slot emitted a token at, each meaningful for those slots;
+    then the prompts' first tokens as in `_Pending`. Reading it also gives the runner back the
+    host positions it counted for tokens not emitted, and counts the drafts run and accepted."""
+
+    def __init__(self, runner: "ModelRunner", layout: np.ndarray, decode_out: Any, num_steps: int,
+                 epochs: np.ndarray, prefill_outs: list[Any], decode_slots: tuple[int, ...],
+                 prefills: tuple[PrefillChunk, ...]) -> None:
+        super().__init__(runner.num_slots, runner.max_top_logprobs, decode_out, prefill_outs, num_steps,
+                         decode_slots, prefills)
+        self._runner, self._layout, self._epochs = runner, layout, epochs
+        self._decode_parts: list[tuple[StepOutput, tuple[int, ...]]] | None = None
+
+    def _decoded(self) -> list[tuple[StepOutput, tuple[int, ...]]]:
+        if self._decode_parts is not None:
+            return self._decode_parts
+        out = np.asarray(jax.device_get(self._decode_out))
+        if self._num_steps == 1:
+            out = out[None]
+        slot, off, used = self._layout[0], self._layout[1], self._layout[2] != 0
+        tok, _, lp, top_ids, top_lps = _unpack_outputs(out)  # [steps, R, ...]
+        flag = out[..., 1]
+        emitted, drafted = (flag & 1) != 0, (flag & 2) != 0
+        parts = []
+        for i in range(self._num_steps):
+            for j in range(int(off.max()) + 1):
+                rows = np.flatnonzero(emitted[i] & (off == j))
+                if not rows.size:
+                    continue
+                o, slots = self._empty(), slot[rows]
+                o.tokens[slots], o.valid[slots], o.logprobs[slots] = tok[i, rows], True, lp[i, rows]
+                o.top_ids[slots], o.top_logprobs[slots] = top_ids[i, rows], top_lps[i, rows]
+                parts.append((o, tuple(int(s) for s in slots)))
+        runner = self._runner
+        runner.drafts_run += int(drafted.sum())
+        runner.drafts_accepted += int((emitted & (off >= 1)).sum())
+        counted = self._num_steps * np.bincount(slot[used], minlength=runner.num_slots)
+        made = np.bincount(np.broadcast_to(slot, emitted.shape)[emitted], minlength=runner.num_slots)
+        same = runner._epochs == self._epochs  # no new prompt in the slot since
+        runner._positions[same] -= (counted - made)[same]
+        self._decode_parts = parts
+        return parts
+
+    def results(self) -> list[StepOutput]:
+        if self._results is None:
+            outs = [o for o, _ in self._decoded()] or [self._empty()]
+            for prefill_out in jax.device_get(self._prefill_outs):
+                self._fill_prefill(outs[0], prefill_out)
+            self._results = outs
+        return self._results
+
+    def parts(self):
+        for o, slots in self._decoded():
+            yield [o], slots
+        for chunk, prefill_out in zip(self._prefills, self._prefill_outs):
+            if chunk.is_last:
+                out = self._empty()
+                self._fill_prefill(out, jax.device_get(prefill_out))
+                yield [out], (chunk.slot,)
+
+
 class ModelRunner:
     """Implements `model.step_types.StepModel` over a loaded model."""
 
@@ -320,6 +456,24 @@ class ModelRunner:
         self._positions = np.zeros((self.num_slots,), np.int64)
         self._compiled: dict[tuple, Any] = {}
         self._masks: dict[tuple[int, ...], jax.Array] = {}  # _active_mask's
+        # Speculative decode (model/speculative.py): greedy requests without penalties verify
+        # drafts of their next tokens in the rows idle slots leave.
+        self._spec = None
+        if engine_cfg.draft_max > 0:
+            if not kernels.decode_takes_slots:
+                raise ValueError("speculative decoding (draft_max > 0) needs a decode attention that takes each row's "
+                                 "slot; the chosen one does not")
+            if mesh is not None:
+                raise ValueError("speculative decoding (draft_max > 0) runs on one device only")
+            self._spec = Speculation(engine_cfg.draft_max, engine_cfg.ngram_max, engine_cfg.ngram_min)
+        log.info("speculative decode: %s", "off" if self._spec is None else
+                 f"up to {engine_cfg.draft_max} drafts a step from n-grams of {engine_cfg.ngram_min} to "
+                 f"{engine_cfg.ngram_max} tokens")
+        self._layouts: dict[tuple, tuple[np.ndarray, jax.Array] | None] = {}  # _spec_layout's
+        # Per slot: prompts dispatched into it (a speculative step's correction of the host
+        # positions applies only to the request it ran for), and the drafts run and accepted.
+        self._epochs = np.zeros((self.num_slots,), np.int64)
+        self.drafts_run = self.drafts_accepted = 0
 
     def _pack_sampling(self) -> sampling.SamplingArrays:
         """Every slot's sampling settings packed (`sampling.pack_sampling`), kept as the words the
@@ -341,14 +495,33 @@ class ModelRunner:
             mask = self._masks[slots] = jax.device_put(host, None if self._mesh is None else sharding.replicated(self._mesh))
         return mask
 
+    def _spec_layout(self, busy: tuple[int, ...]) -> tuple[np.ndarray, jax.Array] | None:
+        """The speculative step's row layout for these busy slots (host copy, device copy), kept
+        per set of busy slots and of those that may speculate (at most 256 sets); None where no
+        slot gets a draft row: the plain decode runs."""
+        caps = tuple(_draft_cap(self._slot_params[s], self._spec.draft_max) for s in busy)
+        key = (busy, caps)
+        if key not in self._layouts:
+            layout = speculative.layout_rows(self.num_slots, busy, caps)
+            if len(self._layouts) >= 256:
+                self._layouts.clear()
+            self._layouts[key] = None if layout is None else (layout, jax.device_put(layout))
+        return self._layouts[key]
+
     def _jitted(self, kind: str, attend: int, num_steps: int = 1, few_rows: bool = False):
+        if kind == "spec":
+            args = (self.cfg, self.kernels, self.max_top_logprobs, attend, self._spec)
+            fn = (functools.partial(_multi_spec_decode_step, *args, num_steps, unroll=self._unroll_decode)
+                  if num_steps > 1 else functools.partial(_spec_decode_step, *args, unroll=self._unroll_decode))
+            return self._jit("decode", fn)
+        record = self._spec is not None
         if kind == "decode" and num_steps > 1:
             fn = functools.partial(_multi_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend, num_steps,
-                                   unroll=self._unroll_decode, few_rows=few_rows)
+                                   unroll=self._unroll_decode, few_rows=few_rows, record=record)
             return self._jit(kind, fn)
         if kind == "decode":
             fn = functools.partial(_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend,
-                                   unroll=self._unroll_decode, few_rows=few_rows)
+                                   unroll=self._unroll_decode, few_rows=few_rows, record=record)
         elif kind == "copy":
             fn = functools.partial(_copy_prefix, attend, COPY_LAYERS)
         else:
@@ -375,6 +548,9 @@ class ModelRunner:
     def _example_args(self, kind: str, size: int) -> tuple:
         if kind == "decode":
             return (self.params, self._cache, self._state, self._samp, self._active_mask(()))
+        if kind == "spec":
+            return (self.params, self._cache, self._state, self._samp,
+                    jnp.zeros((speculative.LAYOUT_ROWS, self.num_slots), jnp.int32))
         if kind == "copy":
             return (self.params, self._cache, self._state, jnp.zeros((2,), jnp.int32))
         args = jnp.zeros((PREFILL_HEAD + self._samp_words.size + size,), jnp.int32)
@@ -391,6 +567,9 @@ class ModelRunner:
         jobs += [("copy", attend, 1, attend, False) for attend in self.context_buckets]
         jobs += [("decode", self.num_slots, steps, attend, True) for steps in self.decode_steps
                  for attend in self.context_buckets if self._few_rows_limit(attend, steps)]
+        if self._spec is not None:
+            jobs += [("spec", self.num_slots, steps, attend, False) for steps in self.decode_steps
+                     for attend in self.context_buckets]
         workers = self.engine_cfg.compile_workers(jax.default_backend(), len(jobs))
 
         def build(job):
@@ -418,10 +597,10 @@ class ModelRunner:
         # (tracing and lowering hold it) and for the cores, so they exceed the work done
         lowering, compiling = (sum(times[i] for _, _, times in built) for i in (0, 1))
         log.info(
-            "compiled %d step programs (decode[%d] x steps %s, prefill%s, prefix copies; context buckets %s) in "
+            "compiled %d step programs (decode[%d] x steps %s, prefill%s, prefix copies%s; context buckets %s) in "
             "%.1f s on %d thread(s); per-program wall times summed: tracing and lowering %.1f s, XLA compiling %.1f s",
             len(self._compiled), self.num_slots, list(self.decode_steps), list(self.prefill_chunks),
-            list(self.context_buckets), time.perf_counter() - t_all, workers, lowering, compiling,
+            "" if self._spec is None else ", speculative decode", list(self.context_buckets), time.perf_counter() - t_all, workers, lowering, compiling,
         )
 
     def _compiler_options(self, kind: str) -> dict[str, str] | None:
@@ -470,7 +649,16 @@ class ModelRunner:
             self._pack_sampling()
         decode_out = None
         steps = plan.num_decode_steps
-        if plan.decode_slots:
+        layout = None if self._spec is None or not plan.decode_slots else self._spec_layout(plan.decode_slots)
+        if layout is not None:
+            host_layout, dev_layout = layout
+            rows = np.bincount(host_layout[0][host_layout[2] != 0], minlength=self.num_slots)  # rows per slot
+            attend = self._bucket(int(self._positions[rows > 0].max()) + steps * int(rows.max()))
+            self._cache, self._state, decode_out = self._program("spec", self.num_slots, attend, steps)(
+                self.params, self._cache, self._state, self._samp, dev_layout)
+            _start_copies(decode_out)
+            self._positions += steps * rows  # at most; `_SpecPending` takes back what was not emitted
+        elif plan.decode_slots:
             active = np.zeros((self.num_slots,), bool)
             active[list(plan.decode_slots)] = True
             attend = self._bucket(int(self._positions[active].max()) + steps)
@@ -486,7 +674,11 @@ class ModelRunner:
             span = self._bucket(copy.num_tokens)
             self._cache, self._state = self._program("copy", span, span)(
                 self.params, self._cache, self._state, np.asarray([copy.src, copy.dst], np.int32))
+        epochs = self._epochs.copy()  # before the prefills: a prompt in a slot is a new request there
         prefill_outs = [self._dispatch_prefill(chunk) for chunk in plan.prefills]
+        if layout is not None:
+            return _SpecPending(self, layout[0], decode_out, steps, epochs, prefill_outs, plan.decode_slots,
+                                plan.prefills)
         return _Pending(self.num_slots, self.max_top_logprobs, decode_out, prefill_outs,
                         steps if decode_out is not None else 1, plan.decode_slots, plan.prefills)
 
@@ -499,6 +691,7 @@ class ModelRunner:
         padded[:n] = chunk.tokens
         attend = self._bucket(chunk.start_pos + n)
         self._positions[chunk.slot] = chunk.start_pos + n
+        self._epochs[chunk.slot] += 1
         self._cache, self._state, self._samp, out = self._program("prefill", size, attend)(
             self.params, self._cache, self._state,
             prefill_args(chunk.slot, padded, chunk.start_pos, n, chunk.is_last, self._samp_words, chunk.reused),

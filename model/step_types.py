@@ -36,6 +36,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     seed: int | None = None  # None: the runner draws one
     top_logprobs: int = 0  # how many alternatives per token to return (0..max_top_logprobs)
+    # the most drafts a speculative decode checks per step for this request (EngineConfig.draft_max
+    # caps it; None: that cap; 0: none). Only greedy requests without penalties speculate.
+    draft_max: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -54,6 +57,8 @@ class SamplingParams:
             raise ValueError("frequency_penalty must be in [-2, 2]")
         if self.top_logprobs < 0:
             raise ValueError("top_logprobs must be >= 0")
+        if self.draft_max is not None and self.draft_max < 0:
+            raise ValueError("draft_max must be >= 0")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError("seed must be in [0, 2**63)")
 

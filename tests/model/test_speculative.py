@@ -1,0 +1,189 @@
+"""The speculative decode (model/speculative.py): the row layout, the n-gram lookup against a
+brute-force search, the acceptance rule, and on the real SmolLM2 the tokens of a plain decode,
+alone, beside other requests and beside sampled ones."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import speculative
+from model.offline import generate
+from model.step_types import PrefillChunk, SamplingParams, SlotSetup, StepPlan
+
+
+def test_layout_gives_each_busy_slot_a_row_and_the_spare_rows_in_turn():
+    lay = speculative.layout_rows(8, (2,), (7,))
+    assert lay.tolist() == [[2] * 8, list(range(8)), [1] * 8]
+    lay = speculative.layout_rows(8, (0, 3, 5), (3, 0, 7))  # slot 3 does not speculate
+    assert lay[0].tolist() == [0, 0, 0, 0, 3, 5, 5, 5]  # 5 spare rows: 0, 5, 0, 5, 0 in turn, slot 0 capped at 3
+    assert lay[1].tolist() == [0, 1, 2, 3, 0, 0, 1, 2]
+    assert lay[2].tolist() == [1] * 8
+    lay = speculative.layout_rows(8, (1, 4), (2, 1))  # caps leave rows unused
+    assert lay[0, :5].tolist() == [1, 1, 1, 4, 4] and lay[1, :5].tolist() == [0, 1, 2, 0, 1]
+    assert lay[2].tolist() == [1] * 5 + [0] * 3
+    assert speculative.layout_rows(8, tuple(range(8)), (7,) * 8) is None  # no spare row
+    assert speculative.layout_rows(8, (0, 1), (0, 0)) is None  # nobody speculates
+    with pytest.raises(ValueError):
+        speculative.layout_rows(2, (0, 1, 2), (1, 1, 1))
+
+
+def _brute_drafts(seq: list[int], num: int, nmax: int, nmin: int) -> list[int]:
+    """The drafts for a slot whose tokens (cache and next input, the last) are `seq`."""
+    p = len(seq) - 1
+    for n in range(nmax, nmin - 1, -1):
+        if n > p + 1:
+            continue
+        tail = seq[p - n + 1:]
+        for i in range(p - 1, n - 2, -1):  # latest first; the occurrence ends at i < p
+            if seq[i - n + 1:i + 1] == tail:
+                return seq[i + 1:i + 1 + min(num, p - i)]
+    return []
+
+
+@pytest.mark.parametrize("vocab", [2, 4, 30])
+def test_ngram_drafts_match_a_brute_force_search(vocab):
+    rng = np.random.default_rng(vocab)
+    b, s, num = 6, 40, 5
+    lookup = jax.jit(speculative.ngram_drafts, static_argnums=(3, 4, 5))
+    for trial in range(20):
+        positions = rng.integers(0, s, b)
+        positions[0], positions[1] = 0, s - 1
+        history = rng.integers(0, vocab, (b, s)).astype(np.int32)
+        tokens = rng.integers(0, vocab, b).astype(np.int32)
+        for nmax, nmin in ((3, 1), (2, 2), (4, 2)):
+            drafts, count = lookup(jnp.asarray(history), jnp.asarray(tokens), jnp.asarray(positions, jnp.int32), num,
+                                   nmax, nmin)
+            for r in range(b):
+                seq = history[r, :positions[r]].tolist() + [int(tokens[r])]
+                want = _brute_drafts(seq, num, nmax, nmin)
+                got = np.asarray(drafts[r, :int(count[r])]).tolist()
+                assert got == want, (trial, vocab, nmax, nmin, r, seq)
+
+
+def test_accept_takes_each_slots_drafts_while_they_match_the_row_before():
+    # slot 0: rows 0-3 (drafts 1-3), slot 5: rows 4-6, slot 2: row 7 alone
+    layout = jnp.asarray([[0, 0, 0, 0, 5, 5, 5, 2], [0, 1, 2, 3, 0, 1, 2, 0], [1] * 8], jnp.int32)
+    valid = jnp.asarray([1, 1, 1, 1, 1, 1, 0, 1], bool)  # slot 5's draft 2 did not exist
+    inputs = jnp.asarray([9, 10, 11, 99, 40, 41, 0, 7])
+    chosen = jnp.asarray([10, 11, 12, 13, 41, 42, 43, 8])
+    # slot 0: draft 1 (10) = row 0's 10, draft 2 (11) = row 1's 11, draft 3 (99) != 12: rows 0-2
+    # slot 5: draft 1 (41) = 41: rows 4, 5; row 6 invalid. slot 2: row 7.
+    got = speculative.accept(layout, valid, inputs, chosen)
+    assert np.asarray(got).tolist() == [True, True, True, False, True, True, False, True]
+
+
+# ---- on the real model
+
+
+SPEC_PROMPTS = [
+    "Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape. Again: apple, banana,",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "The quick brown fox",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+]
+
+
+@pytest.fixture(scope="module")
+def spec_runners(smollm2):
+    """A plain runner and one that speculates (up to 7 drafts), one context bucket."""
+    from tests.model.conftest import SMOL_ENGINE
+
+    cfg = dataclasses.replace(SMOL_ENGINE, max_context=1024, context_buckets=(1024,))
+    plain, spec = smollm2.make_runner(cfg), smollm2.make_runner(dataclasses.replace(cfg, draft_max=7))
+    plain.warmup()
+    spec.warmup()
+    return plain, spec
+
+
+@pytest.fixture(scope="module")
+def spec_ids(smollm2):
+    return [smollm2.tokenizer.encode(p) for p in SPEC_PROMPTS]
+
+
+def test_speculative_greedy_tokens_are_the_plain_decodes(spec_runners, spec_ids):
+    """Alone (7 drafts a step) and four together (1 or 2 each): the same tokens as a plain
+    decode, with drafts accepted (so steps did give several tokens)."""
+    plain, spec = spec_runners
+    for ids in spec_ids:
+        before = spec.drafts_accepted
+        assert generate(spec, [ids], 40, slots=[3]) == generate(plain, [ids], 40, slots=[3])
+        if ids is spec_ids[3]:  # counting: the model continues the pattern
+            assert spec.drafts_accepted - before >= 10
+    assert generate(spec, spec_ids, 30) == generate(plain, spec_ids, 30)
+    assert spec.drafts_run > spec.drafts_accepted > 0
+
+
+def test_speculation_beside_sampled_and_penalized_requests(spec_runners, spec_ids):
+    """Only greedy requests without penalties speculate; seeded sampled ones and penalized
+    greedy ones beside them get a plain decode's tokens, and so do the greedy ones."""
+    plain, spec = spec_runners
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=7),
+             SamplingParams(temperature=0.0, repetition_penalty=1.3), SamplingParams(temperature=0.0, draft_max=2)]
+
+    def run(runner):
+        setups = tuple(SlotSetup(s, sp) for s, sp in enumerate(kinds))
+        prefills = tuple(PrefillChunk(s, np.asarray(ids, np.int32), 0, True) for s, ids in enumerate(spec_ids))
+        out = runner.dispatch(StepPlan(setups=setups, prefills=prefills)).result()
+        tokens = [[int(out.tokens[s])] for s in range(4)]
+        while min(len(t) for t in tokens) < 20:
+            for res in runner.dispatch(StepPlan(decode_slots=(0, 1, 2, 3))).results():
+                for s in range(4):
+                    if res.valid[s]:
+                        tokens[s].append(int(res.tokens[s]))
+        return [t[:20] for t in tokens]
+
+    assert run(spec) == run(plain)
+
+
+def test_the_hosts_positions_come_back_to_the_tokens_emitted(spec_runners, spec_ids):
+    """The runner counts a speculative step's rows as positions at dispatch (for the context
+    bucket) and takes back what was not emitted when the step is read."""
+    _, spec = spec_runners
+    out = generate(spec, [spec_ids[2]], 25, slots=[6])
+    assert spec._positions[6] == len(spec_ids[2]) + len(out[0]) - 1  # the last token is not in the cache yet
+
+
+def test_speculation_compiles_nothing_after_warmup(spec_runners, spec_ids):
+    _, spec = spec_runners
+    generate(spec, spec_ids[:1], 3)
+    compiles = []
+
+    def listener(event: str, duration: float, **_) -> None:
+        if "compile" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        generate(spec, spec_ids, 12)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs jax's default backend to be a GPU")
+def test_speculative_tokens_on_the_gpu_kernels(synthetic_gguf):
+    """On the GPU's kernels (Mosaic matmuls, Triton attention writing the cache itself, the
+    other rows' keys scattered first): a 4-layer Llama-2-7B-shaped Q4_0 file's greedy tokens with
+    drafts are a plain decode's, alone and beside three others. Random weights repeat tokens, so
+    drafts are accepted often."""
+    from model.config import EngineConfig
+    from model.loader import load_model
+
+    cfg = EngineConfig(num_slots=8, max_context=1024, context_buckets=(512, 1024), prefill_chunks=(64, 512),
+                       kv_dtype="bfloat16", compute_dtype="bfloat16")
+    loaded = load_model(synthetic_gguf("llama2-7b", "q4_0", layers=4), cfg)
+    plain, spec = loaded.make_runner(cfg), loaded.make_runner(dataclasses.replace(cfg, draft_max=7))
+    plain.warmup()
+    spec.warmup()
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(100, 30000, n)] for n in (5, 40, 300, 600)]
+    for ids in prompts:
+        assert generate(spec, [ids], 48, slots=[2]) == generate(plain, [ids], 48, slots=[2])
+    assert generate(spec, prompts, 48) == generate(plain, prompts, 48)
+    assert spec.drafts_accepted > 0
