@@ -438,6 +438,8 @@ class Engine:
             "decode_steps_per_dispatch": max(self._decode_steps),  # the most, while no prompt waits
             "dispatch_ahead": self._dispatch_ahead,
             "prompt_cache": self.config.prompt_cache,
+            # speculative decode by prompt lookup (EngineConfig.draft_max; 0: off)
+            "draft_max": self.config.draft_max,
         }
         model_info = getattr(model, "info", None)
         if callable(model_info):
@@ -752,6 +754,8 @@ class Engine:
             requests_rejected_total=self._rejected,
             prompt_tokens_total=self._prompt_tokens_total,
             prompt_tokens_cached_total=self._prompt_tokens_cached_total,
+            draft_tokens_total=int(getattr(self._model, "drafts_run", 0)),
+            draft_tokens_accepted_total=int(getattr(self._model, "drafts_accepted", 0)),
             generation_tokens_total=self._generation_tokens_total,
             error=error,
         )

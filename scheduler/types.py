@@ -97,3 +97,6 @@ class EngineStats:
     generation_tokens_total: int
     error: str | None = None
     prompt_tokens_cached_total: int = 0  # reused from the prompt cache instead
+    # speculative decode (EngineConfig.draft_max): drafts run in a step's spare rows, and accepted
+    draft_tokens_total: int = 0
+    draft_tokens_accepted_total: int = 0

@@ -93,6 +93,15 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
                    help="decode attention planned for few busy slots (a quarter of --slots or fewer) at 1024+ tokens "
                         "of context: faster for a lone long-context user, but a request's tokens may then differ in rare "
                         "near-ties with what else runs (not batch-invariant)")
+    p.add_argument("--draft-max", type=int, default=0, metavar="N",
+                   help="speculative decoding by prompt lookup: a greedy request without penalties checks up to N "
+                        "drafts of its next tokens per step (the tokens that followed its last n-gram where it "
+                        "occurred before) in the rows idle slots leave; the same tokens as without (0 = off; at most "
+                        "--slots - 1)")
+    p.add_argument("--ngram-max", type=int, default=3, metavar="N",
+                   help="longest n-gram the speculative decode looks up (--draft-max)")
+    p.add_argument("--ngram-min", type=int, default=1, metavar="N",
+                   help="shortest n-gram the speculative decode looks up (--draft-max)")
     p.add_argument("--separate-kv-write", action="store_true",
                    help="write each decode step's keys and values with XLA scatters before the attention kernel, "
                         "not inside it (for A/B measurements)")
@@ -179,6 +188,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         unroll_decode_layers=args.unroll_decode_layers,
         few_rows_attention=args.few_rows_attention,
         prompt_cache=args.prompt_cache,
+        draft_max=args.draft_max,
+        ngram_max=args.ngram_max,
+        ngram_min=args.ngram_min,
         separate_kv_write=args.separate_kv_write,
         gather_x=args.gather_x,
         ordered_values=args.ordered_values,

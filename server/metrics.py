@@ -85,6 +85,14 @@ class _EngineCollector:
         yield CounterMetricFamily(
             "pallas_generation_tokens", "Tokens generated", value=st.generation_tokens_total if st else 0
         )
+        yield CounterMetricFamily(
+            "pallas_draft_tokens", "Draft tokens checked by the speculative decode (--draft-max)",
+            value=st.draft_tokens_total if st else 0,
+        )
+        yield CounterMetricFamily(
+            "pallas_draft_tokens_accepted", "Draft tokens the speculative decode accepted",
+            value=st.draft_tokens_accepted_total if st else 0,
+        )
 
 
 class Metrics:

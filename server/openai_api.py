@@ -194,6 +194,8 @@ def _parse_common(fields: Fields, max_tokens_names: tuple[str, ...], top_logprob
         logit_bias=_parse_logit_bias(fields.raw("logit_bias")),
         seed=None if seed in (None, -1) else seed,  # -1: random, as llama-server
         top_logprobs=top_logprobs,
+        # llama-server's field: the most drafts the speculative decode checks per step (--draft-max caps it)
+        draft_max=fields.integer("speculative.n_max", None, 0),
     )
     stream = fields.boolean("stream", False)
     options = fields.raw("stream_options")

@@ -1,6 +1,7 @@
 """End to end: `python -m server` as a subprocess on a free port with the real SmolLM2,
 driven by the official `openai` client and raw HTTP (with `--numerics native`, the fast path;
-test_default_numerics_e2e.py runs the default, llama.cpp's arithmetic)."""
+test_default_numerics_e2e.py runs the default, llama.cpp's arithmetic), with the speculative
+decode on (`--draft-max 3`): the greedy requests below take their tokens from it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.conftest import running_server
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
     args = ["--model", str(smollm2_path), "--max-context", "1024", "--slots", "4", "--max-queue", "4",
-            "--numerics", "native"]
+            "--numerics", "native", "--draft-max", "3"]
     with running_server(args, tmp_path_factory.mktemp("server") / "server.log") as base:
         yield base
 
@@ -75,6 +76,7 @@ def test_seeded_choices(client):
         ({"prompt": "x " * 2000, "max_tokens": 4}, "prompt"),
         ({"prompt": [10**9]}, "prompt"),
         ({"max_tokens": 4}, "prompt"),
+        ({"prompt": "hi", "speculative.n_max": -1}, "speculative.n_max"),
     ],
 )
 def test_bad_input_is_400(server, body, field):
@@ -119,3 +121,26 @@ def test_a_chats_next_turn_reuses_its_history_with_the_same_answer(client):
     assert warm.usage.prompt_tokens_details.cached_tokens == 512
     assert warm.choices[0].message.content == cold.choices[0].message.content
     assert warm.usage.prompt_tokens == cold.usage.prompt_tokens
+
+
+def _metric(server: str, name: str) -> float:
+    for line in httpx.get(server + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_speculative_decode_gives_the_plain_decodes_text(server, client):
+    """With --draft-max 3 a greedy request checks up to 3 drafts a step (`speculative.n_max`: 0
+    turns that off for one request): the same text either way, the drafts counted in /metrics."""
+    assert httpx.get(server + "/health").json()["engine"]["draft_max"] == 3
+    kwargs = dict(model="m", prompt="Repeat exactly: red, green, blue, yellow, red, green, blue, yellow, red,",
+                  max_tokens=24, temperature=0)
+    first = _metric(server, "pallas_draft_tokens_accepted_total")
+    spec = client.completions.create(**kwargs)
+    second = _metric(server, "pallas_draft_tokens_accepted_total")
+    plain = client.completions.create(extra_body={"speculative.n_max": 0}, **kwargs)
+    assert _metric(server, "pallas_draft_tokens_accepted_total") == second  # no drafts for that request
+    assert second > first
+    assert spec.choices[0].text == plain.choices[0].text
+    assert spec.usage.completion_tokens == plain.usage.completion_tokens
