@@ -124,10 +124,22 @@ def test_a_chats_next_turn_reuses_its_history_with_the_same_answer(client):
 
 
 def _metric(server: str, name: str) -> float:
-    for line in httpx.get(server + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
+    """The counter once the engine has settled: a step dispatched ahead of a request's end is
+    counted when the engine reads it, after the response, and the engine process sends its
+    counts to the server's after each step."""
+    def read() -> float:
+        for line in httpx.get(server + "/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise AssertionError(f"{name} not in /metrics")
+
+    deadline, last = time.monotonic() + 30, read()
+    while True:
+        time.sleep(0.5)
+        now = read()
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
 
 
 def test_speculative_decode_gives_the_plain_decodes_text(server, client):
