@@ -7,8 +7,9 @@ The engine runs with the given --draft-max; each batch of requests runs once wit
 field `speculative.n_max` at 0 (a plain decode: no slot speculates, so the engine's plain decode
 program runs) and once without it (the engine's draft max), the order alternating between repeats. Per
 arm: decode tokens per second per request (its first token to its last), the batch's aggregate rate
-over the same window, the tokens a decode step gave each request (tokens / (tokens - drafts
-accepted)), the drafts run and accepted (the engine's counters), and whether every request's
+over the same window, the tokens a decode step gave each request (its decode tokens over the
+engine steps that gave it tokens, `RequestTiming.steps`), the drafts run and accepted (the
+device's counts, steps computed past a request's end included), and whether every request's
 tokens were the same in both arms (they must be: only greedy requests without penalties
 speculate, and a speculative step's rows compute what a plain decode's do).
 
@@ -35,7 +36,7 @@ import statistics  # noqa: E402
 from typing import Any  # noqa: E402
 
 from bench import common  # noqa: E402
-from bench.engine import make_request, run_batch, start_engine  # noqa: E402
+from bench.engine import TimingLog, make_request, run_batch, start_engine  # noqa: E402
 from model.chat_template import render_chat  # noqa: E402
 from model.step_types import SamplingParams  # noqa: E402
 from server.__main__ import add_engine_arguments, engine_config_from_args  # noqa: E402  (the server's flags)
@@ -86,8 +87,8 @@ def prompt_tokens(tokenizer: Any, text: str) -> tuple[int, ...]:
     return tuple(tokenizer.encode(text))
 
 
-async def run_arm(engine, prompts: list[tuple[str, tuple[int, ...]]], tokens: int, draft_max: int | None,
-                  label: str) -> dict[str, Any]:
+async def run_arm(engine, timings: TimingLog, prompts: list[tuple[str, tuple[int, ...]]], tokens: int,
+                  draft_max: int | None, label: str) -> dict[str, Any]:
     before = engine.stats()
     sampling = SamplingParams(temperature=0.0, draft_max=draft_max)
     requests = [make_request(f"{label}-{i}-{name}", ids, tokens, 0, sampling=sampling, ignore_eos=False,
@@ -98,28 +99,36 @@ async def run_arm(engine, prompts: list[tuple[str, tuple[int, ...]]], tokens: in
         if r.error or r.rejected:
             raise RuntimeError(f"{r.label}: {r.error or 'rejected'}")
     rates = [(r.num_tokens - 1) / (r.last - r.arrivals[0][0]) for r in records if r.num_tokens > 1]
+    await timings.wait_for(label + "-", len(records))
+    mine = [t for t in timings.items if t.request_id.startswith(label + "-")]
+    decoded = sum(t.completion_tokens - 1 for t in mine)  # tokens of decode steps (the first is the prefill's)
+    steps = sum(t.steps - 1 for t in mine)
+    # the device's counts: steps computed past a request's end (dispatched ahead) included
     run = after.draft_tokens_total - before.draft_tokens_total
     accepted = after.draft_tokens_accepted_total - before.draft_tokens_accepted_total
-    decoded = sum(r.num_tokens - 1 for r in records)  # tokens from decode steps (the first is the prefill's)
     return {
         "tok_s_per_request": [round(x, 1) for x in rates],
         "tok_s_per_request_mean": round(statistics.fmean(rates), 1) if rates else None,
         "aggregate_tok_s": common.steady_tok_s(records),
         "drafts_run": run,
         "drafts_accepted": accepted,
-        "tokens_per_step": round(decoded / max(decoded - accepted, 1), 3),
+        "decode_tokens": decoded,
+        "decode_steps": steps,
+        "tokens_per_step": round(decoded / max(steps, 1), 3),
         "tokens": [r.tokens for r in records],
     }
 
 
 async def run_all(engine, args: argparse.Namespace) -> list[dict[str, Any]]:
     tokenizer = engine.tokenizer
+    timings = TimingLog()
+    engine.add_observer(timings)
     tasks = {name: prompt_tokens(tokenizer, text) for name, text in TASKS.items()}
     names = list(tasks)
     out = []
     # warm-up: every program compiled at start; one short run of each arm settles the host side
     for n_max in (0, None):
-        await run_arm(engine, [(names[0], tasks[names[0]])], 8, n_max, "warmup")
+        await run_arm(engine, timings, [(names[0], tasks[names[0]])], 8, n_max, f"warmup{n_max}")
     for users in args.users:
         for start in range(0, len(names) if users == 1 else 1):  # alone: each task; together: the first users
             chosen = [names[(start + i) % len(names)] for i in range(users)]
@@ -128,7 +137,8 @@ async def run_all(engine, args: argparse.Namespace) -> list[dict[str, Any]]:
             for rep in range(args.repeats):
                 order = [("plain", 0), ("speculative", None)]
                 for arm, n_max in (order if rep % 2 == 0 else order[::-1]):
-                    arms[arm].append(await run_arm(engine, prompts, args.tokens, n_max, f"{arm}-{users}-{rep}"))
+                    arms[arm].append(await run_arm(engine, timings, prompts, args.tokens, n_max,
+                                                   f"{arm}-{users}-{start}-{rep}"))
             same = all(a["tokens"] == arms["plain"][0]["tokens"] for runs in arms.values() for a in runs)
             row = {"users": users, "tasks": chosen, "same_tokens": same}
             for arm, runs in arms.items():

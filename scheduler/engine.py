@@ -250,6 +250,7 @@ class Engine:
         # While a step's outputs are processed, its events wait here, by event loop, and go in one
         # call_soon_threadsafe per loop (one wake-up of the loop per step, not one per token).
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, StreamEvent]]] | None = None
+        self._stepped: set[int] = set()  # requests the step being processed gave a token (by seq)
         self._is_stopping = False
         self._prompt_tokens_total = 0
         self._prompt_tokens_cached_total = 0
@@ -637,6 +638,7 @@ class Engine:
         else:
             parts = [(pending.results() if hasattr(pending, "results") else [pending.result()], None)]
         done: set[int] = set()
+        self._stepped = set()
         for outs, slots in parts:
             part_rows = rows if slots is None else {s: rows[s] for s in slots if s in rows}
             self._process_part(outs, part_rows)
@@ -679,6 +681,9 @@ class Engine:
                 self._finish(state, FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")
                 continue
             self._generation_tokens_total += 1
+            if state.seq not in self._stepped:  # the step's first token for it (a speculative step gives several)
+                self._stepped.add(state.seq)
+                state.num_steps += 1
             if event.finish_reason is None:
                 self._send(state.stream, event)
             else:

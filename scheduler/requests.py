@@ -77,8 +77,11 @@ class RequestTiming:
     completion_tokens: int
     queue_s: float | None  # submit -> the first prompt chunk dispatched; None: never got a slot
     ttft_s: float | None  # submit -> the first generated token; None: no token
-    itl_s: tuple[float, ...]  # gaps between successive generated tokens
+    itl_s: tuple[float, ...]  # gaps between successive generated tokens (0-ish within one step)
     e2e_s: float  # submit -> finish
+    # engine steps (dispatches) that gave it tokens, the prefill's first token included: with the speculative
+    # decode (EngineConfig.draft_max) a step may give several
+    steps: int = 0
 
 
 class StopMatcher:
@@ -145,6 +148,7 @@ class RequestState:
         self.num_prefilled = 0  # prompt tokens dispatched (or reused)
         self.num_scheduled = 0  # generated tokens whose sampling was dispatched (some in flight)
         self.num_generated = 0  # generated tokens accepted
+        self.num_steps = 0  # engine steps that gave it tokens (RequestTiming.steps)
         self.is_finished = False
         self._detok = detokenizer
         self._stop = StopMatcher(request.stop)
@@ -208,6 +212,7 @@ class RequestState:
             ttft_s=None if self._first_at is None else self._first_at - self.submitted_at,
             itl_s=tuple(self._gaps),
             e2e_s=now - self.submitted_at,
+            steps=self.num_steps,
         )
 
     def _finish_text(self) -> tuple[str, bool]:

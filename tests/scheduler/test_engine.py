@@ -603,6 +603,7 @@ def test_observer_gets_timings(make_engine, fake_model_cls):
     assert (timing.prompt_tokens, timing.completion_tokens) == (1, 4)
     assert timing.queue_s is not None and 0 <= timing.queue_s <= timing.ttft_s <= timing.e2e_s
     assert len(timing.itl_s) == 3 and all(gap >= 0 for gap in timing.itl_s)
+    assert timing.steps == 4  # one token a step: the prefill's, then three decodes
 
 
 # ---- several decode steps per dispatch ----
@@ -617,10 +618,14 @@ def test_several_decode_steps_per_dispatch(make_engine, fake_model_cls):
     assert engine.info()["decode_steps_per_dispatch"] == 4  # shown on /health
     # max_tokens is never overrun: the tail runs one step at a time.
     engine2, model2 = make_engine(fake_model_cls(decode_steps=(1, 4)))
+    timings = []
+    engine2.add_observer(timings.append)
     result = run(collect_one(engine2, req("a", max_tokens=10)))
     assert result.text == "bcdefghijk" and result.final.finish_reason == "length"
     steps = [p.num_decode_steps for p in model2.plans if p.decode_slots]
     assert 4 in steps and sum(steps) == 9  # 1 token from the prefill, 9 decoded
+    wait_until(lambda: len(timings) == 1)
+    assert timings[0].steps == 1 + len(steps)  # a dispatch of several steps counts once
     assert all(not p.prefills for p in model2.plans if p.num_decode_steps > 1)
 
 
