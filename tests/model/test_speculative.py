@@ -89,15 +89,16 @@ SPEC_PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def spec_runners(smollm2):
-    """A plain runner and one that speculates (up to 7 drafts), one context bucket."""
+def spec_runners(smollm2, smol_runner):
+    """The model tests' plain runner and one that speculates (up to 7 drafts), its context cut
+    to the plain one's first bucket (the prompts here stay in it, so both run the same bucket)."""
     from tests.model.conftest import SMOL_ENGINE
 
-    cfg = dataclasses.replace(SMOL_ENGINE, max_context=1024, context_buckets=(1024,))
-    plain, spec = smollm2.make_runner(cfg), smollm2.make_runner(dataclasses.replace(cfg, draft_max=7))
-    plain.warmup()
+    cfg = dataclasses.replace(SMOL_ENGINE, max_context=1024, context_buckets=(1024,), draft_max=7)
+    assert SMOL_ENGINE.context_buckets[0] == 1024
+    spec = smollm2.make_runner(cfg)
     spec.warmup()
-    return plain, spec
+    return smol_runner, spec
 
 
 @pytest.fixture(scope="module")
