@@ -152,7 +152,10 @@ class StepOutput:
 class PendingStep(Protocol):
     """A dispatched step. A runner may also offer `parts()`: ([StepOutput, ...], slots) pairs as
     the device finishes them (the decode part, then each chunk that ends its prompt), each
-    output meaningful for its slots only; the engine then hands each part over at once."""
+    output meaningful for its slots only; the engine then hands each part over at once. A
+    speculative decode (`EngineConfig.draft_max`, model/speculative.py) hands its decode part
+    over as one part per token offset, each for the slots that emitted a token there: a slot may
+    get several tokens from one step."""
 
     def result(self) -> StepOutput: ...  # the (first) step's output
 

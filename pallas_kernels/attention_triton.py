@@ -29,7 +29,9 @@ without tiles write an empty partial and end. Each program loops only over tiles
 visible keys of its row, bounded by the row's position (and window) read from the positions
 array, so short and inactive rows read nothing past their last key. With `write_pos` (the
 forward pass's decode step) the call also writes each row's new key and value into the caches,
-aliased in and out (`attention_decode_triton`), instead of two XLA scatters before it.
+aliased in and out (`attention_decode_triton`), instead of two XLA scatters before it. With
+`slots` each query row names its cache row, so that rows may share one at consecutive positions
+(the engine's speculative decode); each program then indexes its slot in the whole cache.
 
 Prefill is flash attention: one program per (block of queries, query head) loops over key
 tiles up to the causal limit of its last query (and from the window start of its first),

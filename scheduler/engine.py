@@ -30,6 +30,8 @@ but the text stops before it. A stop token's (or EOS's) text is never sent.
 
 Batch invariance: a prompt is cut at fixed absolute boundaries (multiples of the largest
 compiled chunk), so its chunks, and therefore its tokens, never depend on its neighbours.
+With the speculative decode (`EngineConfig.draft_max`) one step may give a request several
+tokens (the model's parts, one per token offset); its tokens are a plain decode's.
 
 Prompt cache (`EngineConfig.prompt_cache`, on by default): a slot's keys and values outlive its
 request. The engine remembers, per slot, the tokens of the whole chunks (the largest compiled
