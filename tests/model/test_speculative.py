@@ -188,3 +188,26 @@ def test_speculative_tokens_on_the_gpu_kernels(synthetic_gguf):
         assert generate(spec, [ids], 48, slots=[2]) == generate(plain, [ids], 48, slots=[2])
     assert generate(spec, prompts, 48) == generate(plain, prompts, 48)
     assert spec.drafts_accepted > 0
+
+
+def test_several_speculative_steps_per_dispatch(smollm2, spec_runners, spec_ids):
+    """With --decode-steps 3 a dispatch scans three speculative steps: the same tokens again,
+    several offsets' outputs per step in order."""
+    from model.step_types import StepPlan as Plan
+    from tests.model.conftest import SMOL_ENGINE
+
+    plain, _ = spec_runners
+    cfg = dataclasses.replace(SMOL_ENGINE, num_slots=4, max_context=512, context_buckets=(512,), prefill_chunks=(64,),
+                              draft_max=3, decode_steps_per_dispatch=3)
+    runner = smollm2.make_runner(cfg)
+    runner.warmup()
+    assert runner.decode_steps == (1, 3)
+    ids = spec_ids[3]
+    want = generate(plain, [ids], 40, slots=[0])[0]
+    first = generate(runner, [ids], 1, slots=[1])[0]  # the prompt, its first token
+    got = list(first)
+    while len(got) < 40:
+        outs = runner.dispatch(Plan(decode_slots=(1,), num_decode_steps=3)).results()
+        got += [int(o.tokens[1]) for o in outs if o.valid[1]]
+    assert got[:40] == want
+    assert len(outs) > 3  # some step gave several tokens
