@@ -10,8 +10,8 @@ arm: decode tokens per second per request (its first token to its last), the bat
 over the same window, the tokens a decode step gave each request (its decode tokens over the
 engine steps that gave it tokens, `RequestTiming.steps`), the drafts run and accepted (the
 device's counts, steps computed past a request's end included), and whether every request's
-tokens were the same in both arms (they must be: only greedy requests without penalties
-speculate, and a speculative step's rows compute what a plain decode's do).
+tokens were the same in both arms (they must be: a speculative step's rows compute and choose
+what a plain decode's do).
 
 The prompts (`TASKS`) are chat requests of the kinds prompt lookup is known to help (a program
 edited, a list reformatted, a passage quoted or summarised) and an open one that it should

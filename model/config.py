@@ -384,7 +384,7 @@ class EngineConfig:
     # twentieth session).
     split_legacy: str = "auto"
     # Speculative decoding by prompt lookup (model/speculative.py): the most drafts of its next
-    # tokens a greedy request without penalties checks per decode step, in the rows of the
+    # tokens a request checks per decode step, in the rows of the
     # padded batch that idle slots leave (so at most num_slots minus the busy slots); the drafts are
     # the tokens that followed the latest earlier occurrence of its last ngram_max down to
     # ngram_min tokens. The tokens are exactly those of a plain decode. 0: off. Needs a decode

@@ -12,10 +12,13 @@ to the slots that may speculate, at consecutive positions) and the step (`model.
 them as one decode with each row naming its slot (`model.forward.decode(..., slots=)`): a slot's
 row at position p + j holds draft j, and its keys are in the cache before any row attends. A
 draft is accepted while it equals the token the row before it chose (`accept`); the slot then
-emits that row's choice too. Only greedy requests without penalties speculate, so every accepted
-token is exactly the one a plain decode would have produced: each row computes bit for bit what a
-plain decode of its slot at its position computes (the kernels' row invariance, tested), and a
-rejected draft's keys lie past the slot's position, overwritten before they are read.
+emits that row's choice too. Each row computes bit for bit the logits a plain decode of its slot
+at its position computes (the kernels' row invariance, tested), and chooses as that decode would:
+greedy, or sampled with the slot's key at the row's own token index, penalties counting the drafts
+before it (`precedes`). So every emitted token is exactly the one a plain decode would have
+produced, for sampled requests too (a draft is kept when the draw picks it: fewer are than by
+rejection sampling, but seeded streams stay reproducible), and a rejected draft's keys lie past
+the slot's position, overwritten before they are read.
 """
 
 from __future__ import annotations
@@ -97,8 +100,14 @@ def accept(
 ) -> jax.Array:  # [R] bool: the row's choice is emitted
     """A slot emits its offset-0 row's choice, and each later row's while every draft up to it
     equals the choice of the row before it (rows of a slot are consecutive, by offset)."""
-    slot, off = layout[0], layout[1]
+    off = layout[1]
     prev = jnp.concatenate([chosen[:1], chosen[:-1]])
     ok = valid & (off >= 1) & (inputs == prev)  # draft j matched the choice at offset j - 1
-    needs = (slot[:, None] == slot[None, :]) & (off[:, None] >= 1) & (off[:, None] <= off[None, :])  # [q, r]
-    return valid & jnp.all(~needs | ok[:, None], axis=0)
+    return valid & jnp.all(~precedes(layout) | ok[:, None], axis=0)
+
+
+def precedes(layout: jax.Array) -> jax.Array:  # [R, R] bool
+    """[q, r]: row q holds a draft of row r's slot at an offset up to r's (the tokens a plain
+    decode would have generated before row r's choice, where the drafts are accepted)."""
+    slot, off = layout[0], layout[1]
+    return (slot[:, None] == slot[None, :]) & (off[:, None] >= 1) & (off[:, None] <= off[None, :])

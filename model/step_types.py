@@ -37,7 +37,7 @@ class SamplingParams:
     seed: int | None = None  # None: the runner draws one
     top_logprobs: int = 0  # how many alternatives per token to return (0..max_top_logprobs)
     # the most drafts a speculative decode checks per step for this request (EngineConfig.draft_max
-    # caps it; None: that cap; 0: none). Only greedy requests without penalties speculate.
+    # caps it; None: that cap; 0: none)
     draft_max: int | None = None
 
     def __post_init__(self) -> None:

@@ -94,7 +94,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
                         "of context: faster for a lone long-context user, but a request's tokens may then differ in rare "
                         "near-ties with what else runs (not batch-invariant)")
     p.add_argument("--draft-max", type=int, default=0, metavar="N",
-                   help="speculative decoding by prompt lookup: a greedy request without penalties checks up to N "
+                   help="speculative decoding by prompt lookup: a request checks up to N "
                         "drafts of its next tokens per step (the tokens that followed its last n-gram where it "
                         "occurred before) in the rows idle slots leave; the same tokens as without (0 = off; at most "
                         "--slots - 1)")
