@@ -3,7 +3,8 @@ with and without drafts, in one engine, alternated.
 
     python bench/speculative.py --model PATH --draft-max 7 [--users 1,2,4] [--tokens 128] [--out DIR]
 
-The engine runs with the given --draft-max; each batch of requests runs once with the request
+The engine runs with the given --draft-max; each batch of requests (greedy, or with
+`--temperature` sampled, each with a seed of its own) runs once with the request
 field `speculative.n_max` at 0 (a plain decode: no slot speculates, so the engine's plain decode
 program runs) and once without it (the engine's draft max), the order alternating between repeats. Per
 arm: decode tokens per second per request (its first token to its last), the batch's aggregate rate
@@ -88,11 +89,12 @@ def prompt_tokens(tokenizer: Any, text: str) -> tuple[int, ...]:
 
 
 async def run_arm(engine, timings: TimingLog, prompts: list[tuple[str, tuple[int, ...]]], tokens: int,
-                  draft_max: int | None, label: str) -> dict[str, Any]:
+                  draft_max: int | None, label: str, temperature: float = 0.0) -> dict[str, Any]:
     before = engine.stats()
-    sampling = SamplingParams(temperature=0.0, draft_max=draft_max)
-    requests = [make_request(f"{label}-{i}-{name}", ids, tokens, 0, sampling=sampling, ignore_eos=False,
-                             cache_prompt=False) for i, (name, ids) in enumerate(prompts)]
+    # sampled requests get a seed each (the same in both arms: their tokens must be the same)
+    requests = [make_request(f"{label}-{i}-{name}", ids, tokens, 0, ignore_eos=False, cache_prompt=False,
+                             sampling=SamplingParams(temperature=temperature, seed=1000 + i, draft_max=draft_max))
+                for i, (name, ids) in enumerate(prompts)]
     records = await run_batch(engine, requests)
     after = engine.stats()
     for r in records:
@@ -138,7 +140,7 @@ async def run_all(engine, args: argparse.Namespace) -> list[dict[str, Any]]:
                 order = [("plain", 0), ("speculative", None)]
                 for arm, n_max in (order if rep % 2 == 0 else order[::-1]):
                     arms[arm].append(await run_arm(engine, timings, prompts, args.tokens, n_max,
-                                                   f"{arm}-{users}-{start}-{rep}"))
+                                                   f"{arm}-{users}-{start}-{rep}", args.temperature))
             same = all(a["tokens"] == arms["plain"][0]["tokens"] for runs in arms.values() for a in runs)
             row = {"users": users, "tasks": chosen, "same_tokens": same}
             for arm, runs in arms.items():
@@ -160,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--users", default="1,2,4", help="requests run together, comma-separated")
     ap.add_argument("--tokens", type=int, default=128, help="max_tokens of each request (EOS ends it sooner)")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each arm, alternating which goes first")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the requests' temperature (0: greedy; above, each request has a seed of its own)")
     ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
     args = ap.parse_args(argv)
     args.users = [int(u) for u in args.users.split(",")]
@@ -182,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": common.model_facts(args.model),
         "draft_max": config.draft_max,
         "ngram": [config.ngram_min, config.ngram_max],
+        "temperature": args.temperature,
         "startup": startup,
         "rows": rows,
     }
