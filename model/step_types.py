@@ -159,7 +159,7 @@ class PendingStep(Protocol):
 
     def result(self) -> StepOutput: ...  # the (first) step's output
 
-    def results(self) -> list[StepOutput]: ...  # one per decode step of the plan, in order
+    def results(self) -> list[StepOutput]: ...  # one per decode step of the plan, in order (speculative: per token offset)
 
 
 class StepModel(Protocol):

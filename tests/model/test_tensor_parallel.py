@@ -51,9 +51,12 @@ class Recorder:
 
         class Result:
             def result(self):
-                out = pending.result()
-                outputs.append(out)
-                return out
+                return self.results()[0]
+
+            def results(self):
+                outs = pending.results()
+                outputs.extend(outs)
+                return outs
 
         return Result()
 
