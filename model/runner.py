@@ -339,6 +339,10 @@ class _Pending:
             out = self._empty()
             self._fill_decode(out, jax.device_get(self._decode_out))
             yield [out], self._decode_slots
+        yield from self._prefill_parts()
+
+    def _prefill_parts(self):
+        """`parts()`' tail: each chunk that ends its prompt, its first token."""
         for chunk, prefill_out in zip(self._prefills, self._prefill_outs):
             if not chunk.is_last:
                 continue  # samples nothing: no wait
@@ -410,11 +414,7 @@ class _SpecPending(_Pending):
     def parts(self):
         for o, slots in self._decoded():
             yield [o], slots
-        for chunk, prefill_out in zip(self._prefills, self._prefill_outs):
-            if chunk.is_last:
-                out = self._empty()
-                self._fill_prefill(out, jax.device_get(prefill_out))
-                yield [out], (chunk.slot,)
+        yield from self._prefill_parts()
 
 
 class ModelRunner:
