@@ -31,6 +31,9 @@ bench/engine.py's) replace fields of the Mosaic GPU matmul's default tunings
 `--decode-steps N` builds the engine's N-step decode program instead of the one-step one
 (step_ms stays per decode step; call_ms and the trace's per-"step" figures are per call).
 
+With `--draft-max N` (the server's flag) the speculative decode program is timed and traced
+too, with 1, 2 and 4 busy slots and the rows laid out as the runner lays them.
+
 `--prefill T[,T...]` traces the prefill program of a T-token chunk instead (one slot, starting at
 `--position`, 0 for a fresh prompt: the engine's prefill step, sampling of the first token
 included); DIR then gets prefill<T>_hlo.txt and one report per T in prefill_summary.json.
@@ -272,8 +275,50 @@ def main() -> None:
         report[f"trace_{key}"] = summ
         print_summary(summ, "step" if args.decode_steps == 1 else f"call ({args.decode_steps} steps)")
         runner._cache, runner._state = cache, state
+    if ecfg.draft_max > 0:
+        trace_speculative(args, ecfg.draft_max, runner, report)
     if out:
         (out / "decode_summary.json").write_text(json.dumps(report, indent=1))
+
+
+def trace_speculative(args, draft_max: int, runner, report: dict) -> None:
+    """The speculative decode program (`--draft-max`), timed with 1, 2 and 4 busy slots laid
+    out as the runner lays them (each busy slot a row, the spare rows its drafts): a step's cost
+    does not depend on how many drafts are kept (the program's shape is fixed), so the ratio to
+    the plain step's time is the most a step may cost in exchange for its accepted tokens."""
+    from model import speculative
+
+    # the positions advance by up to every row per step: the bucket must hold all the calls'
+    spread = args.slots * args.decode_steps * (args.steps + 10)
+    attend = runner._bucket(args.position + spread)
+    t0 = time.perf_counter()
+    prog = runner._jitted("spec", attend, args.decode_steps).lower(*runner._example_args("spec", args.slots)).compile()
+    print(f"compiled spec[{args.slots}] x{args.decode_steps} attending {attend} in {time.perf_counter() - t0:.1f} s",
+          flush=True)
+    report["spec_attend"] = attend
+    for n_busy in (1, 2, 4):
+        if n_busy >= args.slots:
+            continue
+        layout = speculative.layout_rows(args.slots, tuple(range(n_busy)), (draft_max,) * n_busy)
+        if layout is None:
+            continue
+        runner._state.positions = jnp.full((args.slots,), args.position, jnp.int32)
+        dev = jnp.asarray(layout)
+
+        def call(cache, state, dev=dev):
+            return prog(runner.params, cache, state, runner._samp, dev)
+
+        cache, state, per_call, calls, summ = time_and_trace(call, runner._cache, runner._state, args.steps, 5)
+        ms = per_call / args.decode_steps * 1e3
+        key = f"spec_{n_busy}_active"
+        report[f"step_ms_{key}"] = ms
+        report[f"rows_{key}"] = int(layout[2].sum())
+        report[f"call_ms_{key}"] = {"p50": 1e3 * float(np.median(calls)), "min": 1e3 * min(calls)}
+        print(f"{key} ({int(layout[2].sum())} rows, at most {draft_max} drafts each): {ms:.2f} ms per step; host "
+              f"time in the call p50 {1e3 * np.median(calls):.2f} ms", flush=True)
+        report[f"trace_{key}"] = summ
+        print_summary(summ, "step" if args.decode_steps == 1 else f"call ({args.decode_steps} steps)")
+        runner._cache, runner._state = cache, state
 
 
 if __name__ == "__main__":

@@ -232,3 +232,60 @@ def test_sampled_and_penalized_requests_alone_get_a_plain_decodes_tokens(spec_ru
     got = generate(spec, [spec_ids[0]], 30, slots=[4], sampling=sp)
     assert got == generate(plain, [spec_ids[0]], 30, slots=[4], sampling=sp)
     assert spec.drafts_accepted > before
+
+
+def test_prompts_beside_speculative_steps_and_a_slot_reused_before_its_step_is_read(spec_runners, spec_ids):
+    """As the engine plans them: a long prompt's chunks in the same steps as a speculating
+    slot's decode, and a slot given a new prompt while its last speculative step is still
+    unread (the engine dispatches a step before reading the one before it). Each request gets a
+    plain decode's tokens, and the reused slot's host position is its new prompt's, not rolled
+    back by the old step's unemitted rows."""
+    plain, spec = spec_runners
+    greedy = SamplingParams(temperature=0.0)
+    long_ids = np.asarray((spec_ids[3] * 20)[:150], np.int32)  # three chunks: 64, 64, 22
+
+    def run(runner):
+        toks: dict[int, list[int]] = {0: [], 5: [], 1: []}
+
+        def take(pending):
+            for o in pending.results():
+                for s in toks:
+                    if o.valid[s]:
+                        toks[s].append(int(o.tokens[s]))
+
+        take(runner.dispatch(StepPlan(setups=(SlotSetup(0, greedy),),
+                                      prefills=(PrefillChunk(0, np.asarray(spec_ids[0], np.int32), 0, True),))))
+        for i in range(0, len(long_ids), 64):  # slot 0 decodes while slot 5's prompt goes in
+            chunk = PrefillChunk(5, long_ids[i:i + 64], i, i + 64 >= len(long_ids))
+            take(runner.dispatch(StepPlan(setups=(SlotSetup(5, greedy),) if i == 0 else (), decode_slots=(0,),
+                                          prefills=(chunk,))))
+        for _ in range(4):
+            take(runner.dispatch(StepPlan(decode_slots=(0, 5))))
+        # slot 0 decodes once more; before that step is read, slot 0 takes a new request (slot 1
+        # then stands for its tokens)
+        last = runner.dispatch(StepPlan(decode_slots=(0, 5)))
+        fresh = np.asarray(spec_ids[2], np.int32)
+        nxt = runner.dispatch(StepPlan(setups=(SlotSetup(0, greedy),), decode_slots=(5,),
+                                       prefills=(PrefillChunk(0, fresh, 0, True),)))
+        take(last)
+        n0 = len(toks[0])
+        take(nxt)
+        position = int(runner._positions[0])
+        toks[1] = toks[0][n0:]
+        del toks[0][n0:]
+        for _ in range(5):
+            for o in runner.dispatch(StepPlan(decode_slots=(0, 5))).results():
+                if o.valid[0]:
+                    toks[1].append(int(o.tokens[0]))
+                if o.valid[5]:
+                    toks[5].append(int(o.tokens[5]))
+        return toks, position
+
+    (got, position), (want, _) = run(spec), run(plain)
+    assert position == len(spec_ids[2])
+    assert len(want[0]) == 9 and got[0][:9] == want[0]  # its prompt's token, 8 decode steps
+    assert len(got[0]) > 9  # drafts were kept
+    n = min(len(want[5]), len(got[5]))
+    assert n >= 10 and got[5][:n] == want[5][:n]
+    n = min(len(want[1]), len(got[1]))
+    assert n >= 6 and got[1][:n] == want[1][:n]
