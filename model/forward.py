@@ -56,6 +56,10 @@ class Kernels:
     # attention_decode takes `slots=` (each row's cache row): decode(..., slots=...), the engine's
     # speculative decode, can run on it.
     decode_takes_slots: bool = False
+    # (packed, k_cache, v_cache, write_pos, slots, layer=) -> (k_cache, v_cache): writes every
+    # row's key and value (packed as for the write_pos call) before decode(..., slots=) attends
+    # them, in one kernel where KVCache.write_decode makes two scatters; None: write_decode.
+    decode_write_rows: Callable | None = None
     # The arithmetic of the norms, RoPE and the gated activation where it must be an op's own
     # (`--numerics ggml`: pallas_kernels/ggml_cpu.py); None: this module's jnp forms.
     # norm(x, w, eps) -> RMS-normed x times w; rope(x [..., N, D], pos [...]) -> roped x (its own
@@ -427,9 +431,13 @@ def decode(
         q, k, v = _qkv(cfg, kern, lp, w_index, h, pos, inv_freq)
         k, v = _fit_cache(k, c.k.dtype), _fit_cache(v, c.v.dtype)
         if kern.decode_writes_cache:
-            if by_slot:  # the other rows' keys in the cache first, as the kernel writes them (through q's dtype)
+            packed = pack_decode_write(q, k, v)
+            # by slot: the other rows' keys in the cache first, as the kernel writes them (through q's dtype)
+            if by_slot and kern.decode_write_rows is not None:
+                c = KVCache(*kern.decode_write_rows(packed, c.k, c.v, write_pos, rows, layer=i))
+            elif by_slot:
                 c = c.write_decode(i, rows, write_pos, k.astype(q.dtype), v.astype(q.dtype), distinct=False)
-            attn, ck, cv = kern.attention_decode(pack_decode_write(q, k, v), c.k, c.v, pos, cfg.scale, window,
+            attn, ck, cv = kern.attention_decode(packed, c.k, c.v, pos, cfg.scale, window,
                                                  layer=i, span=attend or s, write_pos=write_pos, **options)
             c = KVCache(ck, cv)
         else:

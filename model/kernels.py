@@ -246,6 +246,7 @@ def choose_kernels(
                    decode_few_rows_limit=few_rows_limit,
                    decode_writes_cache=bool(getattr(dec_fn, "writes_cache", False)) and not engine_cfg.separate_kv_write,
                    decode_takes_slots=bool(getattr(dec_fn, "takes_slots", False)),
+                   decode_write_rows=getattr(dec_fn, "write_rows", None),
                    x_order=x_order, attention_out_dtype=act_dtype if takes_dtype else None,
                    takes_gated=takes_gated), names
 

@@ -164,6 +164,52 @@ def test_decode_with_the_cache_write_in_the_attention_kernel(tiny_tp_path, kv, w
     np.testing.assert_array_equal(np.asarray(c1.v[:, 1]), np.asarray(cache.v[:, 1]))
 
 
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+def test_rows_by_slot_written_by_the_kernel_or_by_scatters(tiny_tp_path, kv):
+    """A speculative decode step (`decode(..., slots=)`: a slot's next token and two drafts, and
+    another slot's token, an idle row) on the Triton attention (Pallas interpret mode): every
+    row's key written first by `write_decode_rows_triton` (`Kernels.decode_write_rows`) or by
+    `KVCache.write_decode`'s scatters gives the same logits and caches, bit for bit, and the
+    rows' keys are in the cache."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from model import forward
+    from model.forward import Kernels, KVCache
+    from model.gguf_file import GGUFFile
+    from model.weights import load_params
+    from pallas_kernels import attention_triton, attention_triton_prefill
+    from pallas_kernels.matmul import embed_reference, qmatmul_reference
+
+    gf = GGUFFile(tiny_tp_path)
+    cfg = ModelConfig.from_gguf_metadata(gf.metadata, frozenset(gf.tensors))
+    params = load_params(gf, cfg)
+    dec = functools.partial(attention_triton.attention_decode_triton, interpret=True,
+                            config=attention_triton.DecodeAttentionConfig(block_s=16))
+    write = functools.partial(attention_triton.write_decode_rows_triton, interpret=True)
+    mm = lambda x, w, layer=None, split=None, elementwise_x=False: qmatmul_reference(x, w, layer=layer)  # noqa: E731
+    rng = np.random.default_rng(6)
+    shape = (cfg.num_layers, 3, 64, cfg.num_kv_heads, cfg.head_dim)
+    cache = KVCache(*(jnp.asarray(rng.standard_normal(shape), kv) for _ in range(2)))
+    tokens = jnp.asarray([7, 8, 9, 99, 0], jnp.int32)
+    positions = jnp.asarray([16, 17, 18, 40, -1], jnp.int32)
+    slots = jnp.asarray([0, 0, 0, 2, 1], jnp.int32)
+    outs = []
+    for rows in (write, None):
+        kern = Kernels(mm, embed_reference, dec, attention_triton_prefill.attention_prefill_triton,
+                       decode_writes_cache=True, decode_takes_slots=True, decode_write_rows=rows)
+        step = jax.jit(functools.partial(forward.decode, cfg, kern), static_argnums=(4,))
+        outs.append(step(params, cache, tokens, positions, 48, slots=slots))
+    for a, b in zip(jax.tree_util.tree_leaves(outs[0]), jax.tree_util.tree_leaves(outs[1])):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    c = outs[0][1]
+    for pos in (16, 17, 18):
+        assert not np.array_equal(np.asarray(c.k[:, 0, pos]), np.asarray(cache.k[:, 0, pos]))
+    np.testing.assert_array_equal(np.asarray(c.k[:, 1]), np.asarray(cache.k[:, 1]))  # the idle row's slot
+
+
 def test_an_8bit_float_cache_saturates_new_keys_and_values():
     """e4m3fn has no inf: a key past +-448 would turn into NaN in the cache; the forward pass
     saturates what it writes there instead, and leaves wider caches' values alone."""

@@ -318,6 +318,30 @@ class DecodeConformance:
                                                    slots=slots_j)
         assert_rel_close(out, ref, TOL[jnp.dtype(case.dtype)], f"seed {seed}")
 
+    def test_write_rows(self, case: DecodeCase):
+        """`write_decode_rows_triton`: every row's packed key and value into its slot's cache
+        row, several rows sharing a slot at consecutive positions, an idle row (position S)
+        writing nothing: the caches a scatter of the same values (rounded to the cache's dtype
+        through q's) leaves, bit for bit, the other layers untouched."""
+        rng, seed = fresh_rng()
+        b, d = case.b, case.d
+        slots = np.asarray([min(r, b - 2) if r < b - 1 else 0 for r in range(b)], np.int32)
+        slots[: min(3, b)] = b - 1
+        pos = rng.integers(0, case.s, b).astype(np.int32)
+        pos[: min(3, b)] = min(int(pos[0]), case.s - 3) + np.arange(min(3, b))
+        pos[-1] = case.s  # idle
+        ks, vs = (stack_layers(normal(rng, (b, case.s, case.k, d), case.dtype), 1, 0, rng, 1) for _ in range(2))
+        q = normal(rng, (b, case.h, d), jnp.bfloat16)
+        new_k, new_v = (normal(rng, (b, case.k, d), jnp.float32) for _ in range(2))
+        slots_j, pos_j = jnp.asarray(slots), jnp.asarray(pos)
+        got_k, got_v = jax.jit(lambda p, k, v, w, sl: attention_triton.write_decode_rows_triton(
+            p, k, v, w, sl, layer=jnp.int32(1), interpret=self.interpret))(
+            attention.pack_decode_write(q, new_k, new_v), ks, vs, pos_j, slots_j)
+        for got, cache, new in ((got_k, ks, new_k), (got_v, vs, new_v)):
+            want = cache.at[1, slots_j, pos_j].set(new.astype(q.dtype).astype(cache.dtype), mode="drop")
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                          err_msg=f"seed {seed}")
+
 
 # ---------------------------------------------------------------------------------------------
 # prefill
@@ -677,6 +701,14 @@ def test_lowers_to_triton_for_cuda(kv_dtype, d, s, g):
         i32, jax.ShapeDtypeStruct((3,), jnp.int32), jax.ShapeDtypeStruct((3,), jnp.int32),
     ).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()
+    # ... and the write of every row's key and value before that call
+    fn = lambda q, k, v, w, sl, layer: attention_triton.write_decode_rows_triton(  # noqa: E731
+        q, k, v, w, sl, layer=layer)
+    lowered = jax.jit(fn, donate_argnums=(1, 2)).trace(
+        jax.ShapeDtypeStruct((3, (g + 2) * k_heads, d), jnp.bfloat16), kv5, kv5, jax.ShapeDtypeStruct((3,), jnp.int32),
+        jax.ShapeDtypeStruct((3,), jnp.int32), i32,
+    ).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text() and lowered.as_text().count("output_operand_alias") >= 2
     fn = lambda q, k, v, p, layer, slot: attention_triton_prefill.attention_prefill_triton(  # noqa: E731
         q, k, v, p, 0.1, 0, layer=layer, slot=slot, span=s)
     lowered = jax.jit(fn).trace(jax.ShapeDtypeStruct((64, g * k_heads, d), jnp.bfloat16), kv5, kv5, i32, i32,
