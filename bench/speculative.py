@@ -108,12 +108,14 @@ async def run_arm(engine, timings: TimingLog, prompts: list[tuple[str, tuple[int
     # the device's counts: steps computed past a request's end (dispatched ahead) included
     run = after.draft_tokens_total - before.draft_tokens_total
     accepted = after.draft_tokens_accepted_total - before.draft_tokens_accepted_total
+    spec_steps = after.speculative_steps_total - before.speculative_steps_total
     return {
         "tok_s_per_request": [round(x, 1) for x in rates],
         "tok_s_per_request_mean": round(statistics.fmean(rates), 1) if rates else None,
         "aggregate_tok_s": common.steady_tok_s(records),
         "drafts_run": run,
         "drafts_accepted": accepted,
+        "speculative_steps": spec_steps,  # engine steps that ran the speculative program (all requests')
         "decode_tokens": decoded,
         "decode_steps": steps,
         "tokens_per_step": round(decoded / max(steps, 1), 3),
@@ -150,8 +152,9 @@ async def run_all(engine, args: argparse.Namespace) -> list[dict[str, Any]]:
             row["speedup_per_request"] = round(spec / plain, 3)
             out.append(row)
             log.info("%d user(s) %s: plain %.1f, speculative %.1f tok/s per request (x%.2f), %s tokens a step, "
-                     "same tokens: %s", users, ",".join(chosen), plain, spec, spec / plain,
-                     [r["tokens_per_step"] for r in arms["speculative"]], same)
+                     "%s engine steps speculative, same tokens: %s", users, ",".join(chosen), plain, spec, spec / plain,
+                     [r["tokens_per_step"] for r in arms["speculative"]],
+                     [r["speculative_steps"] for r in arms["speculative"]], same)
     return out
 
 
@@ -186,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": common.model_facts(args.model),
         "draft_max": config.draft_max,
         "ngram": [config.ngram_min, config.ngram_max],
+        "draft_min_gain": config.draft_min_gain,
         "temperature": args.temperature,
         "startup": startup,
         "rows": rows,

@@ -351,6 +351,14 @@ class _Pending:
             yield [out], (chunk.slot,)
 
 
+# The speculative decode's per-slot moving average of accepted drafts per step
+# (EngineConfig.draft_min_gain): its value at a new prompt (speculate at first), the weight of
+# each step, and the dispatches after which a slot below the bar speculates once again.
+DRAFT_GAIN_START = 1.0
+DRAFT_GAIN_WEIGHT = 0.3
+DRAFT_PROBE_STEPS = 8
+
+
 def _draft_cap(sp: SamplingParams | None, draft_max: int) -> int:
     """The most drafts a request checks per step: the engine's draft_max, or the request's own
     below it."""
@@ -400,6 +408,13 @@ class _SpecPending(_Pending):
         made = np.bincount(np.broadcast_to(slot, emitted.shape)[emitted], minlength=runner.num_slots)
         same = runner._epochs == self._epochs  # no new prompt in the slot since
         runner._positions[same] -= (counted - made)[same]
+        # each drafting slot's accepted drafts per step, into its moving average
+        drafting = np.zeros((runner.num_slots,), bool)
+        drafting[slot[used & (off >= 1)]] = True
+        drafting &= same
+        for i in range(self._num_steps):
+            kept = np.bincount(slot[emitted[i] & (off >= 1)], minlength=runner.num_slots)
+            runner._gain[drafting] += DRAFT_GAIN_WEIGHT * (kept[drafting] - runner._gain[drafting])
         self._decode_parts = parts
         return parts
 
@@ -481,6 +496,12 @@ class ModelRunner:
         # positions applies only to the request it ran for), and the drafts run and accepted.
         self._epochs = np.zeros((self.num_slots,), np.int64)
         self.drafts_run = self.drafts_accepted = 0
+        self.spec_steps = 0  # decode steps run by the speculative program
+        # Per slot: its accepted drafts per speculative step, a moving average from DRAFT_GAIN_START
+        # at each new prompt, and the decode dispatches since it last speculated
+        # (EngineConfig.draft_min_gain).
+        self._gain = np.full((self.num_slots,), DRAFT_GAIN_START)
+        self._since_spec = np.zeros((self.num_slots,), np.int64)
 
     def _pack_sampling(self) -> sampling.SamplingArrays:
         """Every slot's sampling settings packed (`sampling.pack_sampling`), kept as the words the
@@ -502,11 +523,16 @@ class ModelRunner:
             mask = self._masks[slots] = jax.device_put(host, None if self._mesh is None else sharding.replicated(self._mesh))
         return mask
 
+    def _speculates(self, slot: int) -> bool:
+        """Whether the slot's request checks drafts this step: its recent drafts paid
+        (EngineConfig.draft_min_gain), or it has not tried for DRAFT_PROBE_STEPS dispatches."""
+        return self._gain[slot] >= self.engine_cfg.draft_min_gain or self._since_spec[slot] >= DRAFT_PROBE_STEPS
+
     def _spec_layout(self, busy: tuple[int, ...]) -> tuple[np.ndarray, jax.Array] | None:
         """The speculative step's row layout for these busy slots (host copy, device copy), kept
         per set of busy slots and of those that may speculate (at most 256 sets); None where no
         slot gets a draft row: the plain decode runs."""
-        caps = tuple(_draft_cap(self._slot_params[s], self._spec.draft_max) for s in busy)
+        caps = tuple(_draft_cap(self._slot_params[s], self._spec.draft_max) if self._speculates(s) else 0 for s in busy)
         key = (busy, caps)
         if key not in self._layouts:
             layout = speculative.layout_rows(self.num_slots, busy, caps)
@@ -657,8 +683,15 @@ class ModelRunner:
         decode_out = None
         steps = plan.num_decode_steps
         layout = None if self._spec is None or not plan.decode_slots else self._spec_layout(plan.decode_slots)
+        if self._spec is not None and plan.decode_slots:
+            drafting = np.zeros((self.num_slots,), bool)
+            if layout is not None:
+                drafting[layout[0][0][layout[0][1] >= 1]] = True
+            self._since_spec[list(plan.decode_slots)] += 1
+            self._since_spec[drafting] = 0
         if layout is not None:
             host_layout, dev_layout = layout
+            self.spec_steps += steps
             rows = np.bincount(host_layout[0][host_layout[2] != 0], minlength=self.num_slots)  # rows per slot
             attend = self._bucket(int(self._positions[rows > 0].max()) + steps * int(rows.max()))
             self._cache, self._state, decode_out = self._program("spec", self.num_slots, attend, steps)(
@@ -699,6 +732,7 @@ class ModelRunner:
         attend = self._bucket(chunk.start_pos + n)
         self._positions[chunk.slot] = chunk.start_pos + n
         self._epochs[chunk.slot] += 1
+        self._gain[chunk.slot], self._since_spec[chunk.slot] = DRAFT_GAIN_START, 0
         self._cache, self._state, self._samp, out = self._program("prefill", size, attend)(
             self.params, self._cache, self._state,
             prefill_args(chunk.slot, padded, chunk.start_pos, n, chunk.is_last, self._samp_words, chunk.reused),

@@ -763,6 +763,7 @@ class Engine:
             prompt_tokens_cached_total=self._prompt_tokens_cached_total,
             draft_tokens_total=int(getattr(self._model, "drafts_run", 0)),
             draft_tokens_accepted_total=int(getattr(self._model, "drafts_accepted", 0)),
+            speculative_steps_total=int(getattr(self._model, "spec_steps", 0)),
             generation_tokens_total=self._generation_tokens_total,
             error=error,
         )

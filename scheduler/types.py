@@ -100,3 +100,4 @@ class EngineStats:
     # speculative decode (EngineConfig.draft_max): drafts run in a step's spare rows, and accepted
     draft_tokens_total: int = 0
     draft_tokens_accepted_total: int = 0
+    speculative_steps_total: int = 0  # decode steps that ran the speculative program

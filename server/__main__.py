@@ -102,6 +102,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
                    help="longest n-gram the speculative decode looks up (--draft-max)")
     p.add_argument("--ngram-min", type=int, default=1, metavar="N",
                    help="shortest n-gram the speculative decode looks up (--draft-max)")
+    p.add_argument("--draft-min-gain", type=float, default=0.05, metavar="X",
+                   help="a request whose drafts lately gave fewer than X accepted tokens per step stops "
+                        "speculating, trying again every 8 steps, so that text without repeats runs the plain "
+                        "decode, which costs less (0 = always speculate; --draft-max)")
     p.add_argument("--separate-kv-write", action="store_true",
                    help="write each decode step's keys and values with XLA scatters before the attention kernel, "
                         "not inside it (for A/B measurements)")
@@ -191,6 +195,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         draft_max=args.draft_max,
         ngram_max=args.ngram_max,
         ngram_min=args.ngram_min,
+        draft_min_gain=args.draft_min_gain,
         separate_kv_write=args.separate_kv_write,
         gather_x=args.gather_x,
         ordered_values=args.ordered_values,

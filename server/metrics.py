@@ -93,6 +93,11 @@ class _EngineCollector:
             "pallas_draft_tokens_accepted", "Draft tokens the speculative decode accepted",
             value=st.draft_tokens_accepted_total if st else 0,
         )
+        yield CounterMetricFamily(
+            "pallas_speculative_steps", "Decode steps that ran the speculative program (the others ran the plain "
+            "one: no busy request's drafts paid lately, --draft-min-gain)",
+            value=st.speculative_steps_total if st else 0,
+        )
 
 
 class Metrics:

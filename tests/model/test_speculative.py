@@ -289,3 +289,35 @@ def test_prompts_beside_speculative_steps_and_a_slot_reused_before_its_step_is_r
     assert n >= 10 and got[5][:n] == want[5][:n]
     n = min(len(want[1]), len(got[1]))
     assert n >= 6 and got[1][:n] == want[1][:n]
+
+
+def test_a_request_whose_drafts_do_not_pay_stops_speculating(spec_runners, spec_ids):
+    """A request whose drafts are rarely kept (sampled hot: its draws seldom equal a draft) has
+    its moving average fall below `draft_min_gain`: most of its steps then run the plain decode
+    program, with a speculative one every DRAFT_PROBE_STEPS dispatches; a repeating one keeps
+    speculating. The tokens are a plain decode's either way; with a bar of 0 every step
+    speculates."""
+    import dataclasses as dc
+
+    from model.runner import DRAFT_PROBE_STEPS
+
+    plain, spec = spec_runners
+    hot = SamplingParams(temperature=1.5, seed=3)
+
+    def run(ids, sp, n):
+        before = spec.spec_steps
+        got = generate(spec, [ids], n, slots=[2], sampling=sp)
+        assert got == generate(plain, [ids], n, slots=[2], sampling=sp)
+        return spec.spec_steps - before, len(got[0]) - 1  # the first token is the prompt's
+
+    spec_steps, steps = run(spec_ids[2], hot, 60)
+    assert spec_steps <= 8 + steps // DRAFT_PROBE_STEPS + 2, (spec_steps, steps)
+    spec_steps, _ = run(spec_ids[3], SamplingParams(temperature=0.0), 60)  # counting: drafts kept
+    assert spec_steps >= 10
+    cfg = spec.engine_cfg
+    spec.engine_cfg = dc.replace(cfg, draft_min_gain=0.0)
+    try:
+        spec_steps, steps = run(spec_ids[2], hot, 30)
+    finally:
+        spec.engine_cfg = cfg
+    assert spec_steps == steps
