@@ -386,7 +386,7 @@ class EngineConfig:
     # Speculative decoding by prompt lookup (model/speculative.py): the most drafts of its next
     # tokens a request checks per decode step, in the rows of the
     # padded batch that idle slots leave (so at most num_slots minus the busy slots); the drafts are
-    # the tokens that followed the latest earlier occurrence of its last ngram_max down to
+    # the tokens that followed an earlier occurrence of its last ngram_max down to
     # ngram_min tokens. The tokens are exactly those of a plain decode. 0: off. Needs a decode
     # attention that takes each row's slot (the Triton kernels, the reference), one device.
     draft_max: int = 0

@@ -68,9 +68,11 @@ def ngram_drafts(
     ngram_max: int,  # static
     ngram_min: int,  # static
 ) -> tuple[jax.Array, jax.Array]:  # drafts [B, num_drafts] int32, how many of them hold a draft [B]
-    """Per slot, the tokens that followed the latest earlier occurrence of its last n tokens (the
-    next input token last), for the largest n in [ngram_min, ngram_max] that occurs; none (count
-    0) where no n does. A draft never runs past the next input token (only known tokens)."""
+    """Per slot, the tokens that followed an earlier occurrence of its last n tokens (the next
+    input token last), for the largest n in [ngram_min, ngram_max] that occurs; none (count 0)
+    where no n does. A draft never runs past the next input token (only known tokens), so of
+    the occurrences the one with the most tokens after it (up to num_drafts) is taken, the
+    latest of those."""
     b, s = history.shape
     idx = jnp.arange(s)
     p = positions[:, None]
@@ -84,7 +86,12 @@ def ngram_drafts(
         run = run & (at >= 0)[None, :] & (p - t >= 0) & (there == last)
         length = length + run.astype(jnp.int32)
     usable = (idx[None, :] < p) & (length >= ngram_min)  # an earlier occurrence with a next token
-    score = jnp.where(usable, length * s + idx[None, :], -1)  # the longest match, then the latest
+    longest = jnp.max(jnp.where(usable, length, 0), axis=1, keepdims=True)
+    # Of the longest matches, the one that gives the most drafts, then the latest: in a run of
+    # one token or a short loop the latest occurrence lies a step or two back, with as few known
+    # tokens after it, where an earlier one gives a full set of the same guesses.
+    ahead = jnp.minimum(p - idx[None, :], num_drafts)
+    score = jnp.where(usable & (length == longest), ahead * s + idx[None, :], -1)
     best = jnp.argmax(score, axis=1)
     found = jnp.max(score, axis=1) >= 0
     count = jnp.where(found, jnp.minimum(positions - best, num_drafts), 0).astype(jnp.int32)

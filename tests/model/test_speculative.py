@@ -39,9 +39,10 @@ def _brute_drafts(seq: list[int], num: int, nmax: int, nmin: int) -> list[int]:
         if n > p + 1:
             continue
         tail = seq[p - n + 1:]
-        for i in range(p - 1, n - 2, -1):  # latest first; the occurrence ends at i < p
-            if seq[i - n + 1:i + 1] == tail:
-                return seq[i + 1:i + 1 + min(num, p - i)]
+        ends = [i for i in range(n - 1, p) if seq[i - n + 1:i + 1] == tail]  # occurrences ending at i < p
+        if ends:  # the most tokens after it (at most num), then the latest
+            i = max(ends, key=lambda i: (min(num, p - i), i))
+            return seq[i + 1:i + 1 + min(num, p - i)]
     return []
 
 
