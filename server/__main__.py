@@ -102,7 +102,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
                    help="longest n-gram the speculative decode looks up (--draft-max)")
     p.add_argument("--ngram-min", type=int, default=1, metavar="N",
                    help="shortest n-gram the speculative decode looks up (--draft-max)")
-    p.add_argument("--draft-min-gain", type=float, default=0.05, metavar="X",
+    p.add_argument("--draft-min-gain", type=float, default=0.1, metavar="X",
                    help="a request whose drafts lately gave fewer than X accepted tokens per step stops "
                         "speculating, trying again every 8 steps, so that text without repeats runs the plain "
                         "decode, which costs less (0 = always speculate; --draft-max)")
