@@ -180,7 +180,7 @@ def test_rows_by_slot_written_by_the_kernel_or_by_scatters(tiny_tp_path, kv):
     from model.forward import Kernels, KVCache
     from model.gguf_file import GGUFFile
     from model.weights import load_params
-    from pallas_kernels import attention_triton, attention_triton_prefill
+    from pallas_kernels import attention_triton, attention_triton_prefill, kv_write_triton
     from pallas_kernels.matmul import embed_reference, qmatmul_reference
 
     gf = GGUFFile(tiny_tp_path)
@@ -188,7 +188,7 @@ def test_rows_by_slot_written_by_the_kernel_or_by_scatters(tiny_tp_path, kv):
     params = load_params(gf, cfg)
     dec = functools.partial(attention_triton.attention_decode_triton, interpret=True,
                             config=attention_triton.DecodeAttentionConfig(block_s=16))
-    write = functools.partial(attention_triton.write_decode_rows_triton, interpret=True)
+    write = functools.partial(kv_write_triton.write_decode_rows_triton, interpret=True)
     mm = lambda x, w, layer=None, split=None, elementwise_x=False: qmatmul_reference(x, w, layer=layer)  # noqa: E731
     rng = np.random.default_rng(6)
     shape = (cfg.num_layers, 3, 64, cfg.num_kv_heads, cfg.head_dim)

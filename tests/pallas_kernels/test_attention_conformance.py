@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import attention, attention_triton, attention_triton_prefill, registry
+from pallas_kernels import attention, attention_triton, attention_triton_prefill, kv_write_triton, registry
 from pallas_kernels.attention_triton import DecodeAttentionConfig
 from pallas_kernels.attention_triton_prefill import PrefillAttentionConfig
 
@@ -334,7 +334,7 @@ class DecodeConformance:
         q = normal(rng, (b, case.h, d), jnp.bfloat16)
         new_k, new_v = (normal(rng, (b, case.k, d), jnp.float32) for _ in range(2))
         slots_j, pos_j = jnp.asarray(slots), jnp.asarray(pos)
-        got_k, got_v = jax.jit(lambda p, k, v, w, sl: attention_triton.write_decode_rows_triton(
+        got_k, got_v = jax.jit(lambda p, k, v, w, sl: kv_write_triton.write_decode_rows_triton(
             p, k, v, w, sl, layer=jnp.int32(1), interpret=self.interpret))(
             attention.pack_decode_write(q, new_k, new_v), ks, vs, pos_j, slots_j)
         for got, cache, new in ((got_k, ks, new_k), (got_v, vs, new_v)):
@@ -702,7 +702,7 @@ def test_lowers_to_triton_for_cuda(kv_dtype, d, s, g):
     ).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()
     # ... and the write of every row's key and value before that call
-    fn = lambda q, k, v, w, sl, layer: attention_triton.write_decode_rows_triton(  # noqa: E731
+    fn = lambda q, k, v, w, sl, layer: kv_write_triton.write_decode_rows_triton(  # noqa: E731
         q, k, v, w, sl, layer=layer)
     lowered = jax.jit(fn, donate_argnums=(1, 2)).trace(
         jax.ShapeDtypeStruct((3, (g + 2) * k_heads, d), jnp.bfloat16), kv5, kv5, jax.ShapeDtypeStruct((3,), jnp.int32),
