@@ -381,6 +381,9 @@ class _SpecPending(_Pending):
         self._runner, self._layout, self._epochs = runner, layout, epochs
         self._decode_parts: list[tuple[StepOutput, tuple[int, ...]]] | None = None
 
+    def _empty(self) -> StepOutput:
+        return StepOutput.empty(self._num_slots, self._num_top, drafts=True)
+
     def _decoded(self) -> list[tuple[StepOutput, tuple[int, ...]]]:
         if self._decode_parts is not None:
             return self._decode_parts
@@ -391,8 +394,10 @@ class _SpecPending(_Pending):
         tok, _, lp, top_ids, top_lps = _unpack_outputs(out)  # [steps, R, ...]
         flag = out[..., 1]
         emitted, drafted = (flag & 1) != 0, (flag & 2) != 0
+        runner = self._runner
         parts = []
         for i in range(self._num_steps):
+            checked = np.bincount(slot[drafted[i]], minlength=runner.num_slots)  # drafts per slot at step i
             for j in range(int(off.max()) + 1):
                 rows = np.flatnonzero(emitted[i] & (off == j))
                 if not rows.size:
@@ -400,8 +405,10 @@ class _SpecPending(_Pending):
                 o, slots = self._empty(), slot[rows]
                 o.tokens[slots], o.valid[slots], o.logprobs[slots] = tok[i, rows], True, lp[i, rows]
                 o.top_ids[slots], o.top_logprobs[slots] = top_ids[i, rows], top_lps[i, rows]
+                o.drafted[slots] = j >= 1
+                if j == 0:
+                    o.drafts[slots] = checked[slots]
                 parts.append((o, tuple(int(s) for s in slots)))
-        runner = self._runner
         runner.drafts_run += int(drafted.sum())
         runner.drafts_accepted += int((emitted & (off >= 1)).sum())
         counted = self._num_steps * np.bincount(slot[used], minlength=runner.num_slots)
@@ -493,8 +500,10 @@ class ModelRunner:
                  f"{engine_cfg.ngram_max} tokens")
         self._layouts: dict[tuple, tuple[np.ndarray, jax.Array] | None] = {}  # _spec_layout's
         # Per slot: prompts dispatched into it (a speculative step's correction of the host
-        # positions applies only to the request it ran for), and the drafts run and accepted.
+        # positions applies only to the request it ran for).
         self._epochs = np.zeros((self.num_slots,), np.int64)
+        # The drafts the device checked and accepted, steps dispatched past a request's end
+        # included (the engine counts those its requests kept: StepOutput.drafts, .drafted).
         self.drafts_run = self.drafts_accepted = 0
         self.spec_steps = 0  # decode steps run by the speculative program
         # Per slot: its accepted drafts per speculative step, a moving average from DRAFT_GAIN_START

@@ -136,16 +136,24 @@ class StepOutput:
     logprobs: np.ndarray  # [B] f32, log-probability of the sampled token (after penalties, before temperature)
     top_ids: np.ndarray  # [B, max_top_logprobs] int32, best alternatives, descending (id 0 / -inf padding where not asked)
     top_logprobs: np.ndarray  # [B, max_top_logprobs] f32
+    # The speculative decode's (EngineConfig.draft_max): slot b's token was a draft it accepted,
+    # and the drafts checked for slot b in the step whose first token this output holds (0 in its
+    # other outputs), so that the engine counts drafts only for tokens a request keeps.
+    drafted: np.ndarray | None = None  # [B] bool; None: no drafts
+    drafts: np.ndarray | None = None  # [B] int32
 
     @staticmethod
-    def empty(num_slots: int, num_top: int) -> "StepOutput":
-        """No slot valid: the start a step's results are filled into."""
+    def empty(num_slots: int, num_top: int, drafts: bool = False) -> "StepOutput":
+        """No slot valid: the start a step's results are filled into (`drafts`: with the
+        speculative decode's counts, zero)."""
         return StepOutput(
             tokens=np.zeros((num_slots,), np.int32),
             valid=np.zeros((num_slots,), bool),
             logprobs=np.zeros((num_slots,), np.float32),
             top_ids=np.zeros((num_slots, num_top), np.int32),
             top_logprobs=np.zeros((num_slots, num_top), np.float32),
+            drafted=np.zeros((num_slots,), bool) if drafts else None,
+            drafts=np.zeros((num_slots,), np.int32) if drafts else None,
         )
 
 

@@ -257,6 +257,7 @@ class Engine:
         self._prompt_tokens_total = 0
         self._prompt_tokens_cached_total = 0
         self._generation_tokens_total = 0
+        self._draft_tokens_total = self._draft_tokens_accepted_total = 0
         # Read from any thread: immutable objects, replaced whole by the engine thread.
         self._stats = self._snapshot("loading")
         self._info = self._build_info(None)
@@ -674,6 +675,12 @@ class Engine:
             if not out.valid[slot]:
                 self._finish(state, FINISH_ERROR, error=f"the model sampled no token for slot {slot}")
                 continue
+            # the speculative decode's drafts, counted with the tokens the request keeps (before
+            # `accept`, whose final event reports them)
+            drafts = 0 if out.drafts is None else int(out.drafts[slot])
+            drafted = out.drafted is not None and bool(out.drafted[slot])
+            state.num_drafts += drafts
+            state.num_drafts_accepted += drafted
             try:
                 event = state.accept(
                     int(out.tokens[slot]), float(out.logprobs[slot]), out.top_ids[slot], out.top_logprobs[slot], now
@@ -683,6 +690,8 @@ class Engine:
                 self._finish(state, FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")
                 continue
             self._generation_tokens_total += 1
+            self._draft_tokens_total += drafts
+            self._draft_tokens_accepted_total += drafted
             if state.seq not in self._stepped:  # the step's first token for it (a speculative step gives several)
                 self._stepped.add(state.seq)
                 state.num_steps += 1
@@ -761,8 +770,8 @@ class Engine:
             requests_rejected_total=self._rejected,
             prompt_tokens_total=self._prompt_tokens_total,
             prompt_tokens_cached_total=self._prompt_tokens_cached_total,
-            draft_tokens_total=int(getattr(self._model, "drafts_run", 0)),
-            draft_tokens_accepted_total=int(getattr(self._model, "drafts_accepted", 0)),
+            draft_tokens_total=self._draft_tokens_total,
+            draft_tokens_accepted_total=self._draft_tokens_accepted_total,
             speculative_steps_total=int(getattr(self._model, "spec_steps", 0)),
             generation_tokens_total=self._generation_tokens_total,
             error=error,

@@ -17,7 +17,7 @@ import numpy as np
 
 from model.step_types import MAX_STOP_TOKEN_IDS
 from scheduler.types import (
-    FINISH_LENGTH, FINISH_STOP, GenerationRequest, RequestValidationError, StreamEvent, TokenLogprob)
+    FINISH_LENGTH, FINISH_STOP, GenerationRequest, RequestValidationError, StreamEvent, Timings, TokenLogprob)
 
 
 def validate_request(
@@ -149,6 +149,8 @@ class RequestState:
         self.num_scheduled = 0  # generated tokens whose sampling was dispatched (some in flight)
         self.num_generated = 0  # generated tokens accepted
         self.num_steps = 0  # engine steps that gave it tokens (RequestTiming.steps)
+        self.num_drafts = 0  # the speculative decode's drafts checked for it, and kept (Timings)
+        self.num_drafts_accepted = 0
         self.is_finished = False
         self._detok = detokenizer
         self._stop = StopMatcher(request.stop)
@@ -215,6 +217,19 @@ class RequestState:
             steps=self.num_steps,
         )
 
+    def timings(self) -> Timings:
+        """llama-server's `timings` of the request so far."""
+        first, last = self._first_at, self._last_at
+        return Timings(
+            prompt_n=self.num_prompt - self.num_reused,
+            cache_n=self.num_reused,
+            prompt_ms=None if first is None or self.admitted_at is None else (first - self.admitted_at) * 1e3,
+            predicted_n=self.num_generated,
+            predicted_ms=None if first is None else (last - first) * 1e3,
+            draft_n=self.num_drafts,
+            draft_n_accepted=self.num_drafts_accepted,
+        )
+
     def _finish_text(self) -> tuple[str, bool]:
         """Flushes the detokenizer and the stop matcher: (text, whether a stop string matched)."""
         text, matched = self._stop.feed(self._detok.flush())
@@ -246,4 +261,5 @@ class RequestState:
             prompt_tokens=self.num_prompt,
             completion_tokens=self.num_generated,
             cached_tokens=self.num_reused,
+            timings=self.timings(),
         )

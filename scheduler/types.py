@@ -70,6 +70,22 @@ class TokenLogprob:
 
 
 @dataclasses.dataclass(frozen=True)
+class Timings:
+    """One request's counts and times as llama-server's response `timings` has them, measured
+    on the engine thread (monotonic clock) when it hands tokens over."""
+
+    prompt_n: int  # prompt tokens prefilled
+    cache_n: int  # prompt tokens reused from the prompt cache instead
+    prompt_ms: float | None  # its first prompt chunk dispatched -> its first token; None: no token
+    predicted_n: int  # tokens generated
+    predicted_ms: float | None  # its first token -> its last; None: no token
+    # the speculative decode's (EngineConfig.draft_max) drafts checked in the steps that gave it
+    # tokens, and those it kept as tokens
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class StreamEvent:
     """What one engine step produced for one request."""
 
@@ -81,6 +97,7 @@ class StreamEvent:
     prompt_tokens: int = 0  # usage, set on the final event
     completion_tokens: int = 0
     cached_tokens: int = 0  # of prompt_tokens, those reused from the prompt cache, not prefilled
+    timings: Timings | None = None  # set on the final event
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +114,8 @@ class EngineStats:
     generation_tokens_total: int
     error: str | None = None
     prompt_tokens_cached_total: int = 0  # reused from the prompt cache instead
-    # speculative decode (EngineConfig.draft_max): drafts run in a step's spare rows, and accepted
+    # speculative decode (EngineConfig.draft_max): drafts checked in a step's spare rows, and
+    # accepted, for the tokens requests kept (not in steps dispatched past a request's end)
     draft_tokens_total: int = 0
     draft_tokens_accepted_total: int = 0
     speculative_steps_total: int = 0  # decode steps that ran the speculative program

@@ -34,7 +34,7 @@ from scheduler.types import (
     StreamEvent,
 )
 from server.errors import RATE_LIMIT, SERVER_ERROR, TIMEOUT, UNAVAILABLE, ApiError, error_body, invalid
-from server.openai_api import ChoiceResult, ParsedRequest, Renderer
+from server.openai_api import ChoiceResult, ParsedRequest, Renderer, render_timings
 from server.prompts import PreparedPrompt
 
 if TYPE_CHECKING:
@@ -227,7 +227,10 @@ async def sse_frames(gen: Generation, renderer: Renderer, include_usage: bool,
                     yield sse_frame(error.body())
                     yield DONE_FRAME
                     return
-                yield sse_frame(renderer.finish_chunk(choice.index, event.finish_reason))
+                chunk = renderer.finish_chunk(choice.index, event.finish_reason)
+                if event.timings is not None:  # llama-server's, on a choice's last chunk
+                    chunk["timings"] = render_timings(event.timings)
+                yield sse_frame(chunk)
         if include_usage:
             yield sse_frame(renderer.usage_chunk(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
         yield DONE_FRAME
@@ -251,6 +254,7 @@ async def collect(gen: Generation) -> list[ChoiceResult]:
                 if error is not None:
                     raise error
                 results[choice.index].finish_reason = event.finish_reason
+                results[choice.index].timings = event.timings
     for index, result in results.items():
         result.text = "".join(texts[index])
     return [results[i] for i in sorted(results)]

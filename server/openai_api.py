@@ -17,7 +17,7 @@ import math
 from typing import Any, Callable
 
 from model.step_types import MAX_STOP_TOKEN_IDS, SamplingParams
-from scheduler.types import TokenLogprob
+from scheduler.types import Timings, TokenLogprob
 from server.errors import invalid
 
 MAX_N = 16
@@ -374,6 +374,36 @@ class ChoiceResult:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    timings: Timings | None = None
+
+
+def render_timings(t: Timings) -> dict[str, Any]:
+    """llama-server's `timings` object: its counts and times, and the rates they give (null
+    where a rate has no time to divide by). The decode rate counts the tokens after the first
+    over the time from the first to the last (the first comes with the prompt's time); the draft
+    fields appear where the speculative decode checked drafts for the request."""
+
+    def rate(n: int, ms: float | None) -> tuple[float | None, float | None]:
+        if ms is None or n <= 0 or ms <= 0:
+            return None, None
+        return ms / n, n * 1e3 / ms
+
+    prompt_per_token, prompt_per_second = rate(t.prompt_n, t.prompt_ms)
+    predicted_per_token, predicted_per_second = rate(t.predicted_n - 1, t.predicted_ms)
+    out: dict[str, Any] = {
+        "cache_n": t.cache_n,
+        "prompt_n": t.prompt_n,
+        "prompt_ms": t.prompt_ms,
+        "prompt_per_token_ms": prompt_per_token,
+        "prompt_per_second": prompt_per_second,
+        "predicted_n": t.predicted_n,
+        "predicted_ms": t.predicted_ms,
+        "predicted_per_token_ms": predicted_per_token,
+        "predicted_per_second": predicted_per_second,
+    }
+    if t.draft_n:
+        out["draft_n"], out["draft_n_accepted"] = t.draft_n, t.draft_n_accepted
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
@@ -440,8 +470,16 @@ class Renderer:
 
     def response(self, choices: list[ChoiceResult], prompt_tokens: int, completion_tokens: int,
                  cached_tokens: int = 0) -> dict[str, Any]:
-        out = self._envelope(self.object_name, [self._choice(c) for c in choices])
+        rendered = [self._choice(c) for c in choices]
+        out = self._envelope(self.object_name, rendered)
         out["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
+        # llama-server's `timings`: the response's own with one choice, else each choice's
+        if len(choices) == 1 and choices[0].timings is not None:
+            out["timings"] = render_timings(choices[0].timings)
+        elif len(choices) > 1:
+            for item, c in zip(rendered, choices):
+                if c.timings is not None:
+                    item["timings"] = render_timings(c.timings)
         return out
 
     # Per endpoint.

@@ -8,9 +8,11 @@ prompt cache: test_prompt_cache.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from model.step_types import SamplingParams
@@ -604,6 +606,43 @@ def test_observer_gets_timings(make_engine, fake_model_cls):
     assert timing.queue_s is not None and 0 <= timing.queue_s <= timing.ttft_s <= timing.e2e_s
     assert len(timing.itl_s) == 3 and all(gap >= 0 for gap in timing.itl_s)
     assert timing.steps == 4  # one token a step: the prefill's, then three decodes
+
+
+def test_final_event_carries_llama_server_timings(make_engine, fake_model_cls):
+    engine, _ = make_engine(fake_model_cls(step_delay=0.001))
+    result = run(collect_one(engine, req("hello a", max_tokens=4)))
+    t = result.final.timings
+    assert (t.prompt_n, t.cache_n, t.predicted_n, t.draft_n, t.draft_n_accepted) == (7, 0, 4, 0, 0)
+    assert t.prompt_ms > 0 and t.predicted_ms >= 3 * 1.0 * 0.9  # three decode steps of 1 ms after the first token
+
+
+def test_drafts_are_counted_for_the_tokens_a_request_keeps(make_engine, fake_model_cls):
+    """A speculative step's outputs name the drafts checked per slot and whether its token was a
+    draft (StepOutput.drafts, .drafted); the engine counts them with the tokens a request keeps,
+    not for the steps dispatched past its end, in its final event and its stats."""
+
+    class Drafting(fake_model_cls):
+        def dispatch(self, plan):
+            pending = super().dispatch(plan)
+            outs = []
+            for out in pending._outputs:
+                drafted, drafts = np.zeros((self.num_slots,), bool), np.zeros((self.num_slots,), np.int32)
+                for slot in plan.decode_slots:
+                    drafts[slot], drafted[slot] = 3, out.tokens[slot] % 2 == 1
+                outs.append(dataclasses.replace(out, drafted=drafted, drafts=drafts))
+            pending._outputs = outs
+            return pending
+
+    engine, model = make_engine(Drafting(num_slots=1))
+    result = run(collect_one(engine, req("a", max_tokens=20, stop=("f",))))
+    assert result.tokens == [ord(c) for c in "bcdef"] and result.final.finish_reason == "stop"
+    assert model.decode_count(0) == 4 + model.dispatch_ahead  # "g" (and "h") decoded, never kept
+    t = result.final.timings
+    # b from the prefill; c, d, e, f decoded with 3 drafts each, c and e drafts the step kept
+    assert (t.predicted_n, t.draft_n, t.draft_n_accepted) == (5, 12, 2)
+    wait_until(lambda: engine_thread_is_blocked_on_inbox(engine))
+    stats = engine.stats()
+    assert (stats.draft_tokens_total, stats.draft_tokens_accepted_total) == (12, 2)
 
 
 # ---- several decode steps per dispatch ----

@@ -85,6 +85,7 @@ def test_streams_usage_timings_and_stats_cross_the_process(start_process):
     assert [t for e in events for t in e.token_ids] == [ord(c) for c in "bcdef"]
     assert events[-1].finish_reason == "length"
     assert (events[-1].prompt_tokens, events[-1].completion_tokens) == (7, 5)
+    assert (events[-1].timings.prompt_n, events[-1].timings.predicted_n) == (7, 5)
     wait_until(lambda: timings and engine.stats().generation_tokens_total == 5)
     assert timings[0].request_id == "r" and timings[0].completion_tokens == 5 and len(timings[0].itl_s) == 4
     stats = engine.stats()

@@ -28,6 +28,7 @@ from scheduler.types import (
     GenerationRequest,
     QueueFullError,
     StreamEvent,
+    Timings,
     TokenLogprob,
 )
 from server.app import EngineHolder, create_app
@@ -109,7 +110,10 @@ def script_reply(request: GenerationRequest, reply: str) -> list[StreamEvent]:
             lps.append(TokenLogprob(token, logprob_of(i), top))
             i += 1
         events.append(StreamEvent(text=ch, token_ids=tuple(tok(ch)), logprobs=tuple(lps) if request.logprobs else ()))
-    final = dict(finish_reason=reason, prompt_tokens=len(request.prompt_tokens), completion_tokens=i)
+    # llama-server's timings: the prompt in 20 ms, then 5 ms a token
+    timings = Timings(prompt_n=len(request.prompt_tokens), cache_n=0, prompt_ms=20.0, predicted_n=i,
+                      predicted_ms=5.0 * (i - 1) if i else None)
+    final = dict(finish_reason=reason, prompt_tokens=len(request.prompt_tokens), completion_tokens=i, timings=timings)
     if events:
         events[-1] = dataclasses.replace(events[-1], **final)
     else:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import pytest
 
-from tests.server.fakes import BOS, FakeEngine, client_for, make_app, parse_sse, tok
+from tests.server.fakes import BOS, FakeEngine, client_for, make_app, parse_sse, script_reply, tok
 
 pytestmark = pytest.mark.anyio
 
@@ -74,6 +76,32 @@ async def test_chat_n(client: httpx.AsyncClient, engine: FakeEngine) -> None:
     r = await client.post("/v1/chat/completions", json={"messages": HI, "n": 2, "max_tokens": 1, "seed": 7})
     assert [c["index"] for c in r.json()["choices"]] == [0, 1]
     assert [q.sampling.seed for q in engine.requests] == [7, 8]
+
+
+async def test_timings_as_llama_server_reports_them(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    """llama-server's `timings`: top-level with one choice, on each choice's last chunk when
+    streamed, in each choice with several; draft fields only where drafts were checked."""
+    r = await client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 3})
+    n_prompt = len(engine.requests[0].prompt_tokens)
+    assert r.json()["timings"] == {  # the fake: the prompt in 20 ms, then 5 ms a token
+        "cache_n": 0, "prompt_n": n_prompt, "prompt_ms": 20.0, "prompt_per_token_ms": 20.0 / n_prompt,
+        "prompt_per_second": n_prompt * 50.0, "predicted_n": 3, "predicted_ms": 10.0,
+        "predicted_per_token_ms": 5.0, "predicted_per_second": 200.0,
+    }
+    body = {"messages": HI, "max_tokens": 2, "stream": True}
+    chunks = parse_sse((await client.post("/v1/chat/completions", json=body)).text)[:-1]
+    assert ["timings" in c for c in chunks] == [False, False, False, True]
+    assert chunks[-1]["timings"]["predicted_n"] == 2 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    r = await client.post("/v1/chat/completions", json={"messages": HI, "n": 2, "max_tokens": 1})
+    assert "timings" not in r.json()
+    timings = [c["timings"] for c in r.json()["choices"]]
+    assert [t["predicted_n"] for t in timings] == [1, 1]
+    assert timings[0]["predicted_per_second"] is None  # one token: no decode time to divide by
+    base = engine.script or (lambda req: script_reply(req, engine.reply))
+    engine.script = lambda req: [*base(req)[:-1], dataclasses.replace(
+        base(req)[-1], timings=dataclasses.replace(base(req)[-1].timings, draft_n=6, draft_n_accepted=4))]
+    t = (await client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 3})).json()["timings"]
+    assert (t["draft_n"], t["draft_n_accepted"]) == (6, 4)
 
 
 async def test_chat_logprobs(client: httpx.AsyncClient, engine: FakeEngine) -> None:

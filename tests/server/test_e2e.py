@@ -144,15 +144,22 @@ def _metric(server: str, name: str) -> float:
 
 def test_speculative_decode_gives_the_plain_decodes_text(server, client):
     """With --draft-max 3 a greedy request checks up to 3 drafts a step (`speculative.n_max`: 0
-    turns that off for one request): the same text either way, the drafts counted in /metrics."""
+    turns that off for one request): the same text either way, the drafts counted in /metrics
+    and in the response's llama-server `timings`, those of the steps past its end left out."""
     assert httpx.get(server + "/health").json()["engine"]["draft_max"] == 3
     kwargs = dict(model="m", prompt="Repeat exactly: red, green, blue, yellow, red, green, blue, yellow, red,",
                   max_tokens=24, temperature=0)
-    first = _metric(server, "pallas_draft_tokens_accepted_total")
+    names = ("pallas_draft_tokens_total", "pallas_draft_tokens_accepted_total")
+    first = [_metric(server, name) for name in names]
     spec = client.completions.create(**kwargs)
-    second = _metric(server, "pallas_draft_tokens_accepted_total")
+    second = [_metric(server, name) for name in names]
     plain = client.completions.create(extra_body={"speculative.n_max": 0}, **kwargs)
-    assert _metric(server, "pallas_draft_tokens_accepted_total") == second  # no drafts for that request
-    assert second > first
+    assert [_metric(server, name) for name in names] == second  # no drafts for that request
+    assert second[1] > first[1]
     assert spec.choices[0].text == plain.choices[0].text
     assert spec.usage.completion_tokens == plain.usage.completion_tokens
+    timings = spec.model_extra["timings"]
+    assert [timings["draft_n"], timings["draft_n_accepted"]] == [b - a for a, b in zip(first, second)]
+    assert timings["predicted_n"] == spec.usage.completion_tokens
+    assert timings["prompt_n"] + timings["cache_n"] == spec.usage.prompt_tokens
+    assert "draft_n" not in plain.model_extra["timings"]
