@@ -353,7 +353,8 @@ class _Pending:
 
 # The speculative decode's per-slot moving average of accepted drafts per step
 # (EngineConfig.draft_min_gain): its value at a new prompt (speculate at first), the weight of
-# each step, and the dispatches after which a slot below the bar speculates once again.
+# each step, and the decode steps after which a slot below the bar speculates once again (at the
+# first dispatch that reaches them: with --decode-steps 3, every fourth dispatch).
 DRAFT_GAIN_START = 1.0
 DRAFT_GAIN_WEIGHT = 0.3
 DRAFT_PROBE_STEPS = 8
@@ -534,7 +535,7 @@ class ModelRunner:
 
     def _speculates(self, slot: int) -> bool:
         """Whether the slot's request checks drafts this step: its recent drafts paid
-        (EngineConfig.draft_min_gain), or it has not tried for DRAFT_PROBE_STEPS dispatches."""
+        (EngineConfig.draft_min_gain), or it has not tried for DRAFT_PROBE_STEPS decode steps."""
         return self._gain[slot] >= self.engine_cfg.draft_min_gain or self._since_spec[slot] >= DRAFT_PROBE_STEPS
 
     def _spec_layout(self, busy: tuple[int, ...]) -> tuple[np.ndarray, jax.Array] | None:
@@ -696,7 +697,7 @@ class ModelRunner:
             drafting = np.zeros((self.num_slots,), bool)
             if layout is not None:
                 drafting[layout[0][0][layout[0][1] >= 1]] = True
-            self._since_spec[list(plan.decode_slots)] += 1
+            self._since_spec[list(plan.decode_slots)] += steps
             self._since_spec[drafting] = 0
         if layout is not None:
             host_layout, dev_layout = layout

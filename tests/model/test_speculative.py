@@ -213,6 +213,19 @@ def test_several_speculative_steps_per_dispatch(smollm2, spec_runners, spec_ids)
         got += [int(o.tokens[1]) for o in outs if o.valid[1]]
     assert got[:40] == want
     assert len(outs) > 3  # some step gave several tokens
+    # A request below the gain bar probes again after DRAFT_PROBE_STEPS decode steps, not
+    # dispatches: with 3 steps a dispatch, in every fourth dispatch (8 steps reached at the fourth).
+    from model.runner import DRAFT_PROBE_STEPS
+
+    assert DRAFT_PROBE_STEPS == 8
+    runner.engine_cfg = dataclasses.replace(cfg, draft_min_gain=100.0)  # no average reaches it
+    generate(runner, [ids], 1, slots=[1])  # a new prompt: its count from 0
+    spec = []
+    for _ in range(12):
+        before = runner.spec_steps
+        runner.dispatch(Plan(decode_slots=(1,), num_decode_steps=3)).results()
+        spec.append(runner.spec_steps > before)
+    assert spec == [False, False, False, True] * 3
 
 
 @pytest.mark.parametrize("sp", [
