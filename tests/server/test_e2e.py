@@ -151,7 +151,9 @@ def test_speculative_decode_gives_the_plain_decodes_text(server, client):
                   max_tokens=24, temperature=0)
     names = ("pallas_draft_tokens_total", "pallas_draft_tokens_accepted_total")
     first = [_metric(server, name) for name in names]
+    start = time.monotonic()
     spec = client.completions.create(**kwargs)
+    elapsed_ms = (time.monotonic() - start) * 1e3
     second = [_metric(server, name) for name in names]
     plain = client.completions.create(extra_body={"speculative.n_max": 0}, **kwargs)
     assert [_metric(server, name) for name in names] == second  # no drafts for that request
@@ -162,4 +164,6 @@ def test_speculative_decode_gives_the_plain_decodes_text(server, client):
     assert [timings["draft_n"], timings["draft_n_accepted"]] == [b - a for a, b in zip(first, second)]
     assert timings["predicted_n"] == spec.usage.completion_tokens
     assert timings["prompt_n"] + timings["cache_n"] == spec.usage.prompt_tokens
+    assert 0 < timings["prompt_ms"] and 0 < timings["predicted_ms"]  # 24 tokens: several steps
+    assert timings["prompt_ms"] + timings["predicted_ms"] < elapsed_ms  # measured inside the request's time
     assert "draft_n" not in plain.model_extra["timings"]
