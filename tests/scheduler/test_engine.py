@@ -613,7 +613,9 @@ def test_final_event_carries_llama_server_timings(make_engine, fake_model_cls):
     result = run(collect_one(engine, req("hello a", max_tokens=4)))
     t = result.final.timings
     assert (t.prompt_n, t.cache_n, t.predicted_n, t.draft_n, t.draft_n_accepted) == (7, 0, 4, 0, 0)
-    assert t.prompt_ms > 0 and t.predicted_ms >= 3 * 1.0 * 0.9  # three decode steps of 1 ms after the first token
+    # the prefill step takes the fake device 1 ms; the decode steps' tokens may reach the engine
+    # thread in a burst, so their span has no lower bound but 0
+    assert t.prompt_ms >= 0.9 and t.predicted_ms >= 0
 
 
 def test_drafts_are_counted_for_the_tokens_a_request_keeps(make_engine, fake_model_cls):

@@ -97,9 +97,13 @@ async def test_timings_as_llama_server_reports_them(client: httpx.AsyncClient, e
     timings = [c["timings"] for c in r.json()["choices"]]
     assert [t["predicted_n"] for t in timings] == [1, 1]
     assert timings[0]["predicted_per_second"] is None  # one token: no decode time to divide by
-    base = engine.script or (lambda req: script_reply(req, engine.reply))
-    engine.script = lambda req: [*base(req)[:-1], dataclasses.replace(
-        base(req)[-1], timings=dataclasses.replace(base(req)[-1].timings, draft_n=6, draft_n_accepted=4))]
+
+    def with_drafts(request):
+        *events, last = script_reply(request, engine.reply)
+        return [*events, dataclasses.replace(last, timings=dataclasses.replace(last.timings, draft_n=6,
+                                                                               draft_n_accepted=4))]
+
+    engine.script = with_drafts
     t = (await client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 3})).json()["timings"]
     assert (t["draft_n"], t["draft_n_accepted"]) == (6, 4)
 
