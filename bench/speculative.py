@@ -105,7 +105,8 @@ async def run_arm(engine, timings: TimingLog, prompts: list[tuple[str, tuple[int
     mine = [t for t in timings.items if t.request_id.startswith(label + "-")]
     decoded = sum(t.completion_tokens - 1 for t in mine)  # tokens of decode steps (the first is the prefill's)
     steps = sum(t.steps - 1 for t in mine)
-    # the device's counts: steps computed past a request's end (dispatched ahead) included
+    # the drafts of the tokens the requests kept (files before 2026-12-05's forty-seventh session
+    # counted the device's, the steps dispatched past a request's end included)
     run = after.draft_tokens_total - before.draft_tokens_total
     accepted = after.draft_tokens_accepted_total - before.draft_tokens_accepted_total
     spec_steps = after.speculative_steps_total - before.speculative_steps_total
