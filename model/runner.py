@@ -508,7 +508,7 @@ class ModelRunner:
         self.drafts_run = self.drafts_accepted = 0
         self.spec_steps = 0  # decode steps run by the speculative program
         # Per slot: its accepted drafts per speculative step, a moving average from DRAFT_GAIN_START
-        # at each new prompt, and the decode dispatches since it last speculated
+        # at each new prompt, and the decode steps since it last speculated
         # (EngineConfig.draft_min_gain).
         self._gain = np.full((self.num_slots,), DRAFT_GAIN_START)
         self._since_spec = np.zeros((self.num_slots,), np.int64)
