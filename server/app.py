@@ -36,6 +36,7 @@ from model.chat_template import render_chat
 from scheduler.gc_pauses import GcSnapshot
 from scheduler.requests import RequestTiming
 from scheduler.types import EngineStats
+from server import tool_calls
 from server.asgi import ApiKeyAuth, BodyLimit, ErrorBoundary, EventStreamResponse, HttpMetricsMiddleware, unless_disconnected
 from server.config import ServerConfig
 from server.errors import ApiError, error_body, invalid, json_response
@@ -225,7 +226,7 @@ async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]
         include_usage=parsed.include_usage,
         logprobs=parsed.logprobs is not None,
     )
-    gen = Generation(engine, parsed, prompts, response_id)
+    gen = Generation(engine, parsed, prompts, response_id, tool_calls.resolve(config.tool_call_parser, template))
     # taken before the submit: the engine's own TTFT clock starts as the request reaches it (in
     # its process or thread), and this handler may run on only later, so an end taken after
     # the submit would count that time twice
@@ -258,7 +259,11 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    status, body = request.app.state.holder.health()
+    state = request.app.state
+    status, body = state.holder.health()
+    if status == 200:
+        template = state.config.chat_template or state.holder.ready.chat_template
+        body["tool_call_parser"] = tool_calls.resolve(state.config.tool_call_parser, template)
     return json_response(body, status=status)
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from server import tool_calls
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -18,6 +20,7 @@ class ServerConfig:
     port: int = 8080
     api_key: str | None = None  # None: no authentication
     chat_template: str | None = None  # template text from --chat-template; None: the GGUF's
+    tool_call_parser: str = "auto"  # --tool-call-parser: server/tool_calls.py's CHOICES
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
     max_choices: int = 64  # prompts x n per request
     shutdown_grace_s: float = 10.0  # open streams get this long to finish on SIGINT/SIGTERM
@@ -37,5 +40,7 @@ class ServerConfig:
             raise ValueError("max choices must be >= 1")
         if self.shutdown_grace_s < 0 or self.engine_shutdown_timeout_s < 0:
             raise ValueError("shutdown timeouts must be >= 0")
+        if self.tool_call_parser not in tool_calls.CHOICES:
+            raise ValueError(f"tool call parser must be one of {', '.join(tool_calls.CHOICES)}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log level must be one of {', '.join(LOG_LEVELS)}")

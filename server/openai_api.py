@@ -16,9 +16,12 @@ import dataclasses
 import math
 from typing import Any, Callable
 
+import json
+
 from model.step_types import MAX_STOP_TOKEN_IDS, SamplingParams
 from scheduler.types import Timings, TokenLogprob
 from server.errors import invalid
+from server.tool_calls import ToolCall
 
 MAX_N = 16
 MAX_STOP = 16
@@ -52,6 +55,8 @@ class ParsedRequest:
     echo: bool = False
     cache_prompt: bool = True  # llama-server's field: false prefills the whole prompt
     cache_salt: str = ""  # vLLM's field: reuse only what requests of the same salt prefilled
+    tool_calls: bool = False  # chat with `tools` and tool_choice "auto": read calls out of the reply
+    parallel_tool_calls: bool = True  # False: a reply's first call only
 
     @property
     def prompt_field(self) -> str:
@@ -156,10 +161,16 @@ def parse_chat(body: Any, max_choices: int) -> ParsedRequest:
         fields, max_tokens_names=("max_completion_tokens", "max_tokens"), top_logprobs=logprobs or 0
     )
     _check_choices(common["n"], max_choices)
+    template_kwargs = _parse_template_kwargs(fields)
+    tool_calls = _parse_tool_choice(fields, "tools" in template_kwargs)
+    if not tool_calls:
+        template_kwargs.pop("tools", None)  # tool_choice "none": the model is not told of them
     return ParsedRequest(
         is_chat=True,
         messages=messages,
-        template_kwargs=_parse_template_kwargs(fields),
+        template_kwargs=template_kwargs,
+        tool_calls=tool_calls,
+        parallel_tool_calls=fields.boolean("parallel_tool_calls", True),
         add_generation_prompt=fields.boolean("add_generation_prompt", True),
         logprobs=logprobs,
         **common,
@@ -280,9 +291,25 @@ def _parse_messages(value: Any) -> tuple[dict[str, Any], ...]:
                     raise invalid(f"'{key}' must be a string", f"{where}.{key}")
                 parsed[key] = message[key]
         if tool_calls is not None:
-            parsed["tool_calls"] = tool_calls
+            parsed["tool_calls"] = [_template_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(tool_calls)]
         out.append(parsed)
     return tuple(out)
+
+
+def _template_call(call: Any, where: str) -> Any:
+    """An assistant message's tool call for the chat template: OpenAI sends `function.arguments`
+    as JSON text, which templates write with `tojson` as an object (vLLM and llama-server hand
+    them the object too); arguments that are no JSON object are left as they came."""
+    if not isinstance(call, dict):
+        raise invalid("each tool call must be an object", where)
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(args := function.get("arguments"), str):
+        return call
+    try:
+        value = json.loads(args)
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": value}} if isinstance(value, dict) else call
 
 
 def _message_content(content: Any, where: str, allow_none: bool) -> str:
@@ -309,9 +336,16 @@ def _parse_template_kwargs(fields: Fields) -> dict[str, Any]:
     out: dict[str, Any] = {}
     tools = fields.raw("tools")
     if tools is not None:
-        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        if not isinstance(tools, list):
             raise invalid("'tools' must be an array of objects", "tools")
-        out["tools"] = tools  # rendered by the chat template; tool calls come back as text
+        for i, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(function, dict) or tool.get("type") != "function":
+                raise invalid("each tool must be {\"type\": \"function\", \"function\": {...}}", f"tools[{i}]")
+            if not isinstance(function.get("name"), str) or not function["name"]:
+                raise invalid("a function needs a 'name'", f"tools[{i}].function.name")
+        if tools:
+            out["tools"] = tools  # rendered by the chat template; calls read back by server/tool_calls.py
     extra = fields.raw("chat_template_kwargs")
     if extra is not None:
         if not isinstance(extra, dict):
@@ -321,6 +355,21 @@ def _parse_template_kwargs(fields: Fields) -> dict[str, Any]:
                 raise invalid(f"'{key}' cannot be set through chat_template_kwargs", "chat_template_kwargs")
         out.update(extra)
     return out
+
+
+def _parse_tool_choice(fields: Fields, has_tools: bool) -> bool:
+    """Whether calls are read out of the reply: tool_choice "auto" (the default with tools).
+    "none" leaves the tools out of the prompt; "required" and a named function would need the
+    reply constrained to a call, which this server does not do, so they are refused."""
+    choice = fields.raw("tool_choice")
+    if choice is None or choice == "auto":
+        return has_tools
+    if choice == "none":
+        return False
+    if choice == "required" or isinstance(choice, dict):
+        raise invalid("tool_choice 'required' or a named function needs constrained decoding, which this server "
+                      "does not do; use \"auto\" (the model chooses) or \"none\"", "tool_choice")
+    raise invalid("'tool_choice' must be \"auto\", \"none\", \"required\" or an object", "tool_choice")
 
 
 def _parse_stop(value: Any) -> tuple[str, ...]:
@@ -375,6 +424,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     timings: Timings | None = None
+    tool_calls: list[ToolCall] | None = None  # read out of `text` (chat with tools); text then the rest
 
 
 def render_timings(t: Timings) -> dict[str, Any]:
@@ -568,13 +618,23 @@ class ChatRenderer(Renderer):
     def delta_chunk(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
         return self._chunk(self._item(index, {"content": text}, self._logprobs(logprobs), None))
 
+    def tool_call_chunk(self, index: int, call: ToolCall, call_index: int,
+                        logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+        """A whole call in one delta (OpenAI's SDKs join a call's deltas by its index)."""
+        return self._chunk(self._item(index, {"tool_calls": [call.render(call_index)]}, self._logprobs(logprobs), None))
+
     def finish_chunk(self, index: int, finish_reason: str) -> dict[str, Any]:
         return self._chunk(self._item(index, {}, None, finish_reason))
 
     def _choice(self, choice: ChoiceResult) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text, "refusal": None}
+        if choice.tool_calls is not None:
+            message["content"] = choice.text or None
+            if choice.tool_calls:
+                message["tool_calls"] = [call.render() for call in choice.tool_calls]
         return {
             "index": choice.index,
-            "message": {"role": "assistant", "content": choice.text, "refusal": None},
+            "message": message,
             "logprobs": self._logprobs(choice.logprobs),
             "finish_reason": choice.finish_reason,
         }

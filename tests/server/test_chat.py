@@ -136,7 +136,8 @@ async def test_template_kwargs_and_tools() -> None:
     engine = FakeEngine()
     engine.tokenizer.chat_template = "{{ tools | length }}{{ flavour }}{{ messages[0]['content'] }}"
     async with client_for(make_app(engine)) as c:
-        body = {"messages": HI, "tools": [{"type": "function"}], "chat_template_kwargs": {"flavour": "x"}}
+        body = {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}],
+                "chat_template_kwargs": {"flavour": "x"}}
         r = await c.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     assert engine.requests[0].prompt_tokens == (BOS, *tok("1xHi"))

@@ -1,0 +1,229 @@
+"""Tool calls in a chat model's output, returned as OpenAI's `tool_calls` (vLLM's
+`--tool-call-parser`, llama-server's tool-call formats).
+
+A chat request with `tools` (and `tool_choice` "auto", the default) has its generated text read
+by the parser for the chat template's call format, `detect` (or `--tool-call-parser`):
+
+- `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, text around
+  them (Qwen2.5, Qwen3, Hermes 2/3, SmolLM3 and other templates that name `<tool_call>`).
+- `llama3_json`: the whole reply is one JSON object `{"name": ..., "parameters": {...}}` (or
+  several separated by `;`), as Llama 3.1-3.3 templates ask for (`<|python_tag|>`, a control
+  token, is not in the text).
+- `mistral`: the whole reply is a JSON array of `{"name", "arguments"}` objects, after the
+  `[TOOL_CALLS]` control token (Mistral's v3 templates).
+
+`ToolCallStream` reads a choice's text as it streams and hands back content and complete calls;
+a non-streaming response feeds it the whole text, so both see the same calls and content. Text a
+call might be starting (a prefix of `<tool_call>`, or a reply that opens like a JSON call) is
+held back until it is known; whitespace next to a call is dropped. A call whose JSON does not
+parse comes back as the text it was, so nothing the model wrote is lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import uuid
+from typing import Any
+
+PARSERS = ("hermes", "llama3_json", "mistral")
+CHOICES = ("auto", "none", *PARSERS)  # --tool-call-parser
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def detect(template: str | None) -> str | None:
+    """The call format a chat template asks its model for; None where it names none."""
+    if not template:
+        return None
+    if HERMES_OPEN in template:
+        return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|start_header_id|>" in template and ("<|python_tag|>" in template or '"parameters"' in template):
+        return "llama3_json"
+    return None
+
+
+@functools.lru_cache(maxsize=8)  # per request: the same template every time
+def resolve(flag: str, template: str | None) -> str | None:
+    """--tool-call-parser's value for the template served: a parser name, or None (calls stay text)."""
+    if flag not in CHOICES:
+        raise ValueError(f"tool call parser must be one of {', '.join(CHOICES)}, got {flag!r}")
+    if flag == "auto":
+        return detect(template)
+    return None if flag == "none" else flag
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI sends it
+    id: str = dataclasses.field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def render(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "type": "function",
+                               "function": {"name": self.name, "arguments": self.arguments}}
+        return out if index is None else {"index": index, **out}
+
+
+def call_from(obj: Any) -> ToolCall | None:
+    """A call from a parsed JSON object with a name and an arguments object (`parameters` in
+    Llama 3's form; an arguments string holding a JSON object is taken too); None otherwise."""
+    if not isinstance(obj, dict):
+        return None
+    name = obj.get("name")
+    if "arguments" not in obj and "parameters" not in obj:  # e.g. a JSON answer that has a name
+        return None
+    args = obj.get("arguments", obj.get("parameters"))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(name, str) or not name or not isinstance(args, dict):
+        return None
+    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def _json_calls(text: str, separators: str) -> list[ToolCall] | None:
+    """Every JSON value in `text` (between `separators` and whitespace) as calls (an array's
+    items each one); None unless all of the text is such values and each is a call."""
+    decoder, calls, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(text) and (text[i].isspace() or text[i] in separators):
+            i += 1
+        if i == len(text):
+            return calls or None
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return None
+        for obj in value if isinstance(value, list) else [value]:
+            call = call_from(obj)
+            if call is None:
+                return None
+            calls.append(call)
+
+
+# Items `ToolCallStream` hands back: content text, or a whole call.
+Piece = str | ToolCall
+
+
+class ToolCallStream:
+    """One choice's text in, content and calls out, in order (see the module docstring)."""
+
+    def __init__(self, parser: str, parallel: bool = True) -> None:
+        if parser not in PARSERS:
+            raise ValueError(f"unknown tool call parser {parser!r}")
+        self.parser = parser
+        self.parallel = parallel  # False: the first call only (OpenAI's parallel_tool_calls)
+        self.num_calls = 0
+        self._held = ""  # text not yet handed back
+        self._in_call = False  # hermes: inside <tool_call>
+        self._after_call = False  # hermes: whitespace after a call is dropped, however it arrives
+        self._whole = None if parser == "hermes" else "undecided"  # JSON forms: "undecided", "text", "json"
+
+    def feed(self, text: str) -> list[Piece]:
+        self._held += text
+        if self._whole is not None:
+            return self._feed_whole()
+        out: list[Piece] = []
+        while True:
+            if self._in_call:
+                end = self._held.find(HERMES_CLOSE)
+                if end < 0:
+                    return out
+                body, self._held = self._held[:end], self._held[end + len(HERMES_CLOSE) :]
+                self._in_call = False
+                self._hermes_call(body, closed=True, out=out)
+                continue
+            if self._after_call:
+                self._held = self._held.lstrip()
+                if not self._held:
+                    return out
+                self._after_call = False
+            start = self._held.find(HERMES_OPEN)
+            if start < 0:
+                cut = len(self._held) - _held_back(self._held)
+                text, self._held = self._held[:cut], self._held[cut:]
+                self._emit(text, out)
+                return out
+            self._emit(self._held[:start].rstrip(), out)  # whitespace before a call is dropped
+            self._held = self._held[start + len(HERMES_OPEN) :]
+            self._in_call = True
+
+    def finish(self) -> list[Piece]:
+        """What is left once the text has ended (an unclosed last call is read as a call)."""
+        out: list[Piece] = []
+        held, self._held = self._held, ""
+        if self._whole is not None:
+            if self._whole == "json":
+                calls = _json_calls(held, ";" if self.parser == "llama3_json" else "")
+                if calls is None:
+                    out.append(held)
+                else:
+                    for call in calls:
+                        self._add_call(call, out)
+            elif held:
+                out.append(held)
+            return out
+        if self._in_call:
+            self._in_call = False
+            self._hermes_call(held, closed=False, out=out)
+            held, self._held = self._held, ""  # the whitespace after a body that was no call
+        if held and (self.num_calls == 0 or not held.isspace()):
+            out.append(held)
+        return out
+
+    def _feed_whole(self) -> list[Piece]:
+        if self._whole == "undecided":
+            stripped = self._held.lstrip()
+            if not stripped:
+                return []
+            opening = "{" if self.parser == "llama3_json" else "["
+            self._whole = "json" if stripped[0] == opening else "text"
+        if self._whole == "json":
+            return []  # held whole until the end: only all of it parsed says whether it is calls
+        out, self._held = [self._held] if self._held else [], ""
+        return out
+
+    def _hermes_call(self, body: str, closed: bool, out: list[Piece]) -> None:
+        try:
+            call = call_from(json.loads(body))
+        except ValueError:
+            call = None
+        if call is None:  # not a call after all: the text as the model wrote it
+            self._emit(HERMES_OPEN + body + (HERMES_CLOSE if closed else ""), out)
+        else:
+            self._add_call(call, out)
+            self._after_call = True
+
+    def _add_call(self, call: ToolCall, out: list[Piece]) -> None:
+        if self.parallel or self.num_calls == 0:
+            out.append(call)
+            self.num_calls += 1
+
+    def _emit(self, text: str, out: list[Piece]) -> None:
+        """Content, whose trailing whitespace waits (put back before `_held`) for what follows:
+    dropped before a call, handed back before more text."""
+        body = text.rstrip()
+        if body:
+            out.append(body)
+        self._held = text[len(body) :] + self._held
+
+
+def _held_back(text: str) -> int:
+    """How many of text's last characters to hold: a possible start of `<tool_call>`."""
+    for n in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
+        if HERMES_OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def parse(parser: str, text: str, parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
+    """A whole reply's content (None where blank) and calls, as a stream of it would give them."""
+    stream = ToolCallStream(parser, parallel)
+    pieces = stream.feed(text) + stream.finish()
+    content = "".join(p for p in pieces if isinstance(p, str))
+    return (content or None), [p for p in pieces if isinstance(p, ToolCall)]

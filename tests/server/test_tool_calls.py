@@ -1,0 +1,230 @@
+"""Tool calls read out of chat replies (server/tool_calls.py): the parsers on their own, streamed
+in pieces of every size against the whole text, and through /v1/chat/completions on the fake
+engine, streamed and not, with OpenAI's SDK reading them."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from server import tool_calls
+from server.config import ServerConfig
+from server.tool_calls import ToolCall, ToolCallStream
+from tests.server.fakes import BOS, FakeEngine, client_for, make_app, parse_sse, tok
+
+HI = [{"role": "user", "content": "Weather in Paris?"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "d",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+# A Hermes-style template (Qwen2.5's form, cut down): the tools, then each message; an assistant
+# message's calls as <tool_call> JSON with the arguments written by tojson.
+HERMES_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}</tools>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.get('tool_calls', []) %}<tool_call>{\"name\": \"{{ c['function']['name'] }}\", "
+    "\"arguments\": {{ c['function']['arguments'] | tojson }}}</tool_call>{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def pieces_of(parser: str, text: str, size: int) -> tuple[str | None, list[tuple[str, str]]]:
+    stream = ToolCallStream(parser)
+    out = []
+    for i in range(0, len(text), size):
+        out += stream.feed(text[i : i + size])
+    out += stream.finish()
+    content = "".join(p for p in out if isinstance(p, str))
+    return content or None, [(p.name, p.arguments) for p in out if isinstance(p, ToolCall)]
+
+
+CASES = [
+    # (parser, text, content, calls)
+    ("hermes", "Let me look.\n" + CALL + "\n" + CALL.replace("Paris", "Lyon"),
+     "Let me look.", [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Lyon"}')]),
+    ("hermes", CALL + "\nDone.", "Done.", [("get_weather", '{"city": "Paris"}')]),
+    ("hermes", "a < b, <tool and <tool_cal\n\n", "a < b, <tool and <tool_cal\n\n", []),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": [1, 2]}}', None, [("f", '{"x": [1, 2]}')]),  # unclosed
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": 1</tool_call>',  # broken JSON stays text
+     '<tool_call>{"name": "f", "arguments": {"x": 1</tool_call>', []),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"x\\": \\"é\\"}"}</tool_call>', None, [("f", '{"x": "é"}')]),
+    ("hermes", '<tool_call>{"name": "f"}</tool_call>', '<tool_call>{"name": "f"}</tool_call>', []),  # no arguments
+    ("hermes", '<tool_call>{"name": "f", "arg\n\n', '<tool_call>{"name": "f", "arg\n\n', []),  # cut short
+    ("llama3_json", ' {"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}', None,
+     [("f", '{"a": 1}'), ("g", "{}")]),
+    ("llama3_json", '{"name": "Ada", "born": 1815}', '{"name": "Ada", "born": 1815}', []),  # JSON, not a call
+    ("llama3_json", 'Sure: {"name": "f", "parameters": {}}', 'Sure: {"name": "f", "parameters": {}}', []),
+    ("mistral", '[{"name": "f", "arguments": {"q": "x"}}, {"name": "g", "arguments": {}}]', None,
+     [("f", '{"q": "x"}'), ("g", "{}")]),
+    ("mistral", "[1, 2] are numbers", "[1, 2] are numbers", []),
+]
+
+
+@pytest.mark.parametrize("parser, text, content, calls", CASES)
+def test_parsers_whole_and_in_pieces(parser: str, text: str, content: str | None, calls: list) -> None:
+    whole_content, whole_calls = tool_calls.parse(parser, text)
+    assert (whole_content, [(c.name, c.arguments) for c in whole_calls]) == (content, calls)
+    for size in (1, 2, 3, 7, len(text)):
+        assert pieces_of(parser, text, size) == (content, calls), size
+
+
+def test_parallel_false_keeps_the_first_call() -> None:
+    content, calls = tool_calls.parse("hermes", CALL + CALL.replace("Paris", "Lyon"), parallel=False)
+    assert content is None and [json.loads(c.arguments) for c in calls] == [{"city": "Paris"}]
+
+
+def test_text_streams_without_waiting() -> None:
+    """Text that cannot start a call is handed back as it comes; a possible start is held."""
+    stream = ToolCallStream("hermes")
+    assert stream.feed("Hello") == ["Hello"]
+    assert stream.feed(" <tool") == []
+    assert stream.feed("s>") == [" <tools>"]
+    json_stream = ToolCallStream("llama3_json")
+    assert json_stream.feed("  ") == [] and json_stream.feed("Hi") == ["  Hi"]
+
+
+def test_detect_and_resolve() -> None:
+    assert tool_calls.detect(HERMES_TEMPLATE) == "hermes"
+    assert tool_calls.detect("{{ '[TOOL_CALLS]' }}") == "mistral"
+    llama3 = "<|start_header_id|>{{ '{\"name\": ...' }}\"parameters\"<|eot_id|>"
+    assert tool_calls.detect(llama3) == "llama3_json"
+    assert tool_calls.detect("<|im_start|>{{ m }}") is None and tool_calls.detect(None) is None
+    assert tool_calls.resolve("auto", HERMES_TEMPLATE) == "hermes"
+    assert tool_calls.resolve("none", HERMES_TEMPLATE) is None
+    assert tool_calls.resolve("mistral", None) == "mistral"
+    with pytest.raises(ValueError):
+        tool_calls.resolve("xml", None)
+    with pytest.raises(ValueError, match="tool call parser"):
+        ServerConfig(model_name="m.gguf", tool_call_parser="xml")
+
+
+def hermes_engine(reply: str) -> FakeEngine:
+    engine = FakeEngine(max_context=512)
+    engine.tokenizer.chat_template = HERMES_TEMPLATE
+    engine.reply = reply
+    return engine
+
+
+@pytest.mark.anyio
+async def test_chat_returns_tool_calls() -> None:
+    engine = hermes_engine("Checking." + CALL)
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": HI, "tools": TOOLS})
+        health = (await c.get("/health")).json()
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["content"] == "Checking."
+    [call] = message["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert engine.requests[0].prompt_tokens[:9] == (BOS, *tok("<tools>g"))  # the tools reached the template
+    assert health["tool_call_parser"] == "hermes"
+
+
+@pytest.mark.anyio
+async def test_streamed_tool_calls_match_the_whole_response() -> None:
+    reply = "Checking.\n" + CALL + "\n" + CALL.replace("Paris", "Lyon")
+    engine = hermes_engine(reply)
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": HI, "tools": TOOLS, "stream": True,
+                                                       "logprobs": True})
+    chunks = [c for c in parse_sse(r.text) if c != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content", "") for d in deltas) == "Checking."
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert [(tc["index"], tc["function"]["name"], json.loads(tc["function"]["arguments"])) for tc in calls] == [
+        (0, "get_weather", {"city": "Paris"}), (1, "get_weather", {"city": "Lyon"})]
+    assert len({tc["id"] for tc in calls}) == 2
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # every token's logprob is sent once, in order, though the call's tokens were held back
+    sent = [e["token"] for c in chunks if (lp := c["choices"][0]["logprobs"]) for e in lp["content"]]
+    assert "".join(sent) == reply
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("extra, parses", [({}, True), ({"tool_choice": "auto"}, True),
+                                           ({"tool_choice": "none"}, False), ({"tools": []}, False)])
+async def test_tool_choice(extra: dict, parses: bool) -> None:
+    engine = hermes_engine(CALL)
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": HI, "tools": TOOLS, **extra})
+    message = r.json()["choices"][0]["message"]
+    assert ("tool_calls" in message) == parses
+    assert message["content"] == (None if parses else CALL)
+    prompt = engine.tokenizer.decode(engine.requests[0].prompt_tokens)
+    assert ("<tools>" in prompt) == parses  # "none": the model is not told of the tools
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": 3}}]}, "tools[0].function.name"),
+    ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
+])
+async def test_tool_fields_refused(body: dict, param: str) -> None:
+    engine = hermes_engine(CALL)
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": HI, "tools": TOOLS, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert engine.requests == []
+
+
+@pytest.mark.anyio
+async def test_no_parser_keeps_calls_as_text() -> None:
+    """The fake's own template names no call format, and --tool-call-parser none turns it off."""
+    engine = FakeEngine(max_context=512)
+    engine.reply = CALL
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": HI, "tools": TOOLS})
+    assert r.json()["choices"][0]["message"]["content"] == CALL
+    engine = hermes_engine(CALL)
+    async with client_for(make_app(engine, tool_call_parser="none")) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": HI, "tools": TOOLS})
+    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": CALL, "refusal": None}
+
+
+@pytest.mark.anyio
+async def test_previous_calls_reach_the_template_as_objects() -> None:
+    engine = hermes_engine("It is sunny.")
+    messages = [*HI, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS})
+    assert r.json()["choices"][0] == {"index": 0, "message": {"role": "assistant", "content": "It is sunny.",
+                                                              "refusal": None},
+                                      "logprobs": None, "finish_reason": "stop"}
+    prompt = engine.tokenizer.decode(engine.requests[0].prompt_tokens)
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in prompt
+
+
+@pytest.mark.anyio
+async def test_openai_sdk_reads_the_calls() -> None:
+    engine = hermes_engine(CALL + CALL.replace("Paris", "Lyon"))
+    app = make_app(engine)
+    http = client_for(app)
+    sdk = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http)
+    async with http:
+        done = await sdk.chat.completions.create(model="m", messages=HI, tools=TOOLS)
+        stream = await sdk.chat.completions.create(model="m", messages=HI, tools=TOOLS, stream=True)
+        merged: dict[int, dict[str, str]] = {}
+        finish = None
+        async for chunk in stream:
+            for tc in chunk.choices[0].delta.tool_calls or []:
+                entry = merged.setdefault(tc.index, {"name": "", "arguments": ""})
+                entry["name"] += tc.function.name or ""
+                entry["arguments"] += tc.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+    assert done.choices[0].finish_reason == "tool_calls" and done.choices[0].message.content is None
+    got = [(tc.function.name, json.loads(tc.function.arguments)) for tc in done.choices[0].message.tool_calls]
+    assert got == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Lyon"})]
+    assert [(e["name"], json.loads(e["arguments"])) for _, e in sorted(merged.items())] == got
+    assert finish == "tool_calls"
