@@ -31,7 +31,7 @@ import uvicorn
 
 from model.chat_template import ChatTemplateError, load_template
 from model.config import KV_DTYPES, NUMERICS, SPLIT_Q4_K, UNROLL_DECODE_LAYERS, EngineConfig, prefill_chunks_for
-from server import tool_calls
+from server import reasoning, tool_calls
 from server.app import EngineHolder, create_app
 from server.config import LOG_LEVELS, ServerConfig
 from server.default_model import FILENAME as DEFAULT_MODEL_FILENAME
@@ -229,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how chat replies to requests with tools are read for calls (returned as tool_calls): "
                         "auto (the chat template's format: hermes <tool_call> tags, llama3_json, mistral), "
                         "a format by name, or none (calls stay text)")
+    p.add_argument("--reasoning-format", default="auto", choices=reasoning.CHOICES,
+                   help="chat replies' <think>...</think> as reasoning_content: auto (where the chat template writes "
+                        "thoughts), deepseek (always), none (thoughts stay in content); requests may set "
+                        "reasoning_format")
     p.add_argument("--compile-cache", type=pathlib.Path, default=None,
                    help="JAX persistent compilation cache directory (default: in the model cache; 'none' disables)")
     p.add_argument("--coordinator", metavar="HOST:PORT",
@@ -301,6 +305,7 @@ def build_configs(args: argparse.Namespace, environ: dict[str, str] | os._Enviro
         api_key=args.api_key if args.api_key is not None else (environ.get(API_KEY_ENV) or None),
         chat_template=load_template(args.chat_template) if args.chat_template is not None else None,
         tool_call_parser=args.tool_call_parser,
+        reasoning_format=args.reasoning_format,
         log_level=args.log_level,
     )
     return engine_config, server_config

@@ -36,14 +36,15 @@ from model.chat_template import render_chat
 from scheduler.gc_pauses import GcSnapshot
 from scheduler.requests import RequestTiming
 from scheduler.types import EngineStats
-from server import tool_calls
+from server import reasoning, tool_calls
 from server.asgi import ApiKeyAuth, BodyLimit, ErrorBoundary, EventStreamResponse, HttpMetricsMiddleware, unless_disconnected
 from server.config import ServerConfig
 from server.errors import ApiError, error_body, invalid, json_response
 from server.generation import Generation, collect, sse_frames, unavailable
 from server.metrics import Metrics
 from server.openai_api import ChatRenderer, CompletionRenderer, Fields, ParsedRequest, parse_chat, parse_completion
-from server.prompts import ModelLimits, prepare
+from server.prompts import ModelLimits, PreparedPrompt, prepare
+from server.replies import ReplyFormat
 
 if TYPE_CHECKING:
     from scheduler.engine import Engine
@@ -226,7 +227,7 @@ async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]
         include_usage=parsed.include_usage,
         logprobs=parsed.logprobs is not None,
     )
-    gen = Generation(engine, parsed, prompts, response_id, tool_calls.resolve(config.tool_call_parser, template))
+    gen = Generation(engine, parsed, prompts, response_id, _reply_format(parsed, config, template, prompts))
     # taken before the submit: the engine's own TTFT clock starts as the request reaches it (in
     # its process or thread), and this handler may run on only later, so an end taken after
     # the submit would count that time twice
@@ -250,6 +251,19 @@ async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]
     return json_response(renderer.response(results, gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
 
 
+def _reply_format(parsed: ParsedRequest, config: ServerConfig, template: str | None,
+                  prompts: list[PreparedPrompt]) -> ReplyFormat:
+    """How a chat request's replies are read for thoughts and tool calls (server/replies.py)."""
+    if not parsed.is_chat:
+        return ReplyFormat()
+    return ReplyFormat(
+        thoughts=reasoning.resolve(parsed.reasoning_format or config.reasoning_format, template),
+        opens_thought=prompts[0].opens_thought,
+        tool_parser=tool_calls.resolve(config.tool_call_parser, template) if parsed.tool_calls else None,
+        parallel_tool_calls=parsed.parallel_tool_calls,
+    )
+
+
 async def completions(request: Request) -> Response:
     return await _generate(request, parse_completion)
 
@@ -264,6 +278,7 @@ async def health(request: Request) -> Response:
     if status == 200:
         template = state.config.chat_template or state.holder.ready.chat_template
         body["tool_call_parser"] = tool_calls.resolve(state.config.tool_call_parser, template)
+        body["reasoning_format"] = "deepseek" if reasoning.resolve(state.config.reasoning_format, template) else "none"
     return json_response(body, status=status)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from server import tool_calls
+from server import reasoning, tool_calls
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -21,6 +21,7 @@ class ServerConfig:
     api_key: str | None = None  # None: no authentication
     chat_template: str | None = None  # template text from --chat-template; None: the GGUF's
     tool_call_parser: str = "auto"  # --tool-call-parser: server/tool_calls.py's CHOICES
+    reasoning_format: str = "auto"  # --reasoning-format: server/reasoning.py's CHOICES
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
     max_choices: int = 64  # prompts x n per request
     shutdown_grace_s: float = 10.0  # open streams get this long to finish on SIGINT/SIGTERM
@@ -42,5 +43,7 @@ class ServerConfig:
             raise ValueError("shutdown timeouts must be >= 0")
         if self.tool_call_parser not in tool_calls.CHOICES:
             raise ValueError(f"tool call parser must be one of {', '.join(tool_calls.CHOICES)}")
+        if self.reasoning_format not in reasoning.CHOICES:
+            raise ValueError(f"reasoning format must be one of {', '.join(reasoning.CHOICES)}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log level must be one of {', '.join(LOG_LEVELS)}")

@@ -36,7 +36,8 @@ from scheduler.types import (
 from server.errors import RATE_LIMIT, SERVER_ERROR, TIMEOUT, UNAVAILABLE, ApiError, error_body, invalid
 from server.openai_api import ChoiceResult, ParsedRequest, Renderer, render_timings
 from server.prompts import PreparedPrompt
-from server.tool_calls import ToolCall, ToolCallStream, parse as parse_tool_calls
+from server.replies import ReplyFormat, ReplyReader, read as read_reply
+from server.tool_calls import ToolCall
 
 if TYPE_CHECKING:
     from scheduler.engine import Engine, RequestStream
@@ -63,19 +64,13 @@ def unavailable(message: str) -> ApiError:
 
 class Generation:
     def __init__(self, engine: Engine, parsed: ParsedRequest, prompts: list[PreparedPrompt], response_id: str,
-                 tool_parser: str | None = None) -> None:
+                 reply_format: ReplyFormat = ReplyFormat()) -> None:
         self._engine = engine
         self._parsed = parsed
         self._prompts = prompts
         self._response_id = response_id
         self.choices: list[_Choice] = []
-        # server/tool_calls.py's parser for the replies; None: they stay text
-        self.tool_parser = tool_parser if parsed.tool_calls else None
-
-    def tool_call_stream(self) -> ToolCallStream | None:
-        if self.tool_parser is None:
-            return None
-        return ToolCallStream(self.tool_parser, self._parsed.parallel_tool_calls)
+        self.reply_format = reply_format  # chat: thoughts and tool calls read out of each reply
 
     def _request(self, prompt: PreparedPrompt, index: int, i: int) -> GenerationRequest:
         sampling = self._parsed.sampling
@@ -218,13 +213,14 @@ async def sse_frames(gen: Generation, renderer: Renderer, include_usage: bool,
     """The SSE body of a streamed response. Errors after the headers went out become a frame.
     `on_first_token` is called as the first frame holding a token is handed over."""
     try:
-        calls = {c.index: _StreamedCalls(s) for c in gen.choices if (s := gen.tool_call_stream()) is not None}
+        readers = {} if gen.reply_format.is_plain else {c.index: _StreamedReply(gen.reply_format.reader())
+                                                        for c in gen.choices}
         for choice in gen.choices:
             for chunk in renderer.start_chunks(choice.index, choice.prompt.echo_text):
                 yield sse_frame(chunk)
         async with contextlib.aclosing(gen.events()) as events:
             async for choice, event in events:
-                reader = calls.get(choice.index)
+                reader = readers.get(choice.index)
                 if reader is not None:
                     chunks = reader.chunks(renderer, choice.index, event)
                 elif event.text or event.logprobs:
@@ -245,7 +241,7 @@ async def sse_frames(gen: Generation, renderer: Renderer, include_usage: bool,
                     yield DONE_FRAME
                     return
                 reason = event.finish_reason
-                if reader is not None and reader.stream.num_calls and reason == "stop":
+                if reader is not None and reader.reader.num_calls and reason == "stop":
                     reason = "tool_calls"
                 chunk = renderer.finish_chunk(choice.index, reason)
                 if event.timings is not None:  # llama-server's, on a choice's last chunk
@@ -277,36 +273,38 @@ async def collect(gen: Generation) -> list[ChoiceResult]:
                 results[choice.index].timings = event.timings
     for index, result in results.items():
         result.text = "".join(texts[index])
-        if gen.tool_parser is not None:
-            content, result.tool_calls = parse_tool_calls(gen.tool_parser, result.text, gen._parsed.parallel_tool_calls)
-            result.text = content or ""
+        if not gen.reply_format.is_plain:
+            reply = read_reply(gen.reply_format, result.text)
+            result.text, result.reasoning, result.tool_calls = reply.content, reply.reasoning, reply.tool_calls
             if result.tool_calls and result.finish_reason == "stop":
                 result.finish_reason = "tool_calls"
     return [results[i] for i in sorted(results)]
 
 
-class _StreamedCalls:
-    """A streamed choice's text through its `ToolCallStream`: content deltas and whole calls,
-    each token's logprobs sent with the first chunk after it (or with the choice's end)."""
+class _StreamedReply:
+    """A streamed chat choice's text through its `ReplyReader`: thought, content and whole-call
+    deltas, each token's logprobs sent with the first chunk after it (or with the choice's end)."""
 
-    def __init__(self, stream: ToolCallStream) -> None:
-        self.stream = stream
+    def __init__(self, reader: ReplyReader) -> None:
+        self.reader = reader
         self._logprobs: list[Any] = []
         self._calls_sent = 0  # the next call's index in the choice's tool_calls
 
     def chunks(self, renderer: Renderer, index: int, event: StreamEvent) -> list[dict[str, Any]]:
         self._logprobs.extend(event.logprobs)
-        pieces = self.stream.feed(event.text) if event.text else []
+        parts = self.reader.feed(event.text) if event.text else []
         if event.finish_reason is not None:
-            pieces += self.stream.finish()
+            parts += self.reader.finish()
         out = []
-        for piece in pieces:
+        for part in parts:
             logprobs, self._logprobs = tuple(self._logprobs), []
-            if isinstance(piece, ToolCall):
-                out.append(renderer.tool_call_chunk(index, piece, self._calls_sent, logprobs))  # type: ignore[attr-defined]
+            if isinstance(part, ToolCall):
+                out.append(renderer.tool_call_chunk(index, part, self._calls_sent, logprobs))  # type: ignore[attr-defined]
                 self._calls_sent += 1
+            elif part[0] == "reasoning":
+                out.append(renderer.reasoning_chunk(index, part[1], logprobs))  # type: ignore[attr-defined]
             else:
-                out.append(renderer.delta_chunk(index, piece, logprobs))
+                out.append(renderer.delta_chunk(index, part[1], logprobs))
         if event.finish_reason is not None and self._logprobs:
             out.append(renderer.delta_chunk(index, "", tuple(self._logprobs)))
             self._logprobs = []

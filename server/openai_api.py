@@ -21,6 +21,7 @@ import json
 from model.step_types import MAX_STOP_TOKEN_IDS, SamplingParams
 from scheduler.types import Timings, TokenLogprob
 from server.errors import invalid
+from server.reasoning import CHOICES as REASONING_FORMATS
 from server.tool_calls import ToolCall
 
 MAX_N = 16
@@ -56,6 +57,7 @@ class ParsedRequest:
     cache_prompt: bool = True  # llama-server's field: false prefills the whole prompt
     cache_salt: str = ""  # vLLM's field: reuse only what requests of the same salt prefilled
     tool_calls: bool = False  # chat with `tools` and tool_choice "auto": read calls out of the reply
+    reasoning_format: str | None = None  # llama-server's field (server/reasoning.py's CHOICES); None: the server's
     parallel_tool_calls: bool = True  # False: a reply's first call only
 
     @property
@@ -171,6 +173,7 @@ def parse_chat(body: Any, max_choices: int) -> ParsedRequest:
         template_kwargs=template_kwargs,
         tool_calls=tool_calls,
         parallel_tool_calls=fields.boolean("parallel_tool_calls", True),
+        reasoning_format=_parse_reasoning_format(fields),
         add_generation_prompt=fields.boolean("add_generation_prompt", True),
         logprobs=logprobs,
         **common,
@@ -285,7 +288,7 @@ def _parse_messages(value: Any) -> tuple[dict[str, Any], ...]:
             "role": "system" if role == "developer" else role,
             "content": _message_content(message.get("content"), where, allow_none=tool_calls is not None),
         }
-        for key in ("name", "tool_call_id"):
+        for key in ("name", "tool_call_id", "reasoning_content"):  # the last for thinking models' templates
             if message.get(key) is not None:
                 if not isinstance(message[key], str):
                     raise invalid(f"'{key}' must be a string", f"{where}.{key}")
@@ -372,6 +375,13 @@ def _parse_tool_choice(fields: Fields, has_tools: bool) -> bool:
     raise invalid("'tool_choice' must be \"auto\", \"none\", \"required\" or an object", "tool_choice")
 
 
+def _parse_reasoning_format(fields: Fields) -> str | None:
+    value = fields.string("reasoning_format")
+    if value is not None and value not in REASONING_FORMATS:
+        raise invalid(f"'reasoning_format' must be one of {', '.join(REASONING_FORMATS)}", "reasoning_format")
+    return value
+
+
 def _parse_stop(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -425,6 +435,7 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     timings: Timings | None = None
     tool_calls: list[ToolCall] | None = None  # read out of `text` (chat with tools); text then the rest
+    reasoning: str | None = None  # the reply's thought, split out of `text` (server/reasoning.py)
 
 
 def render_timings(t: Timings) -> dict[str, Any]:
@@ -618,6 +629,9 @@ class ChatRenderer(Renderer):
     def delta_chunk(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
         return self._chunk(self._item(index, {"content": text}, self._logprobs(logprobs), None))
 
+    def reasoning_chunk(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+        return self._chunk(self._item(index, {"reasoning_content": text}, self._logprobs(logprobs), None))
+
     def tool_call_chunk(self, index: int, call: ToolCall, call_index: int,
                         logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
         """A whole call in one delta (OpenAI's SDKs join a call's deltas by its index)."""
@@ -628,6 +642,8 @@ class ChatRenderer(Renderer):
 
     def _choice(self, choice: ChoiceResult) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": choice.text, "refusal": None}
+        if choice.reasoning is not None:
+            message["reasoning_content"] = choice.reasoning
         if choice.tool_calls is not None:
             message["content"] = choice.text or None
             if choice.tool_calls:

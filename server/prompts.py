@@ -15,6 +15,7 @@ import dataclasses
 import logging
 from typing import Any, Callable, Protocol
 
+from server import reasoning
 from server.errors import invalid
 from server.openai_api import ParsedRequest
 
@@ -52,6 +53,7 @@ class PreparedPrompt:
     tokens: tuple[int, ...]
     max_tokens: int  # clamped to the context left after the prompt
     echo_text: str = ""  # the prompt as text, only when `echo` asked for it
+    opens_thought: bool = False  # chat: the template ended the prompt inside a <think> (server/reasoning.py)
 
 
 def prepare(
@@ -64,7 +66,8 @@ def prepare(
     _check_against_model(parsed, limits)
     if parsed.is_chat:
         text = _render(parsed, tokenizer, chat_template, render_chat)
-        return [_fit(_encode(tokenizer, text, "messages"), parsed, limits, "messages", "")]
+        prompt = _fit(_encode(tokenizer, text, "messages"), parsed, limits, "messages", "")
+        return [dataclasses.replace(prompt, opens_thought=reasoning.opens_thought(text))]
     out = []
     for i, prompt in enumerate(parsed.prompts):
         field = "prompt" if len(parsed.prompts) == 1 else f"prompt[{i}]"

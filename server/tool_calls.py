@@ -145,7 +145,7 @@ class ToolCallStream:
                 self._after_call = False
             start = self._held.find(HERMES_OPEN)
             if start < 0:
-                cut = len(self._held) - _held_back(self._held)
+                cut = len(self._held) - marker_start(self._held, HERMES_OPEN)
                 text, self._held = self._held[:cut], self._held[cut:]
                 self._emit(text, out)
                 return out
@@ -213,10 +213,10 @@ class ToolCallStream:
         self._held = text[len(body) :] + self._held
 
 
-def _held_back(text: str) -> int:
-    """How many of text's last characters to hold: a possible start of `<tool_call>`."""
-    for n in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
-        if HERMES_OPEN.startswith(text[-n:]):
+def marker_start(text: str, marker: str) -> int:
+    """How many of text's last characters could begin `marker` (held back while streaming)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
             return n
     return 0
 

@@ -47,7 +47,7 @@ def test_defaults() -> None:
     assert (engine.num_slots, engine.max_queue, engine.prefill_budget, engine.max_context) == (8, 64, 512, 4096)
     assert engine.timeout_s == 600 and engine.kernels == () and engine.prefill_chunks == (64, 128, 256, 512)
     assert (server.host, server.port, server.api_key, server.chat_template) == ("127.0.0.1", 8080, None, None)
-    assert server.tool_call_parser == "auto"
+    assert server.tool_call_parser == "auto" and server.reasoning_format == "auto"
     assert server.model_name.endswith(".gguf")
     assert engine.unroll_decode_layers == "auto"
     assert engine.unrolls_decode("gpu") and not engine.unrolls_decode("cpu")
@@ -128,7 +128,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
             "--unroll-decode-layers", "off", "--decode-steps", "4", "--compile-threads", "3", "--dispatch-ahead", "3",
             "--few-rows-attention", "--separate-kv-write", "--split-q4-k", "--no-reuse-kernel-lowering",
             "--no-prefill-cuda-graphs", "--no-gc-freeze", "--no-gather-x", "--no-ordered-values",
-            "--no-gated-ffn", "--tool-call-parser", "llama3_json",
+            "--no-gated-ffn", "--tool-call-parser", "llama3_json", "--reasoning-format", "none",
         ]
     )  # fmt: skip
     engine, server = build_configs(args, {})
@@ -146,7 +146,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
     assert split_formats(engine, mosaic_available=False) == {"q4_k"}  # "on" splits whatever serves it
     assert (server.model_name, server.host, server.port, server.log_level) == ("m.gguf", "0.0.0.0", 0, "debug")
     assert server.chat_template == "{{ messages[0]['content'] }}"
-    assert server.tool_call_parser == "llama3_json"
+    assert server.tool_call_parser == "llama3_json" and server.reasoning_format == "none"
 
 
 def test_api_key_from_flag_or_environment() -> None:
@@ -175,7 +175,8 @@ def test_switch_interval_out_of_range_exits(value: str) -> None:
 
 
 @pytest.mark.parametrize("argv", [["--kernels", "attention"], ["--kernels", "=xla"], ["--slots", "many"],
-                                  ["--unroll-decode-layers", "yes"], ["--tool-call-parser", "xml"]])
+                                  ["--unroll-decode-layers", "yes"], ["--tool-call-parser", "xml"],
+                                  ["--reasoning-format", "hidden"]])
 def test_malformed_flags_exit(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)
