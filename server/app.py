@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
+import importlib.metadata
 import json
 import logging
 import threading
@@ -43,7 +45,7 @@ from server.errors import ApiError, error_body, invalid, json_response
 from server.generation import Generation, collect, sse_frames, unavailable
 from server.metrics import Metrics
 from server.openai_api import ChatRenderer, CompletionRenderer, Fields, ParsedRequest, parse_chat, parse_completion
-from server.prompts import ModelLimits, PreparedPrompt, prepare
+from server.prompts import ModelLimits, PreparedPrompt, bos_eos_text, prepare
 from server.replies import ReplyFormat
 
 if TYPE_CHECKING:
@@ -276,10 +278,57 @@ async def health(request: Request) -> Response:
     state = request.app.state
     status, body = state.holder.health()
     if status == 200:
-        template = state.config.chat_template or state.holder.ready.chat_template
-        body["tool_call_parser"] = tool_calls.resolve(state.config.tool_call_parser, template)
-        body["reasoning_format"] = "deepseek" if reasoning.resolve(state.config.reasoning_format, template) else "none"
+        body.update(_reply_parsers(state.config, state.config.chat_template or state.holder.ready.chat_template))
     return json_response(body, status=status)
+
+
+def _reply_parsers(config: ServerConfig, template: str | None) -> dict[str, Any]:
+    """How chat replies are read for tool calls and thoughts with the template served."""
+    return {
+        "tool_call_parser": tool_calls.resolve(config.tool_call_parser, template),
+        "reasoning_format": "deepseek" if reasoning.resolve(config.reasoning_format, template) else "none",
+    }
+
+
+async def props(request: Request) -> Response:
+    """llama-server's /props, which chat front ends (llama.cpp's web UI among them) read for the
+    context size, the slots, the model and its chat template; 503 while the model loads."""
+    state = request.app.state
+    config: ServerConfig = state.config
+    engine, ready = state.holder.require_ready()
+    template = config.chat_template or ready.chat_template
+    bos, eos = bos_eos_text(engine.tokenizer)
+    defaults = parse_chat({"messages": [{"role": "user", "content": ""}]}, 1).sampling  # a request's defaults
+    params = {
+        "n_predict": -1,  # up to the context
+        "temperature": defaults.temperature,
+        "top_k": defaults.top_k,
+        "top_p": defaults.top_p,
+        "min_p": defaults.min_p,
+        "repeat_penalty": defaults.repetition_penalty,
+        "presence_penalty": defaults.presence_penalty,
+        "frequency_penalty": defaults.frequency_penalty,
+        "seed": -1,
+    }
+    return json_response({
+        "default_generation_settings": {"n_ctx": ready.limits.max_context, "params": params},
+        "total_slots": engine.stats().num_slots,
+        "model_path": config.model_name,
+        "chat_template": template or "",
+        "bos_token": bos,
+        "eos_token": eos,
+        "modalities": {"vision": False, "audio": False},
+        "build_info": f"pallas-serve {_version()}",
+        **_reply_parsers(config, template),
+    })
+
+
+@functools.cache
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pallas-serve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "source"
 
 
 async def models(request: Request) -> Response:
@@ -373,6 +422,7 @@ ROUTES = (
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/metrics", metrics, methods=["GET"]),
+    Route("/props", props, methods=["GET"]),
 )
 
 

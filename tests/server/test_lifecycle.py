@@ -191,6 +191,22 @@ async def test_models(client: httpx.AsyncClient) -> None:
     assert (await client.get("/models")).json()["data"][0]["id"] == MODEL_NAME
 
 
+async def test_props_as_llama_server_has_them(engine: FakeEngine) -> None:
+    app = make_app(None)
+    async with client_for(app) as c:
+        assert (await c.get("/props")).status_code == 503  # loading
+        app.state.holder.attach(engine)
+        app.state.holder.mark_ready()
+        body = (await c.get("/props")).json()
+    assert body["default_generation_settings"]["n_ctx"] == engine.max_context == 64
+    assert body["default_generation_settings"]["params"]["temperature"] == 1.0  # OpenAI's default, as parsed
+    assert body["total_slots"] == 2 and body["model_path"] == MODEL_NAME
+    assert body["chat_template"] == engine.tokenizer.chat_template
+    assert (body["bos_token"], body["eos_token"]) == ("<s>", "</s>")
+    assert body["modalities"] == {"vision": False, "audio": False} and body["build_info"].startswith("pallas-serve ")
+    assert (body["tool_call_parser"], body["reasoning_format"]) == (None, "none")
+
+
 async def test_tokenize_and_detokenize(client: httpx.AsyncClient) -> None:
     async def tokens(body: dict[str, Any]) -> Any:
         r = await client.post("/tokenize", json=body)
