@@ -46,6 +46,7 @@ from server.generation import Generation, collect, sse_frames, unavailable
 from server.metrics import Metrics
 from server.openai_api import ChatRenderer, CompletionRenderer, Fields, ParsedRequest, parse_chat, parse_completion
 from server.prompts import ModelLimits, PreparedPrompt, bos_eos_text, prepare
+from server.prompts import render as render_prompt
 from server.replies import ReplyFormat
 
 if TYPE_CHECKING:
@@ -344,6 +345,16 @@ async def models(request: Request) -> Response:
     return json_response({"object": "list", "data": [entry]})
 
 
+async def apply_template(request: Request) -> Response:
+    """llama-server's /apply-template: a chat request's prompt as the chat template renders it
+    (the same fields as /v1/chat/completions), without generating."""
+    state = request.app.state
+    parsed = parse_chat(await _json_body(request), state.config.max_choices)
+    engine, ready = state.holder.require_ready()
+    template = state.config.chat_template or ready.chat_template
+    return json_response({"prompt": render_prompt(parsed, engine.tokenizer, template, render_chat)})
+
+
 async def tokenize(request: Request) -> Response:
     body = await _json_body(request)
     if not isinstance(body, dict):
@@ -420,6 +431,7 @@ ROUTES = (
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/chat/completions", chat_completions, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/apply-template", apply_template, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/props", props, methods=["GET"]),

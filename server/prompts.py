@@ -65,7 +65,7 @@ def prepare(
 ) -> list[PreparedPrompt]:
     _check_against_model(parsed, limits)
     if parsed.is_chat:
-        text = _render(parsed, tokenizer, chat_template, render_chat)
+        text = render(parsed, tokenizer, chat_template, render_chat)
         prompt = _fit(_encode(tokenizer, text, "messages"), parsed, limits, "messages", "")
         return [dataclasses.replace(prompt, opens_thought=reasoning.opens_thought(text))]
     out = []
@@ -89,7 +89,8 @@ def bos_eos_text(tokenizer: TokenizerLike) -> tuple[str, str]:
     return bos, eos
 
 
-def _render(parsed: ParsedRequest, tokenizer: TokenizerLike, template: str | None, render_chat: RenderChat) -> str:
+def render(parsed: ParsedRequest, tokenizer: TokenizerLike, template: str | None, render_chat: RenderChat) -> str:
+    """A chat request's messages (and tools, template kwargs) through the chat template."""
     bos, eos = bos_eos_text(tokenizer)
     try:
         return render_chat(

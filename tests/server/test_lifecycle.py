@@ -207,6 +207,16 @@ async def test_props_as_llama_server_has_them(engine: FakeEngine) -> None:
     assert (body["tool_call_parser"], body["reasoning_format"]) == (None, "none")
 
 
+async def test_apply_template(client: httpx.AsyncClient, engine: FakeEngine) -> None:
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
+    r = await client.post("/apply-template", json={"messages": messages})
+    assert r.json() == {"prompt": "<s><|system|>S\n<|user|>Hi\n<|assistant|>"}
+    r = await client.post("/apply-template", json={"messages": messages, "add_generation_prompt": False})
+    assert r.json() == {"prompt": "<s><|system|>S\n<|user|>Hi\n"}
+    assert (await client.post("/apply-template", json={"messages": []})).status_code == 400
+    assert engine.requests == []  # nothing generated
+
+
 async def test_tokenize_and_detokenize(client: httpx.AsyncClient) -> None:
     async def tokens(body: dict[str, Any]) -> Any:
         r = await client.post("/tokenize", json=body)
