@@ -13,10 +13,9 @@ with `logprobs.content`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any, Callable
-
-import json
 
 from model.step_types import MAX_STOP_TOKEN_IDS, SamplingParams
 from scheduler.types import Timings, TokenLogprob
