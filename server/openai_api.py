@@ -28,8 +28,8 @@ MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**63
 ROLES = ("system", "user", "assistant", "tool", "developer")
-# Reserved names of render_chat; chat_template_kwargs may not override them.
-RESERVED_TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+# Reserved names of render_chat, and `tools` (a field of its own, checked); chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_NAMES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
 MIN_LOGPROB = -9999.0  # what OpenAI reports for -inf; JSON has no infinity
 
 Prompt = str | tuple[int, ...]
@@ -309,7 +309,7 @@ def _template_call(call: Any, where: str) -> Any:
         return call
     try:
         value = json.loads(args)
-    except ValueError:
+    except (ValueError, RecursionError):
         return call
     return {**call, "function": {**function, "arguments": value}} if isinstance(value, dict) else call
 

@@ -18,8 +18,9 @@ CHOICES = ("auto", "deepseek", "none")  # --reasoning-format (llama-server's nam
 
 
 def detect(template: str | None) -> bool:
-    """Whether a chat template writes thoughts (it names the tags)."""
-    return bool(template) and OPEN in template and CLOSE in template  # type: ignore[operator]
+    """Whether a chat template knows of thoughts: it names `</think>` (DeepSeek-R1 distills'
+    first templates only cut earlier turns' thoughts off at it; later ones and Qwen3's write both tags)."""
+    return bool(template) and CLOSE in template  # type: ignore[operator]
 
 
 def resolve(flag: str, template: str | None) -> bool:

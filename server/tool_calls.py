@@ -15,8 +15,10 @@ by the parser for the chat template's call format, `detect` (or `--tool-call-par
 `ToolCallStream` reads a choice's text as it streams and hands back content and complete calls;
 a non-streaming response feeds it the whole text, so both see the same calls and content. Text a
 call might be starting (a prefix of `<tool_call>`, or a reply that opens like a JSON call) is
-held back until it is known; whitespace next to a call is dropped. A call whose JSON does not
-parse comes back as the text it was, so nothing the model wrote is lost.
+held back until it is known. Content on both sides of a call is joined by the whitespace before
+the call; whitespace that only borders calls is dropped. A call whose JSON does not parse (or
+holds NaN or Infinity, which strict JSON readers refuse) comes back as the text it was, so
+nothing else the model wrote is lost.
 """
 
 from __future__ import annotations
@@ -79,11 +81,14 @@ def call_from(obj: Any) -> ToolCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(name, str) or not name or not isinstance(args, dict):
         return None
-    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+    try:  # strict JSON: NaN or a number beyond float's range (Infinity) is no call a client can read
+        return ToolCall(name, json.dumps(args, ensure_ascii=False, allow_nan=False))
+    except ValueError:
+        return None
 
 
 def _json_calls(text: str, separators: str) -> list[ToolCall] | None:
@@ -97,7 +102,7 @@ def _json_calls(text: str, separators: str) -> list[ToolCall] | None:
             return calls or None
         try:
             value, i = decoder.raw_decode(text, i)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         for obj in value if isinstance(value, list) else [value]:
             call = call_from(obj)
@@ -120,8 +125,9 @@ class ToolCallStream:
         self.parallel = parallel  # False: the first call only (OpenAI's parallel_tool_calls)
         self.num_calls = 0
         self._held = ""  # text not yet handed back
+        self._space = ""  # hermes: content's trailing whitespace, sent before more content, dropped at the end
         self._in_call = False  # hermes: inside <tool_call>
-        self._after_call = False  # hermes: whitespace after a call is dropped, however it arrives
+        self._after_call = False  # hermes: the whitespace right after a call is dropped, however it arrives
         self._whole = None if parser == "hermes" else "undecided"  # JSON forms: "undecided", "text", "json"
 
     def feed(self, text: str) -> list[Piece]:
@@ -149,7 +155,7 @@ class ToolCallStream:
                 text, self._held = self._held[:cut], self._held[cut:]
                 self._emit(text, out)
                 return out
-            self._emit(self._held[:start].rstrip(), out)  # whitespace before a call is dropped
+            self._emit(self._held[:start], out)
             self._held = self._held[start + len(HERMES_OPEN) :]
             self._in_call = True
 
@@ -171,9 +177,11 @@ class ToolCallStream:
         if self._in_call:
             self._in_call = False
             self._hermes_call(held, closed=False, out=out)
-            held, self._held = self._held, ""  # the whitespace after a body that was no call
-        if held and (self.num_calls == 0 or not held.isspace()):
-            out.append(held)
+        else:
+            self._emit(held, out)
+        if self._space and self.num_calls == 0:  # a reply with calls loses only whitespace beside them
+            out.append(self._space)
+        self._space = ""
         return out
 
     def _feed_whole(self) -> list[Piece]:
@@ -191,7 +199,7 @@ class ToolCallStream:
     def _hermes_call(self, body: str, closed: bool, out: list[Piece]) -> None:
         try:
             call = call_from(json.loads(body))
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than json's recursion
             call = None
         if call is None:  # not a call after all: the text as the model wrote it
             self._emit(HERMES_OPEN + body + (HERMES_CLOSE if closed else ""), out)
@@ -205,12 +213,12 @@ class ToolCallStream:
             self.num_calls += 1
 
     def _emit(self, text: str, out: list[Piece]) -> None:
-        """Content, whose trailing whitespace waits (put back before `_held`) for what follows:
-    dropped before a call, handed back before more text."""
+        """Content, after the whitespace waiting before it; its own trailing whitespace waits."""
+        text = self._space + text
         body = text.rstrip()
         if body:
             out.append(body)
-        self._held = text[len(body) :] + self._held
+        self._space = text[len(body) :]
 
 
 def marker_start(text: str, marker: str) -> int:

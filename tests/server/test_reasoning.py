@@ -62,6 +62,7 @@ def test_thought_streams_as_it_comes() -> None:
 
 def test_resolve() -> None:
     assert reasoning.resolve("auto", THINKING_TEMPLATE) and not reasoning.resolve("auto", HERMES_TEMPLATE)
+    assert reasoning.detect("{% set c = c.split('</think>')[-1] %}")  # R1 distills' first templates
     assert reasoning.resolve("deepseek", None) and not reasoning.resolve("none", THINKING_TEMPLATE)
     assert reasoning.opens_thought("<|assistant|><think>\n") and not reasoning.opens_thought("<think>a</think>\n")
     with pytest.raises(ValueError):

@@ -52,6 +52,12 @@ CASES = [
     ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"x\\": \\"é\\"}"}</tool_call>', None, [("f", '{"x": "é"}')]),
     ("hermes", '<tool_call>{"name": "f"}</tool_call>', '<tool_call>{"name": "f"}</tool_call>', []),  # no arguments
     ("hermes", '<tool_call>{"name": "f", "arg\n\n', '<tool_call>{"name": "f", "arg\n\n', []),  # cut short
+    ("hermes", "See a <tool_call>not json</tool_call> here", "See a <tool_call>not json</tool_call> here", []),
+    ("hermes", "Hello " + CALL + " world\n", "Hello world", [("get_weather", '{"city": "Paris"}')]),
+    ("hermes", "<tool_call>" + "[" * 1100 + "</tool_call>", "<tool_call>" + "[" * 1100 + "</tool_call>", []),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', []),
+    ("mistral", "[" * 3000, "[" * 3000, []),
     ("llama3_json", ' {"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}', None,
      [("f", '{"a": 1}'), ("g", "{}")]),
     ("llama3_json", '{"name": "Ada", "born": 1815}', '{"name": "Ada", "born": 1815}', []),  # JSON, not a call
@@ -167,6 +173,7 @@ async def test_tool_choice(extra: dict, parses: bool) -> None:
     ({"tools": [{"type": "function"}]}, "tools[0]"),
     ({"tools": [{"type": "function", "function": {"name": 3}}]}, "tools[0].function.name"),
     ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
+    ({"chat_template_kwargs": {"tools": [1]}}, "chat_template_kwargs"),  # tools only through the checked field
 ])
 async def test_tool_fields_refused(body: dict, param: str) -> None:
     engine = hermes_engine(CALL)
@@ -204,6 +211,15 @@ async def test_previous_calls_reach_the_template_as_objects() -> None:
                                       "logprobs": None, "finish_reason": "stop"}
     prompt = engine.tokenizer.decode(engine.requests[0].prompt_tokens)
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in prompt
+    # arguments that are no JSON object (here nested past json's recursion) reach it as they came
+    deep = [*HI, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 5000}}]}]
+    engine = hermes_engine("ok")
+    engine.max_context = 8192
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": deep, "tools": TOOLS})
+    assert r.status_code == 200, r.text
+    assert '"arguments": "' + "[" * 5000 in engine.tokenizer.decode(engine.requests[0].prompt_tokens)
 
 
 @pytest.mark.anyio
