@@ -22,9 +22,14 @@ import pytest
 
 # One persistent compilation cache for the whole run, set before any test module compiles: a
 # program that several tests build (the same model, engine config and shapes) compiles once.
-# It starts empty, as on a fresh CI machine, and is removed at exit.
-_COMPILE_CACHE = tempfile.mkdtemp(prefix="pallas-serve-test-jax-cache-")
-atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
+# It starts empty, as on a fresh CI machine, and is removed at exit. With pytest-xdist
+# (`-n 2`) the controller makes it and its workers, which inherit the environment, share it.
+_CACHE_ENV = "PALLAS_SERVE_TEST_JAX_CACHE"
+if os.environ.get(_CACHE_ENV):
+    _COMPILE_CACHE = os.environ[_CACHE_ENV]
+else:
+    _COMPILE_CACHE = os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="pallas-serve-test-jax-cache-")
+    atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", _COMPILE_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
