@@ -230,8 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "auto (the chat template's format: hermes <tool_call> tags, llama3_json, mistral), "
                         "a format by name, or none (calls stay text)")
     p.add_argument("--reasoning-format", default="auto", choices=reasoning.CHOICES,
-                   help="chat replies' <think>...</think> as reasoning_content: auto (where the chat template writes "
-                        "thoughts), deepseek (always), none (thoughts stay in content); requests may set "
+                   help="chat replies' <think>...</think> as reasoning_content: auto (where the chat template names "
+                        "</think>), deepseek (always), none (thoughts stay in content); requests may set "
                         "reasoning_format")
     p.add_argument("--compile-cache", type=pathlib.Path, default=None,
                    help="JAX persistent compilation cache directory (default: in the model cache; 'none' disables)")

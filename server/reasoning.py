@@ -19,13 +19,14 @@ CHOICES = ("auto", "deepseek", "none")  # --reasoning-format (llama-server's nam
 
 def detect(template: str | None) -> bool:
     """Whether a chat template knows of thoughts: it names `</think>` (DeepSeek-R1 distills'
-    first templates only cut earlier turns' thoughts off at it; later ones and Qwen3's write both tags)."""
+    first templates only cut earlier turns' thoughts off at it; later ones and Qwen3's write
+    both tags)."""
     return bool(template) and CLOSE in template  # type: ignore[operator]
 
 
 def resolve(flag: str, template: str | None) -> bool:
     """Whether replies are split: "deepseek" always, "none" never, "auto" where the template
-    writes thoughts."""
+    knows of thoughts (`detect`)."""
     if flag not in CHOICES:
         raise ValueError(f"reasoning format must be one of {', '.join(CHOICES)}, got {flag!r}")
     return flag == "deepseek" or (flag == "auto" and detect(template))
