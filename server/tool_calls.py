@@ -127,6 +127,7 @@ class ToolCallStream:
         self._held = ""  # text not yet handed back
         self._space = ""  # hermes: content's trailing whitespace, sent before more content, dropped at the end
         self._in_call = False  # hermes: inside <tool_call>
+        self._scanned = 0  # hermes: how much of the call's body was searched for its end already
         self._after_call = False  # hermes: the whitespace right after a call is dropped, however it arrives
         self._whole = None if parser == "hermes" else "undecided"  # JSON forms: "undecided", "text", "json"
 
@@ -136,9 +137,10 @@ class ToolCallStream:
             return self._feed_whole()
         out: list[Piece] = []
         while True:
-            if self._in_call:
-                end = self._held.find(HERMES_CLOSE)
+            if self._in_call:  # search only the new text (and a tag it may finish): a long call stays linear
+                end = self._held.find(HERMES_CLOSE, max(0, self._scanned - len(HERMES_CLOSE) + 1))
                 if end < 0:
+                    self._scanned = len(self._held)
                     return out
                 body, self._held = self._held[:end], self._held[end + len(HERMES_CLOSE) :]
                 self._in_call = False
@@ -157,7 +159,7 @@ class ToolCallStream:
                 return out
             self._emit(self._held[:start], out)
             self._held = self._held[start + len(HERMES_OPEN) :]
-            self._in_call = True
+            self._in_call, self._scanned = True, 0
 
     def finish(self) -> list[Piece]:
         """What is left once the text has ended (an unclosed last call is read as a call)."""
