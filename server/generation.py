@@ -34,7 +34,7 @@ from scheduler.types import (
     StreamEvent,
 )
 from server.errors import RATE_LIMIT, SERVER_ERROR, TIMEOUT, UNAVAILABLE, ApiError, error_body, invalid
-from server.openai_api import ChoiceResult, ParsedRequest, Renderer, render_timings
+from server.openai_api import ChatRenderer, ChoiceResult, ParsedRequest, Renderer, render_timings
 from server.prompts import PreparedPrompt
 from server.replies import ReplyFormat, ReplyReader, read as read_reply
 from server.tool_calls import ToolCall
@@ -221,8 +221,8 @@ async def sse_frames(gen: Generation, renderer: Renderer, include_usage: bool,
         async with contextlib.aclosing(gen.events()) as events:
             async for choice, event in events:
                 reader = readers.get(choice.index)
-                if reader is not None:
-                    chunks = reader.chunks(renderer, choice.index, event)
+                if reader is not None:  # a chat request's: its renderer is a ChatRenderer
+                    chunks = reader.chunks(renderer, choice.index, event)  # type: ignore[arg-type]
                 elif event.text or event.logprobs:
                     chunks = [renderer.delta_chunk(choice.index, event.text, event.logprobs)]
                 else:
@@ -290,7 +290,7 @@ class _StreamedReply:
         self._logprobs: list[Any] = []
         self._calls_sent = 0  # the next call's index in the choice's tool_calls
 
-    def chunks(self, renderer: Renderer, index: int, event: StreamEvent) -> list[dict[str, Any]]:
+    def chunks(self, renderer: ChatRenderer, index: int, event: StreamEvent) -> list[dict[str, Any]]:
         self._logprobs.extend(event.logprobs)
         parts = self.reader.feed(event.text) if event.text else []
         if event.finish_reason is not None:
@@ -299,10 +299,10 @@ class _StreamedReply:
         for part in parts:
             logprobs, self._logprobs = tuple(self._logprobs), []
             if isinstance(part, ToolCall):
-                out.append(renderer.tool_call_chunk(index, part, self._calls_sent, logprobs))  # type: ignore[attr-defined]
+                out.append(renderer.tool_call_chunk(index, part, self._calls_sent, logprobs))
                 self._calls_sent += 1
             elif part[0] == "reasoning":
-                out.append(renderer.reasoning_chunk(index, part[1], logprobs))  # type: ignore[attr-defined]
+                out.append(renderer.reasoning_chunk(index, part[1], logprobs))
             else:
                 out.append(renderer.delta_chunk(index, part[1], logprobs))
         if event.finish_reason is not None and self._logprobs:

@@ -97,11 +97,3 @@ class ReasoningStream:
             out.append(("reasoning", self._space + body))
             self._space = ""
         self._space += text[len(body) :]
-
-
-def split(text: str, opened: bool) -> tuple[str | None, str]:
-    """A whole reply's reasoning (None where there is none) and content, as a stream of it gives them."""
-    stream = ReasoningStream(opened)
-    pieces = stream.feed(text) + stream.finish()
-    reasoning = "".join(t for kind, t in pieces if kind == "reasoning")
-    return reasoning or None, "".join(t for kind, t in pieces if kind == "content")

@@ -13,7 +13,8 @@ by the parser for the chat template's call format, `detect` (or `--tool-call-par
   `[TOOL_CALLS]` control token (Mistral's v3 templates).
 
 `ToolCallStream` reads a choice's text as it streams and hands back content and complete calls;
-a non-streaming response feeds it the whole text, so both see the same calls and content. Text a
+a non-streaming response feeds it the whole text (server/replies.py), so both see the same calls
+and content. Text a
 call might be starting (a prefix of `<tool_call>`, or a reply that opens like a JSON call) is
 held back until it is known. Content on both sides of a call is joined by the whitespace before
 the call; whitespace that only borders calls is dropped. A call whose JSON does not parse (or
@@ -229,11 +230,3 @@ def marker_start(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
-
-
-def parse(parser: str, text: str, parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
-    """A whole reply's content (None where blank) and calls, as a stream of it would give them."""
-    stream = ToolCallStream(parser, parallel)
-    pieces = stream.feed(text) + stream.finish()
-    content = "".join(p for p in pieces if isinstance(p, str))
-    return (content or None), [p for p in pieces if isinstance(p, ToolCall)]

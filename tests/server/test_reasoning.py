@@ -9,9 +9,10 @@ import json
 import openai
 import pytest
 
-from server import reasoning
+from server import reasoning, replies
 from server.config import ServerConfig
 from server.reasoning import ReasoningStream
+from server.replies import ReplyFormat
 from tests.server.fakes import FakeEngine, client_for, make_app, parse_sse
 from tests.server.test_tool_calls import CALL, HERMES_TEMPLATE, TOOLS
 
@@ -42,7 +43,8 @@ CASES = [
 
 @pytest.mark.parametrize("text, opened, thought, content", CASES)
 def test_split_whole_and_in_pieces(text: str, opened: bool, thought: str | None, content: str) -> None:
-    assert reasoning.split(text, opened) == (thought, content)
+    whole = replies.read(ReplyFormat(thoughts=True, opens_thought=opened), text)
+    assert (whole.reasoning, whole.content, whole.tool_calls) == (thought, content, None)
     for size in (1, 2, 3, 5, len(text)):
         stream, parts = ReasoningStream(opened), []
         for i in range(0, len(text), size):

@@ -10,8 +10,9 @@ import httpx
 import openai
 import pytest
 
-from server import tool_calls
+from server import replies, tool_calls
 from server.config import ServerConfig
+from server.replies import ReplyFormat
 from server.tool_calls import ToolCall, ToolCallStream
 from tests.server.fakes import BOS, FakeEngine, client_for, make_app, parse_sse, tok
 
@@ -70,15 +71,15 @@ CASES = [
 
 @pytest.mark.parametrize("parser, text, content, calls", CASES)
 def test_parsers_whole_and_in_pieces(parser: str, text: str, content: str | None, calls: list) -> None:
-    whole_content, whole_calls = tool_calls.parse(parser, text)
-    assert (whole_content, [(c.name, c.arguments) for c in whole_calls]) == (content, calls)
+    whole = replies.read(ReplyFormat(tool_parser=parser), text)
+    assert (whole.content or None, [(c.name, c.arguments) for c in whole.tool_calls]) == (content, calls)
     for size in (1, 2, 3, 7, len(text)):
         assert pieces_of(parser, text, size) == (content, calls), size
 
 
 def test_parallel_false_keeps_the_first_call() -> None:
-    content, calls = tool_calls.parse("hermes", CALL + CALL.replace("Paris", "Lyon"), parallel=False)
-    assert content is None and [json.loads(c.arguments) for c in calls] == [{"city": "Paris"}]
+    whole = replies.read(ReplyFormat(tool_parser="hermes", parallel_tool_calls=False), CALL + CALL.replace("Paris", "Lyon"))
+    assert whole.content == "" and [json.loads(c.arguments) for c in whole.tool_calls] == [{"city": "Paris"}]
 
 
 def test_text_streams_without_waiting() -> None:
