@@ -36,19 +36,6 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 from server.default_model import default_model_path
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
-# The modules whose tests take longest on the CPU (the llama.cpp agreement fixtures, about 11
-# minutes on 2 cores), collected first: with pytest-xdist (`-n 2 --dist loadfile`, the README's
-# test command) a worker starts on them while the other takes the rest, instead of one worker
-# running them alone at the end.
-LONGEST_FIRST = ("tests/model/test_llama_cpp_agreement.py", "tests/model/test_layer_groups.py")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        path = item.nodeid.split("::", 1)[0]
-        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: every other test keeps its place
 MAKE_GGUF = pathlib.Path(__file__).resolve().parents[1] / "bench" / "make_synthetic_gguf.py"
 
 
