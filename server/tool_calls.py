@@ -14,9 +14,8 @@ by the parser for the chat template's call format, `detect` (or `--tool-call-par
 
 `ToolCallStream` reads a choice's text as it streams and hands back content and complete calls;
 a non-streaming response feeds it the whole text (server/replies.py), so both see the same calls
-and content. Text a
-call might be starting (a prefix of `<tool_call>`, or a reply that opens like a JSON call) is
-held back until it is known. Content on both sides of a call is joined by the whitespace before
+and content. Text a call might be starting (a prefix of `<tool_call>`, or a reply that opens
+like a JSON call) is held back until it is known. Content on both sides of a call is joined by the whitespace before
 the call; whitespace that only borders calls is dropped. A call whose JSON does not parse (or
 holds NaN or Infinity, which strict JSON readers refuse) comes back as the text it was, so
 nothing else the model wrote is lost.
@@ -25,7 +24,6 @@ nothing else the model wrote is lost.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import uuid
 from typing import Any
@@ -48,7 +46,6 @@ def detect(template: str | None) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=8)  # per request: the same template every time
 def resolve(flag: str, template: str | None) -> str | None:
     """--tool-call-parser's value for the template served: a parser name, or None (calls stay text)."""
     if flag not in CHOICES:
