@@ -152,7 +152,8 @@ def trace_prefill(args, t: int, m, runner, out) -> dict:
     if out:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"prefill{t}_hlo.txt").write_text(prog.as_text())
-    rest = jnp.asarray(prefill_args(0, np.arange(t) % 1000, args.position, t, True, runner._samp_words))
+    rest = jnp.asarray(prefill_args(0, np.arange(t) % 1000, args.position, t, True, runner._samp_words,
+                                    runner._free_row))
 
     def call(cache, state):
         cache, state, _, o = prog(runner.params, cache, state, rest)
@@ -223,7 +224,7 @@ def main() -> None:
     def build(few_rows: bool):
         t0 = time.perf_counter()
         prog = runner._jitted("decode", attend, args.decode_steps, few_rows).lower(
-            *runner._example_args("decode", args.slots)).compile()
+            *runner._example_args("decode", args.slots, args.decode_steps)).compile()
         print(f"compiled decode[{args.slots}] x{args.decode_steps} attending {attend}"
               f"{' for few busy rows' if few_rows else ''} in {time.perf_counter() - t0:.1f} s", flush=True)
         return prog
@@ -262,7 +263,9 @@ def main() -> None:
         act = jnp.asarray(active)
 
         def call(cache, state, program=program):
-            return program(runner.params, cache, state, runner._samp, act)
+            # a one-step program takes the allowed tokens too (constrained decoding): all free here
+            extra = (runner._free_rows,) if args.decode_steps == 1 else ()
+            return program(runner.params, cache, state, runner._samp, act, *extra)
 
         cache, state, per_call, calls, summ = time_and_trace(call, runner._cache, runner._state, args.steps, 5)
         ms = per_call / args.decode_steps * 1e3  # per decode step

@@ -90,6 +90,7 @@ class LeaderRunner:
         self.prefill_chunks = runner.prefill_chunks
         self.max_top_logprobs = runner.max_top_logprobs
         self.decode_steps = runner.decode_steps
+        self.vocab_size = runner.vocab_size
         self.dispatch_ahead = getattr(runner, "dispatch_ahead", 1)
         self._rng = rng if rng is not None else np.random.default_rng()
         self._closed = False

@@ -57,13 +57,16 @@ class SlotState:
 
 
 def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, params, cache, st: SlotState, samp, active,
-                 *, unroll: bool = False, few_rows: bool = False, record: bool = False):
-    """One decode step of the busy slots (`active` [B]). `record`: each input token goes into
-    the slot's history at its position (the speculative decode's drafts are looked up there)."""
+                 allowed=None, *, unroll: bool = False, few_rows: bool = False, record: bool = False):
+    """One decode step of the busy slots (`active` [B]). `allowed` ([B, W] int32 bitmask, or
+    None): the tokens each row may sample (constrained decoding; all bits set where free).
+    `record`: each input token goes into the slot's history at its position (the speculative
+    decode's drafts are looked up there)."""
     positions = jnp.where(active, st.positions, -1)
     logits, cache = forward.decode(cfg, kern, params, cache, st.tokens, positions, attend, unroll, few_rows)
     samp = sampling.for_rows(samp, active)  # inactive rows' outputs are discarded: no draw, sort or top-k for them
-    tok, lp, top_ids, top_lps = sampling.sample(logits, samp, st.prompt_mask, st.counts, st.step_index, num_top)
+    tok, lp, top_ids, top_lps = sampling.sample(logits, samp, st.prompt_mask, st.counts, st.step_index, num_top,
+                                                allowed=allowed)
     inc = active.astype(jnp.int32)
     history = st.history
     if record:
@@ -182,13 +185,19 @@ def _multi_decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: in
 PREFILL_HEAD = 5  # prefill_args' scalars
 
 
+def mask_words(vocab_size: int) -> int:
+    """W: the int32 words of a row of allowed tokens (constrained decoding), one bit a token."""
+    return -(-vocab_size // 32)
+
+
 def prefill_args(slot: int, tokens: np.ndarray, start: int, num_valid: int, is_last: bool,
-                 samp_words: np.ndarray, reused: int = 0) -> np.ndarray:
+                 samp_words: np.ndarray, allowed: np.ndarray, reused: int = 0) -> np.ndarray:
     """`_prefill_step`'s host arguments as one int32 vector, one transfer (model/transfer.py):
     slot, start, num_valid, is_last, reused (`PrefillChunk.reused`), every slot's sampling
-    settings as `transfer.pack_words` gives them, then the chunk's (padded) tokens."""
+    settings as `transfer.pack_words` gives them, the tokens the chunk's sample may take ([W]
+    bitmask, all bits set where free), then the chunk's (padded) tokens."""
     head = np.asarray([slot, start, num_valid, int(is_last), reused], np.int32)
-    return np.concatenate([head, samp_words, np.asarray(tokens, np.int32)])
+    return np.concatenate([head, samp_words, np.asarray(allowed, np.int32), np.asarray(tokens, np.int32)])
 
 
 COPY_LAYERS = 4  # layers per iteration of `_copy_prefix`'s loop (bench/prefix_copy.py measured 1, 4, 8, all)
@@ -223,11 +232,12 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
     """One prompt chunk (`prefill_args`); returns (cache, state, the sampling arrays it unpacked
     for the decode programs after it, its outputs)."""
     words = transfer.words_size(samp_layout)
+    vocab, s = st.prompt_mask.shape[1], st.history.shape[1]
     slot, start, num_valid, is_last, reused = args[0], args[1], args[2], args[3] != 0, args[4]
     samp = transfer.unpack_words(args[PREFILL_HEAD:PREFILL_HEAD + words], samp_layout)
-    tokens = args[PREFILL_HEAD + words:]
+    allowed = args[PREFILL_HEAD + words:PREFILL_HEAD + words + mask_words(vocab)]
+    tokens = args[PREFILL_HEAD + words + mask_words(vocab):]
     t = tokens.shape[0]
-    vocab, s = st.prompt_mask.shape[1], st.history.shape[1]
     fresh = start == reused  # a new request's first chunk: reset the slot's penalty state
     row_history = st.history[slot]
     kept = jnp.where(jnp.arange(s) < reused, row_history, vocab)  # the reused prompt prefix's tokens
@@ -243,7 +253,8 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
     row_samp = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), samp)
     # no conditionals: on the GPU this program's would run on the host and block the call
     tok, lp, top_ids, top_lps = sampling.sample(
-        logits[None], row_samp, row_mask[None], row_counts[None], row_step[None], num_top, skip_unused=False
+        logits[None], row_samp, row_mask[None], row_counts[None], row_step[None], num_top, skip_unused=False,
+        allowed=allowed[None],
     )
     tok = tok[0]
     row_counts = jnp.where(is_last, row_counts.at[tok].add(1), row_counts)
@@ -450,6 +461,7 @@ class ModelRunner:
             raise ValueError(f"max context {engine_cfg.max_context} exceeds the model's {cfg.context_length}")
         self.cfg, self.params, self.kernels, self.engine_cfg = cfg, params, kernels, engine_cfg
         self.num_slots = engine_cfg.num_slots
+        self.vocab_size = cfg.vocab_size  # the logits' V (the engine's allowed-token rows are ceil(V / 32) words)
         self.max_context = engine_cfg.max_context
         self.prefill_chunks = engine_cfg.prefill_chunks
         self.max_top_logprobs = engine_cfg.max_top_logprobs
@@ -486,6 +498,13 @@ class ModelRunner:
         self._positions = np.zeros((self.num_slots,), np.int64)
         self._compiled: dict[tuple, Any] = {}
         self._masks: dict[tuple[int, ...], jax.Array] = {}  # _active_mask's
+        # Constrained decoding (StepPlan.allowed): a one-step decode program takes each row's
+        # allowed tokens as a [B, W] bitmask; this one, every bit set, where no row is constrained
+        # (kept on the device: no transfer), and each prefill chunk carries its slot's row.
+        self._mask_words = mask_words(cfg.vocab_size)
+        self._free_row = np.full((self._mask_words,), -1, np.int32)
+        self._free_rows = jax.device_put(np.full((self.num_slots, self._mask_words), -1, np.int32),
+                                         None if mesh is None else sharding.replicated(mesh))
         # Speculative decode (model/speculative.py): requests verify drafts of their next tokens
         # in the rows idle slots leave.
         self._spec = None
@@ -588,7 +607,9 @@ class ModelRunner:
             return jax.jit(fn, donate_argnums=(1, 2))
         return jax.jit(fn, donate_argnums=(1, 2), out_shardings=self._out_shardings[kind])
 
-    def _example_args(self, kind: str, size: int) -> tuple:
+    def _example_args(self, kind: str, size: int, steps: int = 1) -> tuple:
+        if kind == "decode" and steps == 1:  # one step: with the constrained rows' allowed tokens
+            return (self.params, self._cache, self._state, self._samp, self._active_mask(()), self._free_rows)
         if kind == "decode":
             return (self.params, self._cache, self._state, self._samp, self._active_mask(()))
         if kind == "spec":
@@ -596,7 +617,7 @@ class ModelRunner:
                     jnp.zeros((speculative.LAYOUT_ROWS, self.num_slots), jnp.int32))
         if kind == "copy":
             return (self.params, self._cache, self._state, jnp.zeros((2,), jnp.int32))
-        args = jnp.zeros((PREFILL_HEAD + self._samp_words.size + size,), jnp.int32)
+        args = jnp.zeros((PREFILL_HEAD + self._samp_words.size + self._mask_words + size,), jnp.int32)
         return (self.params, self._cache, self._state, args)
 
     def warmup(self) -> None:
@@ -618,7 +639,7 @@ class ModelRunner:
         def build(job):
             kind, size, steps, attend, few_rows = job
             t0 = time.perf_counter()
-            lowered = self._jitted(kind, attend, steps, few_rows).lower(*self._example_args(kind, size))
+            lowered = self._jitted(kind, attend, steps, few_rows).lower(*self._example_args(kind, size, steps))
             t1 = time.perf_counter()
             compiled = lowered.compile(compiler_options=self._compiler_options(kind))
             t2 = time.perf_counter()
@@ -692,7 +713,10 @@ class ModelRunner:
             self._pack_sampling()
         decode_out = None
         steps = plan.num_decode_steps
-        layout = None if self._spec is None or not plan.decode_slots else self._spec_layout(plan.decode_slots)
+        allowed = self._allowed_rows(plan)
+        # a constrained step runs the plain decode: the speculative program takes no allowed tokens
+        layout = (None if self._spec is None or not plan.decode_slots or allowed
+                  else self._spec_layout(plan.decode_slots))
         if self._spec is not None and plan.decode_slots:
             drafting = np.zeros((self.num_slots,), bool)
             if layout is not None:
@@ -713,9 +737,11 @@ class ModelRunner:
             active[list(plan.decode_slots)] = True
             attend = self._bucket(int(self._positions[active].max()) + steps)
             few_rows = len(plan.decode_slots) <= self._few_rows_limit(attend, steps)
-            self._cache, self._state, decode_out = self._program("decode", self.num_slots, attend, steps, few_rows)(
-                self.params, self._cache, self._state, self._samp, self._active_mask(plan.decode_slots)
-            )
+            args = [self.params, self._cache, self._state, self._samp, self._active_mask(plan.decode_slots)]
+            if steps == 1:
+                args.append(self._free_rows if not allowed else self._device_rows(allowed))
+            program = self._program("decode", self.num_slots, attend, steps, few_rows)
+            self._cache, self._state, decode_out = program(*args)
             _start_copies(decode_out)
             self._positions[active] += steps
         for copy in plan.copies:  # after the decode, whose tokens need not wait for them
@@ -725,14 +751,35 @@ class ModelRunner:
             self._cache, self._state = self._program("copy", span, span)(
                 self.params, self._cache, self._state, np.asarray([copy.src, copy.dst], np.int32))
         epochs = self._epochs.copy()  # before the prefills: a prompt in a slot is a new request there
-        prefill_outs = [self._dispatch_prefill(chunk) for chunk in plan.prefills]
+        prefill_outs = [self._dispatch_prefill(chunk, allowed.get(chunk.slot) if chunk.is_last else None)
+                        for chunk in plan.prefills]
         if layout is not None:
             return _SpecPending(self, layout[0], decode_out, steps, epochs, prefill_outs, plan.decode_slots,
                                 plan.prefills)
         return _Pending(self.num_slots, self.max_top_logprobs, decode_out, prefill_outs,
                         steps if decode_out is not None else 1, plan.decode_slots, plan.prefills)
 
-    def _dispatch_prefill(self, chunk: PrefillChunk):
+    def _allowed_rows(self, plan: StepPlan) -> dict[int, np.ndarray]:
+        """The plan's allowed-token rows by slot, each checked for its width."""
+        rows = {}
+        for slot, row in plan.allowed:
+            row = np.asarray(row)
+            if row.shape != (self._mask_words,) or row.dtype != np.int32:
+                raise ValueError(f"slot {slot}'s allowed tokens: an int32 row of {self._mask_words} words expected, "
+                                 f"got {row.dtype} {row.shape}")
+            if not 0 <= slot < self.num_slots:
+                raise ValueError(f"allowed tokens for slot {slot}, outside the {self.num_slots} slots")
+            rows[int(slot)] = row
+        return rows
+
+    def _device_rows(self, rows: dict[int, np.ndarray]) -> jax.Array:
+        """A decode step's [B, W] allowed tokens: the constrained slots' rows, every bit elsewhere."""
+        host = np.full((self.num_slots, self._mask_words), -1, np.int32)
+        for slot, row in rows.items():
+            host[slot] = row
+        return jax.device_put(host, None if self._mesh is None else sharding.replicated(self._mesh))
+
+    def _dispatch_prefill(self, chunk: PrefillChunk, allowed: np.ndarray | None = None):
         n = int(chunk.tokens.shape[0])
         if n < 1 or chunk.start_pos + n > self.max_context:
             raise ValueError(f"prefill chunk [{chunk.start_pos}, {chunk.start_pos + n}) outside the context")
@@ -745,6 +792,7 @@ class ModelRunner:
         self._gain[chunk.slot], self._since_spec[chunk.slot] = DRAFT_GAIN_START, 0
         self._cache, self._state, self._samp, out = self._program("prefill", size, attend)(
             self.params, self._cache, self._state,
-            prefill_args(chunk.slot, padded, chunk.start_pos, n, chunk.is_last, self._samp_words, chunk.reused),
+            prefill_args(chunk.slot, padded, chunk.start_pos, n, chunk.is_last, self._samp_words,
+                         self._free_row if allowed is None else allowed, chunk.reused),
         )
         return _start_copies(out)

@@ -10,7 +10,12 @@ Each row is computed independently of the others: a slot's token depends only on
 logits, settings, counts, seed and token index, never on its neighbours or on B (batch
 invariance; the scheduler's tests and reproducible seeds rely on it).
 
-Dimension letters: B slots, V vocabulary, N logit-bias entries per slot, L top logprobs.
+Constrained decoding (scheduler/grammar.py) passes each row's allowed tokens as a bitmask
+(`allowed`, [B, W] int32, W = ceil(V / 32)): the tokens outside it get -inf after the penalties,
+so the draw, the greedy argmax and the logprobs all see the constrained distribution.
+
+Dimension letters: B slots, V vocabulary, N logit-bias entries per slot, L top logprobs, W mask
+words.
 """
 
 from __future__ import annotations
@@ -138,6 +143,14 @@ def apply_penalties(
     return logits - arrays.frequency_penalty[:, None] * output_counts.astype(logits.dtype)
 
 
+def apply_allowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:  # [B, V] f32, [B, W] int32
+    """-inf for every token whose bit is clear (bit t % 32 of word t // 32 for token t)."""
+    num_rows, vocab = logits.shape
+    bits = jnp.right_shift(allowed[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    keep = bits.reshape(num_rows, -1)[:, :vocab] != 0
+    return jnp.where(keep, logits, -jnp.inf)
+
+
 def _top_k_top_p(
     scaled: jax.Array,  # [B, V] f32, temperature applied
     top_k: jax.Array,  # [B] int32
@@ -172,6 +185,7 @@ def sample(
     step_index: jax.Array,  # [B] int32: index of the token being sampled within its request
     num_top: int,  # static: number of top alternatives returned
     skip_unused: bool = True,  # static: conditionals skip what no row needs (see below)
+    allowed: jax.Array | None = None,  # [B, W] int32: each row's allowed tokens (None: all)
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Returns (tokens [B] int32, logprob [B] f32, top_ids [B, L] int32, top_logprobs [B, L] f32).
     Only rows whose `arrays.top_logprobs` is > 0 get alternatives (the others get the padding,
@@ -198,6 +212,8 @@ def sample(
         return true_fn(operand)
 
     logits = apply_penalties(logits.astype(jnp.float32), arrays, prompt_mask, output_counts)
+    if allowed is not None:
+        logits = apply_allowed(logits, allowed)
     logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = arrays.temperature <= 0

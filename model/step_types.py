@@ -119,12 +119,20 @@ class StepPlan:
     # Decode steps run back to back in one device program (lax.scan), each feeding the next its
     # sampled tokens; only with no prefills. One StepOutput per decode step comes back.
     num_decode_steps: int = 1
+    # Constrained decoding: (slot, [W] int32 bitmask of the tokens its sample may take, bit t % 32
+    # of word t // 32 for token t; W = ceil(V / 32)) for each decoding slot, or slot whose last
+    # prompt chunk is in the plan, that samples under a grammar this step; the others are free.
+    # Only in plans of one decode step and no speculative drafts: the host fills a row after it
+    # has read the slot's previous token.
+    allowed: tuple[tuple[int, np.ndarray], ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_decode_steps < 1:
             raise ValueError("num_decode_steps must be >= 1")
         if self.num_decode_steps > 1 and self.prefills:
             raise ValueError("several decode steps per dispatch run only without prefill chunks")
+        if self.num_decode_steps > 1 and self.allowed:
+            raise ValueError("constrained slots (allowed) decode one step per dispatch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +186,8 @@ class StepModel(Protocol):
     prefill_chunks: tuple[int, ...]
     max_top_logprobs: int
     decode_steps: tuple[int, ...]  # compiled decode steps per dispatch, e.g. (1,) or (1, 8)
+    # (optional) the logits' vocabulary, for StepPlan.allowed's row width (default: the tokenizer's)
+    # vocab_size: int
     # (optional, default 1) programs the engine keeps queued beyond the one it reads
     # (the runner's is EngineConfig.dispatch_ahead)
     # dispatch_ahead: int

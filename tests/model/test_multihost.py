@@ -58,7 +58,7 @@ if pid == 0:
     class Recording:
         def __init__(self, inner):
             self.inner = inner
-            for name in ("num_slots", "max_context", "prefill_chunks", "max_top_logprobs", "decode_steps"):
+            for name in ("num_slots", "max_context", "prefill_chunks", "max_top_logprobs", "decode_steps", "vocab_size"):
                 setattr(self, name, getattr(inner, name))
 
         def warmup(self):

@@ -254,3 +254,33 @@ def test_a_reused_prompt_prefix_gives_the_tokens_and_penalty_state_of_a_cold_pre
         copied_state = jax.tree_util.tree_map(lambda a: np.asarray(a)[1], smol_runner._state)
         np.testing.assert_array_equal(copied_state.prompt_mask, jax.tree_util.tree_map(
             lambda a: np.asarray(a)[6], smol_runner._state).prompt_mask)
+
+
+def test_allowed_tokens_hold_a_constrained_slot_and_leave_the_others_alone(smol_runner, prompt_ids):
+    """StepPlan.allowed (constrained decoding): the slot's samples, greedy or drawn, and its top
+    alternatives come from its allowed tokens, in the prefill's first token and the decodes
+    alike; a free slot beside it decodes what it decodes alone."""
+    from model.runner import mask_words
+    from model.step_types import PrefillChunk, SlotSetup, StepPlan
+
+    free = generate(smol_runner, prompt_ids[:2], 4)
+    vocab = smol_runner.vocab_size
+    rng = np.random.default_rng(0)
+    allowed = sorted(set(rng.choice(vocab, 40, replace=False).tolist()) - set(free[0]))
+    row = np.zeros((mask_words(vocab),), np.uint32)
+    for t in allowed:
+        row[t // 32] |= np.uint32(1 << (t % 32))
+    row = row.view(np.int32)
+    for sp in (SamplingParams(temperature=0, top_logprobs=5), SamplingParams(temperature=1.0, seed=7, top_logprobs=5)):
+        setups = (SlotSetup(0, sp), SlotSetup(1, SamplingParams(temperature=0)))
+        chunks = tuple(PrefillChunk(s, np.asarray(ids, np.int32), 0, True) for s, ids in enumerate(prompt_ids[:2]))
+        outs = [smol_runner.dispatch(StepPlan(setups=setups, prefills=chunks, allowed=((0, row),))).result()]
+        for _ in range(3):
+            outs.append(smol_runner.dispatch(StepPlan(decode_slots=(0, 1), allowed=((0, row),))).result())
+        assert [int(o.tokens[1]) for o in outs] == free[1]
+        for o in outs:
+            assert int(o.tokens[0]) in allowed
+            assert set(o.top_ids[0][:5].tolist()) <= set(allowed)
+            assert np.isfinite(o.logprobs[0]) and o.logprobs[0] <= 0
+            # the logprobs are the constrained distribution's: the 40 allowed tokens hold all the mass
+            assert np.exp(o.top_logprobs[0][:5]).sum() <= 1.0 + 1e-5

@@ -252,3 +252,20 @@ def test_without_conditionals_the_same_outputs(num_top):
             np.testing.assert_array_equal(a, b)
     assert "conditional(" in fns[True].lower(*args).compile().as_text()
     assert "conditional(" not in fns[False].lower(*args).compile().as_text()
+
+
+def test_allowed_tokens_follow_llguidances_bit_layout():
+    """Token t is bit t % 32 of word t // 32 (bit 31 set makes the word negative as int32); the
+    others get -inf, and a row with every bit set is untouched."""
+    from model.sampling import apply_allowed
+
+    vocab = 70
+    logits = jnp.arange(2 * vocab, dtype=jnp.float32).reshape(2, vocab)
+    words = np.zeros((2, 3), np.uint32)
+    for t in (0, 31, 33, 69):
+        words[0, t // 32] |= np.uint32(1 << (t % 32))
+    words[1] = 0xFFFFFFFF
+    out = np.asarray(apply_allowed(logits, jnp.asarray(words.view(np.int32))))
+    assert [t for t in range(vocab) if np.isfinite(out[0, t])] == [0, 31, 33, 69]
+    np.testing.assert_array_equal(out[0, [0, 31, 33, 69]], np.asarray(logits)[0, [0, 31, 33, 69]])
+    np.testing.assert_array_equal(out[1], np.asarray(logits)[1])
