@@ -73,6 +73,7 @@ import numpy as np
 from model.config import EngineConfig
 from model.step_types import PendingStep, PrefillChunk, PrefixCopy, SlotSetup, StepModel, StepOutput, StepPlan
 from model.tokenizer import IncrementalDetokenizer
+from scheduler import grammar
 from scheduler.requests import Detokenizer, RequestState, RequestTiming, validate_request
 from scheduler.types import (
     FINISH_CANCELLED,
@@ -82,6 +83,7 @@ from scheduler.types import (
     EngineUnavailableError,
     GenerationRequest,
     QueueFullError,
+    RequestValidationError,
     StreamEvent,
 )
 
@@ -258,6 +260,9 @@ class Engine:
         self._prompt_tokens_cached_total = 0
         self._generation_tokens_total = 0
         self._draft_tokens_total = self._draft_tokens_accepted_total = 0
+        # constrained decoding's view of the vocabulary, built after the warm-up (None: unavailable)
+        self._vocabulary: grammar.Vocabulary | None = None
+        self._no_grammar_reason = "the model is loading"
         # Read from any thread: immutable objects, replaced whole by the engine thread.
         self._stats = self._snapshot("loading")
         self._info = self._build_info(None)
@@ -305,6 +310,13 @@ class Engine:
         except Exception:
             self._capacity.release()
             raise
+        matcher = None
+        if request.constraint is not None:
+            try:
+                matcher = self._matcher(request)
+            except Exception:
+                self._capacity.release()
+                raise
         now = time.monotonic()
         stop_ids = frozenset(request.stop_token_ids)
         if not request.ignore_eos:
@@ -318,6 +330,7 @@ class Engine:
             max_context=self._max_context,
             deadline=now + (request.timeout_s or self.config.timeout_s),
             submitted_at=now,
+            matcher=matcher,
         )
         self._inbox.put(_Submit(state))
         if self._stats.state != "ready":
@@ -343,6 +356,14 @@ class Engine:
     def _check_available(self) -> None:
         if self._stats.state != "ready":
             raise EngineUnavailableError(self._unavailable_reason())
+
+    def _matcher(self, request: GenerationRequest) -> grammar.Matcher:
+        """The request's grammar compiled against the vocabulary (RequestValidationError where
+        it cannot be, or constrained decoding is unavailable)."""
+        if self._vocabulary is None:
+            raise RequestValidationError(f"constrained decoding is not available: {self._no_grammar_reason}",
+                                         request.constraint.field)
+        return self._vocabulary.matcher(request.constraint)
 
     def _unavailable_reason(self) -> str:
         return unavailable_reason(self._stats)
@@ -380,6 +401,7 @@ class Engine:
             model = self._factory()
             self._adopt(model)
             model.warmup()
+            self._build_vocabulary(model)
             if self.config.gc_freeze:
                 freeze_heap()
         except BaseException as exc:  # noqa: BLE001 - whatever it is, streams and /health must know
@@ -408,6 +430,21 @@ class Engine:
         self._close_model(model)
         self._publish("stopped")
         log.info("engine stopped")
+
+    def _build_vocabulary(self, model: StepModel) -> None:
+        """Constrained decoding's vocabulary (scheduler/grammar.py), once: a tokenizer that cannot
+        give it (no token bytes, no end-of-generation token) leaves constrained requests refused."""
+        started = time.perf_counter()
+        try:
+            self._vocabulary = grammar.Vocabulary(self.tokenizer, getattr(model, "vocab_size", None))
+        except Exception as exc:  # noqa: BLE001 - the engine serves the rest without it
+            self._no_grammar_reason = f"{type(exc).__name__}: {exc}"
+            log.warning("constrained decoding unavailable: %s", self._no_grammar_reason)
+            return
+        finally:
+            self._info = dict(self._info, constrained_decoding=self._vocabulary is not None)
+        log.info("constrained decoding: vocabulary of %d tokens ready in %.2f s", self._vocabulary.vocab_size,
+                 time.perf_counter() - started)
 
     def _adopt(self, model: StepModel) -> None:
         """Takes the runner's compiled shapes as the truth for scheduling and validation."""
@@ -465,6 +502,13 @@ class Engine:
             if self._is_stopping:
                 return
             self._expire(time.monotonic())
+            if in_flight and self._awaits_tokens():
+                # A constrained request's next allowed tokens depend on the token in flight: read
+                # the steps in flight before planning, so that it samples in every step (the
+                # device then idles while the host reads, plans and dispatches).
+                self._process(*in_flight.popleft())
+                self._publish("ready")
+                continue
             plan, rows = self._plan_step()  # at most `_dispatch_ahead` steps are in flight here
             if plan is None and not in_flight:
                 # Nothing to run: block on the inbox (no polling).
@@ -478,6 +522,9 @@ class Engine:
                     continue  # queue another before waiting for the oldest
             self._process(*in_flight.popleft())
             self._publish("ready")
+
+    def _awaits_tokens(self) -> bool:
+        return any(state is not None and state.awaits_token for state in self._slots)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -516,19 +563,26 @@ class Engine:
         rows: dict[int, RequestState] = {}
         decoding = [
             (slot, state) for slot, state in enumerate(self._slots)
-            if state is not None and state.is_decoding and state.num_scheduled < state.limit
+            if state is not None and state.is_decoding and state.num_scheduled < state.limit and not state.awaits_token
         ]
         # Several decode steps in one dispatch only when no prompt is waiting or being prefilled,
-        # and every decoding request has room for all of them (max_tokens is never overrun).
+        # every decoding request has room for all of them (max_tokens is never overrun), and none
+        # samples under a grammar (its allowed tokens follow each token read).
         steps = self._decode_steps[-1]
         if steps > 1 and (
             self._waiting
             or any(s is not None and not s.is_decoding for s in self._slots)
-            or any(state.limit - state.num_scheduled < steps for _, state in decoding)
+            or any(state.limit - state.num_scheduled < steps or state.matcher is not None for _, state in decoding)
         ):
             steps = 1
         decode_slots = []
+        allowed: list[tuple[int, np.ndarray]] = []
         for slot, state in decoding:
+            if state.matcher is not None:
+                row = self._allowed_row(state)
+                if row is None:
+                    continue
+                allowed.append((slot, row))
             decode_slots.append(slot)
             state.num_scheduled += steps
             rows[slot] = state
@@ -539,7 +593,7 @@ class Engine:
         # Prompts already in a slot continue first, oldest first; each takes what fits.
         prefilling = sorted((s for s in self._slots if s is not None and not s.is_decoding), key=lambda s: s.seq)
         for state in prefilling:
-            budget = self._plan_chunks(state, budget, prefills, rows)
+            budget = self._plan_chunks(state, budget, prefills, rows, allowed)
         # Then waiting requests take free slots in arrival order while their first chunk fits.
         setups, copies = [], []
         now = time.monotonic()
@@ -564,14 +618,24 @@ class Engine:
             self._prompt_tokens_cached_total += reused
             self._slots[state.slot] = state
             setups.append(SlotSetup(state.slot, state.request.sampling))
-            budget = self._plan_chunks(state, budget, prefills, rows)
+            budget = self._plan_chunks(state, budget, prefills, rows, allowed)
         if not decode_slots and not prefills:
             return None, rows
         plan = StepPlan(
             setups=tuple(setups), copies=tuple(copies), decode_slots=tuple(decode_slots), prefills=tuple(prefills),
-            num_decode_steps=steps if decode_slots and not prefills else 1,
+            num_decode_steps=steps if decode_slots and not prefills else 1, allowed=tuple(allowed),
         )
         return plan, rows
+
+    def _allowed_row(self, state: RequestState) -> np.ndarray | None:
+        """The tokens a constrained request may sample next; None where its grammar failed (the
+        request is ended with an error)."""
+        try:
+            return state.matcher.mask()
+        except Exception as exc:  # one request's grammar must not end the others
+            log.exception("request %s: its grammar failed", state.request.request_id)
+            self._finish(state, FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")
+            return None
 
     def _matched(self, slot: int, state: RequestState, limit: int) -> int:
         """How many of the request's first prompt tokens, in whole chunks and at most `limit`, the
@@ -605,9 +669,11 @@ class Engine:
         return (own, reused, None) if reused else (spare, 0, None)
 
     def _plan_chunks(
-        self, state: RequestState, budget: int, prefills: list[PrefillChunk], rows: dict[int, RequestState]
+        self, state: RequestState, budget: int, prefills: list[PrefillChunk], rows: dict[int, RequestState],
+        allowed: list[tuple[int, np.ndarray]],
     ) -> int:
-        """Adds the request's next prompt chunks that fit in `budget`; returns what is left.
+        """Adds the request's next prompt chunks that fit in `budget`; returns what is left (and,
+        for a constrained request's last chunk, its first token's allowed tokens to `allowed`).
 
         Chunks are [k*C, min((k+1)*C, P)) for the largest chunk size C: fixed by the prompt alone.
         """
@@ -618,8 +684,13 @@ class Engine:
             cost = self._chunk_cost(end - start)
             if cost > budget:
                 break
-            budget -= cost
             is_last = end == state.num_prompt
+            if is_last and state.matcher is not None:
+                row = self._allowed_row(state)
+                if row is None:
+                    break
+                allowed.append((state.slot, row))
+            budget -= cost
             tokens = state.prompt[start:end]
             prefills.append(PrefillChunk(state.slot, tokens, start, is_last, state.num_reused))
             if end - start == largest:  # held since admission: [0, start), the chunks before this one

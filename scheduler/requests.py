@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from model.step_types import MAX_STOP_TOKEN_IDS
+from scheduler import grammar
 from scheduler.types import (
     FINISH_LENGTH, FINISH_STOP, GenerationRequest, RequestValidationError, StreamEvent, Timings, TokenLogprob)
 
@@ -52,6 +53,8 @@ def validate_request(
         raise RequestValidationError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
     if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise RequestValidationError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids", "stop_token_ids")
+    if request.constraint is not None:
+        grammar.check(request.constraint)
 
 
 class Detokenizer(Protocol):
@@ -134,6 +137,7 @@ class RequestState:
         max_context: int,
         deadline: float,
         submitted_at: float,
+        matcher: grammar.Matcher | None = None,
     ) -> None:
         self.request = request
         self.stream = stream
@@ -155,6 +159,7 @@ class RequestState:
         self._detok = detokenizer
         self._stop = StopMatcher(request.stop)
         self._stop_ids = stop_ids
+        self.matcher = matcher  # constrained decoding: the grammar's state, past the accepted tokens
         self.submitted_at = submitted_at
         self.admitted_at: float | None = None
         self._first_at: float | None = None
@@ -165,6 +170,12 @@ class RequestState:
     def is_decoding(self) -> bool:
         """The prompt is fully dispatched, so the slot decodes from the device-held token."""
         return self.num_prefilled == self.num_prompt
+
+    @property
+    def awaits_token(self) -> bool:
+        """A constrained request with a token in flight: its next sample's allowed tokens depend
+        on that token, so it is not planned again until the token is read."""
+        return self.matcher is not None and self.num_scheduled > self.num_generated
 
     def accept(
         self,
@@ -186,9 +197,14 @@ class RequestState:
             # The stop token's own text is not sent; text held back for a stop string is.
             text, _ = self._finish_text()
             return self._event(text, (token,), logprobs, FINISH_STOP)
+        if self.matcher is not None:
+            self.matcher.consume(token)  # raises where the grammar does not take it: the request fails
         text, matched = self._stop.feed(self._detok.add(token))
         if matched:
             return self._event(text, (token,), logprobs, FINISH_STOP)
+        if self.matcher is not None and self.matcher.is_stopped:  # the grammar is complete
+            tail, _ = self._finish_text()
+            return self._event(text + tail, (token,), logprobs, FINISH_STOP)
         if self.num_generated >= self.limit:
             tail, matched = self._finish_text()
             return self._event(text + tail, (token,), logprobs, FINISH_STOP if matched else FINISH_LENGTH)

@@ -39,6 +39,23 @@ class RequestValidationError(ValueError):
         self.field = field
 
 
+# Constraint kinds: llguidance's grammar formats (scheduler/grammar.py)
+CONSTRAINT_KINDS = ("json_schema", "regex", "lark", "gbnf", "choice")
+
+
+@dataclasses.dataclass(frozen=True)
+class Constraint:
+    """A grammar the output must follow (constrained decoding, scheduler/grammar.py)."""
+
+    kind: str  # one of CONSTRAINT_KINDS
+    source: str  # the JSON schema as JSON text, the regex, the grammar, or the choices as a JSON list
+    field: str = ""  # the request field it came from (in error messages)
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"constraint kind must be one of {CONSTRAINT_KINDS}, got {self.kind!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
@@ -52,6 +69,7 @@ class GenerationRequest:
     cache_prompt: bool = True  # may reuse a prompt prefix a slot's cache holds (llama.cpp's cache_prompt)
     cache_salt: str = ""  # reuses only what requests of the same salt prefilled (vLLM's cache_salt)
     timeout_s: float | None = None  # None: the engine's default
+    constraint: Constraint | None = None  # constrained decoding: the output follows this grammar
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:

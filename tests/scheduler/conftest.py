@@ -9,6 +9,9 @@ held that prefix. It checks the runner contract (setups before chunks, chunks in
 prefix, decodes only after the last chunk), records every plan, and can delay results (a device
 still running) or fail on a chosen step.
 
+With a plan's `allowed` rows (constrained decoding) it takes instead the first allowed token at
+or after (t + 1) % V, counting around the vocabulary.
+
 `ByteTokenizer`: token id = byte (0..255); 256 is EOS, 257 another special token.
 """
 
@@ -20,6 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import pytest
 
 from model.config import EngineConfig
@@ -34,9 +38,14 @@ VOCAB = 258
 class ByteTokenizer:
     vocab_size = VOCAB
     eog_ids = frozenset({EOS})
+    bos_id = None
+    eos_id = EOS
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id >= 256
 
     def token_bytes(self, token_id: int) -> bytes:
         if not 0 <= token_id < VOCAB:
@@ -159,6 +168,9 @@ class FakeModel:
         assert plan.num_decode_steps in self.decode_steps, f"{plan.num_decode_steps} decode steps not compiled"
         outs = [StepOutput.empty(self.num_slots, self.max_top_logprobs) for _ in range(plan.num_decode_steps)]
         out = outs[0]
+        allowed = dict(plan.allowed)
+        for slot, row in allowed.items():
+            assert row.shape == (-(-VOCAB // 32),) and row.dtype == np.int32, f"slot {slot}'s allowed row {row.shape}"
         for setup in plan.setups:
             self._pos[setup.slot], self._last[setup.slot] = -1, None  # -1: before the first chunk
         prefill_slots = {c.slot for c in plan.prefills}
@@ -169,7 +181,7 @@ class FakeModel:
                 assert self._pos[slot] < self.max_context, f"slot {slot} decodes past the context"
                 self.cache[slot][self._pos[slot]] = self._last[slot]
                 self._pos[slot] += 1
-                self._sample(step_out, slot, self._last[slot])
+                self._sample(step_out, slot, self._last[slot], allowed.get(slot))
         for copy in plan.copies:  # after the decode, before the prompt chunks
             n = copy.num_tokens
             assert copy.src != copy.dst and self._pos[copy.dst] == -1, "a copy into a slot not just set up"
@@ -188,17 +200,21 @@ class FakeModel:
             self.cache[chunk.slot][chunk.start_pos:chunk.start_pos + n] = [int(t) for t in chunk.tokens]
             self._pos[chunk.slot] += n
             if chunk.is_last:
-                self._sample(out, chunk.slot, int(chunk.tokens[-1]))
+                self._sample(out, chunk.slot, int(chunk.tokens[-1]), allowed.get(chunk.slot))
         self._busy_until = max(self._busy_until, time.monotonic()) + self.step_delay
         if self.parts:
             return _FakePartsPending(outs, self._busy_until, self.gate, plan, self.prefill_gate)
         return _FakePending(outs, self._busy_until, self.gate)
 
-    def _sample(self, out: StepOutput, slot: int, last: int) -> None:
+    def _sample(self, out: StepOutput, slot: int, last: int, allowed: np.ndarray | None = None) -> None:
         if self.context_tokens:  # a byte (never EOS) that depends on every position before
             token = hash(tuple(self.cache[slot][:self._pos[slot]])) % 256
         else:
             token = (last + 1) % VOCAB
+        if allowed is not None:
+            bits = [(int(allowed.view(np.uint32)[t // 32]) >> (t % 32)) & 1 for t in range(VOCAB)]
+            assert any(bits), f"slot {slot}: no token allowed"
+            token = next(t % VOCAB for t in range(token, token + VOCAB) if bits[t % VOCAB])
         self._last[slot] = token
         out.tokens[slot], out.valid[slot] = token, True
         out.logprobs[slot] = -token / 1000

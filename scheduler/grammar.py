@@ -1,0 +1,153 @@
+"""Constrained decoding: a request's output held to a grammar, token by token (llguidance).
+
+A `GenerationRequest.constraint` (`scheduler.types.Constraint`) names a JSON schema, a regular
+expression, a Lark or GBNF grammar, or a list of choices; `grammar_text` turns it into
+llguidance's grammar and `check` rejects one that does not compile (HTTP 400, before the request
+takes a place). The engine keeps one `Matcher` per constrained request: before each token it
+samples, `fill` writes the tokens the grammar allows next as a bitmask row ([W] int32, bit t % 32
+of word t // 32 for token t: llguidance's layout), which the step program applies to the logits
+(`model.sampling`); after the token is read, `consume` advances the grammar. A grammar that can
+take no further token (a JSON object closed) ends the request, finish reason "stop".
+
+`Vocabulary` builds llguidance's tokenizer once per engine from ours: every token's bytes, the
+control tokens marked with a leading 0xff (so that grammar text never spells them), the
+end-of-generation tokens as its EOS set (a grammar that may end allows them).
+
+Dimension letters: V vocabulary, W = ceil(V / 32) mask words.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from scheduler.types import Constraint, RequestValidationError
+
+def grammar_text(constraint: Constraint) -> str:
+    """llguidance's grammar for the constraint (not yet checked: `check` does)."""
+    if constraint.kind == "choice" and not _is_choice_list(constraint.source):
+        raise RequestValidationError("invalid choice list: a JSON array of strings, at least one, expected",
+                                     constraint.field)
+    try:
+        return llguidance.grammar_from(constraint.kind, constraint.source)  # our kinds are its format names
+    except Exception as exc:  # noqa: BLE001 - llguidance's parsers raise ValueError and others
+        raise RequestValidationError(f"invalid {_describe(constraint)}: {_first_line(exc)}", constraint.field) from None
+
+
+def check(constraint: Constraint) -> str:
+    """The constraint's grammar, or RequestValidationError where llguidance cannot compile it."""
+    grammar = grammar_text(constraint)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise RequestValidationError(f"invalid {_describe(constraint)}: {_first_line(messages[0])}", constraint.field)
+    return grammar
+
+
+def _is_choice_list(source: str) -> bool:
+    try:
+        value = json.loads(source)
+    except ValueError:
+        return False
+    return isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
+
+
+def _describe(constraint: Constraint) -> str:
+    return {"json_schema": "JSON schema", "regex": "regular expression", "lark": "Lark grammar",
+            "gbnf": "GBNF grammar", "choice": "choice list"}[constraint.kind]
+
+
+def _first_line(message: Any) -> str:
+    text = str(message).strip()
+    return text.splitlines()[0] if text else "no reason given"
+
+
+class Vocabulary:
+    """llguidance's view of a tokenizer (`model.tokenizer.Tokenizer`'s interface: vocab_size,
+    token_bytes, is_special, encode, bos_id, eos_id, eog_ids). `num_words`: W of a mask row for
+    `vocab_size` tokens (the model's logits; ids past the tokenizer's are never allowed)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int | None = None) -> None:
+        num_tokens = int(tokenizer.vocab_size)
+        self.vocab_size = max(num_tokens, int(vocab_size or 0))
+        self.num_words = -(-self.vocab_size // 32)
+        pieces = []
+        for i in range(num_tokens):
+            piece = tokenizer.token_bytes(i)
+            pieces.append(b"\xff" + piece if tokenizer.is_special(i) else piece)
+        pieces += [b""] * (self.vocab_size - num_tokens)  # ids the tokenizer lacks: empty, so never allowed
+        eog = sorted(int(i) for i in tokenizer.eog_ids)
+        eos = tokenizer.eos_id if tokenizer.eos_id is not None else (eog[0] if eog else None)
+        if eos is None:
+            raise ValueError("constrained decoding needs an end-of-generation token; the vocabulary has none")
+        source = _TokenizerSource(tokenizer, pieces, int(eos))
+        self._tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(source), eos_token=eog or [int(eos)])
+
+    def matcher(self, constraint: Constraint) -> "Matcher":
+        """A fresh matcher (its grammar compiled against this vocabulary: about a millisecond for
+        a small schema, up to a second for a huge one); RequestValidationError where it fails."""
+        inner = llguidance.LLMatcher(self._tokenizer, grammar_text(constraint), log_level=0)
+        if inner.is_error():
+            raise RequestValidationError(f"invalid {_describe(constraint)}: {_first_line(inner.get_error())}",
+                                         constraint.field)
+        return Matcher(inner, self.num_words)
+
+
+class _TokenizerSource:
+    """What llguidance.TokenizerWrapper reads (tokens, ids, and tokenizing text it is given)."""
+
+    def __init__(self, tokenizer: Any, pieces: list[bytes], eos: int) -> None:
+        self._tokenizer = tokenizer
+        self.tokens = pieces
+        self.eos_token_id = eos
+        self.bos_token_id = tokenizer.bos_id
+        self.special_token_ids = [i for i, p in enumerate(pieces) if p.startswith(b"\xff")]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", "surrogateescape")
+        return list(self._tokenizer.encode(text, add_bos=False))
+
+
+class Matcher:
+    """One request's grammar state (engine thread only)."""
+
+    def __init__(self, inner: Any, num_words: int) -> None:
+        self._inner = inner
+        self.num_words = num_words
+
+    def fill(self, row: np.ndarray) -> None:
+        """Writes the tokens allowed next into `row` ([W] int32, C-contiguous)."""
+        llguidance.numpy.fill_next_token_bitmask(self._inner, row.reshape(1, -1))
+        if self._inner.is_error():
+            raise RuntimeError(f"the grammar failed: {self._inner.get_error()}")
+
+    def mask(self) -> np.ndarray:
+        """The tokens allowed next as a new row ([W] int32)."""
+        row = np.zeros((self.num_words,), np.int32)
+        self.fill(row)
+        return row
+
+    def consume(self, token: int) -> None:
+        """Advances past a sampled token; RuntimeError where the grammar does not take it."""
+        if not self._inner.consume_token(int(token)):
+            raise RuntimeError(f"the grammar does not allow token {token}: {self._inner.get_error()}")
+
+    @property
+    def is_stopped(self) -> bool:
+        """The grammar takes no further token: the output is complete."""
+        return self._inner.is_stopped()
+
+
+def allowed(row: np.ndarray, tokens: Iterable[int]) -> list[bool]:
+    """Whether each token's bit is set in a mask row (for tests and checks)."""
+    words = row.view(np.uint32)
+    return [bool((int(words[t // 32]) >> (t % 32)) & 1) for t in tokens]
+
+
+def schema_text(schema: Any) -> str:
+    """A JSON schema (object, or true for any value) as the constraint's source text."""
+    return json.dumps(schema, ensure_ascii=False, allow_nan=False)

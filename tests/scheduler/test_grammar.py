@@ -1,0 +1,167 @@
+"""Constrained decoding (scheduler/grammar.py): llguidance's masks over our vocabulary, and the
+engine over the fake model, which takes the first allowed token at or after its usual pick
+(tests/scheduler/conftest.py): a constrained request's text is what its grammar forces from
+there, and a request beside it is untouched."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from scheduler import grammar
+from scheduler.types import Constraint, QueueFullError, RequestValidationError
+from tests.scheduler.conftest import EOS, VOCAB, ByteTokenizer, FakeModel
+from tests.scheduler.streams import collect, collect_one, req, run
+
+
+def schema(value) -> Constraint:
+    return Constraint("json_schema", json.dumps(value), "response_format")
+
+
+def allowed_tokens(row: np.ndarray) -> set[int]:
+    return {t for t, ok in enumerate(grammar.allowed(row, range(VOCAB))) if ok}
+
+
+# ---- the grammar over a vocabulary ----
+
+
+def test_a_json_schema_allows_exactly_its_objects():
+    vocab = grammar.Vocabulary(ByteTokenizer())
+    assert vocab.num_words == -(-VOCAB // 32)
+    m = vocab.matcher(schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                              "additionalProperties": False}))
+    assert allowed_tokens(m.mask()) <= {ord("{"), ord(" "), ord("\n"), ord("\t"), ord("\r")}
+    assert ord("{") in allowed_tokens(m.mask())
+    for ch in '{"a": 1':
+        assert ord(ch) in allowed_tokens(m.mask()), ch
+        m.consume(ord(ch))
+        assert not m.is_stopped
+    row = m.mask()
+    assert ord("}") in allowed_tokens(row) and ord("x") not in allowed_tokens(row) and EOS not in allowed_tokens(row)
+    m.consume(ord("}"))
+    assert m.is_stopped  # the object is closed: nothing may follow
+    with pytest.raises(RuntimeError, match="does not allow"):
+        vocab.matcher(schema({"type": "integer"})).consume(ord("x"))
+
+
+def test_a_grammar_that_may_end_allows_the_end_of_generation_token():
+    m = grammar.Vocabulary(ByteTokenizer()).matcher(Constraint("regex", "[a-z]+", "guided_regex"))
+    assert EOS not in allowed_tokens(m.mask())  # at least one letter first
+    m.consume(ord("q"))
+    assert allowed_tokens(m.mask()) == set(range(ord("a"), ord("z") + 1)) | {EOS}
+    assert 257 not in allowed_tokens(m.mask())  # another control token: never grammar text
+
+
+def test_a_model_vocabulary_wider_than_the_tokenizer_never_allows_the_padding():
+    vocab = grammar.Vocabulary(ByteTokenizer(), vocab_size=300)
+    row = vocab.matcher(Constraint("choice", '["ab"]')).mask()
+    assert row.shape == (vocab.num_words,) == (10,)
+    assert {t for t, ok in enumerate(grammar.allowed(row, range(320))) if ok} == {ord("a")}
+
+
+@pytest.mark.parametrize("constraint, message", [
+    (Constraint("json_schema", '{"type": "bogus"}', "response_format"), "invalid JSON schema"),
+    (Constraint("json_schema", "{not json", "json_schema"), "invalid JSON schema"),
+    (Constraint("regex", "[0-9", "guided_regex"), "invalid regular expression"),
+    (Constraint("gbnf", 'root ::= undefined-rule', "grammar"), "invalid GBNF grammar"),
+    (Constraint("lark", "start: nothing_here", "structured_outputs.grammar"), "invalid Lark grammar"),
+    (Constraint("choice", '"not a list"', "guided_choice"), "invalid choice list"),
+])
+def test_a_constraint_that_does_not_compile_is_refused_naming_its_field(constraint, message):
+    with pytest.raises(RequestValidationError, match=message) as err:
+        grammar.check(constraint)
+    assert err.value.field == constraint.field
+
+
+def test_constraint_kinds_are_checked():
+    with pytest.raises(ValueError, match="kind"):
+        Constraint("yaml", "a: 1")
+
+
+# ---- the engine ----
+
+
+def test_a_constrained_request_follows_its_grammar_and_ends_when_it_is_complete(make_engine):
+    engine, _ = make_engine()
+    # the fake's picks from 'a': the first allowed at or after 'b', then after each token
+    result = run(collect_one(engine, req("hello a", max_tokens=20, constraint=Constraint("regex", "[0-9]{3}-x"))))
+    assert result.text == "012-x"
+    assert result.final.finish_reason == "stop" and result.final.completion_tokens == 5
+
+
+def test_a_choice_and_a_grammar_that_ends_on_the_end_of_generation_token(make_engine):
+    engine, _ = make_engine()
+    choice = run(collect_one(engine, req("m", max_tokens=9, constraint=Constraint("choice", '["yes", "no"]'))))
+    assert (choice.text, choice.final.finish_reason) == ("no", "stop")
+    letters = run(collect_one(engine, req("a", max_tokens=40, constraint=Constraint("regex", "[a-z]+"))))
+    # after 'z' the first allowed token counting on is EOS: the grammar may end there
+    assert letters.text == "bcdefghijklmnopqrstuvwxyz" and letters.final.finish_reason == "stop"
+    assert letters.tokens[-1] == EOS
+    cut = run(collect_one(engine, req("a", max_tokens=3, constraint=Constraint("regex", "[a-z]+"))))
+    assert (cut.text, cut.final.finish_reason) == ("bcd", "length")
+
+
+def test_a_constrained_request_samples_every_step_and_leaves_its_neighbours_alone(make_engine):
+    """Beside unconstrained requests it still gets a token each step (the engine reads the token
+    in flight before planning), only in one-step plans, and the others' tokens are theirs."""
+    model = FakeModel(decode_steps=(1, 4))
+    engine, _ = make_engine(model)
+    free = [req(f"hello {c}", max_tokens=12, request_id=f"free-{c}") for c in "ab"]
+    constrained = req("x", max_tokens=12, request_id="c", constraint=Constraint("regex", "[a-c]{12}"))
+
+    async def both():
+        import asyncio
+
+        streams = [engine.submit(r) for r in (free[0], constrained, free[1])]
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    a, c, b = run(both())
+    assert (a.text, b.text) == ("bcdefghijklm", "cdefghijklmn")
+    assert c.text == "abcabcabcabc" and c.final.finish_reason == "stop"
+    slot = next(s for p in model.plans for s, _ in p.allowed)
+    constrained_plans = [p for p in model.plans if any(s == slot for s, _ in p.allowed)]
+    assert len(constrained_plans) == 12  # its prompt's last chunk, then 11 decodes
+    assert all(p.num_decode_steps == 1 for p in constrained_plans)
+    first = model.plans.index(constrained_plans[0])
+    decodes = [p for p in model.plans[first + 1:first + 12]]
+    assert all(slot in p.decode_slots for p in decodes)  # no step skipped while a token was in flight
+    alone_engine, _ = make_engine()
+    assert run(collect_one(alone_engine, free[0])).text == a.text
+
+
+def test_a_bad_constraint_is_refused_at_submit_and_takes_no_place(make_engine):
+    engine, _ = make_engine(max_queue=0)
+    bad = req("a", constraint=Constraint("regex", "[", "guided_regex"))
+    for _ in range(20):
+        with pytest.raises(RequestValidationError) as err:
+            run(collect_one(engine, bad))
+        assert err.value.field == "guided_regex"
+    results = [run(collect_one(engine, req("a", max_tokens=2))) for _ in range(3)]
+    assert all(r.text == "bc" for r in results)
+    assert not isinstance(results[0], QueueFullError)
+
+
+def test_without_a_vocabulary_constrained_requests_are_refused_and_the_rest_served(make_engine):
+    class NoBytes(ByteTokenizer):
+        eos_id = None
+        eog_ids = frozenset()
+
+    from scheduler.engine import Engine
+    from model.config import EngineConfig
+    from tests.scheduler.conftest import ByteDetokenizer
+
+    model = FakeModel()
+    engine = Engine(lambda: model, NoBytes(), EngineConfig(num_slots=8, max_context=256, prefill_chunks=(4, 8),
+                                                           prefill_budget=16, max_top_logprobs=3, gc_freeze=False),
+                    detokenizer_factory=ByteDetokenizer)
+    engine.start()
+    try:
+        assert engine.wait_ready(10)
+        assert engine.info()["constrained_decoding"] is False
+        with pytest.raises(RequestValidationError, match="constrained decoding is not available"):
+            run(collect_one(engine, req("a", constraint=Constraint("choice", '["x"]'))))
+        assert run(collect_one(engine, req("a", max_tokens=2, ignore_eos=True))).text == "bc"
+    finally:
+        engine.shutdown(10)
