@@ -37,7 +37,7 @@ from starlette.routing import Route
 from model.chat_template import render_chat
 from scheduler.gc_pauses import GcSnapshot
 from scheduler.requests import RequestTiming
-from scheduler.types import EngineStats
+from scheduler.types import Constraint, EngineStats
 from server import reasoning, tool_calls
 from server.asgi import ApiKeyAuth, BodyLimit, ErrorBoundary, EventStreamResponse, HttpMetricsMiddleware, unless_disconnected
 from server.config import ServerConfig
@@ -219,6 +219,8 @@ async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]
     engine, ready = state.holder.require_ready()
     tokenizer = engine.tokenizer
     template = config.chat_template or ready.chat_template
+    if parsed.forces_call:
+        parsed = _force_calls(parsed, config, template)
     prompts = prepare(parsed, tokenizer, ready.limits, template, render_chat)
     response_id = ("chatcmpl-" if parsed.is_chat else "cmpl-") + uuid.uuid4().hex
     renderer_cls = ChatRenderer if parsed.is_chat else CompletionRenderer
@@ -254,13 +256,27 @@ async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]
     return json_response(renderer.response(results, gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
 
 
+def _force_calls(parsed: ParsedRequest, config: ServerConfig, template: str | None) -> ParsedRequest:
+    """tool_choice "required" or a named function: the reply held to calls in the template's
+    format (server/tool_calls.py's forced_grammar)."""
+    parser = tool_calls.resolve(config.tool_call_parser, template)
+    try:
+        grammar = tool_calls.forced_grammar(parser, parsed.template_kwargs["tools"], parsed.forced_function,
+                                            parsed.parallel_tool_calls)
+    except ValueError as e:
+        raise invalid(str(e), "tool_choice") from None
+    return dataclasses.replace(parsed, constraint=Constraint("lark", grammar, "tool_choice"))
+
+
 def _reply_format(parsed: ParsedRequest, config: ServerConfig, template: str | None,
                   prompts: list[PreparedPrompt]) -> ReplyFormat:
-    """How a chat request's replies are read for thoughts and tool calls (server/replies.py)."""
+    """How a chat request's replies are read for thoughts and tool calls (server/replies.py); a
+    constrained reply is what its grammar allows, read for calls only where they were forced."""
     if not parsed.is_chat:
         return ReplyFormat()
     return ReplyFormat(
-        thoughts=reasoning.resolve(parsed.reasoning_format or config.reasoning_format, template),
+        thoughts=parsed.constraint is None and reasoning.resolve(
+            parsed.reasoning_format or config.reasoning_format, template),
         opens_thought=prompts[0].opens_thought,
         tool_parser=tool_calls.resolve(config.tool_call_parser, template) if parsed.tool_calls else None,
         parallel_tool_calls=parsed.parallel_tool_calls,

@@ -88,6 +88,7 @@ class Generation:
             logprobs=self._parsed.logprobs is not None,
             cache_prompt=self._parsed.cache_prompt,
             cache_salt=self._parsed.cache_salt,
+            constraint=self._parsed.constraint,
         )
 
     def submit_all(self) -> None:

@@ -18,7 +18,7 @@ import math
 from typing import Any, Callable
 
 from model.step_types import MAX_STOP_TOKEN_IDS, SamplingParams
-from scheduler.types import Timings, TokenLogprob
+from scheduler.types import Constraint, Timings, TokenLogprob
 from server.errors import invalid
 from server.reasoning import CHOICES as REASONING_FORMATS
 from server.tool_calls import ToolCall
@@ -58,6 +58,11 @@ class ParsedRequest:
     tool_calls: bool = False  # chat with `tools` and tool_choice "auto": read calls out of the reply
     reasoning_format: str | None = None  # llama-server's field (server/reasoning.py's CHOICES); None: the server's
     parallel_tool_calls: bool = True  # False: a reply's first call only
+    constraint: Constraint | None = None  # constrained decoding: response_format, json_schema, grammar, ...
+    # tool_choice "required" or a named function: the reply is held to calls (server/tool_calls.py's
+    # forced_grammar, which needs the template's call format: the constraint is made later)
+    forces_call: bool = False
+    forced_function: str | None = None  # the named function; None: any of the tools
 
     @property
     def prompt_field(self) -> str:
@@ -155,22 +160,27 @@ def parse_chat(body: Any, max_choices: int) -> ParsedRequest:
     if top_logprobs is not None and not wants_logprobs:
         raise invalid("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     logprobs = (top_logprobs or 0) if wants_logprobs else None
-    fmt = fields.raw("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise invalid("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
     common = _parse_common(
         fields, max_tokens_names=("max_completion_tokens", "max_tokens"), top_logprobs=logprobs or 0
     )
     _check_choices(common["n"], max_choices)
     template_kwargs = _parse_template_kwargs(fields)
-    tool_calls = _parse_tool_choice(fields, "tools" in template_kwargs)
+    tool_calls, forced_function = _parse_tool_choice(fields, template_kwargs.get("tools", []))
+    forces_call = tool_calls and fields.raw("tool_choice") not in (None, "auto")
+    if forces_call and common["constraint"] is not None:
+        raise invalid(f"tool_choice {fields.raw('tool_choice')!r} constrains the reply to calls, and "
+                      f"'{common['constraint'].field}' to something else: give one", "tool_choice")
     if not tool_calls:
         template_kwargs.pop("tools", None)  # tool_choice "none": the model is not told of them
+    # a reply constrained otherwise is what its grammar allows: no calls are read out of it
+    tool_calls = tool_calls and common["constraint"] is None
     return ParsedRequest(
         is_chat=True,
         messages=messages,
         template_kwargs=template_kwargs,
         tool_calls=tool_calls,
+        forces_call=forces_call,
+        forced_function=forced_function,
         parallel_tool_calls=fields.boolean("parallel_tool_calls", True),
         reasoning_format=_parse_reasoning_format(fields),
         add_generation_prompt=fields.boolean("add_generation_prompt", True),
@@ -227,6 +237,7 @@ def _parse_common(fields: Fields, max_tokens_names: tuple[str, ...], top_logprob
         cache_salt=fields.string("cache_salt") or "",
         stream=stream,
         include_usage=stream and include_usage,
+        constraint=_parse_constraint(fields),
     )
 
 
@@ -359,18 +370,29 @@ def _parse_template_kwargs(fields: Fields) -> dict[str, Any]:
     return out
 
 
-def _parse_tool_choice(fields: Fields, has_tools: bool) -> bool:
-    """Whether calls are read out of the reply: tool_choice "auto" (the default with tools).
-    "none" leaves the tools out of the prompt; "required" and a named function would need the
-    reply constrained to a call, which this server does not do, so they are refused."""
+def _parse_tool_choice(fields: Fields, tools: list[dict[str, Any]]) -> tuple[bool, str | None]:
+    """(whether calls are read out of the reply, the function tool_choice names). "auto" (the
+    default with tools) lets the model choose; "none" leaves the tools out of the prompt;
+    "required" and {"type": "function", "function": {"name": ...}} hold the reply to calls (of
+    that function) by constrained decoding."""
     choice = fields.raw("tool_choice")
     if choice is None or choice == "auto":
-        return has_tools
+        return bool(tools), None
     if choice == "none":
-        return False
+        return False, None
     if choice == "required" or isinstance(choice, dict):
-        raise invalid("tool_choice 'required' or a named function needs constrained decoding, which this server "
-                      "does not do; use \"auto\" (the model chooses) or \"none\"", "tool_choice")
+        if not tools:
+            raise invalid("tool_choice 'required' or a named function needs 'tools'", "tool_choice")
+        if choice == "required":
+            return True, None
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise invalid("a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                          "tool_choice")
+        if name not in {t["function"]["name"] for t in tools}:
+            raise invalid(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        return True, name
     raise invalid("'tool_choice' must be \"auto\", \"none\", \"required\" or an object", "tool_choice")
 
 
@@ -390,6 +412,87 @@ def _parse_stop(value: Any) -> tuple[str, ...]:
     if len(stops) > MAX_STOP:
         raise invalid(f"at most {MAX_STOP} stop strings are supported", "stop")
     return tuple(dict.fromkeys(stops))
+
+
+# vLLM's structured_outputs keys (and its older guided_* fields) -> our constraint kinds
+_VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "gbnf"}
+
+
+def _parse_constraint(fields: Fields) -> Constraint | None:
+    """Constrained decoding (scheduler/grammar.py), from whichever one of these the request
+    gives: OpenAI's `response_format` ({"type": "json_object"}, or "json_schema" with
+    `json_schema.schema`; "text" is no constraint), llama-server's `json_schema` (a schema) and
+    `grammar` (GBNF), vLLM's `structured_outputs` ({"json" | "regex" | "choice" | "grammar": ...})
+    and its older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`."""
+    found = []
+    fmt = fields.raw("response_format")
+    if fmt is not None:
+        found.append(_response_format(fmt))
+    if fields.raw("json_schema") is not None:
+        found.append(_schema_constraint(fields.raw("json_schema"), "json_schema"))
+    grammar = fields.string("grammar")
+    if grammar:  # llama-server sends "" for none
+        found.append(Constraint("gbnf", grammar, "grammar"))
+    outputs = fields.raw("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise invalid("'structured_outputs' must be an object", "structured_outputs")
+        given = [key for key in _VLLM_KINDS if outputs.get(key) is not None]
+        if len(given) > 1:
+            raise invalid(f"'structured_outputs' gives {given}: at most one of them", "structured_outputs")
+        found += [_vllm_constraint(key, outputs[key], f"structured_outputs.{key}") for key in given]
+    for key in _VLLM_KINDS:
+        if fields.raw(f"guided_{key}") is not None:
+            found.append(_vllm_constraint(key, fields.raw(f"guided_{key}"), f"guided_{key}"))
+    found = [c for c in found if c is not None]
+    if len(found) > 1:
+        raise invalid(f"the request constrains its output twice ({', '.join(c.field for c in found)}): give one",
+                      found[1].field)
+    return found[0] if found else None
+
+
+def _response_format(fmt: Any) -> Constraint | None:
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise invalid("'response_format' must be an object with a 'type'", "response_format")
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":  # any JSON object; llama-server also takes a "schema" here
+        schema = fmt.get("schema")
+        return _schema_constraint({"type": "object"} if schema is None else schema, "response_format")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise invalid("response_format 'json_schema' needs a 'json_schema' object", "response_format.json_schema")
+        schema = spec.get("schema")
+        # OpenAI makes the schema optional: none is any JSON value
+        return _schema_constraint({} if schema is None else schema, "response_format.json_schema.schema")
+    raise invalid(f"response_format type {kind!r} is not one of \"text\", \"json_object\", \"json_schema\"",
+                  "response_format.type")
+
+
+def _schema_constraint(schema: Any, field: str) -> Constraint:
+    """A JSON schema given as an object (or true/false), or as its JSON text (vLLM allows it)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise invalid(f"'{field}' is not valid JSON: {exc}", field) from None
+    if not isinstance(schema, (dict, bool)):
+        raise invalid(f"'{field}' must be a JSON schema (an object)", field)
+    return Constraint("json_schema", json.dumps(schema, ensure_ascii=False), field)
+
+
+def _vllm_constraint(key: str, value: Any, field: str) -> Constraint:
+    if key == "json":
+        return _schema_constraint(value, field)
+    if key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise invalid(f"'{field}' must be a non-empty array of strings", field)
+        return Constraint("choice", json.dumps(value, ensure_ascii=False), field)
+    if not isinstance(value, str) or not value:
+        raise invalid(f"'{field}' must be a non-empty string", field)
+    return Constraint(_VLLM_KINDS[key], value, field)
 
 
 def _parse_stop_token_ids(value: Any) -> tuple[int, ...]:

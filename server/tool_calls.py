@@ -109,6 +109,30 @@ def _json_calls(text: str, separators: str) -> list[ToolCall] | None:
             calls.append(call)
 
 
+def forced_grammar(parser: str | None, tools: list[dict[str, Any]], name: str | None, parallel: bool) -> str:
+    """tool_choice "required" (`name` None: any of the tools) or a named function: a Lark
+    grammar (llguidance's, with its %json schemas) that admits only calls in the parser's format,
+    each with a tool's name and arguments that follow its parameters' schema; one call, or with
+    `parallel` several. The tags are text (a vocabulary's `<tool_call>` token, user-defined, not a
+    control token, is their text: the grammar admits it whole). ValueError where the format
+    cannot be forced (no parser, or mistral's, which opens with a control token)."""
+    chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    args_key = "parameters" if parser == "llama3_json" else "arguments"
+    schemas = [{"type": "object",
+                "properties": {"name": {"const": f["name"]}, args_key: f.get("parameters") or {"type": "object"}},
+                "required": ["name", args_key], "additionalProperties": False} for f in chosen]
+    body = json.dumps(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}, ensure_ascii=False)
+    if parser == "hermes":
+        lines = ['start: call ("\\n" call)*' if parallel else "start: call",
+                 f'call: {json.dumps(HERMES_OPEN)} "\\n" body "\\n" {json.dumps(HERMES_CLOSE)}']
+    elif parser == "llama3_json":
+        lines = ['start: body ("; " body)*' if parallel else "start: body"]
+    else:
+        raise ValueError(f"tool_choice \"required\" or a named function: the {parser or 'chat template'}'s call "
+                         "format cannot be forced (hermes' and llama3_json's can)")
+    return "\n".join([*lines, f"body: %json {body}", ""])
+
+
 # Items `ToolCallStream` hands back: content text, or a whole call.
 Piece = str | ToolCall
 

@@ -167,3 +167,34 @@ def test_speculative_decode_gives_the_plain_decodes_text(server, client):
     assert 0 < timings["prompt_ms"] and 0 < timings["predicted_ms"]  # 24 tokens: several steps
     assert timings["prompt_ms"] + timings["predicted_ms"] < elapsed_ms  # measured inside the request's time
     assert "draft_n" not in plain.model_extra["timings"]
+
+
+def test_constrained_replies_follow_their_grammars_beside_a_free_request(client):
+    """A JSON schema (response_format) and a choice (vLLM's structured_outputs) on the real model,
+    run beside a free greedy request, which still gets the text it gets alone (the engine runs
+    constrained steps one at a time and without the speculative decode, whose drafts the free
+    request then does not get: its tokens stay the plain decode's)."""
+    import concurrent.futures
+    import json
+
+    person = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 16},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
+    free = dict(model="m", prompt="The capital of France is", max_tokens=16, temperature=0)
+    alone = client.completions.create(**free).choices[0].text
+    ask = [{"role": "user", "content": "Give me a person as JSON with a name and an age."}]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        beside = pool.submit(client.completions.create, **free)
+        as_json = pool.submit(client.chat.completions.create, model="m", messages=ask, max_tokens=80, temperature=0,
+                              response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": person}})
+        chosen = pool.submit(client.chat.completions.create, model="m", max_tokens=8, temperature=1.0, seed=3,
+                             messages=[{"role": "user", "content": "Is the sky blue?"}],
+                             extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}})
+        assert beside.result().choices[0].text == alone
+        reply = as_json.result().choices[0]
+        data = json.loads(reply.message.content)
+        assert reply.finish_reason == "stop"
+        assert set(data) == {"name", "age"} and isinstance(data["name"], str) and len(data["name"]) <= 16
+        assert isinstance(data["age"], int) and 0 <= data["age"] <= 150
+        answer = chosen.result().choices[0]
+        assert answer.message.content in ("yes", "no", "maybe") and answer.finish_reason == "stop"

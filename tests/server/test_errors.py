@@ -119,7 +119,7 @@ BAD_INPUTS: list[tuple[str, Any, str | None]] = [
     ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 6}, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "yaml"}}, "response_format.type"),
     ("/v1/chat/completions", {"messages": HI, "tools": "x"}, "tools"),
     ("/v1/chat/completions", {"messages": HI, "chat_template_kwargs": []}, "chat_template_kwargs"),
     ("/v1/chat/completions", {"messages": HI, "chat_template_kwargs": {"messages": 1}}, "chat_template_kwargs"),

@@ -168,9 +168,11 @@ async def test_tool_choice(extra: dict, parses: bool) -> None:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("body, param", [
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),  # not a tool
+    ({"tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice"),
+    ({"tool_choice": "required", "tools": []}, "tool_choice"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [{"type": "function"}]}, "tools[0]"),
     ({"tools": [{"type": "function", "function": {"name": 3}}]}, "tools[0].function.name"),
     ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
@@ -245,3 +247,72 @@ async def test_openai_sdk_reads_the_calls() -> None:
     assert got == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Lyon"})]
     assert [(e["name"], json.loads(e["arguments"])) for _, e in sorted(merged.items())] == got
     assert finish == "tool_calls"
+
+
+FORCED = [("required", None), ({"type": "function", "function": {"name": "get_weather"}}, "get_weather")]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("choice, name", FORCED)
+async def test_a_forced_call_constrains_the_reply_to_calls(choice, name) -> None:
+    """tool_choice "required" or a named function: the engine gets the template's call format as
+    a grammar, and the reply is read for calls."""
+    engine = hermes_engine(CALL)
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": HI, "tools": TOOLS, "tool_choice": choice,
+                                                       "parallel_tool_calls": False})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
+    constraint = engine.requests[0].constraint
+    assert (constraint.kind, constraint.field) == ("lark", "tool_choice")
+    assert constraint.source == tool_calls.forced_grammar("hermes", TOOLS, name, False)
+    assert "<tools>" in engine.tokenizer.decode(engine.requests[0].prompt_tokens)
+
+
+@pytest.mark.anyio
+async def test_a_forced_call_needs_a_format_it_can_force() -> None:
+    engine = FakeEngine(max_context=512)  # its template names no call format
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": HI, "tools": TOOLS, "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert "cannot be forced" in r.json()["error"]["message"] and engine.requests == []
+
+
+def _walk(grammar_text: str, text: str) -> tuple[bool, bool]:
+    """(whether every byte of `text` is allowed in turn, whether the grammar is then complete or
+    may end) over a byte vocabulary."""
+    from scheduler import grammar
+    from scheduler.types import Constraint
+    from tests.scheduler.conftest import EOS, ByteTokenizer
+
+    m = grammar.Vocabulary(ByteTokenizer()).matcher(Constraint("lark", grammar_text))
+    for b in text.encode():
+        if not grammar.allowed(m.mask(), [b])[0]:
+            return False, False
+        m.consume(b)
+    return True, m.is_stopped or grammar.allowed(m.mask(), [EOS])[0]
+
+
+TWO_TOOLS = TOOLS + [{"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}]
+
+
+@pytest.mark.parametrize("parser, name, parallel, text, ok", [
+    ("hermes", None, False, CALL, (True, True)),
+    ("hermes", None, True, CALL + "\n" + CALL.replace("Paris", "Rome"), (True, True)),
+    ("hermes", None, False, CALL + "\n<", (False, False)),  # one call only
+    ("hermes", "get_time", False, CALL, (False, False)),  # another function's name
+    ("hermes", None, False, '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>',
+     (True, True)),
+    ("hermes", None, False, '<tool_call>\n{"name": "get_time", "arguments": {}}', (False, False)),  # zone required
+    ("llama3_json", None, True, '{"name": "get_time", "parameters": {"zone": "UTC"}}; '
+                                '{"name": "get_weather", "parameters": {"city": "Oslo"}}', (True, True)),
+    ("llama3_json", "get_weather", False, 'Sure', (False, False)),
+])
+def test_forced_grammars_admit_exactly_the_calls(parser, name, parallel, text, ok) -> None:
+    assert _walk(tool_calls.forced_grammar(parser, TWO_TOOLS, name, parallel), text) == ok
+
+
+def test_mistrals_calls_cannot_be_forced() -> None:
+    with pytest.raises(ValueError, match="cannot be forced"):
+        tool_calls.forced_grammar("mistral", TOOLS, None, True)
