@@ -13,7 +13,11 @@ loop (the way `server/` drives it):
 - time to first token of a 128-token prompt joining 3 running streams;
 - inter-token latency p50/p99 from the engine's RequestTiming observer;
 - device memory (jax memory_stats) and process RSS; the device copy bandwidth and from it the
-  weight-read floor: the decode rate at which one step reads every weight at that bandwidth.
+  weight-read floor: the decode rate at which one step reads every weight at that bandwidth;
+- with --constrained, decode under constrained decoding (scheduler/grammar.py): 1 and 8 users
+  each held to a regex (lowercase letters and spaces, longer than the run, so no stream ends
+  early), and 1 such user beside 7 free ones (each group's own figures): the cost of reading each
+  constrained token before the next step is planned.
 
 The engine flags are the server's own, with its defaults (`python -m server --help`; e.g.
 --kv-dtype auto: bf16 on a GPU). Every request has ignore_eos and a fixed max_tokens, so lengths
@@ -34,6 +38,7 @@ if __package__ in (None, ""):  # run as a script: bench/ on sys.path would shado
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import cProfile  # noqa: E402
+import dataclasses  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
@@ -52,7 +57,7 @@ from bench import common  # noqa: E402
 from model.config import EngineConfig, prefill_chunks_for  # noqa: E402
 from server.__main__ import add_engine_arguments, engine_config_from_args  # noqa: E402  (the server's flags)
 from model.step_types import SamplingParams  # noqa: E402
-from scheduler.types import GenerationRequest, QueueFullError  # noqa: E402
+from scheduler.types import Constraint, GenerationRequest, QueueFullError  # noqa: E402
 
 log = logging.getLogger("bench.engine")
 
@@ -192,6 +197,27 @@ async def measure_decode(engine, timings: TimingLog, users: int, prompt_len: int
     return summary
 
 
+CONSTRAINT = Constraint("regex", "[a-z ]{100000}", "bench")  # never complete within a run: no early ends
+
+
+async def measure_constrained(engine, timings: TimingLog, users: int, constrained: int, prompt_len: int,
+                              decode_tokens: int, rng: np.random.Generator) -> dict[str, Any]:
+    """Decode of `users` streams, the first `constrained` of them held to CONSTRAINT."""
+    vocab = engine.tokenizer.vocab_size
+    label = f"constrained-{constrained}of{users}"
+    reqs = []
+    for i in range(users):
+        req = make_request(f"{label}-{i}", common.random_prompt(rng, prompt_len, vocab), decode_tokens, seed=i)
+        reqs.append(dataclasses.replace(req, constraint=CONSTRAINT) if i < constrained else req)
+    records = await run_batch(engine, reqs)
+    await timings.wait_for(f"{label}-", users)
+    out = {"constrained": common.summarize(records[:constrained])}
+    if constrained < users:
+        out["free"] = common.summarize(records[constrained:])
+    out["all"] = common.summarize(records)
+    return out
+
+
 async def measure_prefill(engine, prompt_len: int, repeats: int, rng: np.random.Generator) -> dict[str, Any]:
     """A prompt alone, max_tokens 1: prompt_len / TTFT. The first run is a warm-up."""
     vocab = engine.tokenizer.vocab_size
@@ -323,6 +349,13 @@ async def run_suite(engine, timings: TimingLog, args: argparse.Namespace, max_co
         log.info("decode x%d: %s", u, out["decode"][str(u)])
     out["join"] = await measure_join(engine, 3, args.join_len, args.repeats, rng, max_context)
     log.info("join: %s", out["join"])
+    if args.constrained:
+        out["constrained"] = {}
+        for u, c in ((1, 1), (8, 8), (8, 1)):
+            if u <= engine.info()["num_slots"]:
+                out["constrained"][f"{c}of{u}"] = await measure_constrained(
+                    engine, timings, u, c, args.prompt_len, args.decode_tokens, rng)
+                log.info("constrained %d of %d: %s", c, u, out["constrained"][f"{c}of{u}"])
     history = args.chat_history_len or max_context // 2 + args.chat_turn_len
     if engine.info().get("prompt_cache") and history + args.chat_turn_len + 1 <= max_context:
         out["chat_turn"] = await measure_chat_turn(engine, history, args.chat_turn_len, args.repeats, rng)
@@ -648,6 +681,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="after the measured runs, trace --repeats more lone prompts and lay each out from its "
                          "submit to its first token: device start, end, busy and gaps, the host's longest events "
                          "(details.prefill_trace)")
+    ap.add_argument("--constrained", action="store_true",
+                    help="also measure decode under constrained decoding (details.constrained)")
     ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
     ap.add_argument("--plot-with", nargs="*", default=[], help="earlier engine-*.json results to draw beside this run")
     ap.add_argument("--plot-only", nargs="+", type=pathlib.Path, help="draw these engine-*.json results and exit")
