@@ -38,7 +38,7 @@ from model.step_types import StepOutput, StepPlan
 log = logging.getLogger(__name__)
 
 _MIN_PAYLOAD = 256  # bytes: the smallest padded broadcast
-_WARM_PAYLOAD = 1 << 16  # broadcast sizes up to this one are compiled in warmup: plans are far smaller
+_WARM_PAYLOAD = 1 << 16  # broadcast sizes up to this one, beside the allowed-token rows, are compiled in warmup
 
 
 def broadcast_bytes(payload: bytes | None) -> bytes:
@@ -57,11 +57,17 @@ def broadcast_bytes(payload: bytes | None) -> bytes:
     return buf[:n].tobytes()
 
 
-def warm_broadcasts() -> None:
-    """Compiles the broadcasts of every padded size up to _WARM_PAYLOAD (a collective sequence
-    that every process runs in warmup), so that serving compiles nothing."""
+def max_plan_bytes(runner: Any) -> int:
+    """A bound on a pickled plan's size: _WARM_PAYLOAD (a plan's tokens and settings are far
+    smaller) beside every slot's allowed-token row (constrained decoding: ceil(V / 32) words)."""
+    return _WARM_PAYLOAD + runner.num_slots * 4 * -(-runner.vocab_size // 32)
+
+
+def warm_broadcasts(max_payload: int = _WARM_PAYLOAD) -> None:
+    """Compiles the broadcasts of every padded size up to `max_payload` (a collective sequence
+    that every process runs in warmup, with the same bound), so that serving compiles nothing."""
     size = _MIN_PAYLOAD
-    while size <= _WARM_PAYLOAD:
+    while size < max_payload * 2:
         broadcast_bytes(bytes(size) if jax.process_index() == 0 else None)
         size *= 2
 
@@ -97,7 +103,7 @@ class LeaderRunner:
 
     def warmup(self) -> None:
         self._runner.warmup()  # compiling is local to each process: followers compile their own
-        warm_broadcasts()
+        warm_broadcasts(max_plan_bytes(self._runner))
 
     def dispatch(self, plan: StepPlan):
         if self._closed:
@@ -119,7 +125,7 @@ def follow(runner: Any, on_step: Callable[[StepPlan, list[StepOutput]], None] | 
     leader's); `after_warmup` runs once the programs are compiled, before the first plan (the
     engine's heap freeze: a follower's GC pause stalls the leader's step through the broadcast)."""
     runner.warmup()
-    warm_broadcasts()
+    warm_broadcasts(max_plan_bytes(runner))
     if after_warmup is not None:
         after_warmup()
     log.info("process %d: following process 0's step plans", jax.process_index())

@@ -83,7 +83,6 @@ from scheduler.types import (
     EngineUnavailableError,
     GenerationRequest,
     QueueFullError,
-    RequestValidationError,
     StreamEvent,
 )
 
@@ -360,10 +359,7 @@ class Engine:
     def _matcher(self, request: GenerationRequest) -> grammar.Matcher:
         """The request's grammar compiled against the vocabulary (RequestValidationError where
         it cannot be, or constrained decoding is unavailable)."""
-        if self._vocabulary is None:
-            raise RequestValidationError(f"constrained decoding is not available: {self._no_grammar_reason}",
-                                         request.constraint.field)
-        return self._vocabulary.matcher(request.constraint)
+        return grammar.matcher_for(self._vocabulary, self._no_grammar_reason, request.constraint)
 
     def _unavailable_reason(self) -> str:
         return unavailable_reason(self._stats)
@@ -619,7 +615,9 @@ class Engine:
             self._slots[state.slot] = state
             setups.append(SlotSetup(state.slot, state.request.sampling))
             budget = self._plan_chunks(state, budget, prefills, rows, allowed)
-        if not decode_slots and not prefills:
+        if not decode_slots and not prefills and not setups:
+            # (a request admitted whose grammar then failed leaves its setup, and maybe the copy
+            # the prompt cache already counts as held there: the plan still runs them)
             return None, rows
         plan = StepPlan(
             setups=tuple(setups), copies=tuple(copies), decode_slots=tuple(decode_slots), prefills=tuple(prefills),

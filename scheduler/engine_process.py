@@ -55,6 +55,7 @@ from typing import Any, Callable
 
 from model.config import EngineConfig
 from scheduler.engine import Engine, RequestStream, _Cancel, _hand_over, freeze_heap, notify, unavailable_reason
+from scheduler import grammar
 from scheduler.gc_pauses import GcSnapshot, gc_pauses
 from scheduler.requests import RequestTiming, validate_request
 from scheduler.types import (
@@ -63,6 +64,7 @@ from scheduler.types import (
     EngineUnavailableError,
     GenerationRequest,
     QueueFullError,
+    RequestValidationError,
     StreamEvent,
 )
 
@@ -73,6 +75,7 @@ STATS_INTERVAL_S = 0.05  # the child sends its stats this often when they change
 STOP_GRACE_S = 10.0  # after the shutdown timeout: for the child to send its last events and exit
 PIPE_BYTES = 1 << 20  # each pipe's buffer (the Linux default is 64 KiB)
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux's fcntl command (named in Python 3.10+)
+VOCABULARY_WAIT_S = 60.0  # a constrained submit waits this long at most for this side's vocabulary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +121,12 @@ class EngineProcess:
         self._limits: dict[str, int] = {}
         self._gc: GcSnapshot | None = None  # the child's GC pauses, as of its last stats message
         self._inbox = _CancelSender(self)
+        # Constrained decoding: grammars are compiled here too, against this tokenizer, so that one
+        # the child would refuse is refused at submit (HTTP 400) like any other bad input; built
+        # on a thread from `start` on, while the child loads.
+        self._vocabulary: grammar.Vocabulary | None = None
+        self._no_vocabulary = "the vocabulary is still being built"
+        self._vocabulary_built = threading.Event()
 
     # ---- the Engine API ----
 
@@ -144,6 +153,23 @@ class EngineProcess:
         log.info("engine process started (pid %d)", process.pid)
         self._reader = threading.Thread(target=self._read, name="engine-events", daemon=True)
         self._reader.start()
+        threading.Thread(target=self._build_vocabulary, name="grammar-vocabulary", daemon=True).start()
+
+    def _build_vocabulary(self) -> None:
+        try:
+            self._vocabulary = grammar.Vocabulary(self.tokenizer)
+        except Exception as exc:  # noqa: BLE001 - constrained requests are refused; the rest served
+            self._no_vocabulary = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._vocabulary_built.set()
+
+    def _check_constraint(self, request: GenerationRequest) -> None:
+        """Compiles the request's grammar as the child will (RequestValidationError: HTTP 400)."""
+        if self._info.get("constrained_decoding") is False:  # the child could not build its vocabulary
+            raise RequestValidationError("constrained decoding is not available in the engine process",
+                                         request.constraint.field)
+        self._vocabulary_built.wait(VOCABULARY_WAIT_S)
+        grammar.matcher_for(self._vocabulary, self._no_vocabulary, request.constraint)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         self._settled.wait(timeout)
@@ -175,6 +201,8 @@ class EngineProcess:
         if stats.state != "ready":
             raise EngineUnavailableError(unavailable_reason(stats))
         validate_request(request, vocab_size=int(self.tokenizer.vocab_size), **self._limits)
+        if request.constraint is not None:
+            self._check_constraint(request)
         if not self._capacity.acquire(blocking=False):
             self._rejected += 1
             raise QueueFullError()

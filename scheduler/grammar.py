@@ -11,14 +11,20 @@ take no further token (a JSON object closed) ends the request, finish reason "st
 
 `Vocabulary` builds llguidance's tokenizer once per engine from ours: every token's bytes, the
 control tokens marked with a leading 0xff (so that grammar text never spells them), the
-end-of-generation tokens as its EOS set (a grammar that may end allows them).
+end-of-generation tokens as its EOS set (a grammar that may end allows them). It compiles a
+grammar once and computes its first mask there, so that one llguidance accepts but cannot run
+(a rule that never ends, a lexer too large) is refused at submit, not failed in the engine; the
+last COMPILED_KEPT grammars are kept, and each request gets a copy of its grammar's matcher (a
+request of n choices compiles once).
 
 Dimension letters: V vocabulary, W = ceil(V / 32) mask words.
 """
 
 from __future__ import annotations
 
+import collections
 import json
+import threading
 from typing import Any, Iterable
 
 import llguidance
@@ -65,6 +71,9 @@ def _first_line(message: Any) -> str:
     return text.splitlines()[0] if text else "no reason given"
 
 
+COMPILED_KEPT = 32
+
+
 class Vocabulary:
     """llguidance's view of a tokenizer (`model.tokenizer.Tokenizer`'s interface: vocab_size,
     token_bytes, is_special, encode, bos_id, eos_id, eog_ids). `num_words`: W of a mask row for
@@ -85,15 +94,43 @@ class Vocabulary:
             raise ValueError("constrained decoding needs an end-of-generation token; the vocabulary has none")
         source = _TokenizerSource(tokenizer, pieces, int(eos))
         self._tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(source), eos_token=eog or [int(eos)])
+        # (kind, source) -> (matcher at the start, its first mask): submit threads share it
+        self._compiled: collections.OrderedDict[tuple[str, str], tuple[Any, np.ndarray]] = collections.OrderedDict()
+        self._lock = threading.Lock()
 
     def matcher(self, constraint: Constraint) -> "Matcher":
-        """A fresh matcher (its grammar compiled against this vocabulary: about a millisecond for
-        a small schema, up to a second for a huge one); RequestValidationError where it fails."""
+        """A fresh matcher for the constraint: its grammar compiled against this vocabulary
+        (about a millisecond for a small schema, a tenth of a second for a huge one; kept for the
+        next requests) and its first mask computed; RequestValidationError where either fails."""
+        key = (constraint.kind, constraint.source)
+        with self._lock:
+            hit = self._compiled.get(key)
+            if hit is not None:
+                self._compiled.move_to_end(key)
+                return Matcher(hit[0].deep_copy(), self.num_words, hit[1].copy())
         inner = llguidance.LLMatcher(self._tokenizer, grammar_text(constraint), log_level=0)
+        first = np.zeros((self.num_words,), np.int32)
+        if not inner.is_error():
+            llguidance.numpy.fill_next_token_bitmask(inner, first.reshape(1, -1))
         if inner.is_error():
             raise RequestValidationError(f"invalid {_describe(constraint)}: {_first_line(inner.get_error())}",
                                          constraint.field)
-        return Matcher(inner, self.num_words)
+        if not first.any():
+            raise RequestValidationError(f"invalid {_describe(constraint)}: it allows no token to start with",
+                                         constraint.field)
+        with self._lock:
+            self._compiled[key] = (inner, first)
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+            return Matcher(inner.deep_copy(), self.num_words, first.copy())
+
+
+def matcher_for(vocabulary: Vocabulary | None, unavailable: str, constraint: Constraint) -> "Matcher":
+    """`vocabulary.matcher(constraint)`, or RequestValidationError saying why constrained decoding
+    is unavailable (`unavailable`) where there is no vocabulary."""
+    if vocabulary is None:
+        raise RequestValidationError(f"constrained decoding is not available: {unavailable}", constraint.field)
+    return vocabulary.matcher(constraint)
 
 
 class _TokenizerSource:
@@ -115,24 +152,25 @@ class _TokenizerSource:
 class Matcher:
     """One request's grammar state (engine thread only)."""
 
-    def __init__(self, inner: Any, num_words: int) -> None:
+    def __init__(self, inner: Any, num_words: int, first: np.ndarray | None = None) -> None:
         self._inner = inner
         self.num_words = num_words
+        self._next = first  # the next mask, where already known (the first one, from the compile)
 
-    def fill(self, row: np.ndarray) -> None:
-        """Writes the tokens allowed next into `row` ([W] int32, C-contiguous)."""
+    def mask(self) -> np.ndarray:
+        """The tokens allowed next as a new row ([W] int32); RuntimeError where the grammar fails."""
+        if self._next is not None:
+            row, self._next = self._next, None
+            return row
+        row = np.zeros((self.num_words,), np.int32)
         llguidance.numpy.fill_next_token_bitmask(self._inner, row.reshape(1, -1))
         if self._inner.is_error():
             raise RuntimeError(f"the grammar failed: {self._inner.get_error()}")
-
-    def mask(self) -> np.ndarray:
-        """The tokens allowed next as a new row ([W] int32)."""
-        row = np.zeros((self.num_words,), np.int32)
-        self.fill(row)
         return row
 
     def consume(self, token: int) -> None:
         """Advances past a sampled token; RuntimeError where the grammar does not take it."""
+        self._next = None
         if not self._inner.consume_token(int(token)):
             raise RuntimeError(f"the grammar does not allow token {token}: {self._inner.get_error()}")
 

@@ -53,8 +53,6 @@ def validate_request(
         raise RequestValidationError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
     if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise RequestValidationError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids", "stop_token_ids")
-    if request.constraint is not None:
-        grammar.check(request.constraint)
 
 
 class Detokenizer(Protocol):

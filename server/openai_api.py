@@ -422,8 +422,8 @@ def _parse_constraint(fields: Fields) -> Constraint | None:
     """Constrained decoding (scheduler/grammar.py), from whichever one of these the request
     gives: OpenAI's `response_format` ({"type": "json_object"}, or "json_schema" with
     `json_schema.schema`; "text" is no constraint), llama-server's `json_schema` (a schema) and
-    `grammar` (GBNF), vLLM's `structured_outputs` ({"json" | "regex" | "choice" | "grammar": ...})
-    and its older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`."""
+    `grammar` (GBNF), vLLM's `structured_outputs` ({"json" | "regex" | "choice" | "grammar": ...},
+    or {"json_object": true}; its options such as whitespace patterns are ignored) and its older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`."""
     found = []
     fmt = fields.raw("response_format")
     if fmt is not None:
@@ -437,10 +437,15 @@ def _parse_constraint(fields: Fields) -> Constraint | None:
     if outputs is not None:
         if not isinstance(outputs, dict):
             raise invalid("'structured_outputs' must be an object", "structured_outputs")
-        given = [key for key in _VLLM_KINDS if outputs.get(key) is not None]
+        if outputs.get("structural_tag") is not None:
+            raise invalid("'structured_outputs.structural_tag' is not supported", "structured_outputs.structural_tag")
+        given = [key for key in (*_VLLM_KINDS, "json_object") if outputs.get(key) not in (None, False)]
         if len(given) > 1:
             raise invalid(f"'structured_outputs' gives {given}: at most one of them", "structured_outputs")
-        found += [_vllm_constraint(key, outputs[key], f"structured_outputs.{key}") for key in given]
+        if given == ["json_object"]:  # any JSON object
+            found.append(_schema_constraint({"type": "object"}, "structured_outputs.json_object"))
+        else:
+            found += [_vllm_constraint(key, outputs[key], f"structured_outputs.{key}") for key in given]
     for key in _VLLM_KINDS:
         if fields.raw(f"guided_{key}") is not None:
             found.append(_vllm_constraint(key, fields.raw(f"guided_{key}"), f"guided_{key}"))

@@ -194,10 +194,12 @@ def test_a_follower_runs_after_warmup_between_its_compiles_and_the_first_plan(mo
     calls = []
 
     class Runner:
+        num_slots, vocab_size = 8, 32000
+
         def warmup(self):
             calls.append("warmup")
 
-    monkeypatch.setattr(multihost, "warm_broadcasts", lambda: calls.append("warm_broadcasts"))
+    monkeypatch.setattr(multihost, "warm_broadcasts", lambda size: calls.append("warm_broadcasts"))
     monkeypatch.setattr(multihost, "broadcast_bytes", lambda payload: calls.append("plan") or pickle.dumps(None))
     assert multihost.follow(Runner(), after_warmup=lambda: calls.append("after_warmup")) == 0
     assert calls == ["warmup", "warm_broadcasts", "after_warmup", "plan"]

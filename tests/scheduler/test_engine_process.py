@@ -278,3 +278,19 @@ def test_an_engine_failing_mid_serve_ends_its_streams_and_refuses_after(start_pr
     stats = engine.stats()
     assert stats.state == "failed" and "device on fire" in stats.error
     assert engine._process.is_alive()  # the child answers until its shutdown, as the engine in process does
+
+
+def test_constrained_requests_are_compiled_on_this_side_too(start_process):
+    """A grammar the child would refuse is refused at submit here (a 400 to the server), and a
+    good one runs in the child as in a thread."""
+    from scheduler.types import Constraint
+
+    engine = start_process()
+    for bad in (Constraint("regex", "[", "guided_regex"), Constraint("gbnf", "root ::= x\nx ::= x", "grammar")):
+        with pytest.raises(RequestValidationError) as err:
+            run(shared.collect_one(engine, req("a", constraint=bad)))
+        assert err.value.field == bad.field
+    events = run(shared.collect_one(engine, req("hello a", max_tokens=20,
+                                                 constraint=Constraint("regex", "[0-9]{3}-x")))).events
+    assert text(events) == "012-x" and events[-1].finish_reason == "stop"
+    assert engine.info()["constrained_decoding"] is True

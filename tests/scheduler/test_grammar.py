@@ -165,3 +165,51 @@ def test_without_a_vocabulary_constrained_requests_are_refused_and_the_rest_serv
         assert run(collect_one(engine, req("a", max_tokens=2, ignore_eos=True))).text == "bc"
     finally:
         engine.shutdown(10)
+
+
+def test_a_grammar_that_compiles_but_cannot_start_is_refused_at_submit():
+    """llguidance compiles a rule that never ends, then fails at its first mask: the vocabulary
+    computes that mask when it compiles, so the request is refused (400), not failed later."""
+    vocab = grammar.Vocabulary(ByteTokenizer())
+    with pytest.raises(RequestValidationError, match="invalid GBNF grammar") as err:
+        vocab.matcher(Constraint("gbnf", "root ::= x\nx ::= x", "grammar"))
+    assert err.value.field == "grammar"
+
+
+def test_a_grammar_is_compiled_once_and_each_request_gets_its_own_state():
+    vocab = grammar.Vocabulary(ByteTokenizer())
+    c = Constraint("regex", "(ab|cd)x")
+    a, b = vocab.matcher(c), vocab.matcher(c)
+    assert len(vocab._compiled) == 1
+    assert allowed_tokens(a.mask()) == allowed_tokens(b.mask()) == {ord("a"), ord("c")}
+    a.consume(ord("a"))
+    assert allowed_tokens(a.mask()) == {ord("b")}
+    assert allowed_tokens(b.mask()) == {ord("a"), ord("c")}  # untouched by a's token
+    b.consume(ord("c"))
+    assert allowed_tokens(b.mask()) == {ord("d")}
+
+
+def test_a_grammar_failing_in_the_engine_ends_its_request_and_frees_its_place(make_engine, monkeypatch):
+    """Where a grammar fails while its request is admitted (its first mask raising), the request
+    ends with an error, and the requests waiting behind it are admitted at once: the step with its
+    slot set up still runs, so nothing waits for an unrelated wake-up (one slot here)."""
+    engine, _ = make_engine(FakeModel(num_slots=1), max_queue=4)
+
+    class Broken(grammar.Matcher):
+        def mask(self):
+            raise RuntimeError("the grammar failed: on purpose")
+
+    real = engine._vocabulary.matcher
+    monkeypatch.setattr(engine._vocabulary, "matcher",
+                        lambda c: Broken(None, 9) if c.source == "broken" else real(c))
+
+    async def both():
+        import asyncio
+
+        broken = engine.submit(req("a", constraint=Constraint("regex", "broken")))
+        after = engine.submit(req("hello a", max_tokens=3, request_id="after", timeout_s=5))
+        return await asyncio.gather(collect(broken), collect(after))
+
+    broken, after = run(both())
+    assert broken.final.finish_reason == "error" and "on purpose" in broken.final.error
+    assert after.text == "bcd" and after.final.finish_reason == "length"
