@@ -79,6 +79,7 @@ from scheduler.types import (
     FINISH_CANCELLED,
     FINISH_ERROR,
     FINISH_TIMEOUT,
+    Constraint,
     EngineStats,
     EngineUnavailableError,
     GenerationRequest,
@@ -355,6 +356,11 @@ class Engine:
     def _check_available(self) -> None:
         if self._stats.state != "ready":
             raise EngineUnavailableError(self._unavailable_reason())
+
+    def compile_constraint(self, constraint: Constraint) -> None:
+        """Any thread: compiles a grammar into the vocabulary's kept grammars (raising what
+        `submit` would), so that a submit of it after only copies the compiled matcher."""
+        grammar.matcher_for(self._vocabulary, self._no_grammar_reason, constraint)
 
     def _matcher(self, request: GenerationRequest) -> grammar.Matcher:
         """The request's grammar compiled against the vocabulary (RequestValidationError where

@@ -60,6 +60,7 @@ from scheduler.gc_pauses import GcSnapshot, gc_pauses
 from scheduler.requests import RequestTiming, validate_request
 from scheduler.types import (
     FINISH_ERROR,
+    Constraint,
     EngineStats,
     EngineUnavailableError,
     GenerationRequest,
@@ -163,13 +164,14 @@ class EngineProcess:
         finally:
             self._vocabulary_built.set()
 
-    def _check_constraint(self, request: GenerationRequest) -> None:
-        """Compiles the request's grammar as the child will (RequestValidationError: HTTP 400)."""
+    def compile_constraint(self, constraint: Constraint) -> None:
+        """Any thread: compiles a grammar as the child will (RequestValidationError: HTTP 400),
+        kept here, so that a submit of it after only copies the compiled matcher."""
         if self._info.get("constrained_decoding") is False:  # the child could not build its vocabulary
             raise RequestValidationError("constrained decoding is not available in the engine process",
-                                         request.constraint.field)
+                                         constraint.field)
         self._vocabulary_built.wait(VOCABULARY_WAIT_S)
-        grammar.matcher_for(self._vocabulary, self._no_vocabulary, request.constraint)
+        grammar.matcher_for(self._vocabulary, self._no_vocabulary, constraint)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         self._settled.wait(timeout)
@@ -202,7 +204,7 @@ class EngineProcess:
             raise EngineUnavailableError(unavailable_reason(stats))
         validate_request(request, vocab_size=int(self.tokenizer.vocab_size), **self._limits)
         if request.constraint is not None:
-            self._check_constraint(request)
+            self.compile_constraint(request.constraint)
         if not self._capacity.acquire(blocking=False):
             self._rejected += 1
             raise QueueFullError()

@@ -236,6 +236,7 @@ async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]
     # taken before the submit: the engine's own TTFT clock starts as the request reaches it (in
     # its process or thread), and this handler may run on only later, so an end taken after
     # the submit would count that time twice
+    await gen.compile_constraint()
     submitted = time.perf_counter()
     gen.submit_all()
     metrics: Metrics = state.metrics

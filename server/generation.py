@@ -91,6 +91,21 @@ class Generation:
             constraint=self._parsed.constraint,
         )
 
+    async def compile_constraint(self) -> None:
+        """A constrained request's grammar compiled on a worker thread, into the engine's kept
+        grammars, so that `submit_all` on the event loop only copies it (a large schema takes a
+        tenth of a second to compile, which would stall every other stream); a grammar that does
+        not compile is a 400 here."""
+        compile_constraint = getattr(self._engine, "compile_constraint", None)
+        if self._parsed.constraint is None or compile_constraint is None:
+            return
+        try:
+            await asyncio.to_thread(compile_constraint, self._parsed.constraint)
+        except RequestValidationError as e:
+            raise invalid(str(e), e.field) from None
+        except EngineUnavailableError as e:
+            raise unavailable(str(e) or "the engine is not available") from None
+
     def submit_all(self) -> None:
         n = self._parsed.n
         try:

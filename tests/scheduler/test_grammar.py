@@ -213,3 +213,14 @@ def test_a_grammar_failing_in_the_engine_ends_its_request_and_frees_its_place(ma
     broken, after = run(both())
     assert broken.final.finish_reason == "error" and "on purpose" in broken.final.error
     assert after.text == "bcd" and after.final.finish_reason == "length"
+
+
+def test_compile_constraint_keeps_the_grammar_for_the_submit(make_engine):
+    engine, _ = make_engine()
+    with pytest.raises(RequestValidationError):
+        engine.compile_constraint(Constraint("regex", "[", "guided_regex"))
+    c = Constraint("choice", '["yes", "no"]')
+    engine.compile_constraint(c)
+    assert list(engine._vocabulary._compiled) == [(c.kind, c.source)]
+    assert run(collect_one(engine, req("m", max_tokens=5, constraint=c))).text == "no"
+    assert len(engine._vocabulary._compiled) == 1

@@ -108,3 +108,28 @@ async def test_a_constrained_chat_reply_is_read_as_it_is() -> None:
     message = r.json()["choices"][0]["message"]
     assert message["content"] == engine.reply and not message.get("tool_calls")
     assert r.json()["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.anyio
+async def test_grammars_compile_off_the_event_loop_before_the_submit() -> None:
+    """The server has the engine compile a grammar on a worker thread first (a large schema
+    would stall every stream on the loop); one that does not compile is a 400, nothing submitted."""
+    import threading
+
+    engine = FakeEngine()
+    threads = []
+
+    def compile_constraint(constraint):
+        threads.append(threading.current_thread())
+        if constraint.source == "[":
+            raise RequestValidationError("invalid regular expression: unclosed", constraint.field)
+
+    engine.compile_constraint = compile_constraint
+    async with client_for(make_app(engine)) as c:
+        bad = await c.post("/v1/completions", json={"prompt": "hi", "guided_regex": "["})
+        good = await c.post("/v1/completions", json={"prompt": "hi", "guided_regex": "a+"})
+        free = await c.post("/v1/completions", json={"prompt": "hi"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
+    assert good.status_code == 200 and free.status_code == 200
+    assert [r.constraint.source if r.constraint else None for r in engine.requests] == ["a+", None]
+    assert len(threads) == 2 and threading.main_thread() not in threads
