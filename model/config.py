@@ -291,6 +291,13 @@ class EngineConfig:
     # so a request's tokens may then differ in rare near-ties with what else runs. Off: the
     # engine stays batch-invariant. Costs a compile per context bucket that has it.
     few_rows_attention: bool = False
+    # Constrained decoding (scheduler/grammar.py) without a host stall: "on" splits a step that
+    # waits for a constrained request's token into its forward pass, queued behind the step
+    # before, and its sampling, dispatched once the host has read that token and filled the
+    # allowed tokens (StepPlan.deferred), so the device runs the forward pass meanwhile; "off"
+    # reads the token before planning the step (the device idles for the host's read, plan and
+    # dispatch); "auto": on with a GPU and one device. Costs a compile per context bucket and one.
+    constrained_overlap: str = "auto"
     # A slot's keys and values kept after its request for a later one whose prompt starts with
     # the same whole chunks (scheduler/engine.py's prompt cache): a chat's next turn prefills only
     # what follows the chunks its history shares with an earlier prompt. The tokens are those of a
@@ -407,6 +414,12 @@ class EngineConfig:
         wanted = self.compile_threads or min(_usable_cores(), MAX_AUTO_COMPILE_THREADS.get(backend, 1))
         return max(1, min(wanted, programs))
 
+    def overlaps_constrained(self, backend: str) -> bool:
+        """constrained_overlap resolved for a backend (one device: tensor parallel 1)."""
+        if self.constrained_overlap == "auto":
+            return backend == "gpu" and self.tensor_parallel == 1
+        return self.constrained_overlap == "on"
+
     def decode_steps(self) -> int:
         """Decode steps per dispatch, "auto" (0) resolved: one on every backend."""
         return self.decode_steps_per_dispatch or 1
@@ -439,6 +452,8 @@ class EngineConfig:
             )
         if self.decode_steps_per_dispatch < 0:
             raise ValueError("decode steps per dispatch must be >= 1, or 0 for auto")
+        if self.constrained_overlap not in ("auto", "on", "off"):
+            raise ValueError(f"constrained_overlap must be auto, on or off, got {self.constrained_overlap!r}")
         if self.dispatch_ahead < 1:
             raise ValueError("programs dispatched ahead must be >= 1")
         if self.max_queue < 0:

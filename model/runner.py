@@ -64,6 +64,23 @@ def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, par
     decode's drafts are looked up there)."""
     positions = jnp.where(active, st.positions, -1)
     logits, cache = forward.decode(cfg, kern, params, cache, st.tokens, positions, attend, unroll, few_rows)
+    st, out = _sample_decode(num_top, st, samp, active, allowed, logits, record=record)
+    return cache, st, out
+
+
+def _decode_logits(cfg: ModelConfig, kern: Kernels, attend: int, params, cache, st: SlotState, active,
+                   *, unroll: bool = False):
+    """A deferred decode's first program (StepPlan.deferred): `_decode_step`'s forward pass
+    alone, the logits [B, V] left on the device for `_sample_decode`, which runs once the host
+    has the constrained rows' allowed tokens."""
+    positions = jnp.where(active, st.positions, -1)
+    logits, cache = forward.decode(cfg, kern, params, cache, st.tokens, positions, attend, unroll)
+    return cache, logits
+
+
+def _sample_decode(num_top: int, st: SlotState, samp, active, allowed, logits, *, record: bool = False):
+    """A decode step's sampling and slot-state update over its logits (`_decode_step`'s second
+    half; alone, a deferred decode's second program)."""
     samp = sampling.for_rows(samp, active)  # inactive rows' outputs are discarded: no draw, sort or top-k for them
     tok, lp, top_ids, top_lps = sampling.sample(logits, samp, st.prompt_mask, st.counts, st.step_index, num_top,
                                                 allowed=allowed)
@@ -80,7 +97,7 @@ def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, par
         step_index=st.step_index + inc,
         history=history,
     )
-    return cache, st, _pack_outputs(tok, active, lp, top_ids, top_lps)
+    return st, _pack_outputs(tok, active, lp, top_ids, top_lps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,6 +379,41 @@ class _Pending:
             yield [out], (chunk.slot,)
 
 
+class _DeferredPending(_Pending):
+    """A dispatched step whose decode waits for allowed tokens (StepPlan.deferred): the forward
+    pass and the prompt chunks run; `supply(rows)` dispatches the sampling. Read it only after:
+    the runner dispatches nothing else that touches the slot state in between (the engine's
+    order: dispatch, read the step before, supply)."""
+
+    def __init__(self, runner: "ModelRunner", logits: Any, allowed: dict[int, np.ndarray], plan: StepPlan,
+                 prefill_outs: list[Any]) -> None:
+        super().__init__(runner.num_slots, runner.max_top_logprobs, None, prefill_outs, 1, plan.decode_slots,
+                         plan.prefills)
+        self._runner, self._logits, self._allowed = runner, logits, allowed
+        self.deferred: tuple[int, ...] = plan.deferred  # the slots whose rows `supply` takes; () once supplied
+
+    def supply(self, rows: dict[int, np.ndarray]) -> None:
+        """The deferred slots' allowed tokens ([W] int32 each): dispatches the sampling."""
+        if not self.deferred:
+            raise RuntimeError("this step's allowed tokens were already supplied")
+        if set(rows) != set(self.deferred):
+            raise ValueError(f"allowed tokens for slots {sorted(rows)}, deferred {sorted(self.deferred)}")
+        merged = dict(self._allowed)
+        merged.update(self._runner._allowed_rows(StepPlan(allowed=tuple(rows.items()))))
+        self._decode_out = self._runner._sample_deferred(self._logits, self._decode_slots, merged)
+        self._logits, self.deferred = None, ()
+
+    def results(self) -> list[StepOutput]:
+        if self.deferred:
+            raise RuntimeError("a deferred step read before its allowed tokens were supplied")
+        return super().results()
+
+    def parts(self):
+        if self.deferred:
+            raise RuntimeError("a deferred step read before its allowed tokens were supplied")
+        return super().parts()
+
+
 # The speculative decode's per-slot moving average of accepted drafts per step
 # (EngineConfig.draft_min_gain): its value at a new prompt (speculate at first), the weight of
 # each step, and the decode steps after which a slot below the bar speculates once again (at the
@@ -505,6 +557,8 @@ class ModelRunner:
         self._free_row = np.full((self._mask_words,), -1, np.int32)
         self._free_rows = jax.device_put(np.full((self.num_slots, self._mask_words), -1, np.int32),
                                          None if mesh is None else sharding.replicated(mesh))
+        # StepPlan.deferred (EngineConfig.constrained_overlap): one device only
+        self.defers_allowed = mesh is None and engine_cfg.overlaps_constrained(jax.default_backend())
         # Speculative decode (model/speculative.py): requests verify drafts of their next tokens
         # in the rows idle slots leave.
         self._spec = None
@@ -577,6 +631,12 @@ class ModelRunner:
                   if num_steps > 1 else functools.partial(_spec_decode_step, *args, unroll=self._unroll_decode))
             return self._jit("decode", fn)
         record = self._spec is not None
+        if kind == "logits":
+            fn = functools.partial(_decode_logits, self.cfg, self.kernels, attend, unroll=self._unroll_decode)
+            return jax.jit(fn, donate_argnums=(1,))  # the cache
+        if kind == "sample":
+            return jax.jit(functools.partial(_sample_decode, self.max_top_logprobs, record=record),
+                           donate_argnums=(0,))  # the slot state
         if kind == "decode" and num_steps > 1:
             fn = functools.partial(_multi_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend, num_steps,
                                    unroll=self._unroll_decode, few_rows=few_rows, record=record)
@@ -608,6 +668,11 @@ class ModelRunner:
         return jax.jit(fn, donate_argnums=(1, 2), out_shardings=self._out_shardings[kind])
 
     def _example_args(self, kind: str, size: int, steps: int = 1) -> tuple:
+        if kind == "logits":
+            return (self.params, self._cache, self._state, self._active_mask(()))
+        if kind == "sample":
+            logits = jax.ShapeDtypeStruct((self.num_slots, self.cfg.vocab_size), jnp.float32)
+            return (self._state, self._samp, self._active_mask(()), self._free_rows, logits)
         if kind == "decode" and steps == 1:  # one step: with the constrained rows' allowed tokens
             return (self.params, self._cache, self._state, self._samp, self._active_mask(()), self._free_rows)
         if kind == "decode":
@@ -634,6 +699,9 @@ class ModelRunner:
         if self._spec is not None:
             jobs += [("spec", self.num_slots, steps, attend, False) for steps in self.decode_steps
                      for attend in self.context_buckets]
+        if self.defers_allowed:  # a deferred decode's two programs (StepPlan.deferred)
+            jobs += [("logits", self.num_slots, 1, attend, False) for attend in self.context_buckets]
+            jobs += [("sample", self.num_slots, 1, 0, False)]
         workers = self.engine_cfg.compile_workers(jax.default_backend(), len(jobs))
 
         def build(job):
@@ -715,7 +783,7 @@ class ModelRunner:
         steps = plan.num_decode_steps
         allowed = self._allowed_rows(plan)
         # a constrained step runs the plain decode: the speculative program takes no allowed tokens
-        layout = (None if self._spec is None or not plan.decode_slots or allowed
+        layout = (None if self._spec is None or not plan.decode_slots or allowed or plan.deferred
                   else self._spec_layout(plan.decode_slots))
         if self._spec is not None and plan.decode_slots:
             drafting = np.zeros((self.num_slots,), bool)
@@ -732,6 +800,15 @@ class ModelRunner:
                 self.params, self._cache, self._state, self._samp, dev_layout)
             _start_copies(decode_out)
             self._positions += steps * rows  # at most; `_SpecPending` takes back what was not emitted
+        elif plan.deferred:
+            if not self.defers_allowed:
+                raise ValueError("a plan with deferred slots for a runner that does not defer allowed tokens")
+            active = np.zeros((self.num_slots,), bool)
+            active[list(plan.decode_slots)] = True
+            attend = self._bucket(int(self._positions[active].max()) + 1)
+            self._cache, logits = self._program("logits", self.num_slots, attend)(
+                self.params, self._cache, self._state, self._active_mask(plan.decode_slots))
+            self._positions[active] += 1
         elif plan.decode_slots:
             active = np.zeros((self.num_slots,), bool)
             active[list(plan.decode_slots)] = True
@@ -756,6 +833,8 @@ class ModelRunner:
         if layout is not None:
             return _SpecPending(self, layout[0], decode_out, steps, epochs, prefill_outs, plan.decode_slots,
                                 plan.prefills)
+        if plan.deferred:
+            return _DeferredPending(self, logits, allowed, plan, prefill_outs)
         return _Pending(self.num_slots, self.max_top_logprobs, decode_out, prefill_outs,
                         steps if decode_out is not None else 1, plan.decode_slots, plan.prefills)
 
@@ -771,6 +850,13 @@ class ModelRunner:
                 raise ValueError(f"allowed tokens for slot {slot}, outside the {self.num_slots} slots")
             rows[int(slot)] = row
         return rows
+
+    def _sample_deferred(self, logits: jax.Array, decode_slots: tuple[int, ...], rows: dict[int, np.ndarray]):
+        """A deferred decode's second program, over the slot state as the programs dispatched
+        since left it (the step's prompt chunks: other slots); returns its outputs."""
+        self._state, out = self._program("sample", self.num_slots, 0)(
+            self._state, self._samp, self._active_mask(decode_slots), self._device_rows(rows), logits)
+        return _start_copies(out)
 
     def _device_rows(self, rows: dict[int, np.ndarray]) -> jax.Array:
         """A decode step's [B, W] allowed tokens: the constrained slots' rows, every bit elsewhere."""

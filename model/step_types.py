@@ -125,14 +125,21 @@ class StepPlan:
     # Only in plans of one decode step and no speculative drafts: the host fills a row after it
     # has read the slot's previous token.
     allowed: tuple[tuple[int, np.ndarray], ...] = ()
+    # Constrained decoding slots whose allowed tokens follow a token the host has not read yet (a
+    # runner that `defers_allowed`): the decode runs its forward pass now and samples once the
+    # host hands the pending step those rows (`supply`), so the device computes the step while
+    # the host reads the token before it. Decode slots, not in `allowed`.
+    deferred: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_decode_steps < 1:
             raise ValueError("num_decode_steps must be >= 1")
         if self.num_decode_steps > 1 and self.prefills:
             raise ValueError("several decode steps per dispatch run only without prefill chunks")
-        if self.num_decode_steps > 1 and self.allowed:
-            raise ValueError("constrained slots (allowed) decode one step per dispatch")
+        if self.num_decode_steps > 1 and (self.allowed or self.deferred):
+            raise ValueError("constrained slots (allowed, deferred) decode one step per dispatch")
+        if not set(self.deferred) <= set(self.decode_slots) or set(self.deferred) & {s for s, _ in self.allowed}:
+            raise ValueError("deferred slots must be decode slots without allowed rows in the plan")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -465,6 +465,7 @@ class Engine:
         self._max_top_logprobs = int(model.max_top_logprobs)
         self._decode_steps = tuple(getattr(model, "decode_steps", (1,)))
         self._dispatch_ahead = int(getattr(model, "dispatch_ahead", 1))
+        self._defers = bool(getattr(model, "defers_allowed", False))  # StepPlan.deferred
         if self._dispatch_ahead < 1:
             raise ValueError(f"the model's dispatch_ahead {self._dispatch_ahead} is below 1")
         self._info = self._build_info(model)
@@ -504,10 +505,17 @@ class Engine:
             if self._is_stopping:
                 return
             self._expire(time.monotonic())
-            if in_flight and self._awaits_tokens():
-                # A constrained request's next allowed tokens depend on the token in flight: read
-                # the steps in flight before planning, so that it samples in every step (the
-                # device then idles while the host reads, plans and dispatches).
+            if in_flight and getattr(in_flight[-1][0], "deferred", ()) and not self._supply(*in_flight[-1]):
+                # The newest step samples constrained rows whose allowed tokens follow a token of
+                # an older step: read that step first (the device runs the newest's forward pass
+                # meanwhile); nothing is dispatched before the newest step has its rows.
+                self._process(*in_flight.popleft())
+                self._publish("ready")
+                continue
+            if in_flight and not self._defers and self._awaits_tokens():
+                # A model that cannot defer them: a constrained request's next allowed tokens
+                # depend on the token in flight, so read the steps in flight before planning (it
+                # samples in every step; the device idles while the host reads, plans, dispatches).
                 self._process(*in_flight.popleft())
                 self._publish("ready")
                 continue
@@ -527,6 +535,20 @@ class Engine:
 
     def _awaits_tokens(self) -> bool:
         return any(state is not None and state.awaits_token for state in self._slots)
+
+    def _supply(self, pending: Any, rows: dict[int, RequestState]) -> bool:
+        """Hands a deferred step its constrained rows' allowed tokens, where every one of those
+        requests has read the tokens before this step's (a finished one gets every token: its
+        output is discarded); False where some token is still in flight."""
+        states = {slot: rows[slot] for slot in pending.deferred}
+        if any(not s.is_finished and s.tokens_in_flight > 1 for s in states.values()):
+            return False
+        supplied = {}
+        for slot, state in states.items():
+            row = None if state.is_finished else self._allowed_row(state)
+            supplied[slot] = np.full((state.matcher.num_words,), -1, np.int32) if row is None else row
+        pending.supply(supplied)
+        return True
 
     def _drain_inbox(self) -> None:
         while True:
@@ -565,7 +587,7 @@ class Engine:
         rows: dict[int, RequestState] = {}
         decoding = [
             (slot, state) for slot, state in enumerate(self._slots)
-            if state is not None and state.is_decoding and state.num_scheduled < state.limit and not state.awaits_token
+            if state is not None and state.is_decoding and state.num_scheduled < state.limit and self._plannable(state)
         ]
         # Several decode steps in one dispatch only when no prompt is waiting or being prefilled,
         # every decoding request has room for all of them (max_tokens is never overrun), and none
@@ -579,8 +601,11 @@ class Engine:
             steps = 1
         decode_slots = []
         allowed: list[tuple[int, np.ndarray]] = []
+        deferred: list[int] = []
         for slot, state in decoding:
-            if state.matcher is not None:
+            if state.matcher is not None and state.tokens_in_flight:
+                deferred.append(slot)  # its row once its token in flight is read (`_supply`)
+            elif state.matcher is not None:
                 row = self._allowed_row(state)
                 if row is None:
                     continue
@@ -628,8 +653,15 @@ class Engine:
         plan = StepPlan(
             setups=tuple(setups), copies=tuple(copies), decode_slots=tuple(decode_slots), prefills=tuple(prefills),
             num_decode_steps=steps if decode_slots and not prefills else 1, allowed=tuple(allowed),
+            deferred=tuple(deferred),
         )
         return plan, rows
+
+    def _plannable(self, state: RequestState) -> bool:
+        """A constrained request decodes once its tokens in flight are read, or with a model that
+        defers allowed tokens (StepPlan.deferred) with one still in flight, whose step is then the
+        newest (the engine supplies a deferred step before it plans another)."""
+        return state.matcher is None or state.tokens_in_flight == 0 or (self._defers and state.tokens_in_flight == 1)
 
     def _allowed_row(self, state: RequestState) -> np.ndarray | None:
         """The tokens a constrained request may sample next; None where its grammar failed (the

@@ -170,10 +170,15 @@ class RequestState:
         return self.num_prefilled == self.num_prompt
 
     @property
+    def tokens_in_flight(self) -> int:
+        """Generated tokens dispatched and not yet read (a constrained request's next allowed
+        tokens follow all of them)."""
+        return self.num_scheduled - self.num_generated
+
+    @property
     def awaits_token(self) -> bool:
-        """A constrained request with a token in flight: its next sample's allowed tokens depend
-        on that token, so it is not planned again until the token is read."""
-        return self.matcher is not None and self.num_scheduled > self.num_generated
+        """A constrained request with a token in flight."""
+        return self.matcher is not None and self.tokens_in_flight > 0
 
     def accept(
         self,

@@ -94,6 +94,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
                    help="decode attention planned for few busy slots (a quarter of --slots or fewer) at 1024+ tokens "
                         "of context: faster for a lone long-context user, but a request's tokens may then differ in rare "
                         "near-ties with what else runs (not batch-invariant)")
+    p.add_argument("--constrained-overlap", default="auto", choices=("auto", "on", "off"),
+                   help="constrained decoding: run a step's forward pass while the host reads the token its allowed "
+                        "tokens follow, sampling after (two programs a step; auto: on a GPU with one device), or read "
+                        "the token first (off)")
     p.add_argument("--draft-max", type=int, default=0, metavar="N",
                    help="speculative decoding by prompt lookup: a request checks up to N "
                         "drafts of its next tokens per step (the tokens that followed its last n-gram where it "
@@ -192,6 +196,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         dispatch_ahead=args.dispatch_ahead,
         unroll_decode_layers=args.unroll_decode_layers,
         few_rows_attention=args.few_rows_attention,
+        constrained_overlap=args.constrained_overlap,
         prompt_cache=args.prompt_cache,
         draft_max=args.draft_max,
         ngram_max=args.ngram_max,

@@ -284,3 +284,48 @@ def test_allowed_tokens_hold_a_constrained_slot_and_leave_the_others_alone(smol_
             assert np.isfinite(o.logprobs[0]) and o.logprobs[0] <= 0
             # the logprobs are the constrained distribution's: the 40 allowed tokens hold all the mass
             assert np.exp(o.top_logprobs[0][:5]).sum() <= 1.0 + 1e-5
+
+
+def test_a_deferred_decode_samples_what_the_one_program_decode_does(smollm2, smol_runner, prompt_ids):
+    """StepPlan.deferred (EngineConfig.constrained_overlap): the forward pass at dispatch, the
+    sampling at `supply`, with a prompt chunk of another slot dispatched between them, gives the
+    tokens and logprobs of the same steps with the rows known at dispatch."""
+    from model.config import EngineConfig
+    from model.runner import mask_words
+    from model.step_types import PrefillChunk, SlotSetup, StepPlan
+
+    runner = smollm2.make_runner(EngineConfig(num_slots=8, max_context=1024, context_buckets=(1024,),
+                                              prefill_chunks=(64,), constrained_overlap="on"))
+    assert runner.defers_allowed
+    runner.warmup()
+    vocab = runner.vocab_size
+    rng = np.random.default_rng(1)
+    row = np.zeros((mask_words(vocab),), np.uint32)
+    for t in rng.choice(vocab, 300, replace=False):
+        row[t // 32] |= np.uint32(1 << (t % 32))
+    row = row.view(np.int32)
+    sp = SamplingParams(temperature=0, top_logprobs=3)
+    first = (SlotSetup(0, sp), SlotSetup(1, sp))
+    chunks = tuple(PrefillChunk(s, np.asarray(prompt_ids[s][:60], np.int32), 0, True) for s in (0, 1))
+    late = PrefillChunk(2, np.asarray(prompt_ids[2][:60], np.int32), 0, True)
+
+    def steps(r, deferred: bool):
+        outs = [r.dispatch(StepPlan(setups=first, prefills=chunks, allowed=((0, row),))).result()]
+        for i in range(3):
+            extra = dict(setups=(SlotSetup(2, sp),), prefills=(late,)) if i == 1 else {}
+            slots = (0, 1, 2) if i == 2 else (0, 1)
+            if deferred:
+                pending = r.dispatch(StepPlan(decode_slots=slots, deferred=(0,), **extra))
+                pending.supply({0: row})
+            else:
+                pending = r.dispatch(StepPlan(decode_slots=slots, allowed=((0, row),), **extra))
+            outs.append(pending.result())
+        return outs
+
+    one, split = steps(smol_runner, False), steps(runner, True)
+    for a, b in zip(one, split):
+        np.testing.assert_array_equal(a.valid, b.valid)
+        np.testing.assert_array_equal(a.tokens[a.valid], b.tokens[b.valid])
+        np.testing.assert_allclose(a.logprobs[a.valid], b.logprobs[b.valid], atol=1e-4)
+    assert all(grammar_ok for grammar_ok in (int(o.tokens[0]) in set(np.flatnonzero(
+        np.unpackbits(row.view(np.uint8), bitorder="little"))) for o in split))

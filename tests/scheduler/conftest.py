@@ -10,7 +10,8 @@ prefix, decodes only after the last chunk), records every plan, and can delay re
 still running) or fail on a chosen step.
 
 With a plan's `allowed` rows (constrained decoding) it takes instead the first allowed token at
-or after (t + 1) % V, counting around the vocabulary.
+or after (t + 1) % V, counting around the vocabulary; with `defers_allowed`, a plan's deferred
+slots sample when their rows are supplied, and it checks that nothing is dispatched before.
 
 `ByteTokenizer`: token id = byte (0..255); 256 is EOS, 257 another special token.
 """
@@ -120,6 +121,26 @@ class _FakePartsPending(_FakePending):
                 yield outs, (chunk.slot,)
 
 
+class _FakeDeferredPending(_FakePending):
+    """A step whose deferred slots sample at `supply` (StepPlan.deferred)."""
+
+    def __init__(self, outputs: list[StepOutput], ready_at: float, gate: threading.Event | None, model: "FakeModel",
+                 inputs: dict[int, int]) -> None:
+        super().__init__(outputs, ready_at, gate)
+        self._model, self._inputs = model, inputs
+        self.deferred = tuple(inputs)
+
+    def supply(self, rows: dict) -> None:
+        assert self.deferred and set(rows) == set(self.deferred), f"rows {sorted(rows)} for {self.deferred}"
+        for slot, last in self._inputs.items():
+            self._model._sample(self._outputs[0], slot, last, rows[slot])
+        self.deferred = ()
+
+    def results(self) -> list[StepOutput]:
+        assert not self.deferred, "a deferred step read before its rows were supplied"
+        return super().results()
+
+
 class FakeModel:
     def __init__(
         self,
@@ -136,6 +157,7 @@ class FakeModel:
         prefill_gate: threading.Event | None = None,
         dispatch_ahead: int | None = None,
         context_tokens: bool = False,
+        defers_allowed: bool = False,
     ) -> None:
         self.num_slots = num_slots
         self.decode_steps = decode_steps
@@ -156,6 +178,8 @@ class FakeModel:
         self.context_tokens = context_tokens
         self.cache: list[list[int | None]] = [[None] * max_context for _ in range(num_slots)]  # token per position
         self._busy_until = 0.0  # the fake device runs one program after another
+        self.defers_allowed = defers_allowed  # StepPlan.deferred
+        self._unsupplied: _FakeDeferredPending | None = None
 
     def warmup(self) -> None:
         self.is_warm = True
@@ -164,6 +188,8 @@ class FakeModel:
         if self.fail_at_step is not None and len(self.plans) == self.fail_at_step:
             raise RuntimeError("device on fire")
         assert self.is_warm, "dispatch before warmup"
+        assert self._unsupplied is None or not self._unsupplied.deferred, "dispatch before a deferred step's rows"
+        assert not plan.deferred or self.defers_allowed, "a deferred plan for a model that does not defer"
         self.plans.append(plan)
         assert plan.num_decode_steps in self.decode_steps, f"{plan.num_decode_steps} decode steps not compiled"
         outs = [StepOutput.empty(self.num_slots, self.max_top_logprobs) for _ in range(plan.num_decode_steps)]
@@ -174,14 +200,19 @@ class FakeModel:
         for setup in plan.setups:
             self._pos[setup.slot], self._last[setup.slot] = -1, None  # -1: before the first chunk
         prefill_slots = {c.slot for c in plan.prefills}
+        deferred_inputs: dict[int, int] = {}
         for step_out in outs:
             for slot in plan.decode_slots:
                 assert slot not in prefill_slots, f"slot {slot} decodes and prefills in one step"
-                assert self._last[slot] is not None, f"slot {slot} decodes before its prompt is done"
+                assert self._last[slot] not in (None, -1), f"slot {slot} decodes before its prompt or last token is done"
                 assert self._pos[slot] < self.max_context, f"slot {slot} decodes past the context"
                 self.cache[slot][self._pos[slot]] = self._last[slot]
                 self._pos[slot] += 1
-                self._sample(step_out, slot, self._last[slot], allowed.get(slot))
+                if slot in plan.deferred:
+                    deferred_inputs[slot] = self._last[slot]
+                    self._last[slot] = -1  # sampled at supply: nothing may decode from it before
+                else:
+                    self._sample(step_out, slot, self._last[slot], allowed.get(slot))
         for copy in plan.copies:  # after the decode, before the prompt chunks
             n = copy.num_tokens
             assert copy.src != copy.dst and self._pos[copy.dst] == -1, "a copy into a slot not just set up"
@@ -202,6 +233,9 @@ class FakeModel:
             if chunk.is_last:
                 self._sample(out, chunk.slot, int(chunk.tokens[-1]), allowed.get(chunk.slot))
         self._busy_until = max(self._busy_until, time.monotonic()) + self.step_delay
+        if plan.deferred:
+            self._unsupplied = _FakeDeferredPending(outs, self._busy_until, self.gate, self, deferred_inputs)
+            return self._unsupplied
         if self.parts:
             return _FakePartsPending(outs, self._busy_until, self.gate, plan, self.prefill_gate)
         return _FakePending(outs, self._busy_until, self.gate)

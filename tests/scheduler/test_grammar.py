@@ -103,10 +103,12 @@ def test_a_choice_and_a_grammar_that_ends_on_the_end_of_generation_token(make_en
     assert (cut.text, cut.final.finish_reason) == ("bcd", "length")
 
 
-def test_a_constrained_request_samples_every_step_and_leaves_its_neighbours_alone(make_engine):
-    """Beside unconstrained requests it still gets a token each step (the engine reads the token
-    in flight before planning), only in one-step plans, and the others' tokens are theirs."""
-    model = FakeModel(decode_steps=(1, 4))
+@pytest.mark.parametrize("defers", [False, True], ids=["reads-first", "deferred"])
+def test_a_constrained_request_samples_every_step_and_leaves_its_neighbours_alone(make_engine, defers):
+    """Beside unconstrained requests it still gets a token each step, only in one-step plans, and
+    the others' tokens are theirs: the engine reads the token in flight before planning, or with
+    a model that defers allowed tokens plans the step at once and supplies its rows after."""
+    model = FakeModel(decode_steps=(1, 4), defers_allowed=defers)
     engine, _ = make_engine(model)
     free = [req(f"hello {c}", max_tokens=12, request_id=f"free-{c}") for c in "ab"]
     constrained = req("x", max_tokens=12, request_id="c", constraint=Constraint("regex", "[a-c]{12}"))
@@ -121,8 +123,10 @@ def test_a_constrained_request_samples_every_step_and_leaves_its_neighbours_alon
     assert (a.text, b.text) == ("bcdefghijklm", "cdefghijklmn")
     assert c.text == "abcabcabcabc" and c.final.finish_reason == "stop"
     slot = next(s for p in model.plans for s, _ in p.allowed)
-    constrained_plans = [p for p in model.plans if any(s == slot for s, _ in p.allowed)]
+    constrained_plans = [p for p in model.plans if any(s == slot for s, _ in p.allowed) or slot in p.deferred]
     assert len(constrained_plans) == 12  # its prompt's last chunk, then 11 decodes
+    # deferred: every decode planned while the token before (the first: the prompt's) was in flight
+    assert sum(slot in p.deferred for p in constrained_plans) == (11 if defers else 0)
     assert all(p.num_decode_steps == 1 for p in constrained_plans)
     first = model.plans.index(constrained_plans[0])
     decodes = [p for p in model.plans[first + 1:first + 12]]
@@ -224,3 +228,23 @@ def test_compile_constraint_keeps_the_grammar_for_the_submit(make_engine):
     assert list(engine._vocabulary._compiled) == [(c.kind, c.source)]
     assert run(collect_one(engine, req("m", max_tokens=5, constraint=c))).text == "no"
     assert len(engine._vocabulary._compiled) == 1
+
+
+def test_a_deferred_request_that_ends_leaves_the_step_it_was_planned_in_running(make_engine):
+    """A constrained request that stops (here on a stop string) while its next step is already
+    dispatched: that step gets every token for it (its output is discarded) and the others
+    decode on; a second constrained request after it starts from its own grammar."""
+    model = FakeModel(defers_allowed=True)
+    engine, _ = make_engine(model)
+
+    async def both():
+        import asyncio
+
+        free = engine.submit(req("hello a", max_tokens=10, request_id="free"))
+        stopped = engine.submit(req("x", max_tokens=12, stop=("c",), constraint=Constraint("regex", "[a-c]{12}")))
+        return await asyncio.gather(collect(free), collect(stopped))
+
+    free, stopped = run(both())
+    assert (free.text, stopped.text, stopped.final.finish_reason) == ("bcdefghijk", "ab", "stop")
+    again = run(collect_one(engine, req("x", max_tokens=12, constraint=Constraint("regex", "[a-c]{2}z"))))
+    assert again.text == "abz"
