@@ -69,12 +69,12 @@ def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, par
 
 
 def _decode_logits(cfg: ModelConfig, kern: Kernels, attend: int, params, cache, st: SlotState, active,
-                   *, unroll: bool = False):
+                   *, unroll: bool = False, few_rows: bool = False):
     """A deferred decode's first program (StepPlan.deferred): `_decode_step`'s forward pass
     alone, the logits [B, V] left on the device for `_sample_decode`, which runs once the host
     has the constrained rows' allowed tokens."""
     positions = jnp.where(active, st.positions, -1)
-    logits, cache = forward.decode(cfg, kern, params, cache, st.tokens, positions, attend, unroll)
+    logits, cache = forward.decode(cfg, kern, params, cache, st.tokens, positions, attend, unroll, few_rows)
     return cache, logits
 
 
@@ -632,7 +632,8 @@ class ModelRunner:
             return self._jit("decode", fn)
         record = self._spec is not None
         if kind == "logits":
-            fn = functools.partial(_decode_logits, self.cfg, self.kernels, attend, unroll=self._unroll_decode)
+            fn = functools.partial(_decode_logits, self.cfg, self.kernels, attend, unroll=self._unroll_decode,
+                                   few_rows=few_rows)
             return jax.jit(fn, donate_argnums=(1,))  # the cache
         if kind == "sample":
             return jax.jit(functools.partial(_sample_decode, self.max_top_logprobs, record=record),
@@ -700,7 +701,8 @@ class ModelRunner:
             jobs += [("spec", self.num_slots, steps, attend, False) for steps in self.decode_steps
                      for attend in self.context_buckets]
         if self.defers_allowed:  # a deferred decode's two programs (StepPlan.deferred)
-            jobs += [("logits", self.num_slots, 1, attend, False) for attend in self.context_buckets]
+            jobs += [("logits", self.num_slots, 1, attend, few) for attend in self.context_buckets
+                     for few in (False, True) if not few or self._few_rows_limit(attend, 1)]
             jobs += [("sample", self.num_slots, 1, 0, False)]
         workers = self.engine_cfg.compile_workers(jax.default_backend(), len(jobs))
 
@@ -806,7 +808,10 @@ class ModelRunner:
             active = np.zeros((self.num_slots,), bool)
             active[list(plan.decode_slots)] = True
             attend = self._bucket(int(self._positions[active].max()) + 1)
-            self._cache, logits = self._program("logits", self.num_slots, attend)(
+            few_rows = len(plan.decode_slots) <= self._few_rows_limit(attend, 1)
+            # (its sampling runs after the step's prompt chunks: `parts` hands its decode tokens
+            # over after them, where a plain step's come first)
+            self._cache, logits = self._program("logits", self.num_slots, attend, 1, few_rows)(
                 self.params, self._cache, self._state, self._active_mask(plan.decode_slots))
             self._positions[active] += 1
         elif plan.decode_slots:

@@ -195,6 +195,9 @@ class StepModel(Protocol):
     decode_steps: tuple[int, ...]  # compiled decode steps per dispatch, e.g. (1,) or (1, 8)
     # (optional) the logits' vocabulary, for StepPlan.allowed's row width (default: the tokenizer's)
     # vocab_size: int
+    # (optional, default False) takes StepPlan.deferred: dispatch returns a step whose `deferred`
+    # slots sample once `supply({slot: row})` is called (the engine calls it before any other dispatch)
+    # defers_allowed: bool
     # (optional, default 1) programs the engine keeps queued beyond the one it reads
     # (the runner's is EngineConfig.dispatch_ahead)
     # dispatch_ahead: int

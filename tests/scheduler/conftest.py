@@ -125,9 +125,9 @@ class _FakeDeferredPending(_FakePending):
     """A step whose deferred slots sample at `supply` (StepPlan.deferred)."""
 
     def __init__(self, outputs: list[StepOutput], ready_at: float, gate: threading.Event | None, model: "FakeModel",
-                 inputs: dict[int, int]) -> None:
+                 inputs: dict[int, int], plan: StepPlan) -> None:
         super().__init__(outputs, ready_at, gate)
-        self._model, self._inputs = model, inputs
+        self._model, self._inputs, self._plan = model, inputs, plan
         self.deferred = tuple(inputs)
 
     def supply(self, rows: dict) -> None:
@@ -139,6 +139,19 @@ class _FakeDeferredPending(_FakePending):
     def results(self) -> list[StepOutput]:
         assert not self.deferred, "a deferred step read before its rows were supplied"
         return super().results()
+
+
+
+class _FakeDeferredPartsPending(_FakeDeferredPending):
+    """The same, handed over in parts (the model's `parts`)."""
+
+    def parts(self):
+        assert not self.deferred, "a deferred step read before its rows were supplied"
+        outs = super().results()
+        yield outs, self._plan.decode_slots
+        for chunk in self._plan.prefills:
+            if chunk.is_last:
+                yield outs, (chunk.slot,)
 
 
 class FakeModel:
@@ -234,7 +247,8 @@ class FakeModel:
                 self._sample(out, chunk.slot, int(chunk.tokens[-1]), allowed.get(chunk.slot))
         self._busy_until = max(self._busy_until, time.monotonic()) + self.step_delay
         if plan.deferred:
-            self._unsupplied = _FakeDeferredPending(outs, self._busy_until, self.gate, self, deferred_inputs)
+            kind = _FakeDeferredPartsPending if self.parts else _FakeDeferredPending
+            self._unsupplied = kind(outs, self._busy_until, self.gate, self, deferred_inputs, plan)
             return self._unsupplied
         if self.parts:
             return _FakePartsPending(outs, self._busy_until, self.gate, plan, self.prefill_gate)

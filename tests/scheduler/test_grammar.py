@@ -103,12 +103,13 @@ def test_a_choice_and_a_grammar_that_ends_on_the_end_of_generation_token(make_en
     assert (cut.text, cut.final.finish_reason) == ("bcd", "length")
 
 
-@pytest.mark.parametrize("defers", [False, True], ids=["reads-first", "deferred"])
-def test_a_constrained_request_samples_every_step_and_leaves_its_neighbours_alone(make_engine, defers):
+@pytest.mark.parametrize("defers, parts", [(False, False), (True, False), (True, True)],
+                         ids=["reads-first", "deferred", "deferred-in-parts"])
+def test_a_constrained_request_samples_every_step_and_leaves_its_neighbours_alone(make_engine, defers, parts):
     """Beside unconstrained requests it still gets a token each step, only in one-step plans, and
     the others' tokens are theirs: the engine reads the token in flight before planning, or with
     a model that defers allowed tokens plans the step at once and supplies its rows after."""
-    model = FakeModel(decode_steps=(1, 4), defers_allowed=defers)
+    model = FakeModel(decode_steps=(1, 4), defers_allowed=defers, parts=parts)
     engine, _ = make_engine(model)
     free = [req(f"hello {c}", max_tokens=12, request_id=f"free-{c}") for c in "ab"]
     constrained = req("x", max_tokens=12, request_id="c", constraint=Constraint("regex", "[a-c]{12}"))
