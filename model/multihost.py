@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from model.step_types import StepOutput, StepPlan
+from model.step_types import StepOutput, StepPlan, mask_words
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def broadcast_bytes(payload: bytes | None) -> bytes:
 def max_plan_bytes(runner: Any) -> int:
     """A bound on a pickled plan's size: _WARM_PAYLOAD (a plan's tokens and settings are far
     smaller) beside every slot's allowed-token row (constrained decoding: ceil(V / 32) words)."""
-    return _WARM_PAYLOAD + runner.num_slots * 4 * -(-runner.vocab_size // 32)
+    return _WARM_PAYLOAD + runner.num_slots * 4 * mask_words(runner.vocab_size)
 
 
 def warm_broadcasts(max_payload: int = _WARM_PAYLOAD) -> None:

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any
+from typing import Any, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from model import forward, sampling, sharding, speculative, transfer
 from model.config import EngineConfig, ModelConfig
 from model.forward import Kernels, KVCache
-from model.step_types import PrefillChunk, SamplingParams, StepOutput, StepPlan
+from model.step_types import PrefillChunk, SamplingParams, StepOutput, StepPlan, mask_words
 from model.weights import Params
 
 log = logging.getLogger(__name__)
@@ -200,11 +200,6 @@ def _multi_decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: in
 
 
 PREFILL_HEAD = 5  # prefill_args' scalars
-
-
-def mask_words(vocab_size: int) -> int:
-    """W: the int32 words of a row of allowed tokens (constrained decoding), one bit a token."""
-    return -(-vocab_size // 32)
 
 
 def prefill_args(slot: int, tokens: np.ndarray, start: int, num_valid: int, is_last: bool,
@@ -399,7 +394,7 @@ class _DeferredPending(_Pending):
         if set(rows) != set(self.deferred):
             raise ValueError(f"allowed tokens for slots {sorted(rows)}, deferred {sorted(self.deferred)}")
         merged = dict(self._allowed)
-        merged.update(self._runner._allowed_rows(StepPlan(allowed=tuple(rows.items()))))
+        merged.update(self._runner._allowed_rows(rows.items()))
         self._decode_out = self._runner._sample_deferred(self._logits, self._decode_slots, merged)
         self._logits, self.deferred = None, ()
 
@@ -783,7 +778,7 @@ class ModelRunner:
             self._pack_sampling()
         decode_out = None
         steps = plan.num_decode_steps
-        allowed = self._allowed_rows(plan)
+        allowed = self._allowed_rows(plan.allowed)
         # a constrained step runs the plain decode: the speculative program takes no allowed tokens
         layout = (None if self._spec is None or not plan.decode_slots or allowed or plan.deferred
                   else self._spec_layout(plan.decode_slots))
@@ -843,10 +838,10 @@ class ModelRunner:
         return _Pending(self.num_slots, self.max_top_logprobs, decode_out, prefill_outs,
                         steps if decode_out is not None else 1, plan.decode_slots, plan.prefills)
 
-    def _allowed_rows(self, plan: StepPlan) -> dict[int, np.ndarray]:
-        """The plan's allowed-token rows by slot, each checked for its width."""
+    def _allowed_rows(self, pairs: Iterable[tuple[int, np.ndarray]]) -> dict[int, np.ndarray]:
+        """(slot, allowed-token row) pairs by slot, each row checked for its width."""
         rows = {}
-        for slot, row in plan.allowed:
+        for slot, row in pairs:
             row = np.asarray(row)
             if row.shape != (self._mask_words,) or row.dtype != np.int32:
                 raise ValueError(f"slot {slot}'s allowed tokens: an int32 row of {self._mask_words} words expected, "

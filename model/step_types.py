@@ -22,6 +22,11 @@ import numpy as np
 MAX_STOP_TOKEN_IDS = 16
 
 
+def mask_words(vocab_size: int) -> int:
+    """W: the int32 words of a row of allowed tokens (StepPlan.allowed), one bit a token."""
+    return -(-vocab_size // 32)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings. Become traced [B] arrays on device, never static args."""

@@ -2,11 +2,11 @@
 
 A `GenerationRequest.constraint` (`scheduler.types.Constraint`) names a JSON schema, a regular
 expression, a Lark or GBNF grammar, or a list of choices; `grammar_text` turns it into
-llguidance's grammar and `check` rejects one that does not compile (HTTP 400, before the request
-takes a place). The engine keeps one `Matcher` per constrained request: before each token it
-samples, `fill` writes the tokens the grammar allows next as a bitmask row ([W] int32, bit t % 32
-of word t // 32 for token t: llguidance's layout), which the step program applies to the logits
-(`model.sampling`); after the token is read, `consume` advances the grammar. A grammar that can
+llguidance's grammar, and `Vocabulary.matcher` refuses one that does not compile or run (HTTP
+400, before the request takes a place). The engine keeps one `Matcher` per constrained request:
+before each token it samples, `mask` gives the tokens the grammar allows next as a bitmask row
+([W] int32, bit t % 32 of word t // 32 for token t: llguidance's layout), which the step program
+applies to the logits (`model.sampling`); after the token is read, `consume` advances the grammar. A grammar that can
 take no further token (a JSON object closed) ends the request, finish reason "stop".
 
 `Vocabulary` builds llguidance's tokenizer once per engine from ours: every token's bytes, the
@@ -31,10 +31,11 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
+from model.step_types import mask_words
 from scheduler.types import Constraint, RequestValidationError
 
 def grammar_text(constraint: Constraint) -> str:
-    """llguidance's grammar for the constraint (not yet checked: `check` does)."""
+    """llguidance's grammar for the constraint (not yet compiled: `Vocabulary.matcher` does)."""
     if constraint.kind == "choice" and not _is_choice_list(constraint.source):
         raise RequestValidationError("invalid choice list: a JSON array of strings, at least one, expected",
                                      constraint.field)
@@ -42,15 +43,6 @@ def grammar_text(constraint: Constraint) -> str:
         return llguidance.grammar_from(constraint.kind, constraint.source)  # our kinds are its format names
     except Exception as exc:  # noqa: BLE001 - llguidance's parsers raise ValueError and others
         raise RequestValidationError(f"invalid {_describe(constraint)}: {_first_line(exc)}", constraint.field) from None
-
-
-def check(constraint: Constraint) -> str:
-    """The constraint's grammar, or RequestValidationError where llguidance cannot compile it."""
-    grammar = grammar_text(constraint)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise RequestValidationError(f"invalid {_describe(constraint)}: {_first_line(messages[0])}", constraint.field)
-    return grammar
 
 
 def _is_choice_list(source: str) -> bool:
@@ -82,7 +74,7 @@ class Vocabulary:
     def __init__(self, tokenizer: Any, vocab_size: int | None = None) -> None:
         num_tokens = int(tokenizer.vocab_size)
         self.vocab_size = max(num_tokens, int(vocab_size or 0))
-        self.num_words = -(-self.vocab_size // 32)
+        self.num_words = mask_words(self.vocab_size)
         pieces = []
         for i in range(num_tokens):
             piece = tokenizer.token_bytes(i)
@@ -109,12 +101,13 @@ class Vocabulary:
                 self._compiled.move_to_end(key)
                 return Matcher(hit[0].deep_copy(), self.num_words, hit[1].copy())
         inner = llguidance.LLMatcher(self._tokenizer, grammar_text(constraint), log_level=0)
-        first = np.zeros((self.num_words,), np.int32)
-        if not inner.is_error():
-            llguidance.numpy.fill_next_token_bitmask(inner, first.reshape(1, -1))
-        if inner.is_error():
+        try:
+            if inner.is_error():
+                raise RuntimeError(inner.get_error())
+            first = Matcher(inner, self.num_words).mask()  # leaves the matcher's state as it was
+        except RuntimeError:
             raise RequestValidationError(f"invalid {_describe(constraint)}: {_first_line(inner.get_error())}",
-                                         constraint.field)
+                                         constraint.field) from None
         if not first.any():
             raise RequestValidationError(f"invalid {_describe(constraint)}: it allows no token to start with",
                                          constraint.field)
@@ -186,6 +179,3 @@ def allowed(row: np.ndarray, tokens: Iterable[int]) -> list[bool]:
     return [bool((int(words[t // 32]) >> (t % 32)) & 1) for t in tokens]
 
 
-def schema_text(schema: Any) -> str:
-    """A JSON schema (object, or true for any value) as the constraint's source text."""
-    return json.dumps(schema, ensure_ascii=False, allow_nan=False)

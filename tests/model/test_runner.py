@@ -260,7 +260,7 @@ def test_allowed_tokens_hold_a_constrained_slot_and_leave_the_others_alone(smol_
     """StepPlan.allowed (constrained decoding): the slot's samples, greedy or drawn, and its top
     alternatives come from its allowed tokens, in the prefill's first token and the decodes
     alike; a free slot beside it decodes what it decodes alone."""
-    from model.runner import mask_words
+    from model.step_types import mask_words
     from model.step_types import PrefillChunk, SlotSetup, StepPlan
 
     free = generate(smol_runner, prompt_ids[:2], 4)
@@ -291,7 +291,7 @@ def test_a_deferred_decode_samples_what_the_one_program_decode_does(smollm2, smo
     sampling at `supply`, with a prompt chunk of another slot dispatched between them, gives the
     tokens and logprobs of the same steps with the rows known at dispatch."""
     from model.config import EngineConfig
-    from model.runner import mask_words
+    from model.step_types import mask_words
     from model.step_types import PrefillChunk, SlotSetup, StepPlan
 
     runner = smollm2.make_runner(EngineConfig(num_slots=8, max_context=1024, context_buckets=(1024,),

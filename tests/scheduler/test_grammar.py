@@ -71,7 +71,7 @@ def test_a_model_vocabulary_wider_than_the_tokenizer_never_allows_the_padding():
 ])
 def test_a_constraint_that_does_not_compile_is_refused_naming_its_field(constraint, message):
     with pytest.raises(RequestValidationError, match=message) as err:
-        grammar.check(constraint)
+        grammar.Vocabulary(ByteTokenizer()).matcher(constraint)
     assert err.value.field == constraint.field
 
 
