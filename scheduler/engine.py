@@ -74,7 +74,9 @@ from model.config import EngineConfig
 from model.step_types import PendingStep, PrefillChunk, PrefixCopy, SlotSetup, StepModel, StepOutput, StepPlan
 from model.tokenizer import IncrementalDetokenizer
 from scheduler import grammar
-from scheduler.requests import Detokenizer, RequestState, RequestTiming, validate_request
+from scheduler.gc_pauses import freeze_heap
+from scheduler.request_stream import RequestStream, _Cancel, _hand_over
+from scheduler.requests import Detokenizer, Observer, RequestState, RequestTiming, notify, validate_request
 from scheduler.types import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -91,8 +93,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "RequestStream", "RequestTiming"]
 
-Observer = Callable[[RequestTiming], None]
-
 
 @dataclasses.dataclass(frozen=True)
 class _Submit:
@@ -100,90 +100,8 @@ class _Submit:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Cancel:
-    seq: int
-
-
-@dataclasses.dataclass(frozen=True)
 class _Shutdown:
     pass
-
-
-class RequestStream:
-    """Async iterator of one request's `StreamEvent`s; the last one has `finish_reason` set.
-
-    Created by `Engine.submit` on the event-loop thread. The engine thread hands events to the
-    loop with `call_soon_threadsafe` (`_hand_over`): a processed step's events for all of a loop's
-    streams in one call, any other event alone (`_push`); everything else runs on the loop.
-    """
-
-    def __init__(self, request_id: str, seq: int, loop: asyncio.AbstractEventLoop, inbox: Any, tag: Any = None) -> None:
-        self.request_id = request_id
-        self.tag = tag  # the submitter's own key (scheduler/engine_process.py's request key)
-        self._seq = seq
-        self._loop = loop
-        self._inbox = inbox
-        self._events: asyncio.Queue[StreamEvent] = asyncio.Queue()
-        self._is_final_queued = False  # loop thread: the final event is in `_events`
-        self._is_exhausted = False  # loop thread: the final event was returned
-        self._is_cancelled = False
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> StreamEvent:
-        if self._is_exhausted:
-            raise StopAsyncIteration
-        event = await self._events.get()
-        if event.finish_reason is not None:
-            self._is_exhausted = True
-        return event
-
-    def cancel(self) -> None:
-        """Thread-safe and idempotent; the engine frees the slot before its next step."""
-        if not self._is_cancelled:
-            self._is_cancelled = True
-            self._inbox.put(_Cancel(self._seq))
-
-    async def aclose(self) -> None:
-        self.cancel()
-
-    def _push(self, event: StreamEvent) -> None:
-        """Engine thread: hands one event to the loop."""
-        _hand_over(self._loop, [(self, event)])
-
-    def _deliver(self, event: StreamEvent) -> None:
-        """Loop thread. Anything after the final event (a racing duplicate end) is dropped."""
-        if self._is_final_queued:
-            return
-        self._is_final_queued = event.finish_reason is not None
-        self._events.put_nowait(event)
-
-
-def freeze_heap() -> None:
-    """`EngineConfig.gc_freeze`: a full collection, then everything alive moves to the permanent
-    generation. Objects frozen there are never collected, so the heap frozen is what loading left,
-    freed of its garbage first; what requests allocate later is collected as usual."""
-    started = time.perf_counter()
-    gc.collect()
-    gc.freeze()
-    log.info("gc: %d objects frozen after warm-up (%.0f ms)", gc.get_freeze_count(),
-             1e3 * (time.perf_counter() - started))
-
-
-def _deliver_all(items: list[tuple[RequestStream, StreamEvent]]) -> None:
-    """Loop thread: events for streams of this loop, in the order they were made."""
-    for stream, event in items:
-        stream._deliver(event)
-
-
-def _hand_over(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream, StreamEvent]]) -> None:
-    """Engine thread: events to their streams' loop in one wake-up. A closed loop means the
-    clients are gone: the events are dropped."""
-    try:
-        loop.call_soon_threadsafe(_deliver_all, items)
-    except RuntimeError:
-        log.debug("event loop closed; %d events dropped", len(items))
 
 
 def unavailable_reason(stats: EngineStats) -> str:
@@ -193,15 +111,6 @@ def unavailable_reason(stats: EngineStats) -> str:
     if stats.state == "loading":
         return "the model is loading"
     return "the engine is shutting down"
-
-
-def notify(observers: tuple[Observer, ...], timing: RequestTiming) -> None:
-    """Each observer of a finished request; one that raises is logged and skipped."""
-    for observer in observers:
-        try:
-            observer(timing)
-        except Exception:
-            log.exception("engine observer %r failed", observer)
 
 
 def _default_detokenizer(tokenizer: Any) -> Detokenizer:
@@ -434,17 +343,14 @@ class Engine:
         log.info("engine stopped")
 
     def _build_vocabulary(self, model: StepModel) -> None:
-        """Constrained decoding's vocabulary (scheduler/grammar.py), once: a tokenizer that cannot
-        give it (no token bytes, no end-of-generation token) leaves constrained requests refused."""
+        """Constrained decoding's vocabulary (scheduler/grammar.py), once."""
         started = time.perf_counter()
-        try:
-            self._vocabulary = grammar.Vocabulary(self.tokenizer, getattr(model, "vocab_size", None))
-        except Exception as exc:  # noqa: BLE001 - the engine serves the rest without it
-            self._no_grammar_reason = f"{type(exc).__name__}: {exc}"
-            log.warning("constrained decoding unavailable: %s", self._no_grammar_reason)
+        self._vocabulary, why = grammar.build_vocabulary(self.tokenizer, getattr(model, "vocab_size", None))
+        self._info = dict(self._info, constrained_decoding=self._vocabulary is not None)
+        if self._vocabulary is None:
+            self._no_grammar_reason = why
+            log.warning("constrained decoding unavailable: %s", why)
             return
-        finally:
-            self._info = dict(self._info, constrained_decoding=self._vocabulary is not None)
         log.info("constrained decoding: vocabulary of %d tokens ready in %.2f s", self._vocabulary.vocab_size,
                  time.perf_counter() - started)
 

@@ -54,10 +54,11 @@ import threading
 from typing import Any, Callable
 
 from model.config import EngineConfig
-from scheduler.engine import Engine, RequestStream, _Cancel, _hand_over, freeze_heap, notify, unavailable_reason
 from scheduler import grammar
-from scheduler.gc_pauses import GcSnapshot, gc_pauses
-from scheduler.requests import RequestTiming, validate_request
+from scheduler.engine import Engine, unavailable_reason
+from scheduler.gc_pauses import GcSnapshot, freeze_heap, gc_pauses
+from scheduler.request_stream import RequestStream, _Cancel, _hand_over
+from scheduler.requests import RequestTiming, notify, validate_request
 from scheduler.types import (
     FINISH_ERROR,
     Constraint,
@@ -157,12 +158,9 @@ class EngineProcess:
         threading.Thread(target=self._build_vocabulary, name="grammar-vocabulary", daemon=True).start()
 
     def _build_vocabulary(self) -> None:
-        try:
-            self._vocabulary = grammar.Vocabulary(self.tokenizer)
-        except Exception as exc:  # noqa: BLE001 - constrained requests are refused; the rest served
-            self._no_vocabulary = f"{type(exc).__name__}: {exc}"
-        finally:
-            self._vocabulary_built.set()
+        vocabulary, why = grammar.build_vocabulary(self.tokenizer)
+        self._vocabulary, self._no_vocabulary = vocabulary, why or self._no_vocabulary
+        self._vocabulary_built.set()
 
     def compile_constraint(self, constraint: Constraint) -> None:
         """Any thread: compiles a grammar as the child will (RequestValidationError: HTTP 400),

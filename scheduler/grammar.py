@@ -118,6 +118,15 @@ class Vocabulary:
             return Matcher(inner.deep_copy(), self.num_words, first.copy())
 
 
+def build_vocabulary(tokenizer: Any, vocab_size: int | None = None) -> tuple[Vocabulary | None, str]:
+    """(the vocabulary, "") or (None, why not): a tokenizer that cannot give one (no token bytes,
+    no end-of-generation token) leaves constrained requests refused, the rest served."""
+    try:
+        return Vocabulary(tokenizer, vocab_size), ""
+    except Exception as exc:  # noqa: BLE001
+        return None, f"{type(exc).__name__}: {exc}"
+
+
 def matcher_for(vocabulary: Vocabulary | None, unavailable: str, constraint: Constraint) -> "Matcher":
     """`vocabulary.matcher(constraint)`, or RequestValidationError saying why constrained decoding
     is unavailable (`unavailable`) where there is no vocabulary."""

@@ -16,7 +16,8 @@ from model.config import EngineConfig
 from model.loader import load_model
 from model.gated_ffn import labels as gated_labels
 from model.ordered_values import labels as ordered_labels
-from scheduler.engine import Engine, freeze_heap
+from scheduler.engine import Engine
+from scheduler.gc_pauses import freeze_heap
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ observers when a request ends (the server turns it into Prometheus histograms).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+import logging
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -19,6 +20,8 @@ from model.step_types import MAX_STOP_TOKEN_IDS
 from scheduler import grammar
 from scheduler.types import (
     FINISH_LENGTH, FINISH_STOP, GenerationRequest, RequestValidationError, StreamEvent, Timings, TokenLogprob)
+
+log = logging.getLogger(__name__)
 
 
 def validate_request(
@@ -85,6 +88,18 @@ class RequestTiming:
     steps: int = 0
 
 
+Observer = Callable[[RequestTiming], None]
+
+
+def notify(observers: tuple[Observer, ...], timing: RequestTiming) -> None:
+    """Each observer of a finished request; one that raises is logged and skipped."""
+    for observer in observers:
+        try:
+            observer(timing)
+        except Exception:
+            log.exception("engine observer %r failed", observer)
+
+
 class StopMatcher:
     """Finds stop strings in streamed text; holds back any tail that may still start one.
 
@@ -127,7 +142,7 @@ class RequestState:
     def __init__(
         self,
         request: GenerationRequest,
-        stream: Any,  # scheduler.engine.RequestStream
+        stream: Any,  # scheduler.request_stream.RequestStream
         seq: int,
         *,
         detokenizer: Detokenizer,

@@ -59,7 +59,8 @@ def test_step_outputs_round_trip_through_one_array(num_top: int) -> None:
     (`_unpack_outputs`) each field's values and bits: tokens, flags, logprobs (-inf and -0.0
     among them) and top ids and logprobs, for a decode step's rows, a stack of steps and a
     prefill's single row."""
-    from model.runner import _pack_outputs, _unpack_outputs
+    from model.pending import _unpack_outputs
+    from model.runner import _pack_outputs
 
     rng = np.random.default_rng(0)
     steps, slots = 2, 4
