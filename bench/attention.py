@@ -381,17 +381,23 @@ def parse_decode_shapes(text: str) -> list[tuple[str, int, int, int]]:
     return shapes
 
 
-def parse_configs(text: str) -> list[dict[str, int]]:
-    """'default;num_splits=1;block_s=32,num_splits=8' -> [{}, {"num_splits": 1}, {...}]."""
+def parse_configs(text: str) -> list[dict[str, int | bool]]:
+    """'default;num_splits=1;block_s=32,merge_in_kernel=false' -> [{}, {"num_splits": 1}, {...}]."""
     configs = []
     for item in text.split(";"):
-        fields: dict[str, int] = {}
+        fields: dict[str, int | bool] = {}
         if item.strip() != "default":
             for pair in item.split(","):
                 key, _, value = pair.partition("=")
-                if not value:
-                    raise argparse.ArgumentTypeError(f"want FIELD=INT in {item!r}, got {pair!r}")
-                fields[key.strip()] = int(value)
+                value = value.strip().lower()
+                if value in ("true", "false"):
+                    fields[key.strip()] = value == "true"
+                    continue
+                try:
+                    fields[key.strip()] = int(value)
+                except ValueError:
+                    raise argparse.ArgumentTypeError(f"want FIELD=INT or FIELD=true|false in {item!r}, "
+                                                     f"got {pair!r}") from None
         configs.append(fields)
     return configs
 

@@ -517,6 +517,17 @@ def request_timeline(trace: dict[str, Any], start_us: float, end_us: float, min_
     return out
 
 
+def busiest_kernels(events: list[dict], top: int = 15) -> list[dict[str, Any]]:
+    """A device trace's kernels by the time they took in all (names cut to 80 characters), the
+    `top` longest: name, calls, total and mean us."""
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        by_name.setdefault(str(e.get("name", ""))[:80], []).append(float(e.get("dur", 0.0)))
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return [{"name": name, "calls": len(durs), "us": round(sum(durs), 1), "mean_us": round(sum(durs) / len(durs), 2)}
+            for name, durs in ranked]
+
+
 def idle_gaps_by_device(events: list[dict], **kw: Any) -> dict[str, Any]:
     """`idle_gaps` of each device's events (a trace's process per device: one device's work
     would hide another's idle time); one device's report as it is."""

@@ -15,9 +15,11 @@ loop (the way `server/` drives it):
 - device memory (jax memory_stats) and process RSS; the device copy bandwidth and from it the
   weight-read floor: the decode rate at which one step reads every weight at that bandwidth;
 - with --constrained, decode under constrained decoding (scheduler/grammar.py): 1 and 8 users
-  each held to a regex (lowercase letters and spaces, longer than the run, so no stream ends
-  early), and 1 such user beside 7 free ones (each group's own figures): the cost of reading each
-  constrained token before the next step is planned.
+  each held to a regex, and 1 such user beside 7 free ones (each group's own figures), under
+  each of CONSTRAINTS: `[a-z ]*`, whose masks llguidance's lexer mostly finds cached (about 11 us
+  a mask on this CPU, SmolLM2's 49k vocabulary), and `[a-z ]{100000}`, whose counted repetition
+  makes every position a new lexer state (about 700 us a mask): the usual cost and the worst
+  seen. Neither ends a stream early (the first never stops; ignore_eos keeps EOS out).
 
 The engine flags are the server's own, with its defaults (`python -m server --help`; e.g.
 --kv-dtype auto: bf16 on a GPU). Every request has ignore_eos and a fixed max_tokens, so lengths
@@ -197,18 +199,21 @@ async def measure_decode(engine, timings: TimingLog, users: int, prompt_len: int
     return summary
 
 
-CONSTRAINT = Constraint("regex", "[a-z ]{100000}", "bench")  # never complete within a run: no early ends
+# (name, constraint); neither completes within a run (module docstring)
+CONSTRAINTS = (("cached", Constraint("regex", "[a-z ]*", "bench")),
+               ("counted", Constraint("regex", "[a-z ]{100000}", "bench")))
 
 
 async def measure_constrained(engine, timings: TimingLog, users: int, constrained: int, prompt_len: int,
-                              decode_tokens: int, rng: np.random.Generator) -> dict[str, Any]:
-    """Decode of `users` streams, the first `constrained` of them held to CONSTRAINT."""
+                              decode_tokens: int, rng: np.random.Generator, name: str,
+                              constraint: Constraint) -> dict[str, Any]:
+    """Decode of `users` streams, the first `constrained` of them held to `constraint`."""
     vocab = engine.tokenizer.vocab_size
-    label = f"constrained-{constrained}of{users}"
+    label = f"constrained-{name}-{constrained}of{users}"
     reqs = []
     for i in range(users):
         req = make_request(f"{label}-{i}", common.random_prompt(rng, prompt_len, vocab), decode_tokens, seed=i)
-        reqs.append(dataclasses.replace(req, constraint=CONSTRAINT) if i < constrained else req)
+        reqs.append(dataclasses.replace(req, constraint=constraint) if i < constrained else req)
     records = await run_batch(engine, reqs)
     await timings.wait_for(f"{label}-", users)
     out = {"constrained": common.summarize(records[:constrained])}
@@ -351,11 +356,13 @@ async def run_suite(engine, timings: TimingLog, args: argparse.Namespace, max_co
     log.info("join: %s", out["join"])
     if args.constrained:
         out["constrained"] = {}
-        for u, c in ((1, 1), (8, 8), (8, 1)):
-            if u <= engine.info()["num_slots"]:
-                out["constrained"][f"{c}of{u}"] = await measure_constrained(
-                    engine, timings, u, c, args.prompt_len, args.decode_tokens, rng)
-                log.info("constrained %d of %d: %s", c, u, out["constrained"][f"{c}of{u}"])
+        for name, constraint in CONSTRAINTS:
+            runs = out["constrained"][name] = {"constraint": f"{constraint.kind} {constraint.source}"}
+            for u, c in ((1, 1), (8, 8), (8, 1)):
+                if u <= engine.info()["num_slots"]:
+                    runs[f"{c}of{u}"] = await measure_constrained(
+                        engine, timings, u, c, args.prompt_len, args.decode_tokens, rng, name, constraint)
+                    log.info("constrained (%s) %d of %d: %s", name, c, u, runs[f"{c}of{u}"])
     history = args.chat_history_len or max_context // 2 + args.chat_turn_len
     if engine.info().get("prompt_cache") and history + args.chat_turn_len + 1 <= max_context:
         out["chat_turn"] = await measure_chat_turn(engine, history, args.chat_turn_len, args.repeats, rng)
@@ -370,6 +377,10 @@ async def run_suite(engine, timings: TimingLog, args: argparse.Namespace, max_co
             out["decode_traces"][str(u)] = await trace_decode(engine, timings, u, args, rng)
             log.info("decode trace x%d: %s", u, out["decode_traces"][str(u)])
         out["decode_trace"] = out["decode_traces"][str(trace_users[-1])]  # the most users' (earlier files' key)
+    if args.trace_constrained:
+        name, constraint = CONSTRAINTS[0]
+        out["constrained_trace"] = {"constraint": name, **await trace_decode(engine, timings, 1, args, rng, constraint)}
+        log.info("constrained trace x1: %s", out["constrained_trace"])
     if args.trace_prefill and "prefill" in out:
         out["prefill_trace"] = await trace_prefill(engine, args.prefill_len, args.repeats, rng)
         log.info("prefill trace: %s", json.dumps(out["prefill_trace"])[:4000])
@@ -386,22 +397,30 @@ def trace_user_counts(args: argparse.Namespace, users: list[int]) -> list[int]:
 
 
 async def trace_decode(engine, timings: TimingLog, users: int, args: argparse.Namespace,
-                       rng: np.random.Generator) -> dict[str, Any]:
-    """One more decode run of `users` streams (prompts included) under the JAX profiler, after the
-    measured ones: how much of the device's span is idle between the engine's programs, and where
-    (`common.idle_gaps`). The idle share is what the engine's host side leaves on the table."""
+                       rng: np.random.Generator, constraint: Constraint | None = None) -> dict[str, Any]:
+    """One more decode run of `users` streams (prompts included; each held to `constraint` where
+    given) under the JAX profiler, after the measured ones: how much of the device's span is idle
+    between the engine's programs, and where (`common.idle_gaps`), and the kernels that kept it
+    busy longest (`common.busiest_kernels`). The idle share is what the engine's host side leaves
+    on the table."""
     import jax
 
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         try:
-            summary = await measure_decode(engine, timings, users, args.prompt_len, args.decode_tokens, rng,
-                                           label="traced")  # its own request ids: its own timings
+            if constraint is None:
+                summary = await measure_decode(engine, timings, users, args.prompt_len, args.decode_tokens, rng,
+                                               label="traced")  # its own request ids: its own timings
+            else:
+                summary = (await measure_constrained(engine, timings, users, users, args.prompt_len,
+                                                     args.decode_tokens, rng, "traced", constraint))["all"]
         finally:
             jax.profiler.stop_trace()
         events = common.device_trace_events(d)
-    gaps = common.idle_gaps_by_device(events) if events else {"error": "no device events in the trace"}
-    return {"users": users, "steady_tok_s_traced": summary.get("steady_tok_s"), **gaps}
+    if not events:
+        return {"users": users, "error": "no device events in the trace"}
+    return {"users": users, "tokens": summary.get("tokens"), "steady_tok_s_traced": summary.get("steady_tok_s"),
+            **common.idle_gaps_by_device(events), "busiest": common.busiest_kernels(events)}
 
 
 async def trace_prefill(engine, prompt_len: int, repeats: int, rng: np.random.Generator) -> dict[str, Any]:
@@ -599,6 +618,15 @@ def print_summary(r: dict[str, Any]) -> None:
             print(f"  TTFT of {what} ({chat['history_tokens']} tokens of history, {chat['turn_tokens']} new): "
                   f"{chat['ttft_ms_warm_p50']} ms reusing {chat['cached_tokens']} against {chat['ttft_ms_cold_p50']} "
                   f"ms prefilled whole ({chat['speedup']}x; same first token {chat['same_first_token']})")
+    for name, runs in (r.get("details", {}).get("constrained") or {}).items():
+        rates = []
+        for key, run in runs.items():
+            if isinstance(run, dict):
+                rate = f"{key} {run['constrained'].get('steady_tok_s')}"
+                if "free" in run:
+                    rate += f" (the free ones {run['free'].get('steady_tok_s')})"
+                rates.append(rate)
+        print(f"  constrained decode tok/s ({name}: {runs['constraint']}): " + ", ".join(rates))
     print(f"  inter-token latency ({r['itl_users']} users): mean {r.get('itl_ms_mean')} ms, p50 {r['itl_ms_p50']} ms, "
           f"p99 {r['itl_ms_p99']} ms ({r['engine_config'].get('decode_steps')} decode steps per dispatch)")
     print(f"  copy bandwidth {r['copy_bandwidth_gb_s']} GB/s, weights {r['weight_bytes_per_step'] / 2**20:,.1f} MiB "
@@ -683,6 +711,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(details.prefill_trace)")
     ap.add_argument("--constrained", action="store_true",
                     help="also measure decode under constrained decoding (details.constrained)")
+    ap.add_argument("--trace-constrained", action="store_true",
+                    help="after the measured runs, trace one more decode of 1 user under the first of "
+                         "CONSTRAINTS, as --trace-users does a plain one (details.constrained_trace)")
     ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
     ap.add_argument("--plot-with", nargs="*", default=[], help="earlier engine-*.json results to draw beside this run")
     ap.add_argument("--plot-only", nargs="+", type=pathlib.Path, help="draw these engine-*.json results and exit")

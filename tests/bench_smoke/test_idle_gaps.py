@@ -56,3 +56,26 @@ def test_request_timeline_keeps_the_request_window_and_the_long_host_events():
     assert t["device_first_ms"] == 0.3 and t["device_last_end_ms"] == 0.7
     assert t["device"]["busy_us"] == 300.0 and t["device"]["span_us"] == 400.0
     assert [(h["name"], h["ms"], h["thread"]) for h in t["host"]] == [("wait", -0.05, "/8"), ("dispatch", 0.1, "engine/7")]
+
+
+def test_busiest_kernels_ranks_names_by_total_time():
+    from bench.common import busiest_kernels
+
+    events = [_ev("a", 0.0, 3.0), _ev("b", 3.0, 10.0), _ev("a", 20.0, 5.0), _ev("c", 30.0, 1.0)]
+    assert busiest_kernels(events, top=2) == [
+        {"name": "b", "calls": 1, "us": 10.0, "mean_us": 10.0},
+        {"name": "a", "calls": 2, "us": 8.0, "mean_us": 4.0},
+    ]
+
+
+def test_attention_decode_configs_take_ints_and_booleans():
+    import argparse
+
+    import pytest
+
+    from bench.attention import parse_configs
+
+    assert parse_configs("default;max_splits=32,merge_in_kernel=false;merge_in_kernel=True") == [
+        {}, {"max_splits": 32, "merge_in_kernel": False}, {"merge_in_kernel": True}]
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_configs("block_s=big")
