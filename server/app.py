@@ -220,7 +220,7 @@ async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]
     tokenizer = engine.tokenizer
     template = config.chat_template or ready.chat_template
     if parsed.forces_call:
-        parsed = _force_calls(parsed, config, template)
+        parsed = _force_calls(parsed, config, template, tokenizer)
     prompts = prepare(parsed, tokenizer, ready.limits, template, render_chat)
     response_id = ("chatcmpl-" if parsed.is_chat else "cmpl-") + uuid.uuid4().hex
     renderer_cls = ChatRenderer if parsed.is_chat else CompletionRenderer
@@ -257,13 +257,14 @@ async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]
     return json_response(renderer.response(results, gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
 
 
-def _force_calls(parsed: ParsedRequest, config: ServerConfig, template: str | None) -> ParsedRequest:
+def _force_calls(parsed: ParsedRequest, config: ServerConfig, template: str | None, tokenizer: Any) -> ParsedRequest:
     """tool_choice "required" or a named function: the reply held to calls in the template's
     format (server/tool_calls.py's forced_grammar)."""
     parser = tool_calls.resolve(config.tool_call_parser, template)
+    mistral_open = tool_calls.control_token(tokenizer, tool_calls.MISTRAL_OPEN) if parser == "mistral" else None
     try:
         grammar = tool_calls.forced_grammar(parser, parsed.template_kwargs["tools"], parsed.forced_function,
-                                            parsed.parallel_tool_calls)
+                                            parsed.parallel_tool_calls, mistral_open)
     except ValueError as e:
         raise invalid(str(e), "tool_choice") from None
     return dataclasses.replace(parsed, constraint=Constraint("lark", grammar, "tool_choice"))

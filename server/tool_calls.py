@@ -109,13 +109,29 @@ def _json_calls(text: str, separators: str) -> list[ToolCall] | None:
             calls.append(call)
 
 
-def forced_grammar(parser: str | None, tools: list[dict[str, Any]], name: str | None, parallel: bool) -> str:
+MISTRAL_OPEN = "[TOOL_CALLS]"
+
+
+def control_token(tokenizer: Any, text: str) -> int | None:
+    """The id of the control token spelled `text` (e.g. Mistral's `[TOOL_CALLS]`), or None where
+    the vocabulary has none: `text` must encode, control tokens parsed, to one token that decodes
+    to nothing once control tokens are skipped."""
+    ids = tokenizer.encode(text, add_bos=False, parse_special=True)
+    if len(ids) != 1 or tokenizer.decode(ids, skip_special=True):
+        return None
+    return int(ids[0])
+
+
+def forced_grammar(parser: str | None, tools: list[dict[str, Any]], name: str | None, parallel: bool,
+                   mistral_open: int | None = None) -> str:
     """tool_choice "required" (`name` None: any of the tools) or a named function: a Lark
     grammar (llguidance's, with its %json schemas) that admits only calls in the parser's format,
     each with a tool's name and arguments that follow its parameters' schema; one call, or with
-    `parallel` several. The tags are text (a vocabulary's `<tool_call>` token, user-defined, not a
-    control token, is their text: the grammar admits it whole). ValueError where the format
-    cannot be forced (no parser, or mistral's, which opens with a control token)."""
+    `parallel` several. The hermes tags are text (a vocabulary's `<tool_call>` token, user-defined,
+    not a control token, is their text: the grammar admits it whole); mistral's calls open with its
+    `[TOOL_CALLS]` control token, `mistral_open` (its id: `control_token`), which the grammar names
+    by id. ValueError where the format cannot be forced (no parser, or mistral's without that
+    token)."""
     chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     args_key = "parameters" if parser == "llama3_json" else "arguments"
     schemas = [{"type": "object",
@@ -127,9 +143,15 @@ def forced_grammar(parser: str | None, tools: list[dict[str, Any]], name: str | 
                  f'call: {json.dumps(HERMES_OPEN)} "\\n" body "\\n" {json.dumps(HERMES_CLOSE)}']
     elif parser == "llama3_json":
         lines = ['start: body ("; " body)*' if parallel else "start: body"]
+    elif parser == "mistral" and mistral_open is not None:
+        # `[TOOL_CALLS] [{...}, {...}]`; the reader sees the array alone (the token is skipped)
+        lines = [f'start: <[{mistral_open}]> " "? "[" body ' + ('(", " body)* "]"' if parallel else '"]"')]
+    elif parser == "mistral":
+        raise ValueError(f"tool_choice \"required\" or a named function: mistral's call format opens with the "
+                         f"{MISTRAL_OPEN} control token, which this model's vocabulary lacks")
     else:
         raise ValueError(f"tool_choice \"required\" or a named function: the {parser or 'chat template'}'s call "
-                         "format cannot be forced (hermes' and llama3_json's can)")
+                         "format cannot be forced (hermes', llama3_json's and mistral's can)")
     return "\n".join([*lines, f"body: %json {body}", ""])
 
 

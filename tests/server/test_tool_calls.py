@@ -313,6 +313,68 @@ def test_forced_grammars_admit_exactly_the_calls(parser, name, parallel, text, o
     assert _walk(tool_calls.forced_grammar(parser, TWO_TOOLS, name, parallel), text) == ok
 
 
-def test_mistrals_calls_cannot_be_forced() -> None:
-    with pytest.raises(ValueError, match="cannot be forced"):
+def _walk_tokens(grammar_text: str, tokens: list[int]) -> tuple[bool, bool]:
+    """`_walk` over token ids, in a byte vocabulary whose token 257 is Mistral's [TOOL_CALLS]."""
+    from scheduler import grammar
+    from scheduler.types import Constraint
+    from tests.scheduler.conftest import EOS, OTHER_SPECIAL, ByteTokenizer
+
+    class WithToolCalls(ByteTokenizer):
+        def token_bytes(self, token_id: int) -> bytes:
+            return b"[TOOL_CALLS]" if token_id == OTHER_SPECIAL else super().token_bytes(token_id)
+
+    m = grammar.Vocabulary(WithToolCalls()).matcher(Constraint("lark", grammar_text))
+    for t in tokens:
+        if not grammar.allowed(m.mask(), [t])[0]:
+            return False, False
+        m.consume(t)
+    return True, m.is_stopped or grammar.allowed(m.mask(), [EOS])[0]
+
+
+MISTRAL_CALL = '[{"name": "get_weather", "arguments": {"city": "Paris"}}'
+MISTRAL_TIME = '{"name": "get_time", "arguments": {"zone": "UTC"}}]'
+
+
+@pytest.mark.parametrize("name, parallel, text, opens, ok", [
+    (None, False, MISTRAL_CALL + "]", True, (True, True)),
+    (None, False, " " + MISTRAL_CALL + "]", True, (True, True)),
+    (None, False, MISTRAL_CALL + "]", False, (False, False)),  # the control token first, not its text
+    (None, True, MISTRAL_CALL + ", " + MISTRAL_TIME, True, (True, True)),
+    (None, False, MISTRAL_CALL + ", " + MISTRAL_TIME, True, (False, False)),  # one call only
+    ("get_time", False, MISTRAL_CALL + "]", True, (False, False)),  # another function's name
+    (None, False, '[{"name": "get_time", "arguments": {}}]', True, (False, False)),  # zone required
+])
+def test_mistrals_forced_calls_open_with_its_control_token(name, parallel, text, opens, ok) -> None:
+    from tests.scheduler.conftest import OTHER_SPECIAL
+
+    grammar_text = tool_calls.forced_grammar("mistral", TWO_TOOLS, name, parallel, OTHER_SPECIAL)
+    tokens = ([OTHER_SPECIAL] if opens else list(b"[TOOL_CALLS]")) + list(text.encode())
+    assert _walk_tokens(grammar_text, tokens) == ok
+
+
+def test_mistrals_calls_need_its_control_token() -> None:
+    with pytest.raises(ValueError, match="lacks"):
         tool_calls.forced_grammar("mistral", TOOLS, None, True)
+    with pytest.raises(ValueError, match="cannot be forced"):
+        tool_calls.forced_grammar(None, TOOLS, None, True)
+
+
+def test_control_token_finds_only_a_control_tokens_id() -> None:
+    from tests.server.fakes import EOS, FakeTokenizer
+
+    tokenizer = FakeTokenizer()
+    assert tool_calls.control_token(tokenizer, "</s>") == EOS
+    assert tool_calls.control_token(tokenizer, "[TOOL_CALLS]") is None  # its text, byte by byte
+    assert tool_calls.control_token(tokenizer, "a") is None  # one token, but text
+
+
+@pytest.mark.anyio
+async def test_a_forced_call_with_mistrals_template_needs_its_token() -> None:
+    """A template in Mistral's call format, served by a model without the [TOOL_CALLS] token: a
+    400 naming tool_choice, nothing submitted."""
+    engine = FakeEngine(max_context=512)
+    engine.tokenizer.chat_template = "{{ '[TOOL_CALLS]' }}" + engine.tokenizer.chat_template
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": HI, "tools": TOOLS, "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert "[TOOL_CALLS]" in r.json()["error"]["message"] and engine.requests == []
