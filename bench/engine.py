@@ -19,7 +19,9 @@ loop (the way `server/` drives it):
   each of CONSTRAINTS: `[a-z ]*`, whose masks llguidance's lexer mostly finds cached (about 11 us
   a mask on this CPU, SmolLM2's 49k vocabulary), and `[a-z ]{100000}`, whose counted repetition
   makes every position a new lexer state (about 700 us a mask): the usual cost and the worst
-  seen. Neither ends a stream early (the first never stops; ignore_eos keeps EOS out).
+  seen. Neither ends a stream early: the second is longer than any run, and the first, which
+  may end anywhere, loses its end-of-generation tokens to ignore_eos (the engine's
+  `_allowed_row`); each run's `complete` says whether every stream gave all its tokens.
 
 The engine flags are the server's own, with its defaults (`python -m server --help`; e.g.
 --kv-dtype auto: bf16 on a GPU). Every request has ignore_eos and a fixed max_tokens, so lengths
@@ -220,6 +222,10 @@ async def measure_constrained(engine, timings: TimingLog, users: int, constraine
     if constrained < users:
         out["free"] = common.summarize(records[constrained:])
     out["all"] = common.summarize(records)
+    out["complete"] = out["all"].get("tokens") == users * decode_tokens  # no stream ended early
+    if not out["complete"]:
+        log.warning("%s: %s of %d tokens: a stream ended early, so fewer streams ran than the label says",
+                    label, out["all"].get("tokens"), users * decode_tokens)
     return out
 
 
@@ -418,7 +424,8 @@ async def trace_decode(engine, timings: TimingLog, users: int, args: argparse.Na
             jax.profiler.stop_trace()
         events = common.device_trace_events(d)
     if not events:
-        return {"users": users, "error": "no device events in the trace"}
+        return {"users": users, "steady_tok_s_traced": summary.get("steady_tok_s"),
+                "error": "no device events in the trace"}
     return {"users": users, "tokens": summary.get("tokens"), "steady_tok_s_traced": summary.get("steady_tok_s"),
             **common.idle_gaps_by_device(events), "busiest": common.busiest_kernels(events)}
 
@@ -619,12 +626,16 @@ def print_summary(r: dict[str, Any]) -> None:
                   f"{chat['ttft_ms_warm_p50']} ms reusing {chat['cached_tokens']} against {chat['ttft_ms_cold_p50']} "
                   f"ms prefilled whole ({chat['speedup']}x; same first token {chat['same_first_token']})")
     for name, runs in (r.get("details", {}).get("constrained") or {}).items():
+        if not isinstance(runs, dict) or "constraint" not in runs:
+            continue  # the forty-ninth session's layout: one constraint, no name
         rates = []
         for key, run in runs.items():
-            if isinstance(run, dict):
+            if isinstance(run, dict) and "constrained" in run:
                 rate = f"{key} {run['constrained'].get('steady_tok_s')}"
                 if "free" in run:
                     rate += f" (the free ones {run['free'].get('steady_tok_s')})"
+                if run.get("complete") is False:
+                    rate += " [a stream ended early]"
                 rates.append(rate)
         print(f"  constrained decode tok/s ({name}: {runs['constraint']}): " + ", ".join(rates))
     print(f"  inter-token latency ({r['itl_users']} users): mean {r.get('itl_ms_mean')} ms, p50 {r['itl_ms_p50']} ms, "

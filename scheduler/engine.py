@@ -571,13 +571,24 @@ class Engine:
 
     def _allowed_row(self, state: RequestState) -> np.ndarray | None:
         """The tokens a constrained request may sample next; None where its grammar failed (the
-        request is ended with an error)."""
+        request is ended with an error). With ignore_eos, not the end-of-generation tokens where
+        the grammar allows others (llama.cpp's ignore_eos: their logits -inf), so a grammar that
+        may end anywhere (`[a-z ]*`) runs to max_tokens; where they are all it allows, the
+        grammar is complete and the request ends there anyway."""
         try:
-            return state.matcher.mask()
+            row = state.matcher.mask()
         except Exception as exc:  # one request's grammar must not end the others
             log.exception("request %s: its grammar failed", state.request.request_id)
             self._finish(state, FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")
             return None
+        if state.request.ignore_eos:
+            kept = row.copy().view(np.uint32)
+            for t in self.tokenizer.eog_ids:
+                if t // 32 < kept.size:
+                    kept[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+            if kept.any():
+                return kept.view(np.int32)
+        return row
 
     def _matched(self, slot: int, state: RequestState, limit: int) -> int:
         """How many of the request's first prompt tokens, in whole chunks and at most `limit`, the

@@ -103,6 +103,21 @@ def test_a_choice_and_a_grammar_that_ends_on_the_end_of_generation_token(make_en
     assert (cut.text, cut.final.finish_reason) == ("bcd", "length")
 
 
+def test_ignore_eos_keeps_a_grammar_that_may_end_going_until_it_must_end(make_engine):
+    """With ignore_eos the end-of-generation tokens leave the mask where the grammar allows
+    others (llama.cpp's ignore_eos), so `[a-z]+` runs to max_tokens; a grammar complete after its
+    choice ends there all the same."""
+    engine, _ = make_engine()
+    letters = run(collect_one(engine, req("a", max_tokens=30, ignore_eos=True,
+                                          constraint=Constraint("regex", "[a-z]+"))))
+    # after 'z' the first allowed token counting on is no longer EOS but, around the vocabulary, 'a'
+    assert letters.text == "bcdefghijklmnopqrstuvwxyzabcde" and letters.final.finish_reason == "length"
+    assert EOS not in letters.tokens
+    choice = run(collect_one(engine, req("m", max_tokens=9, ignore_eos=True,
+                                         constraint=Constraint("choice", '["yes", "no"]'))))
+    assert (choice.text, choice.final.finish_reason) == ("no", "stop")
+
+
 @pytest.mark.parametrize("defers, parts", [(False, False), (True, False), (True, True)],
                          ids=["reads-first", "deferred", "deferred-in-parts"])
 def test_a_constrained_request_samples_every_step_and_leaves_its_neighbours_alone(make_engine, defers, parts):
