@@ -369,6 +369,31 @@ def test_control_token_finds_only_a_control_tokens_id() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_forced_call_in_mistrals_format_opens_with_its_control_token(monkeypatch) -> None:
+    """A model whose vocabulary has Mistral's [TOOL_CALLS] control token: the request's grammar
+    names that token by id, and the reply after it (the token itself skipped in the text) comes
+    back as tool_calls."""
+    from tests.server import fakes
+
+    tool_calls_id = fakes.FakeTokenizer.vocab_size
+    monkeypatch.setitem(fakes.SPECIALS, tool_calls_id, "[TOOL_CALLS]")
+    engine = FakeEngine(max_context=512)
+    engine.tokenizer.vocab_size = tool_calls_id + 1
+    engine.tokenizer.chat_template = "{{ '[TOOL_CALLS]' }}" + engine.tokenizer.chat_template
+    engine.reply = " " + MISTRAL_CALL + "]"  # as the text reads after the control token
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": HI, "tools": TOOLS, "tool_choice": "required"})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"]
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    constraint = engine.requests[0].constraint
+    assert constraint.source == tool_calls.forced_grammar("mistral", TOOLS, None, True, tool_calls_id)
+    assert f"<[{tool_calls_id}]>" in constraint.source
+
+
+@pytest.mark.anyio
 async def test_a_forced_call_with_mistrals_template_needs_its_token() -> None:
     """A template in Mistral's call format, served by a model without the [TOOL_CALLS] token: a
     400 naming tool_choice, nothing submitted."""
