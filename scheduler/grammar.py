@@ -17,6 +17,12 @@ grammar once and computes its first mask there, so that one llguidance accepts b
 last COMPILED_KEPT grammars are kept, and each request gets a copy of its grammar's matcher (a
 request of n choices compiles once).
 
+JSON schemas allow whitespace between their tokens as llama.cpp's grammars do (JSON_WHITESPACE:
+nothing, one space, or one or two newlines and at most 20 spaces or tabs), not llguidance's
+default of any run of it, on which a small model can spend its whole max_tokens; a schema's own
+`x-guidance` options (where the server puts vLLM's `disable_any_whitespace` and
+`whitespace_pattern`) take precedence.
+
 Dimension letters: V vocabulary, W = ceil(V / 32) mask words.
 """
 
@@ -34,12 +40,20 @@ import numpy as np
 from model.step_types import mask_words
 from scheduler.types import Constraint, RequestValidationError
 
+# llama.cpp's `space` rule (common/json-schema-to-grammar): the whitespace a JSON schema's
+# grammar allows between tokens (module docstring)
+JSON_WHITESPACE = r"(?:[ ]?|\n{1,2}[ \t]{0,20})"
+
+
 def grammar_text(constraint: Constraint) -> str:
     """llguidance's grammar for the constraint (not yet compiled: `Vocabulary.matcher` does)."""
     if constraint.kind == "choice" and not _is_choice_list(constraint.source):
         raise RequestValidationError("invalid choice list: a JSON array of strings, at least one, expected",
                                      constraint.field)
     try:
+        if constraint.kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(constraint.source,
+                                                                  defaults={"whitespace_pattern": JSON_WHITESPACE})
         return llguidance.grammar_from(constraint.kind, constraint.source)  # our kinds are its format names
     except Exception as exc:  # noqa: BLE001 - llguidance's parsers raise ValueError and others
         raise RequestValidationError(f"invalid {_describe(constraint)}: {_first_line(exc)}", constraint.field) from None

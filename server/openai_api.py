@@ -423,7 +423,10 @@ def _parse_constraint(fields: Fields) -> Constraint | None:
     gives: OpenAI's `response_format` ({"type": "json_object"}, or "json_schema" with
     `json_schema.schema`; "text" is no constraint), llama-server's `json_schema` (a schema) and
     `grammar` (GBNF), vLLM's `structured_outputs` ({"json" | "regex" | "choice" | "grammar": ...},
-    or {"json_object": true}; its options such as whitespace patterns are ignored) and its older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`."""
+    or {"json_object": true}) and its older `guided_json`, `guided_regex`, `guided_choice`,
+    `guided_grammar`. vLLM's whitespace options (`structured_outputs.disable_any_whitespace`,
+    `structured_outputs.whitespace_pattern`, `guided_whitespace_pattern`) apply to a JSON schema
+    from any of these (`_with_whitespace`); its other options are ignored."""
     found = []
     fmt = fields.raw("response_format")
     if fmt is not None:
@@ -453,7 +456,44 @@ def _parse_constraint(fields: Fields) -> Constraint | None:
     if len(found) > 1:
         raise invalid(f"the request constrains its output twice ({', '.join(c.field for c in found)}): give one",
                       found[1].field)
+    whitespace = _whitespace_options(fields, outputs if isinstance(outputs, dict) else {})
+    if found and whitespace and found[0].kind == "json_schema":
+        return _with_whitespace(found[0], whitespace)
     return found[0] if found else None
+
+
+def _whitespace_options(fields: Fields, outputs: dict) -> dict[str, Any]:
+    """vLLM's whitespace options as llguidance's JSON options: `disable_any_whitespace` (none
+    between a JSON value's tokens), or a `whitespace_pattern` regex (from `structured_outputs`
+    or the older `guided_whitespace_pattern`); {} where none is given."""
+    pattern, field = outputs.get("whitespace_pattern"), "structured_outputs.whitespace_pattern"
+    if pattern is None:
+        pattern, field = fields.raw("guided_whitespace_pattern"), "guided_whitespace_pattern"
+    disable = outputs.get("disable_any_whitespace")
+    if disable is not None and not isinstance(disable, bool):
+        raise invalid("'structured_outputs.disable_any_whitespace' must be a boolean",
+                      "structured_outputs.disable_any_whitespace")
+    if pattern is not None and (not isinstance(pattern, str) or not pattern):
+        raise invalid(f"'{field}' must be a non-empty string (a regular expression)", field)
+    if disable and pattern is not None:
+        raise invalid(f"'structured_outputs.disable_any_whitespace' and '{field}' disagree: give one", field)
+    if disable:
+        return {"whitespace_flexible": False, "whitespace_pattern": None}
+    return {} if pattern is None else {"whitespace_pattern": pattern}
+
+
+def _with_whitespace(constraint: Constraint, options: dict[str, Any]) -> Constraint:
+    """The schema with llguidance's options in its `x-guidance` (which takes precedence over the
+    engine's default whitespace, scheduler/grammar.py)."""
+    schema = json.loads(constraint.source)
+    if schema is False:
+        return constraint  # allows nothing: no whitespace to shape
+    schema = {} if schema is True else schema
+    own = schema.get("x-guidance") or {}
+    if not isinstance(own, dict):
+        raise invalid(f"'{constraint.field}' has an 'x-guidance' that is not an object", constraint.field)
+    schema = {**schema, "x-guidance": {**own, **options}}
+    return dataclasses.replace(constraint, source=json.dumps(schema, ensure_ascii=False))
 
 
 def _response_format(fmt: Any) -> Constraint | None:

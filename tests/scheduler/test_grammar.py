@@ -46,6 +46,32 @@ def test_a_json_schema_allows_exactly_its_objects():
         vocab.matcher(schema({"type": "integer"})).consume(ord("x"))
 
 
+def _takes(vocab: grammar.Vocabulary, constraint: Constraint, text: str) -> bool:
+    m = vocab.matcher(constraint)
+    for ch in text.encode():
+        if ch not in allowed_tokens(m.mask()):
+            return False
+        m.consume(ch)
+    return m.is_stopped
+
+
+@pytest.mark.parametrize("x_guidance, takes", [
+    # llama.cpp's whitespace: none, one space, or one or two newlines and up to 20 spaces or tabs
+    (None, [True, True, True, True, False, False, False]),
+    ({"whitespace_flexible": False, "whitespace_pattern": None}, [False, True, False, False, False, False, False]),
+    ({"whitespace_pattern": "[ ]*"}, [True, True, False, False, True, True, False]),
+])
+def test_json_whitespace_is_bounded_unless_the_schema_says_otherwise(x_guidance, takes):
+    vocab = grammar.Vocabulary(ByteTokenizer())
+    value = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+             "additionalProperties": False}
+    if x_guidance is not None:
+        value["x-guidance"] = x_guidance
+    texts = ['{"a": 1}', '{"a":1}', '{\n  "a": 1\n}', '{\n\n\t"a": 1}', '{' + " " * 21 + '"a": 1}',
+             '{  "a": 1}', '{\n\n\n"a": 1}']
+    assert [_takes(vocab, schema(value), t) for t in texts] == takes
+
+
 def test_a_grammar_that_may_end_allows_the_end_of_generation_token():
     m = grammar.Vocabulary(ByteTokenizer()).matcher(Constraint("regex", "[a-z]+", "guided_regex"))
     assert EOS not in allowed_tokens(m.mask())  # at least one letter first

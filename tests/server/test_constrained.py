@@ -40,6 +40,16 @@ CASES = [
     ({"structured_outputs": {"json_object": True}}, schema({"type": "object"}, "structured_outputs.json_object")),
     ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
      Constraint("regex", "a", "structured_outputs.regex")),
+    # vLLM's whitespace options go into a JSON schema's x-guidance, from whichever field it came
+    ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+     schema({**SCHEMA, "x-guidance": {"whitespace_flexible": False, "whitespace_pattern": None}},
+            "structured_outputs.json")),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"disable_any_whitespace": False}},
+     schema({"type": "object"}, "response_format")),
+    ({"json_schema": {**SCHEMA, "x-guidance": {"lenient": True}}, "guided_whitespace_pattern": "[ ]*"},
+     schema({**SCHEMA, "x-guidance": {"lenient": True, "whitespace_pattern": "[ ]*"}}, "json_schema")),
+    ({"structured_outputs": {"json": True, "whitespace_pattern": "\\n?"}},
+     schema({"x-guidance": {"whitespace_pattern": "\\n?"}}, "structured_outputs.json")),
     ({"guided_json": SCHEMA}, schema(SCHEMA, "guided_json")),
     ({"guided_regex": "a+"}, Constraint("regex", "a+", "guided_regex")),
     ({"guided_choice": ["x"]}, Constraint("choice", '["x"]', "guided_choice")),
@@ -74,6 +84,12 @@ async def test_each_field_becomes_the_engines_constraint(endpoint: str, extra: d
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_regex": ""}, "guided_regex"),
     ({"json_schema": SCHEMA, "grammar": "root ::= \"a\""}, "grammar"),
+    ({"json_schema": SCHEMA, "structured_outputs": {"disable_any_whitespace": "yes"}},
+     "structured_outputs.disable_any_whitespace"),
+    ({"json_schema": SCHEMA, "guided_whitespace_pattern": ""}, "guided_whitespace_pattern"),
+    ({"json_schema": SCHEMA, "structured_outputs": {"disable_any_whitespace": True, "whitespace_pattern": " "}},
+     "structured_outputs.whitespace_pattern"),
+    ({"json_schema": {**SCHEMA, "x-guidance": "compact"}, "guided_whitespace_pattern": " "}, "json_schema"),
 ])
 async def test_malformed_or_doubled_constraints_are_refused(extra: dict, param: str) -> None:
     engine = FakeEngine()
