@@ -28,6 +28,8 @@ import json
 import uuid
 from typing import Any
 
+from scheduler.grammar import JSON_WHITESPACE
+
 PARSERS = ("hermes", "llama3_json", "mistral")
 CHOICES = ("auto", "none", *PARSERS)  # --tool-call-parser
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -137,7 +139,9 @@ def forced_grammar(parser: str | None, tools: list[dict[str, Any]], name: str | 
     schemas = [{"type": "object",
                 "properties": {"name": {"const": f["name"]}, args_key: f.get("parameters") or {"type": "object"}},
                 "required": ["name", args_key], "additionalProperties": False} for f in chosen]
-    body = json.dumps(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}, ensure_ascii=False)
+    body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    # the whitespace a JSON schema's grammar allows everywhere else (scheduler/grammar.py)
+    body = json.dumps({**body, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}, ensure_ascii=False)
     if parser == "hermes":
         lines = ['start: call ("\\n" call)*' if parallel else "start: call",
                  f'call: {json.dumps(HERMES_OPEN)} "\\n" body "\\n" {json.dumps(HERMES_CLOSE)}']

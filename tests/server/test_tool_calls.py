@@ -308,6 +308,8 @@ TWO_TOOLS = TOOLS + [{"type": "function", "function": {"name": "get_time", "para
     ("llama3_json", None, True, '{"name": "get_time", "parameters": {"zone": "UTC"}}; '
                                 '{"name": "get_weather", "parameters": {"city": "Oslo"}}', (True, True)),
     ("llama3_json", "get_weather", False, 'Sure', (False, False)),
+    ("hermes", None, False, CALL.replace('{"name"', '{\n  "name"'), (True, True)),
+    ("hermes", None, False, CALL.replace('{"name"', "{" + " " * 25 + '"name"'), (False, False)),  # JSON_WHITESPACE
 ])
 def test_forced_grammars_admit_exactly_the_calls(parser, name, parallel, text, ok) -> None:
     assert _walk(tool_calls.forced_grammar(parser, TWO_TOOLS, name, parallel), text) == ok
