@@ -581,14 +581,7 @@ class Engine:
             log.exception("request %s: its grammar failed", state.request.request_id)
             self._finish(state, FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")
             return None
-        if state.request.ignore_eos:
-            kept = row.copy().view(np.uint32)
-            for t in self.tokenizer.eog_ids:
-                if t // 32 < kept.size:
-                    kept[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
-            if kept.any():
-                return kept.view(np.int32)
-        return row
+        return grammar.without(row, self.tokenizer.eog_ids) if state.request.ignore_eos else row
 
     def _matched(self, slot: int, state: RequestState, limit: int) -> int:
         """How many of the request's first prompt tokens, in whole chunks and at most `limit`, the

@@ -196,6 +196,16 @@ class Matcher:
         return self._inner.is_stopped()
 
 
+def without(row: np.ndarray, tokens: Iterable[int]) -> np.ndarray:
+    """A mask row with these tokens' bits cleared, as a new row; the row itself where that would
+    leave no token allowed."""
+    kept = row.copy().view(np.uint32)
+    for t in tokens:
+        if 0 <= t < 32 * kept.size:
+            kept[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+    return kept.view(np.int32) if kept.any() else row
+
+
 def allowed(row: np.ndarray, tokens: Iterable[int]) -> list[bool]:
     """Whether each token's bit is set in a mask row (for tests and checks)."""
     words = row.view(np.uint32)

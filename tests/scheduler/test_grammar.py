@@ -129,6 +129,17 @@ def test_a_choice_and_a_grammar_that_ends_on_the_end_of_generation_token(make_en
     assert (cut.text, cut.final.finish_reason) == ("bcd", "length")
 
 
+def test_without_clears_only_the_named_tokens_unless_none_would_be_left():
+    row = np.zeros((-(-VOCAB // 32),), np.uint32)
+    for t in (5, 31, 40, 63, 64):
+        row[t // 32] |= np.uint32(1 << (t % 32))
+    row = row.view(np.int32)
+    assert allowed_tokens(grammar.without(row, [31, 63, 1000, -1])) == {5, 40, 64}
+    assert allowed_tokens(row) == {5, 31, 40, 63, 64}  # the row given is untouched
+    only = grammar.without(row, [5, 31, 40, 63, 64])
+    assert only is row  # nothing would be left: the row as it was
+
+
 def test_ignore_eos_keeps_a_grammar_that_may_end_going_until_it_must_end(make_engine):
     """With ignore_eos the end-of-generation tokens leave the mask where the grammar allows
     others (llama.cpp's ignore_eos), so `[a-z]+` runs to max_tokens; a grammar complete after its
