@@ -449,11 +449,9 @@ class Engine:
         states = {slot: rows[slot] for slot in pending.deferred}
         if any(not s.is_finished and s.tokens_in_flight > 1 for s in states.values()):
             return False
-        supplied = {}
-        for slot, state in states.items():
-            row = None if state.is_finished else self._allowed_row(state)
-            supplied[slot] = np.full((state.matcher.num_words,), -1, np.int32) if row is None else row
-        pending.supply(supplied)
+        known = self._allowed_rows({slot: s for slot, s in states.items() if not s.is_finished})
+        every = {slot: np.full((s.matcher.num_words,), -1, np.int32) for slot, s in states.items()}
+        pending.supply({slot: every[slot] if known.get(slot) is None else known[slot] for slot in states})
         return True
 
     def _drain_inbox(self) -> None:
@@ -508,11 +506,12 @@ class Engine:
         decode_slots = []
         allowed: list[tuple[int, np.ndarray]] = []
         deferred: list[int] = []
+        known = self._allowed_rows({slot: s for slot, s in decoding if s.matcher is not None and not s.tokens_in_flight})
         for slot, state in decoding:
             if state.matcher is not None and state.tokens_in_flight:
                 deferred.append(slot)  # its row once its token in flight is read (`_supply`)
             elif state.matcher is not None:
-                row = self._allowed_row(state)
+                row = known[slot]
                 if row is None:
                     continue
                 allowed.append((slot, row))
@@ -569,19 +568,20 @@ class Engine:
         newest (the engine supplies a deferred step before it plans another)."""
         return state.matcher is None or state.tokens_in_flight == 0 or (self._defers and state.tokens_in_flight == 1)
 
-    def _allowed_row(self, state: RequestState) -> np.ndarray | None:
-        """The tokens a constrained request may sample next; None where its grammar failed (the
-        request is ended with an error). With ignore_eos, not the end-of-generation tokens where
-        the grammar allows others (llama.cpp's ignore_eos: their logits -inf), so a grammar that
-        may end anywhere (`[a-z ]*`) runs to max_tokens; where they are all it allows, the
-        grammar is complete and the request ends there anyway."""
-        try:
-            row = state.matcher.mask()
-        except Exception as exc:  # one request's grammar must not end the others
-            log.exception("request %s: its grammar failed", state.request.request_id)
-            self._finish(state, FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")
-            return None
-        return grammar.without(row, self.tokenizer.eog_ids) if state.request.ignore_eos else row
+    def _allowed_rows(self, states: dict[int, RequestState]) -> dict[int, np.ndarray | None]:
+        """The tokens each constrained request may sample next (computed at once: grammar.masks);
+        None where its grammar failed (that request is ended with an error, not the others). With
+        ignore_eos, not the end-of-generation tokens where the grammar allows others (llama.cpp's
+        ignore_eos), so `[a-z ]*` runs to max_tokens; a complete grammar still ends there."""
+        rows: dict[int, np.ndarray | None] = {}
+        for (slot, state), row in zip(states.items(), grammar.masks([state.matcher for state in states.values()])):
+            if isinstance(row, Exception):
+                log.error("request %s: its grammar failed: %s", state.request.request_id, row)
+                self._finish(state, FINISH_ERROR, error=f"{type(row).__name__}: {row}")
+                rows[slot] = None
+            else:
+                rows[slot] = grammar.without(row, self.tokenizer.eog_ids) if state.request.ignore_eos else row
+        return rows
 
     def _matched(self, slot: int, state: RequestState, limit: int) -> int:
         """How many of the request's first prompt tokens, in whole chunks and at most `limit`, the
@@ -632,7 +632,7 @@ class Engine:
                 break
             is_last = end == state.num_prompt
             if is_last and state.matcher is not None:
-                row = self._allowed_row(state)
+                row = self._allowed_rows({state.slot: state})[state.slot]
                 if row is None:
                     break
                 allowed.append((state.slot, row))

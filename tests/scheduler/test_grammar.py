@@ -129,6 +129,29 @@ def test_a_choice_and_a_grammar_that_ends_on_the_end_of_generation_token(make_en
     assert (cut.text, cut.final.finish_reason) == ("bcd", "length")
 
 
+def test_masks_of_several_matchers_are_each_ones_own_and_a_failed_grammar_its_alone():
+    """grammar.masks (llguidance's threads for several): each row is what the matcher's own
+    mask() gives; a grammar that failed is an exception in its place, the others unharmed."""
+    vocab = grammar.Vocabulary(ByteTokenizer())
+    constraints = [Constraint("regex", "[a-c]{5}"), Constraint("regex", "x[0-9]+"), schema({"type": "integer"}),
+                   Constraint("regex", "[a-c]{5}")]
+    batch = [vocab.matcher(c) for c in constraints]
+    alone = [vocab.matcher(c) for c in constraints]
+    for i, token in ((0, ord("a")), (1, ord("x")), (3, ord("b"))):  # the third keeps its first mask cached
+        for m in (batch[i], alone[i]):
+            m.mask()
+            m.consume(token)
+    broken = vocab.matcher(Constraint("regex", "[a-c]{5}"))
+    with pytest.raises(RuntimeError):
+        broken.consume(ord("z"))
+    rows = grammar.masks([*batch[:2], broken, *batch[2:]])
+    assert isinstance(rows[2], Exception)
+    for row, m in zip(rows[:2] + rows[3:], alone):
+        np.testing.assert_array_equal(row, m.mask())
+    assert allowed_tokens(rows[0]) == {ord("a"), ord("b"), ord("c")}
+    assert allowed_tokens(rows[1]) == set(range(ord("0"), ord("9") + 1))
+
+
 def test_without_clears_only_the_named_tokens_unless_none_would_be_left():
     row = np.zeros((-(-VOCAB // 32),), np.uint32)
     for t in (5, 31, 40, 63, 64):
