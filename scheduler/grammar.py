@@ -19,9 +19,9 @@ request of n choices compiles once).
 
 JSON schemas allow whitespace between their tokens as llama.cpp's grammars do (JSON_WHITESPACE:
 nothing, one space, or one or two newlines and at most 20 spaces or tabs), not llguidance's
-default of any run of it, on which a small model can spend its whole max_tokens; a schema's own
-`x-guidance` options (where the server puts vLLM's `disable_any_whitespace` and
-`whitespace_pattern`) take precedence.
+default of any run of it, on which a small model can spend its whole max_tokens; a schema whose
+own `x-guidance` sets `whitespace_flexible` or `whitespace_pattern` (where the server puts vLLM's
+`disable_any_whitespace` and `whitespace_pattern`) is compiled as it says.
 
 Dimension letters: V vocabulary, W = ceil(V / 32) mask words.
 """
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import threading
 from typing import Any, Iterable, Sequence
 
@@ -39,6 +40,8 @@ import numpy as np
 
 from model.step_types import mask_words
 from scheduler.types import Constraint, RequestValidationError
+
+log = logging.getLogger(__name__)
 
 # llama.cpp's `space` rule (common/json-schema-to-grammar): the whitespace a JSON schema's
 # grammar allows between tokens (module docstring)
@@ -51,12 +54,25 @@ def grammar_text(constraint: Constraint) -> str:
         raise RequestValidationError("invalid choice list: a JSON array of strings, at least one, expected",
                                      constraint.field)
     try:
-        if constraint.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(constraint.source,
-                                                                  defaults={"whitespace_pattern": JSON_WHITESPACE})
+        if constraint.kind == "json_schema" and _bounded_whitespace(constraint.source):
+            source = "{}" if constraint.source.strip() == "true" else constraint.source  # (defaults need an object)
+            return llguidance.LLMatcher.grammar_from_json_schema(source, defaults={"whitespace_pattern": JSON_WHITESPACE})
         return llguidance.grammar_from(constraint.kind, constraint.source)  # our kinds are its format names
     except Exception as exc:  # noqa: BLE001 - llguidance's parsers raise ValueError and others
         raise RequestValidationError(f"invalid {_describe(constraint)}: {_first_line(exc)}", constraint.field) from None
+
+
+def _bounded_whitespace(source: str) -> bool:
+    """Whether a JSON schema takes JSON_WHITESPACE: an object schema (or `true`) whose own
+    `x-guidance` says nothing of whitespace (`whitespace_flexible` or `whitespace_pattern`)."""
+    try:
+        schema = json.loads(source)
+    except ValueError:
+        return False  # llguidance's own error, as without the default
+    if schema is True:
+        return True
+    own = schema.get("x-guidance") if isinstance(schema, dict) else None
+    return isinstance(schema, dict) and not (isinstance(own, dict) and {"whitespace_flexible", "whitespace_pattern"} & own.keys())
 
 
 def _is_choice_list(source: str) -> bool:
@@ -222,6 +238,7 @@ def masks(matchers: Sequence[Matcher]) -> list[np.ndarray | Exception]:
             llguidance.numpy.fill_next_token_bitmask_par(
                 _executor, [(matchers[i]._inner, j) for j, i in enumerate(todo)], rows)
         except Exception:  # noqa: BLE001 - one by one instead, each failure its own request's
+            log.warning("llguidance's batched masks failed; computing %d one by one", len(todo), exc_info=True)
             for i in todo:
                 out[i] = masks([matchers[i]])[0]
             return out  # type: ignore[return-value]

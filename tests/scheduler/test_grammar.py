@@ -60,6 +60,8 @@ def _takes(vocab: grammar.Vocabulary, constraint: Constraint, text: str) -> bool
     (None, [True, True, True, True, False, False, False]),
     ({"whitespace_flexible": False, "whitespace_pattern": None}, [False, True, False, False, False, False, False]),
     ({"whitespace_pattern": "[ ]*"}, [True, True, False, False, True, True, False]),
+    ({"whitespace_flexible": True}, [True] * 7),  # llguidance's own: any run of whitespace
+    ({"lenient": True}, [True, True, True, True, False, False, False]),  # says nothing of whitespace
 ])
 def test_json_whitespace_is_bounded_unless_the_schema_says_otherwise(x_guidance, takes):
     vocab = grammar.Vocabulary(ByteTokenizer())
@@ -129,7 +131,14 @@ def test_a_choice_and_a_grammar_that_ends_on_the_end_of_generation_token(make_en
     assert (cut.text, cut.final.finish_reason) == ("bcd", "length")
 
 
-def test_masks_of_several_matchers_are_each_ones_own_and_a_failed_grammar_its_alone():
+def test_a_true_schema_is_any_json_value_with_bounded_whitespace():
+    vocab = grammar.Vocabulary(ByteTokenizer())
+    constraint = Constraint("json_schema", "true", "guided_json")
+    assert _takes(vocab, constraint, '[1, "a"]') and _takes(vocab, constraint, '{"x": null}')
+    assert not _takes(vocab, constraint, "[" + " " * 25 + "1]")
+
+
+def test_masks_of_several_matchers_are_each_ones_own_and_a_failed_grammar_its_alone(monkeypatch, caplog):
     """grammar.masks (llguidance's threads for several): each row is what the matcher's own
     mask() gives; a grammar that failed is an exception in its place, the others unharmed."""
     vocab = grammar.Vocabulary(ByteTokenizer())
@@ -144,7 +153,13 @@ def test_masks_of_several_matchers_are_each_ones_own_and_a_failed_grammar_its_al
     broken = vocab.matcher(Constraint("regex", "[a-c]{5}"))
     with pytest.raises(RuntimeError):
         broken.consume(ord("z"))
+    batched = []
+    par = grammar.llguidance.numpy.fill_next_token_bitmask_par
+    monkeypatch.setattr(grammar.llguidance.numpy, "fill_next_token_bitmask_par",
+                        lambda ex, pairs, rows: (batched.append(len(pairs)), par(ex, pairs, rows)))
     rows = grammar.masks([*batch[:2], broken, *batch[2:]])
+    assert batched == [4]  # one call for all but the one whose first mask was known
+    assert "one by one" not in caplog.text  # that call gave them (no fallback)
     assert isinstance(rows[2], Exception)
     for row, m in zip(rows[:2] + rows[3:], alone):
         np.testing.assert_array_equal(row, m.mask())
