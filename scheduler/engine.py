@@ -450,8 +450,8 @@ class Engine:
         if any(not s.is_finished and s.tokens_in_flight > 1 for s in states.values()):
             return False
         known = self._allowed_rows({slot: s for slot, s in states.items() if not s.is_finished})
-        every = {slot: np.full((s.matcher.num_words,), -1, np.int32) for slot, s in states.items()}
-        pending.supply({slot: every[slot] if known.get(slot) is None else known[slot] for slot in states})
+        pending.supply({slot: known[slot] if known.get(slot) is not None else np.full((s.matcher.num_words,), -1, np.int32)
+                        for slot, s in states.items()})
         return True
 
     def _drain_inbox(self) -> None:
@@ -569,11 +569,12 @@ class Engine:
         return state.matcher is None or state.tokens_in_flight == 0 or (self._defers and state.tokens_in_flight == 1)
 
     def _allowed_rows(self, states: dict[int, RequestState]) -> dict[int, np.ndarray | None]:
-        """The tokens each constrained request may sample next (computed at once: grammar.masks);
-        None where its grammar failed (that request is ended with an error, not the others). With
-        ignore_eos, not the end-of-generation tokens where the grammar allows others (llama.cpp's
-        ignore_eos), so `[a-z ]*` runs to max_tokens; a complete grammar still ends there."""
+        """The tokens each constrained request may sample next (grammar.masks); None where its
+        grammar failed (that request alone is ended). With ignore_eos, not the end-of-generation
+        tokens where the grammar allows others (llama.cpp's ignore_eos): `[a-z ]*` runs on."""
         rows: dict[int, np.ndarray | None] = {}
+        if not states:  # (every plan asks; most have no constrained row)
+            return rows
         for (slot, state), row in zip(states.items(), grammar.masks([state.matcher for state in states.values()])):
             if isinstance(row, Exception):
                 log.error("request %s: its grammar failed: %s", state.request.request_id, row)

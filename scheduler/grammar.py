@@ -54,25 +54,27 @@ def grammar_text(constraint: Constraint) -> str:
         raise RequestValidationError("invalid choice list: a JSON array of strings, at least one, expected",
                                      constraint.field)
     try:
-        if constraint.kind == "json_schema" and _bounded_whitespace(constraint.source):
-            source = "{}" if constraint.source.strip() == "true" else constraint.source  # (defaults need an object)
-            return llguidance.LLMatcher.grammar_from_json_schema(source, defaults={"whitespace_pattern": JSON_WHITESPACE})
+        schema = _bounded_whitespace(constraint.source) if constraint.kind == "json_schema" else None
+        if schema is not None:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
         return llguidance.grammar_from(constraint.kind, constraint.source)  # our kinds are its format names
     except Exception as exc:  # noqa: BLE001 - llguidance's parsers raise ValueError and others
         raise RequestValidationError(f"invalid {_describe(constraint)}: {_first_line(exc)}", constraint.field) from None
 
 
-def _bounded_whitespace(source: str) -> bool:
-    """Whether a JSON schema takes JSON_WHITESPACE: an object schema (or `true`) whose own
-    `x-guidance` says nothing of whitespace (`whitespace_flexible` or `whitespace_pattern`)."""
+def _bounded_whitespace(source: str) -> dict | None:
+    """The JSON schema to compile with JSON_WHITESPACE (llguidance's options need an object: `true`
+    is `{}`), or None where it takes none: not an object, or its own `x-guidance` sets
+    `whitespace_flexible` or `whitespace_pattern` (or not JSON: llguidance's own error then)."""
     try:
         schema = json.loads(source)
     except ValueError:
-        return False  # llguidance's own error, as without the default
-    if schema is True:
-        return True
+        return None
+    schema = {} if schema is True else schema
     own = schema.get("x-guidance") if isinstance(schema, dict) else None
-    return isinstance(schema, dict) and not (isinstance(own, dict) and {"whitespace_flexible", "whitespace_pattern"} & own.keys())
+    if not isinstance(schema, dict) or (isinstance(own, dict) and {"whitespace_flexible", "whitespace_pattern"} & own.keys()):
+        return None
+    return schema
 
 
 def _is_choice_list(source: str) -> bool:
