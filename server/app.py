@@ -9,7 +9,8 @@ generation routes answer 503. Tests attach a fake engine to the holder directly.
 Request path: middleware (`server/asgi.py`: HTTP metrics, 500 boundary, CORS, body limit, API
 key) -> route ->
 `server/openai_api.py` (parse) -> `server/prompts.py` (tokenize, check) ->
-`server/generation.py` (submit, stream or collect).
+`server/generation.py` (submit, stream or collect). `/v1/responses` (server/responses_api.py)
+becomes a chat request and follows the same path.
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ from model.chat_template import render_chat
 from scheduler.gc_pauses import GcSnapshot
 from scheduler.requests import RequestTiming
 from scheduler.types import Constraint, EngineStats
-from server import reasoning, tool_calls
+from server import reasoning, responses_api, tool_calls
 from server.asgi import ApiKeyAuth, BodyLimit, ErrorBoundary, EventStreamResponse, HttpMetricsMiddleware, unless_disconnected
 from server.config import ServerConfig
 from server.errors import ApiError, error_body, invalid, json_response
 from server.generation import Generation, collect, sse_frames, unavailable
 from server.metrics import Metrics
-from server.openai_api import ChatRenderer, CompletionRenderer, Fields, ParsedRequest, parse_chat, parse_completion
+from server.openai_api import ChatRenderer, ChoiceResult, CompletionRenderer, Fields, ParsedRequest, parse_chat, parse_completion
 from server.prompts import ModelLimits, PreparedPrompt, bos_eos_text, prepare
 from server.prompts import render as render_prompt
 from server.replies import ReplyFormat
@@ -211,27 +212,16 @@ async def _json_body(request: Request) -> Any:
     return body
 
 
-async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]) -> Response:
-    entered = time.perf_counter()
+async def _submit(request: Request, parsed: ParsedRequest, response_id: str, entered: float) -> Generation:
+    """A parsed request's prompts prepared and its engine requests submitted (the chat and
+    completion endpoints', and the Responses API's as a chat request)."""
     state = request.app.state
     config: ServerConfig = state.config
-    parsed = parse(await _json_body(request), config.max_choices)
     engine, ready = state.holder.require_ready()
-    tokenizer = engine.tokenizer
     template = config.chat_template or ready.chat_template
     if parsed.forces_call:
-        parsed = _force_calls(parsed, config, template, tokenizer)
-    prompts = prepare(parsed, tokenizer, ready.limits, template, render_chat)
-    response_id = ("chatcmpl-" if parsed.is_chat else "cmpl-") + uuid.uuid4().hex
-    renderer_cls = ChatRenderer if parsed.is_chat else CompletionRenderer
-    renderer = renderer_cls(
-        response_id,
-        int(time.time()),
-        parsed.model or config.model_name,
-        tokenizer.token_bytes,
-        include_usage=parsed.include_usage,
-        logprobs=parsed.logprobs is not None,
-    )
+        parsed = _force_calls(parsed, config, template, engine.tokenizer)
+    prompts = prepare(parsed, engine.tokenizer, ready.limits, template, render_chat)
     gen = Generation(engine, parsed, prompts, response_id, _reply_format(parsed, config, template, prompts))
     # taken before the submit: the engine's own TTFT clock starts as the request reaches it (in
     # its process or thread), and this handler may run on only later, so an end taken after
@@ -239,22 +229,101 @@ async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]
     await gen.compile_constraint()
     submitted = time.perf_counter()
     gen.submit_all()
-    metrics: Metrics = state.metrics
-    metrics.http_admit.observe(submitted - entered)
-    if parsed.stream:
-        def first_frame() -> None:
-            metrics.http_first_frame.observe(time.perf_counter() - entered)
+    state.metrics.http_admit.observe(submitted - entered)
+    return gen
 
-        frames = sse_frames(gen, renderer, parsed.include_usage, on_first_token=first_frame)
-        return EventStreamResponse(frames, on_close=gen.cancel)  # type: ignore[return-value]
+
+def _first_frame_timer(request: Request, entered: float) -> Callable[[], None]:
+    metrics: Metrics = request.app.state.metrics
+    return lambda: metrics.http_first_frame.observe(time.perf_counter() - entered)
+
+
+async def _collect(request: Request, gen: Generation, response_id: str) -> list[ChoiceResult] | None:
+    """A non-streaming request's choices; None if the client left first."""
     try:
         is_done, results = await unless_disconnected(request.receive, collect(gen))
     finally:
         gen.cancel()
     if not is_done or results is None:
         log.info("client left before %s finished", response_id)
+        return None
+    return results
+
+
+async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]) -> Response:
+    entered = time.perf_counter()
+    config: ServerConfig = request.app.state.config
+    parsed = parse(await _json_body(request), config.max_choices)
+    response_id = ("chatcmpl-" if parsed.is_chat else "cmpl-") + uuid.uuid4().hex
+    gen = await _submit(request, parsed, response_id, entered)
+    renderer_cls = ChatRenderer if parsed.is_chat else CompletionRenderer
+    renderer = renderer_cls(
+        response_id,
+        int(time.time()),
+        parsed.model or config.model_name,
+        request.app.state.holder.engine.tokenizer.token_bytes,
+        include_usage=parsed.include_usage,
+        logprobs=parsed.logprobs is not None,
+    )
+    if parsed.stream:
+        frames = sse_frames(gen, renderer, parsed.include_usage, on_first_token=_first_frame_timer(request, entered))
+        return EventStreamResponse(frames, on_close=gen.cancel)  # type: ignore[return-value]
+    results = await _collect(request, gen, response_id)
+    if results is None:
         return Response(status_code=CLIENT_CLOSED)
     return json_response(renderer.response(results, gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
+
+
+async def create_response(request: Request) -> Response:
+    """OpenAI's Responses API, served as a chat request (server/responses_api.py)."""
+    entered = time.perf_counter()
+    state = request.app.state
+    config: ServerConfig = state.config
+    store: responses_api.ResponseStore = state.responses
+    wanted = responses_api.to_chat(await _json_body(request), store)
+    response_id = responses_api.new_id("resp_")
+    try:
+        parsed = parse_chat(wanted.chat_body, 1)
+        gen = await _submit(request, parsed, response_id, entered)
+    except ApiError as e:  # named as the Responses request names the field
+        e.param = responses_api.chat_param(e.param)
+        raise
+    tokenizer = state.holder.engine.tokenizer
+    builder = responses_api.ResponseBuilder(response_id, parsed.model or config.model_name, wanted, parsed,
+                                            tokenizer.token_bytes, lambda text: len(tokenizer.encode(text, add_bos=False)))
+
+    def keep(b: responses_api.ResponseBuilder) -> None:
+        if b.request.store:
+            store.put(b.response_id, b.stored())
+
+    if parsed.stream:
+        frames = responses_api.event_frames(gen, builder, keep, on_first_token=_first_frame_timer(request, entered))
+        return EventStreamResponse(frames, on_close=gen.cancel)  # type: ignore[return-value]
+    results = await _collect(request, gen, response_id)
+    if results is None:
+        return Response(status_code=CLIENT_CLOSED)
+    body = builder.whole(results[0], gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+    keep(builder)
+    return json_response(body)
+
+
+def _stored_response(request: Request) -> tuple[str, responses_api.ResponseStore]:
+    response_id = request.path_params["response_id"]
+    store: responses_api.ResponseStore = request.app.state.responses
+    if store.get(response_id) is None:
+        raise ApiError(404, f"no stored response has the id {response_id!r}", param="response_id", code="not_found")
+    return response_id, store
+
+
+async def get_response(request: Request) -> Response:
+    response_id, store = _stored_response(request)
+    return json_response(store.get(response_id).response)  # type: ignore[union-attr]
+
+
+async def delete_response(request: Request) -> Response:
+    response_id, store = _stored_response(request)
+    store.delete(response_id)
+    return json_response({"id": response_id, "object": "response", "deleted": True})
 
 
 def _force_calls(parsed: ParsedRequest, config: ServerConfig, template: str | None, tokenizer: Any) -> ParsedRequest:
@@ -448,6 +517,10 @@ ROUTES = (
     Route("/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/apply-template", apply_template, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
@@ -499,5 +572,6 @@ def create_app(
     app.state.config = config
     app.state.holder = holder
     app.state.metrics = app_metrics
+    app.state.responses = responses_api.ResponseStore()
     app.state.started = int(time.time())
     return app

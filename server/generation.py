@@ -251,7 +251,7 @@ async def sse_frames(gen: Generation, renderer: Renderer, include_usage: bool,
                     yield frame
                 if event.finish_reason is None:
                     continue
-                error = _abnormal_end(gen, choice, event)
+                error = abnormal_end(gen, choice, event)
                 if error is not None:
                     yield sse_frame(error.body())
                     yield DONE_FRAME
@@ -282,7 +282,7 @@ async def collect(gen: Generation) -> list[ChoiceResult]:
             texts[choice.index].append(event.text)
             results[choice.index].logprobs.extend(event.logprobs)
             if event.finish_reason is not None:
-                error = _abnormal_end(gen, choice, event)
+                error = abnormal_end(gen, choice, event)
                 if error is not None:
                     raise error
                 results[choice.index].finish_reason = event.finish_reason
@@ -327,7 +327,7 @@ class _StreamedReply:
         return out
 
 
-def _abnormal_end(gen: Generation, choice: _Choice, event: StreamEvent) -> ApiError | None:
+def abnormal_end(gen: Generation, choice: _Choice, event: StreamEvent) -> ApiError | None:
     """For a final event: the error it ends the HTTP request with (other choices cancelled)."""
     error = gen.finish_error(event)
     if error is not None:
