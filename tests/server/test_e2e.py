@@ -198,3 +198,22 @@ def test_constrained_replies_follow_their_grammars_beside_a_free_request(client)
         assert isinstance(data["age"], int) and 0 <= data["age"] <= 150
         answer = chosen.result().choices[0]
         assert answer.message.content in ("yes", "no", "maybe") and answer.finish_reason == "stop"
+
+
+def test_a_response_equals_the_chat_reply_and_continues_it(client):
+    """The Responses API on the real model: the same greedy tokens as the chat request it becomes,
+    streamed or not, and a follow-up through previous_response_id whose prompt holds the first turn."""
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a fruit."}]
+    chat = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+    first = client.responses.create(model="m", instructions="Answer briefly.", input="Name a fruit.",
+                                    max_output_tokens=12, temperature=0)
+    assert first.output_text == chat.choices[0].message.content
+    assert first.usage.input_tokens == chat.usage.prompt_tokens
+    assert first.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    with client.responses.stream(model="m", instructions="Answer briefly.", input="Name a fruit.",
+                                 max_output_tokens=12, temperature=0) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == first.output_text
+    follow = client.responses.create(model="m", previous_response_id=first.id, input="And a vegetable?",
+                                     max_output_tokens=8, temperature=0)
+    assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
