@@ -22,6 +22,7 @@ import functools
 import importlib.metadata
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -45,7 +46,7 @@ from server.config import ServerConfig
 from server.errors import ApiError, error_body, invalid, json_response
 from server.generation import Generation, collect, sse_frames, unavailable
 from server.metrics import Metrics
-from server.openai_api import ChatRenderer, ChoiceResult, CompletionRenderer, Fields, ParsedRequest, parse_chat, parse_completion
+from server.openai_api import ChatRenderer, CompletionRenderer, Fields, ParsedRequest, parse_chat, parse_completion
 from server.prompts import ModelLimits, PreparedPrompt, bos_eos_text, prepare
 from server.prompts import render as render_prompt
 from server.replies import ReplyFormat
@@ -183,6 +184,15 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    """A JSON number, refused where it is beyond a double's range (1e400 would read as inf, which
+    no JSON we write back can hold)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
 def _check_unicode(value: Any) -> None:
     """Lone surrogates (\\ud800 escapes) would break the tokenizer and our UTF-8 output."""
     stack = [value]
@@ -205,7 +215,7 @@ async def _json_body(request: Request) -> Any:
     if not raw.strip():
         raise invalid("the request body is empty; send a JSON object", None)
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
+        body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as e:
         raise invalid(f"malformed JSON: {e}", None) from None
     _check_unicode(body)
@@ -238,18 +248,6 @@ def _first_frame_timer(request: Request, entered: float) -> Callable[[], None]:
     return lambda: metrics.http_first_frame.observe(time.perf_counter() - entered)
 
 
-async def _collect(request: Request, gen: Generation, response_id: str) -> list[ChoiceResult] | None:
-    """A non-streaming request's choices; None if the client left first."""
-    try:
-        is_done, results = await unless_disconnected(request.receive, collect(gen))
-    finally:
-        gen.cancel()
-    if not is_done or results is None:
-        log.info("client left before %s finished", response_id)
-        return None
-    return results
-
-
 async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]) -> Response:
     entered = time.perf_counter()
     config: ServerConfig = request.app.state.config
@@ -268,8 +266,12 @@ async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]
     if parsed.stream:
         frames = sse_frames(gen, renderer, parsed.include_usage, on_first_token=_first_frame_timer(request, entered))
         return EventStreamResponse(frames, on_close=gen.cancel)  # type: ignore[return-value]
-    results = await _collect(request, gen, response_id)
-    if results is None:
+    try:
+        is_done, results = await unless_disconnected(request.receive, collect(gen))
+    finally:
+        gen.cancel()
+    if not is_done or results is None:
+        log.info("client left before %s finished", response_id)
         return Response(status_code=CLIENT_CLOSED)
     return json_response(renderer.response(results, gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
 
@@ -286,10 +288,9 @@ async def create_response(request: Request) -> Response:
         parsed = parse_chat(wanted.chat_body, 1)
         gen = await _submit(request, parsed, response_id, entered)
     except ApiError as e:  # named as the Responses request names the field
-        e.param = responses_api.chat_param(e.param)
-        raise
+        raise responses_api.renamed(e) from None
     tokenizer = state.holder.engine.tokenizer
-    builder = responses_api.ResponseBuilder(response_id, parsed.model or config.model_name, wanted, parsed,
+    builder = responses_api.ResponseBuilder(response_id, parsed.model or config.model_name, wanted,
                                             tokenizer.token_bytes, lambda text: len(tokenizer.encode(text, add_bos=False)))
 
     def keep(b: responses_api.ResponseBuilder) -> None:
@@ -299,10 +300,13 @@ async def create_response(request: Request) -> Response:
     if parsed.stream:
         frames = responses_api.event_frames(gen, builder, keep, on_first_token=_first_frame_timer(request, entered))
         return EventStreamResponse(frames, on_close=gen.cancel)  # type: ignore[return-value]
-    results = await _collect(request, gen, response_id)
-    if results is None:
+    try:
+        is_done, body = await unless_disconnected(request.receive, responses_api.whole(gen, builder))
+    finally:
+        gen.cancel()
+    if not is_done or body is None:
+        log.info("client left before %s finished", response_id)
         return Response(status_code=CLIENT_CLOSED)
-    body = builder.whole(results[0], gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
     keep(builder)
     return json_response(body)
 
@@ -521,6 +525,8 @@ ROUTES = (
     Route("/responses", create_response, methods=["POST"]),
     Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+    Route("/responses/{response_id}", get_response, methods=["GET"]),
+    Route("/responses/{response_id}", delete_response, methods=["DELETE"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/apply-template", apply_template, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),

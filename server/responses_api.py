@@ -11,28 +11,34 @@ checks any chat request, and the reply is read for thoughts and calls as a chat 
 cut by `max_output_tokens` leaves the response `incomplete`.
 
 `previous_response_id` continues a stored response: its conversation (input and output, not its
-instructions) comes before the new input, as OpenAI's does. Responses are stored unless
-`store` is false, in memory, the newest `ResponseStore.max_entries` of them; `GET` and `DELETE
-/v1/responses/{id}` read and remove them. Not served (400): `background`, `conversation`,
-`prompt`, `truncation: "auto"`, tools other than functions, `item_reference` and non-text
-input (images, files, audio).
+instructions) comes before the new input, as OpenAI's does. Responses are stored unless `store`
+is false, in memory (`ResponseStore`: the newest 256, at most 64 MiB of their JSON); `GET` and
+`DELETE /v1/responses/{id}` read and remove them. Not served (400): `background`,
+`conversation`, `prompt`, `truncation: "auto"`, tools other than functions, `item_reference` and
+non-text input (images, files, audio). A null field is an absent one.
 
-Streaming (`event_frames`) sends OpenAI's typed events as SSE (`event:` and `data:` lines, each
-with its `sequence_number`): `response.created`, `response.in_progress`, per output item
-`response.output_item.added` / `.done` with its part's events between (`response.content_part.*`
-and `response.output_text.delta` / `.done`; `response.reasoning_text.*`;
-`response.function_call_arguments.delta` / `.done`: a call's arguments come whole, once the
-call is read), then `response.completed` or `response.incomplete`; an error after the headers an
-`error` event and `response.failed`. No `[DONE]`.
+The reply's parts become items in the order they come (`_Items`; text after a call is a message
+of its own), the same items streamed or not. Streaming (`event_frames`) sends OpenAI's typed
+events as SSE (`event:` and `data:` lines, each with its `sequence_number`):
+`response.created`, `response.in_progress`, per output item `response.output_item.added` (its
+content empty) / `.done` with its part's events between (`response.content_part.added` /
+`.done` around `response.output_text.delta` / `.done`, or `response.reasoning_text.delta` /
+`.done`; `response.function_call_arguments.delta` / `.done`: a call's arguments come whole,
+once the call is read), then `response.completed` or `response.incomplete`; an error after the
+headers an `error` event and `response.failed`. No `[DONE]`. Logprobs (`top_logprobs`, or
+`include: ["message.output_text.logprobs"]`) are those of the tokens whose text reaches an
+`output_text` (a thought's or a call's tokens have none).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import dataclasses
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -41,7 +47,7 @@ from typing import Any, AsyncIterator, Callable
 from scheduler.types import TokenLogprob
 from server.errors import SERVER_ERROR, ApiError, invalid
 from server.generation import Generation, abnormal_end
-from server.openai_api import ChatRenderer, ChoiceResult, MAX_TOP_LOGPROBS, ParsedRequest
+from server.openai_api import ChatRenderer, MAX_TOP_LOGPROBS
 from server.tool_calls import ToolCall
 
 log = logging.getLogger(__name__)
@@ -55,9 +61,10 @@ PASSED_THROUGH = (
     "grammar", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_whitespace_pattern", "speculative.n_max",
 )
-# Chat fields a Responses request names otherwise, for the `param` of a 400.
-_PARAM_NAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"),
-                ("messages", "input"), ("top_logprobs", "top_logprobs"))
+# Chat fields a Responses request names otherwise, for the `param` and message of a 400 (the
+# more specific first).
+_PARAM_NAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format.json_schema.schema", "text.format.schema"),
+                ("response_format.json_schema", "text.format"), ("response_format", "text.format"), ("messages", "input"))
 TEXT_PARTS = ("input_text", "output_text", "text")
 MAX_METADATA = 16  # OpenAI's: key/value pairs, keys up to 64 characters, values up to 512
 
@@ -75,22 +82,39 @@ class ResponsesRequest:
 class StoredResponse:
     response: dict[str, Any]  # the response object as it was returned
     messages: tuple[dict[str, Any], ...]  # its conversation with the reply, in chat form
+    size: int = 0  # bytes it is counted as (its JSON)
 
 
 class ResponseStore:
-    """The newest `max_entries` responses, by id (any thread: the event loop writes, tests read)."""
+    """The newest responses by id, at most `max_entries` of them and `max_bytes` of their JSON
+    (oldest dropped first; a response larger than that is not kept). Any thread: the event loop
+    writes, tests read."""
 
-    def __init__(self, max_entries: int = 256) -> None:
+    def __init__(self, max_entries: int = 256, max_bytes: int = 64 << 20) -> None:
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self._items: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
+        stored.size = len(json.dumps(stored.response)) + len(json.dumps(stored.messages))
         with self._lock:
+            self._drop(response_id)
+            if stored.size > self.max_bytes:
+                log.info("response %s (%d bytes) is larger than the store's %d bytes: not kept",
+                         response_id, stored.size, self.max_bytes)
+                return
             self._items[response_id] = stored
-            self._items.move_to_end(response_id)
-            while len(self._items) > self.max_entries:
-                self._items.popitem(last=False)
+            self._bytes += stored.size
+            while len(self._items) > self.max_entries or self._bytes > self.max_bytes:
+                self._drop(next(iter(self._items)))
+
+    def _drop(self, response_id: str) -> bool:
+        old = self._items.pop(response_id, None)
+        if old is not None:
+            self._bytes -= old.size
+        return old is not None
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:
@@ -98,10 +122,14 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
-            return self._items.pop(response_id, None) is not None
+            return self._drop(response_id)
 
     def __len__(self) -> int:
         return len(self._items)
+
+    @property
+    def num_bytes(self) -> int:
+        return self._bytes
 
 
 def new_id(prefix: str) -> str:
@@ -119,6 +147,17 @@ def chat_param(param: str | None) -> str | None:
     return param
 
 
+def renamed(error: ApiError) -> ApiError:
+    """A chat request's error with its fields named as the Responses request names them."""
+    message = error.message
+    for chat, ours in _PARAM_NAMES:
+        message = message.replace(f"'{chat}'", f"'{ours}'")
+    for chat, ours in _PARAM_NAMES[:4]:  # names no English word shares
+        message = re.sub(rf"\b{re.escape(chat)}\b", ours, message)
+    return ApiError(error.status, message, type=error.type, param=chat_param(error.param), code=error.code,
+                    headers=error.headers)
+
+
 def to_chat(body: Any, store: ResponseStore) -> ResponsesRequest:
     """The chat request a Responses request is served as, or a 400 naming the field."""
     if not isinstance(body, dict):
@@ -128,6 +167,7 @@ def to_chat(body: Any, store: ResponseStore) -> ResponsesRequest:
             raise invalid(f"'{name}' is not supported by this server", name)
     if body.get("truncation") not in (None, "disabled"):
         raise invalid("only 'truncation': 'disabled' is supported (a prompt over the context is a 400)", "truncation")
+    body = {k: v for k, v in body.items() if v is not None}  # null: the field's default, as elsewhere
     keep = body.get("store", True)
     if not isinstance(keep, bool):
         raise invalid("'store' must be a boolean", "store")
@@ -244,15 +284,17 @@ def _input_messages(items: list[Any]) -> list[dict[str, Any]]:
     opens one), a `function_call_output` is a tool message, a `reasoning` item's text is the
     next assistant message's `reasoning_content`."""
     out: list[dict[str, Any]] = []
-    thought: str | None = None
+    thought: list[str] | None = None  # reasoning items' text since the last assistant output
 
     def assistant() -> dict[str, Any]:
+        """The assistant message the next output joins: a new one after a reasoning item (a new
+        turn's thought) or after another role's message."""
         nonlocal thought
-        if not out or out[-1]["role"] != "assistant":
+        if not out or out[-1]["role"] != "assistant" or thought is not None:
             out.append({"role": "assistant", "content": ""})
-        if thought is not None:
-            out[-1]["reasoning_content"] = thought
-            thought = None
+        if thought:
+            out[-1]["reasoning_content"] = "\n".join(thought)
+        thought = None
         return out[-1]
 
     for i, item in enumerate(items):
@@ -272,6 +314,7 @@ def _input_messages(items: list[Any]) -> list[dict[str, Any]]:
                 else:
                     message["content"] = text
             else:
+                thought = None  # a thought the assistant did not act on is not part of the conversation
                 out.append({"role": role, "content": text})
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
@@ -284,15 +327,28 @@ def _input_messages(items: list[Any]) -> list[dict[str, Any]]:
             if not isinstance(item.get("call_id"), str):
                 raise invalid("a function_call_output item needs 'call_id' (a string)", f"{where}.call_id")
             text = _text_of(item.get("output"), f"{where}.output", TEXT_PARTS)
+            thought = None
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
         elif kind == "reasoning":
-            parts = [p for p in (item.get("content") or []) if isinstance(p, dict)] or \
-                    [p for p in (item.get("summary") or []) if isinstance(p, dict)]
-            thought = "\n".join(p["text"] for p in parts if isinstance(p.get("text"), str)) or None
+            texts = _reasoning_texts(item, where)
+            thought = (thought or []) + ([texts] if texts else [])
         else:
             raise invalid(f"input item type {kind!r} is not supported (message, function_call, "
                           "function_call_output, reasoning)", f"{where}.type")
     return out
+
+
+def _reasoning_texts(item: dict[str, Any], where: str) -> str:
+    """A reasoning item's text: its `reasoning_text` content, else its summary's text."""
+    found = []
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if parts is None:
+            continue
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+            raise invalid(f"a reasoning item's '{key}' must be an array of parts with a 'text'", f"{where}.{key}")
+        found.append("\n".join(p["text"] for p in parts))
+    return next((text for text in found if text), "")
 
 
 def _chat_tools(tools: Any) -> list[dict[str, Any]]:
@@ -323,6 +379,8 @@ def _response_format(fmt: Any) -> dict[str, Any]:
     if not isinstance(fmt, dict):
         raise invalid("'text.format' must be an object with a 'type'", "text.format")
     if fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise invalid("a 'json_schema' format needs a 'schema' object", "text.format.schema")
         spec = {k: fmt[k] for k in ("name", "description", "strict") if k in fmt}
         return {"type": "json_schema", "json_schema": {**spec, "schema": fmt.get("schema")}}
     return fmt  # "text", "json_object"; anything else is refused as response_format's type
@@ -332,16 +390,15 @@ def _response_format(fmt: Any) -> dict[str, Any]:
 
 
 class ResponseBuilder:
-    """One response's objects: its output items as the reply gives them, the response object at
-    each stage, and what the store keeps of it."""
+    """One response's object: its output items as the reply gives them, its status and usage,
+    and what the store keeps of it."""
 
-    def __init__(self, response_id: str, model: str, request: ResponsesRequest, chat: ParsedRequest,
+    def __init__(self, response_id: str, model: str, request: ResponsesRequest,
                  token_bytes: Callable[[int], bytes], count_tokens: Callable[[str], int]) -> None:
         self.response_id = response_id
         self.created = int(time.time())
         self.model = model
         self.request = request
-        self.chat = chat
         self.count_tokens = count_tokens
         self._logprob_renderer = ChatRenderer(response_id, self.created, model, token_bytes, logprobs=True)
         self.output: list[dict[str, Any]] = []
@@ -370,15 +427,17 @@ class ResponseBuilder:
             **self.request.echo,
         }
 
-    def finish(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+    def thought(self) -> str:
+        return "".join(p["text"] for item in self.output if item["type"] == "reasoning" for p in item["content"])
+
+    def finish(self, finish_reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+               reasoning_tokens: int) -> None:
         self.status = "incomplete" if finish_reason == "length" else "completed"
-        thought = "".join(p["text"] for item in self.output if item["type"] == "reasoning" for p in item["content"])
         self.usage = {
             "input_tokens": prompt_tokens,
             "input_tokens_details": {"cached_tokens": cached_tokens},
             "output_tokens": completion_tokens,
-            # the thought's text counted again by the tokenizer (the engine counts the reply's tokens whole)
-            "output_tokens_details": {"reasoning_tokens": min(self.count_tokens(thought), completion_tokens) if thought else 0},
+            "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, completion_tokens)},
             "total_tokens": prompt_tokens + completion_tokens,
         }
 
@@ -396,34 +455,9 @@ class ResponseBuilder:
                      "function": {"name": item["name"], "arguments": item["arguments"]}})
         return StoredResponse(self.obj(), (*self.request.history, message))
 
-    # items
-    def reasoning_item(self, text: str, status: str) -> dict[str, Any]:
-        return {"type": "reasoning", "id": new_id("rs_"), "summary": [],
-                "content": [{"type": "reasoning_text", "text": text}], "status": status}
-
-    def message_item(self, text: str, logprobs: list[dict[str, Any]], status: str) -> dict[str, Any]:
-        return {"type": "message", "id": new_id("msg_"), "status": status, "role": "assistant",
-                "content": [self.text_part(text, logprobs)]}
-
-    @staticmethod
-    def text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
-
-    @staticmethod
-    def call_item(call: ToolCall, status: str) -> dict[str, Any]:
-        return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
-                "name": call.name, "arguments": call.arguments, "status": status}
-
-    def whole(self, result: ChoiceResult, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-        """A non-streamed response from its one choice."""
-        status = "incomplete" if result.finish_reason == "length" else "completed"
-        if result.reasoning:
-            self.output.append(self.reasoning_item(result.reasoning, status))
-        if result.text or not result.tool_calls:
-            self.output.append(self.message_item(result.text, self.logprobs(result.logprobs), status))
-        for call in result.tool_calls or []:
-            self.output.append(self.call_item(call, "completed"))
-        self.finish(result.finish_reason or "stop", prompt_tokens, completion_tokens, cached_tokens)
+    def failed(self, error: ApiError) -> dict[str, Any]:
+        self.status = "failed"
+        self.error = {"code": error.code or "server_error", "message": error.message}
         return self.obj()
 
 
@@ -432,142 +466,166 @@ def sse_event(obj: dict[str, Any]) -> bytes:
     return f"event: {obj['type']}\ndata: {data}\n\n".encode()
 
 
-class _EventStream:
-    """A streamed response's events as the reply's parts arrive: one output item open at a time."""
+def _text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+
+class _Items:
+    """The reply's parts made into output items, one item open at a time, and the events that
+    stream them (a non-streamed response makes the same items and drops the events)."""
 
     def __init__(self, b: ResponseBuilder) -> None:
         self.b = b
         self.seq = 0
-        self.open: dict[str, Any] | None = None  # the item being streamed
+        self.open: dict[str, Any] | None = None  # the reasoning or message item being written
         self.text: list[str] = []
-        self.logprobs: list[dict[str, Any]] = []  # the open message's, or the reply's so far
+        self.logprobs: list[dict[str, Any]] = []  # the open message's
 
     def event(self, kind: str, **fields: Any) -> bytes:
         obj = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
         return sse_event(obj)
 
-    def _index(self) -> int:
-        return len(self.b.output) - 1
-
-    def _start(self, item: dict[str, Any]) -> list[bytes]:
+    def _added(self, item: dict[str, Any]) -> list[bytes]:
         self.b.output.append(item)
-        self.open, self.text = item, []
-        out = [self.event("response.output_item.added", output_index=self._index(), item=item)]
-        if item["type"] == "message":
-            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=self._index(),
-                                  content_index=0, part=self.b.text_part("", [])))
+        return [self.event("response.output_item.added", output_index=len(self.b.output) - 1, item=item)]
+
+    def _open(self, kind: str) -> list[bytes]:
+        prefix, part = ("rs_", {"type": "reasoning_text", "text": ""}) if kind == "reasoning" else ("msg_", _text_part("", []))
+        item: dict[str, Any] = {"type": kind, "id": new_id(prefix), "status": "in_progress", "content": []}
+        if kind == "reasoning":
+            item["summary"] = []
+        else:
+            item["role"] = "assistant"
+        out = self._added(item)
+        self.open, self.text, self.logprobs = item, [], []
+        out.append(self.event("response.content_part.added", item_id=item["id"], output_index=len(self.b.output) - 1,
+                              content_index=0, part=part))
         return out
 
     def close(self, status: str) -> list[bytes]:
         item, self.open = self.open, None
         if item is None:
             return []
-        text, i, out = "".join(self.text), self._index(), []
+        text, i = "".join(self.text), len(self.b.output) - 1
+        at = dict(item_id=item["id"], output_index=i, content_index=0)
         if item["type"] == "message":
-            part = self.b.text_part(text, self.logprobs)
-            out.append(self.event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
-                                  text=text, logprobs=self.logprobs))
-            out.append(self.event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
-                                  part=part))
-            item["content"] = [part]
-            self.logprobs = []
+            part = _text_part(text, self.logprobs)
+            out = [self.event("response.output_text.done", **at, text=text, logprobs=self.logprobs)]
         else:
-            item["content"] = [{"type": "reasoning_text", "text": text}]
-            out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=i,
-                                  content_index=0, text=text))
-        item["status"] = status
+            part = {"type": "reasoning_text", "text": text}
+            out = [self.event("response.reasoning_text.done", **at, text=text)]
+        out.append(self.event("response.content_part.done", **at, part=part))
+        item.update(content=[part], status=status)
         out.append(self.event("response.output_item.done", output_index=i, item=item))
         return out
 
-    def part(self, part: Any, logprobs: list[dict[str, Any]]) -> list[bytes]:
-        out: list[bytes] = []
-        if isinstance(part, ToolCall):
-            out += self.close("completed")
-            item = self.b.call_item(part, "in_progress")
-            item["arguments"] = ""
-            out += self._start(item)
-            self.open = None
-            i = self._index()
-            out.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
-                                  delta=part.arguments))
-            out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                                  name=part.name, arguments=part.arguments))
-            item.update(arguments=part.arguments, status="completed")
-            out.append(self.event("response.output_item.done", output_index=i, item=item))
-            return out
-        kind, text = part
-        wanted = "reasoning" if kind == "reasoning" else "message"
-        if self.open is None or self.open["type"] != wanted:
-            out += self.close("completed")
-            out += self._start(self.b.reasoning_item("", "in_progress") if wanted == "reasoning"
-                               else self.b.message_item("", [], "in_progress"))
-        self.text.append(text)
-        item, i = self.open, self._index()
-        if wanted == "message":
-            self.logprobs += logprobs
-            out.append(self.event("response.output_text.delta", item_id=item["id"], output_index=i, content_index=0,
-                                  delta=text, logprobs=logprobs))
-        else:
-            out.append(self.event("response.reasoning_text.delta", item_id=item["id"], output_index=i,
-                                  content_index=0, delta=text))
+    def call(self, call: ToolCall) -> list[bytes]:
+        out = self.close("completed")
+        item = {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
+                "name": call.name, "arguments": "", "status": "in_progress"}
+        out += self._added(item)
+        at = dict(item_id=item["id"], output_index=len(self.b.output) - 1)
+        out.append(self.event("response.function_call_arguments.delta", **at, delta=call.arguments))
+        out.append(self.event("response.function_call_arguments.done", **at, name=call.name, arguments=call.arguments))
+        item.update(arguments=call.arguments, status="completed")
+        out.append(self.event("response.output_item.done", output_index=at["output_index"], item=item))
         return out
+
+    def text_delta(self, kind: str, text: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
+        out: list[bytes] = []
+        if self.open is None or self.open["type"] != kind:
+            out += self.close("completed")
+            out += self._open(kind)
+        self.text.append(text)
+        at = dict(item_id=self.open["id"], output_index=len(self.b.output) - 1, content_index=0)  # type: ignore[index]
+        if kind == "message":
+            self.logprobs += logprobs
+            out.append(self.event("response.output_text.delta", **at, delta=text, logprobs=logprobs))
+        else:
+            out.append(self.event("response.reasoning_text.delta", **at, delta=text))
+        return out
+
+
+async def _reply_items(gen: Generation, items: _Items) -> AsyncIterator[bytes]:
+    """The reply read into output items (thoughts, text, calls, as a chat reply is read) with
+    their events, then the response finished; an abnormal end raises its `ApiError`. The
+    logprobs of a token go with the text part its text reaches first (those of a thought's or a
+    call's tokens go nowhere: output items other than text have no logprobs)."""
+    b = items.b
+    reader = gen.reply_format.reader()
+    pending: list[dict[str, Any]] = []  # logprobs of the tokens read since the last part
+    async with contextlib.aclosing(gen.events()) as events:
+        async for choice, event in events:
+            pending += b.logprobs(event.logprobs)
+            parts = reader.feed(event.text) if event.text else []
+            if event.finish_reason is not None:
+                parts += reader.finish()
+            for part in parts:
+                if isinstance(part, ToolCall):
+                    frames = items.call(part)
+                else:
+                    kind = "reasoning" if part[0] == "reasoning" else "message"
+                    frames = items.text_delta(kind, part[1], pending if kind == "message" else [])
+                pending = []
+                for frame in frames:
+                    yield frame
+            if event.finish_reason is None:
+                continue
+            error = abnormal_end(gen, choice, event)
+            if error is not None:
+                raise error
+            status = "incomplete" if event.finish_reason == "length" else "completed"
+            if items.open is not None and items.open["type"] == "message":
+                items.logprobs += pending  # tokens held back at the end (a stop string's)
+            frames = items.close(status)
+            if not any(item["type"] in ("message", "function_call") for item in b.output):
+                frames += items._open("message") + items.close(status)  # every reply has its message
+            for frame in frames:
+                yield frame
+            thought = b.thought()
+            # counted again by the tokenizer, off the event loop (the engine counts the reply whole)
+            reasoning_tokens = await asyncio.to_thread(b.count_tokens, thought) if thought else 0
+            b.finish(event.finish_reason, gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens, reasoning_tokens)
+
+
+async def whole(gen: Generation, b: ResponseBuilder) -> dict[str, Any]:
+    """A non-streamed response: the items a stream would have made; raises `ApiError` on failure."""
+    async for _ in _reply_items(gen, _Items(b)):
+        pass
+    return b.obj()
 
 
 async def event_frames(gen: Generation, b: ResponseBuilder, on_done: Callable[[ResponseBuilder], None],
                        on_first_token: Callable[[], None] | None = None) -> AsyncIterator[bytes]:
     """The SSE body of a streamed response (the module docstring); `on_done` gets the builder of a
     response that completed or ended incomplete."""
-    s = _EventStream(b)
+    items = _Items(b)
     try:
-        yield s.event("response.created", response=b.obj())
-        yield s.event("response.in_progress", response=b.obj())
-        reader = gen.reply_format.reader()
-        pending: list[dict[str, Any]] = []  # logprobs of tokens not yet sent with a text delta
-        async with contextlib.aclosing(gen.events()) as events:
-            async for choice, event in events:
-                pending += b.logprobs(event.logprobs)
-                parts = reader.feed(event.text) if event.text else []
-                if event.finish_reason is not None:
-                    parts += reader.finish()
-                for part in parts:
-                    is_text = not isinstance(part, ToolCall) and part[0] != "reasoning"
-                    frames = s.part(part, pending if is_text else [])
-                    if is_text:
-                        pending = []
-                    for frame in frames:
-                        if on_first_token is not None:
-                            on_first_token()
-                            on_first_token = None
-                        yield frame
-                if event.finish_reason is None:
-                    continue
-                error = abnormal_end(gen, choice, event)
-                if error is not None:
-                    for frame in _failed(s, error):
-                        yield frame
-                    return
-                status = "incomplete" if event.finish_reason == "length" else "completed"
-                if pending and s.open is not None and s.open["type"] == "message":
-                    s.logprobs += pending
-                for frame in s.close(status):
-                    yield frame
-                if not any(item["type"] in ("message", "function_call") for item in b.output):
-                    for frame in s._start(b.message_item("", [], "in_progress")) + s.close(status):
-                        yield frame
-                b.finish(event.finish_reason, gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
-                on_done(b)
-                yield s.event(f"response.{b.status}", response=b.obj())
+        yield items.event("response.created", response=b.obj())
+        yield items.event("response.in_progress", response=b.obj())
+        async for frame in _reply_items(gen, items):
+            if on_first_token is not None:
+                on_first_token()
+                on_first_token = None
+            yield frame
+        on_done(b)
+        yield items.event(f"response.{b.status}", response=b.obj())
+    except ApiError as error:  # the engine's end of the request (abnormal_end logged it)
+        for frame in _failed(items, error):
+            yield frame
     except Exception:
         log.exception("streaming response %s failed", b.response_id)
         gen.cancel()
-        for frame in _failed(s, ApiError(500, "internal error while streaming", type=SERVER_ERROR,
-                                         code="internal_error")):
+        for frame in _failed(items, ApiError(500, "internal error while streaming", type=SERVER_ERROR,
+                                             code="internal_error")):
             yield frame
 
 
-def _failed(s: _EventStream, error: ApiError) -> list[bytes]:
-    s.b.status = "failed"
-    s.b.error = {"code": error.code or "server_error", "message": error.message}
-    return [s.event("error", code=error.code, message=error.message, param=error.param),
-            s.event("response.failed", response=s.b.obj())]
+def _failed(items: _Items, error: ApiError) -> list[bytes]:
+    frames = [items.event("error", code=error.code, message=error.message, param=error.param)]
+    try:
+        frames.append(items.event("response.failed", response=items.b.failed(error)))
+    except Exception:  # the response object itself cannot be written: the error event says it all
+        log.exception("response %s: its failed response could not be written", items.b.response_id)
+    return frames

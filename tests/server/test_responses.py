@@ -4,7 +4,6 @@ them), tool calls, thoughts, the stored conversation, and the 400s."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
@@ -118,6 +117,9 @@ def test_text_format_becomes_the_response_format() -> None:
     ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
     ({"input": "x", "metadata": {"k": 1}}, "metadata"),
     ({"input": "x", "store": "yes"}, "store"),
+    ({"input": [{"type": "reasoning", "content": 5}]}, "input[0].content"),
+    ({"input": [{"type": "reasoning", "summary": [{"text": 1}]}]}, "input[0].summary"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "A"}}}, "text.format.schema"),
 ])
 def test_requests_it_cannot_serve_are_400s_naming_the_field(body: dict, param: str) -> None:
     with pytest.raises(responses_api.ApiError) as e:
@@ -132,6 +134,27 @@ async def test_the_chat_checks_name_the_responses_fields(body: dict, param: str)
     async with client_for(make_app(FakeEngine())) as c:
         r = await c.post("/v1/responses", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert "max_completion_tokens" not in r.text and "response_format" not in r.text
+
+
+async def test_a_number_beyond_a_double_is_a_400_not_an_echo_that_cannot_be_written() -> None:
+    engine = FakeEngine()
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/responses", content=b'{"input": "x", "tools": [{"type": "function", "name": "f", '
+                                                  b'"parameters": {"maximum": 1e400}}]}',
+                         headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "out of range" in r.json()["error"]["message"] and not engine.requests
+
+
+async def test_null_fields_take_their_defaults() -> None:
+    async with client_for(make_app(FakeEngine())) as c:
+        r = await c.post("/v1/responses", json={"input": "Hi", "store": None, "tool_choice": None, "temperature": None,
+                                                "parallel_tool_calls": None, "top_p": None, "top_logprobs": None})
+        got = await c.get(f"/responses/{r.json()['id']}")
+    body = r.json()
+    assert (body["store"], body["tool_choice"], body["temperature"], body["parallel_tool_calls"], body["top_p"]) == (
+        True, "auto", 1.0, True, 1.0)
+    assert got.status_code == 200 and got.json() == body
 
 
 # ----------------------------------------------------------------------------- the response
@@ -228,9 +251,11 @@ async def test_a_thought_is_a_reasoning_item() -> None:
     assert [o["type"] for o in body["output"]] == ["reasoning", "message"]
     assert body["output"][0]["content"] == [{"type": "reasoning_text", "text": "Four."}]
     assert body["output"][1]["content"][0]["text"] == "It is 4."
-    assert 0 < body["usage"]["output_tokens_details"]["reasoning_tokens"] <= body["usage"]["output_tokens"]
+    assert body["usage"]["output_tokens_details"]["reasoning_tokens"] == len("Four.")  # one token a byte here
     events = parse_events(s.text)
     assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Four."
+    added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+    assert [(i["type"], i["content"]) for i in added] == [("reasoning", []), ("message", [])]
     assert without_ids(events[-1]["response"]["output"]) == without_ids(body["output"])
     # the stored reply reaches the template with its thought, as a chat request's would
     assert again.status_code == 200
@@ -277,12 +302,22 @@ async def test_a_call_and_its_output_continue_a_stored_response() -> None:
                                         '"arguments": {"city": "Paris"}}</tool_call><|tool|>sunny<|assistant|>')
 
 
-def test_the_store_keeps_the_newest() -> None:
+def test_the_store_keeps_the_newest_within_its_count_and_bytes() -> None:
     store = ResponseStore(max_entries=2)
     for i in range(3):
         store.put(f"r{i}", responses_api.StoredResponse({"id": f"r{i}"}, ()))
     assert len(store) == 2 and store.get("r0") is None and store.get("r2") is not None
-    assert store.delete("r1") and not store.delete("r1")
+    assert store.delete("r1") and not store.delete("r1") and len(store) == 1
+    small = ResponseStore(max_entries=100, max_bytes=1000)
+    for i in range(10):
+        small.put(f"r{i}", responses_api.StoredResponse({"text": "x" * 300}, ()))
+    assert len(small) == 3 and small.get("r9") and small.get("r7") and not small.get("r6")
+    assert small.num_bytes <= 1000
+    small.put("big", responses_api.StoredResponse({"text": "x" * 2000}, ()))
+    assert small.get("big") is None and len(small) == 3  # larger than the whole store: not kept
+    for i in (7, 8, 9):
+        assert small.delete(f"r{i}")
+    assert small.num_bytes == 0
 
 
 # ----------------------------------------------------------------------------- failures
@@ -317,20 +352,22 @@ async def test_a_full_queue_is_a_429() -> None:
 
 
 @pytest.fixture
-def sdk_for():
+async def sdk_for():
     clients = []
 
     def make(engine: FakeEngine) -> openai.AsyncOpenAI:
         http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=make_app(engine)))
-        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="k", http_client=http, max_retries=0)
-        clients.append(client)
-        return client
+        clients.append(openai.AsyncOpenAI(base_url="http://test/v1", api_key="k", http_client=http, max_retries=0))
+        return clients[-1]
 
     yield make
+    for client in clients:
+        await client.close()
 
 
 async def test_the_sdk_reads_responses(sdk_for) -> None:
-    sdk = sdk_for(engine_with("Checking." + CALL, HERMES_TEMPLATE))
+    engine = engine_with("Checking." + CALL, HERMES_TEMPLATE)
+    sdk = sdk_for(engine)
     out = await sdk.responses.create(model="m", input="Weather?", instructions="Be brief.", tools=TOOLS)  # type: ignore[arg-type]
     assert out.output_text == "Checking." and out.status == "completed"
     calls = [o for o in out.output if o.type == "function_call"]
@@ -342,7 +379,8 @@ async def test_the_sdk_reads_responses(sdk_for) -> None:
     assert [o.type for o in final.output] == ["message", "function_call"]
     follow = await sdk.responses.create(model="m", previous_response_id=out.id, tools=TOOLS, input=[  # type: ignore[arg-type]
         {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}])
-    assert follow.output_text == "Checking."
+    assert follow.output_text == "Checking." and follow.previous_response_id == out.id
+    assert prompt_text(engine).endswith("</tool_call><|tool|>sunny<|assistant|>")
     fetched = await sdk.responses.retrieve(out.id)
     assert fetched.id == out.id and fetched.output_text == "Checking."
 
@@ -365,7 +403,6 @@ def test_the_passed_fields_are_chat_fields() -> None:
     for name in responses_api.PASSED_THROUGH:
         guided = name.removeprefix("guided_")
         assert f'"{name}"' in source or guided in constraints._VLLM_KINDS or guided == "whitespace_pattern", name
-    assert dataclasses.is_dataclass(responses_api.ResponsesRequest)
 
 
 async def test_output_items_sent_back_as_input_continue_the_conversation() -> None:
@@ -386,3 +423,46 @@ async def test_output_items_sent_back_as_input_continue_the_conversation() -> No
     assert wanted[1] == {"role": "assistant", "content": "", "reasoning_content": "Look.", "tool_calls": [
         {"id": call["call_id"], "type": "function", "function": {"name": "get_weather", "arguments": call["arguments"]}}]}
     assert wanted[2] == {"role": "tool", "tool_call_id": call["call_id"], "content": "sunny"}
+
+
+async def test_text_beside_a_call_makes_the_same_items_streamed_or_not() -> None:
+    engine = engine_with("A" + CALL + "B", HERMES_TEMPLATE)
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/responses", json={"input": "x", "tools": TOOLS, "include": ["message.output_text.logprobs"]})
+        s = await c.post("/v1/responses", json={"input": "x", "tools": TOOLS, "stream": True, "top_logprobs": 0,
+                                                "include": ["message.output_text.logprobs"]})
+    out = r.json()["output"]
+    assert [(o["type"], o.get("content", [{}])[0].get("text")) for o in out] == [
+        ("message", "A"), ("function_call", None), ("message", "B")]
+    assert [e["token"] for e in out[0]["content"][0]["logprobs"]] == ["A"]  # not the call's tokens
+    assert without_ids(parse_events(s.text)[-1]["response"]["output"]) == without_ids(out)
+
+
+async def test_a_thoughts_tokens_carry_no_logprobs_of_the_text() -> None:
+    engine = engine_with("<think>Four.</think>It is 4.", THINKING_TEMPLATE)
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/responses", json={"input": "x", "include": ["message.output_text.logprobs"]})
+    tokens = "".join(e["token"] for e in r.json()["output"][1]["content"][0]["logprobs"])
+    assert tokens.endswith("It is 4.") and "Four" not in tokens
+
+
+async def test_streamed_incomplete_and_unstored() -> None:
+    async with client_for(make_app(engine_with("Hello world"))) as c:
+        s = await c.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 3, "stream": True, "store": False})
+        last = parse_events(s.text)[-1]
+        got = await c.get(f"/v1/responses/{last['response']['id']}")
+    assert last["type"] == "response.incomplete" and last["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert last["response"]["output"][0]["content"][0]["text"] == "Hel" and got.status_code == 404
+
+
+def test_a_reasoning_item_opens_the_turn_it_precedes() -> None:
+    items = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "A1"},
+             {"type": "reasoning", "summary": [{"type": "summary_text", "text": "T2"}]},
+             {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "T3"}]},
+             {"role": "assistant", "content": "A2"},
+             {"type": "reasoning", "summary": [{"type": "summary_text", "text": "unused"}]},
+             {"role": "user", "content": "b"}, {"role": "assistant", "content": "A3"}]
+    assert to_chat({"input": items}, ResponseStore()).chat_body["messages"] == [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "A1"},
+        {"role": "assistant", "content": "A2", "reasoning_content": "T2\nT3"},
+        {"role": "user", "content": "b"}, {"role": "assistant", "content": "A3"}]
