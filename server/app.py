@@ -40,7 +40,7 @@ from model.chat_template import render_chat
 from scheduler.gc_pauses import GcSnapshot
 from scheduler.requests import RequestTiming
 from scheduler.types import Constraint, EngineStats
-from server import reasoning, responses_api, tool_calls
+from server import messages_api, reasoning, responses_api, tool_calls
 from server.asgi import ApiKeyAuth, BodyLimit, ErrorBoundary, EventStreamResponse, HttpMetricsMiddleware, unless_disconnected
 from server.config import ServerConfig
 from server.errors import ApiError, error_body, invalid, json_response
@@ -311,6 +311,54 @@ async def create_response(request: Request) -> Response:
     return json_response(body)
 
 
+async def create_message(request: Request) -> Response:
+    """Anthropic's Messages API, served as a chat request (server/messages_api.py); its errors in
+    Anthropic's shape."""
+    entered = time.perf_counter()
+    state = request.app.state
+    try:
+        parsed = parse_chat(messages_api.to_chat(await _json_body(request)), 1)
+        message_id = messages_api.message_id()
+        gen = await _submit(request, parsed, message_id, entered)
+    except ApiError as e:
+        error = messages_api.renamed(e)
+        return json_response(messages_api.error_body(error), status=error.status, headers=error.headers)
+    tokenizer = state.holder.engine.tokenizer
+    builder = messages_api.MessageBuilder(message_id, parsed.model or state.config.model_name, parsed.stop,
+                                          tuple(tokenizer.eog_ids), lambda ids: tokenizer.decode(ids))
+    if parsed.stream:
+        frames = messages_api.event_frames(gen, builder, gen.prompt_tokens, on_first_token=_first_frame_timer(request, entered))
+        return EventStreamResponse(frames, on_close=gen.cancel)  # type: ignore[return-value]
+    try:
+        is_done, body = await unless_disconnected(request.receive, messages_api.whole(gen, builder))
+    except ApiError as e:
+        return json_response(messages_api.error_body(e), status=e.status, headers=e.headers)
+    finally:
+        gen.cancel()
+    if not is_done or body is None:
+        log.info("client left before %s finished", message_id)
+        return Response(status_code=CLIENT_CLOSED)
+    return json_response(body)
+
+
+async def count_message_tokens(request: Request) -> Response:
+    """Anthropic's token count of a Messages request's prompt, as the chat template renders it."""
+    state = request.app.state
+    try:
+        body = await _json_body(request)
+        if isinstance(body, dict):
+            body = {"max_tokens": 1, **body}
+        parsed = parse_chat(messages_api.to_chat(body), 1)
+        engine, ready = state.holder.require_ready()
+        template = state.config.chat_template or ready.chat_template
+        prompts = prepare(dataclasses.replace(parsed, max_tokens=None), engine.tokenizer, ready.limits, template,
+                          render_chat)
+    except ApiError as e:
+        error = messages_api.renamed(e)
+        return json_response(messages_api.error_body(error), status=error.status, headers=error.headers)
+    return json_response({"input_tokens": len(prompts[0].tokens)})
+
+
 def _stored_response(request: Request) -> tuple[str, responses_api.ResponseStore]:
     response_id = request.path_params["response_id"]
     store: responses_api.ResponseStore = request.app.state.responses
@@ -521,6 +569,8 @@ ROUTES = (
     Route("/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/messages", create_message, methods=["POST"]),
+    Route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"]),
     Route("/v1/responses", create_response, methods=["POST"]),
     Route("/responses", create_response, methods=["POST"]),
     Route("/v1/responses/{response_id}", get_response, methods=["GET"]),

@@ -125,15 +125,18 @@ class ApiKeyAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            # Anthropic's clients send the key as x-api-key
+            anthropic = b"Bearer " + headers[b"x-api-key"] if b"x-api-key" in headers else b""
+            if not (hmac.compare_digest(given, self.expected) or hmac.compare_digest(anthropic, self.expected)):
                 return await _send_error(
                     scope,
                     receive,
                     send,
                     ApiError(
                         401,
-                        "invalid or missing API key (send Authorization: Bearer <key>)",
+                        "invalid or missing API key (send Authorization: Bearer <key>, or x-api-key: <key>)",
                         type=AUTHENTICATION,
                         code="invalid_api_key",
                         headers={"WWW-Authenticate": "Bearer"},

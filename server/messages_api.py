@@ -1,0 +1,321 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`), served by the
+chat pipeline, for Anthropic's SDKs and the tools built on them.
+
+A request becomes a chat request (`to_chat`): `system` a system message first, each message's
+content blocks the chat messages (`text`; an assistant's `tool_use` blocks its `tool_calls`, its
+`thinking` its `reasoning_content`; a user's `tool_result` blocks tool messages, before the
+user's text), `tools` (`name`, `description`, `input_schema`) function tools, `tool_choice`
+(`auto`, `any`, `tool`, `none`; `disable_parallel_tool_use`) the chat forms, `stop_sequences`
+the `stop`, `thinking` the chat template's `enable_thinking` (Qwen3's switch; other templates
+ignore it). The chat endpoint's sampling fields and our extensions pass through (`seed`,
+`min_p`, `repetition_penalty`, ...). Refused (400): image and document blocks, server tools
+(a `type` other than `custom`), and a missing `max_tokens`.
+
+The reply, read as a chat reply is (server/replies.py), becomes content blocks in the order it
+gives them: `thinking`, `text`, and a `tool_use` per call (its `input` the arguments object);
+`stop_reason` is `end_turn`, `max_tokens`, `stop_sequence` (with the one matched) or
+`tool_use`. Streaming sends Anthropic's events (`message_start`, per block
+`content_block_start` / `content_block_delta` (`text_delta`, `thinking_delta`,
+`input_json_delta`: a call's input in one delta, once read) / `content_block_stop`, then
+`message_delta` and `message_stop`; a failure after the headers an `error` event). Errors are
+Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from typing import Any, AsyncIterator, Callable
+
+from server.errors import ApiError, invalid
+from server.generation import Generation, abnormal_end
+from server.responses_api import PASSED_THROUGH, new_id
+from server.tool_calls import ToolCall
+
+log = logging.getLogger(__name__)
+
+# OpenAI's error types (and statuses) as Anthropic names them
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                504: "api_error"}
+_STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}
+_PARAM_NAMES = (("max_completion_tokens", "max_tokens"), ("messages", "messages"), ("stop", "stop_sequences"))
+
+
+def error_body(error: ApiError) -> dict[str, Any]:
+    message = error.message if error.param is None or error.param in error.message else f"{error.message} ({error.param})"
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(error.status, "api_error"), "message": message}}
+
+
+def to_chat(body: Any) -> dict[str, Any]:
+    """The chat request an Anthropic Messages request is served as, or a 400 naming the field."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object", None)
+    body = {k: v for k, v in body.items() if v is not None}
+    chat: dict[str, Any] = {k: body[k] for k in PASSED_THROUGH if k in body and k not in ("stop", "parallel_tool_calls")}
+    if "max_tokens" not in body:
+        raise invalid("'max_tokens' is required", "max_tokens")
+    chat["max_completion_tokens"] = body["max_tokens"]
+    messages: list[dict[str, Any]] = []
+    system = body.get("system")
+    if system is not None:
+        text = _blocks_text(system, "system")
+        if text:
+            messages.append({"role": "system", "content": text})
+    given = body.get("messages")
+    if not isinstance(given, list) or not given:
+        raise invalid("'messages' must be a non-empty array", "messages")
+    for i, message in enumerate(given):
+        messages += _chat_messages(message, f"messages[{i}]")
+    chat["messages"] = messages
+    if body.get("stop_sequences") is not None:
+        chat["stop"] = body["stop_sequences"]
+    if body.get("tools") is not None:
+        chat["tools"] = _chat_tools(body["tools"])
+    choice = body.get("tool_choice")
+    if choice is not None:
+        chat["tool_choice"], parallel = _chat_tool_choice(choice)
+        chat["parallel_tool_calls"] = parallel
+    thinking = body.get("thinking")
+    if thinking is not None:
+        if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled", "adaptive"):
+            raise invalid("'thinking' must be {\"type\": \"enabled\" | \"disabled\", ...}", "thinking")
+        kwargs = chat.get("chat_template_kwargs")
+        chat["chat_template_kwargs"] = {"enable_thinking": thinking["type"] != "disabled",
+                                        **(kwargs if isinstance(kwargs, dict) else {})}
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise invalid("'metadata' must be an object", "metadata")
+    return chat
+
+
+def renamed(error: ApiError) -> ApiError:
+    param = error.param
+    for chat, ours in _PARAM_NAMES:
+        if param is not None and (param == chat or param.startswith((chat + ".", chat + "["))):
+            param = ours + param[len(chat):]
+    message = error.message.replace("'max_completion_tokens'", "'max_tokens'")
+    return ApiError(error.status, message, type=error.type, param=param, code=error.code, headers=error.headers)
+
+
+def _blocks_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid("content must be a string or an array of blocks", where)
+    texts = []
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            kind = block.get("type") if isinstance(block, dict) else None
+            raise invalid(f"block type {kind!r} is not supported here (text blocks only)", f"{where}[{j}]")
+        texts.append(block["text"])
+    return "\n".join(texts)
+
+
+def _chat_messages(message: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(message, dict):
+        raise invalid("each message must be an object", where)
+    role = message.get("role")
+    if role not in ("user", "assistant"):
+        raise invalid(f"'role' must be user or assistant, got {role!r}", f"{where}.role")
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise invalid("'content' must be a string or an array of blocks", f"{where}.content")
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    thought: list[str] = []
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_result" and role == "user":
+            if not isinstance(block.get("tool_use_id"), str):
+                raise invalid("a tool_result block needs 'tool_use_id' (a string)", f"{at}.tool_use_id")
+            result = block.get("content", "")
+            text = _blocks_text(result, f"{at}.content")
+            out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                        "content": f"Error: {text}" if block.get("is_error") else text})
+        elif kind == "tool_use" and role == "assistant":
+            if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+                raise invalid("a tool_use block needs 'id' and 'name' (strings)", at)
+            if not isinstance(block.get("input", {}), dict):
+                raise invalid("a tool_use block's 'input' must be an object", f"{at}.input")
+            calls.append({"id": block["id"], "type": "function", "function": {
+                "name": block["name"], "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})
+        elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
+            thought.append(block["thinking"])
+        elif kind == "redacted_thinking" and role == "assistant":
+            continue
+        else:
+            raise invalid(f"block type {kind!r} is not supported in a {role} message", at)
+    if role == "assistant":
+        reply: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+        if thought:
+            reply["reasoning_content"] = "\n".join(thought)
+        if calls:
+            reply["tool_calls"] = calls
+        return [reply]
+    if texts or not out:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _chat_tools(tools: Any) -> list[dict[str, Any]]:
+    if not isinstance(tools, list):
+        raise invalid("'tools' must be an array of objects", "tools")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise invalid(f"tool type {kind!r} is not supported: client tools only", f"tools[{i}]")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise invalid("a tool needs a 'name'", f"tools[{i}].name")
+        function = {"name": tool["name"], "parameters": tool.get("input_schema", {"type": "object"})}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _chat_tool_choice(choice: Any) -> tuple[Any, bool]:
+    if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
+        raise invalid("'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}", "tool_choice")
+    parallel = not choice.get("disable_parallel_tool_use", False)
+    kind = choice["type"]
+    if kind == "tool":
+        if not isinstance(choice.get("name"), str):
+            raise invalid("a tool_choice of type 'tool' needs its 'name'", "tool_choice.name")
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
+
+
+# ----------------------------------------------------------------------------- the reply
+
+
+class MessageBuilder:
+    """One reply's content blocks as its parts arrive, their stream events, and the message."""
+
+    def __init__(self, message_id: str, model: str, stop: tuple[str, ...], eog_ids: tuple[int, ...],
+                 decode: Callable[[list[int]], str]) -> None:
+        self.message_id, self.model, self.stop, self.eog_ids, self.decode = message_id, model, stop, eog_ids, decode
+        self.content: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the text or thinking block being written
+        self.token_ids: list[int] = []
+        self.stop_reason: str | None = None
+        self.stop_sequence: str | None = None
+        self.usage: dict[str, Any] = {"input_tokens": 0, "output_tokens": 0, "cache_creation_input_tokens": 0,
+                                      "cache_read_input_tokens": 0}
+
+    def message(self) -> dict[str, Any]:
+        return {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
+                "content": self.content, "stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence,
+                "usage": self.usage}
+
+    @staticmethod
+    def event(obj: dict[str, Any]) -> bytes:
+        data = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return f"event: {obj['type']}\ndata: {data}\n\n".encode()
+
+    def _close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [self.event({"type": "content_block_stop", "index": len(self.content) - 1})]
+
+    def _start(self, block: dict[str, Any]) -> list[bytes]:
+        self.content.append(block)
+        return [self.event({"type": "content_block_start", "index": len(self.content) - 1,
+                            "content_block": {**block, **({"input": {}} if block["type"] == "tool_use" else {})}})]
+
+    def part(self, part: Any) -> list[bytes]:
+        out = self._close() if isinstance(part, ToolCall) or self.open is None or \
+            self.open["type"] != ("thinking" if part[0] == "reasoning" else "text") else []
+        if isinstance(part, ToolCall):
+            block = {"type": "tool_use", "id": "toolu_" + part.id.removeprefix("call_"), "name": part.name,
+                     "input": json.loads(part.arguments)}
+            out += self._start(block)
+            out.append(self.event({"type": "content_block_delta", "index": len(self.content) - 1,
+                                   "delta": {"type": "input_json_delta", "partial_json": part.arguments}}))
+            out.append(self.event({"type": "content_block_stop", "index": len(self.content) - 1}))
+            return out
+        kind, text = part
+        if self.open is None:
+            self.open = {"type": "thinking", "thinking": "", "signature": ""} if kind == "reasoning" else {"type": "text", "text": ""}
+            out += self._start(self.open)
+        key, delta = ("thinking", "thinking_delta") if kind == "reasoning" else ("text", "text_delta")
+        self.open[key] += text
+        out.append(self.event({"type": "content_block_delta", "index": len(self.content) - 1,
+                               "delta": {"type": delta, key: text}}))
+        return out
+
+    def finish(self, finish_reason: str, calls: int, prompt_tokens: int, completion_tokens: int, cached: int) -> list[bytes]:
+        out = self._close()
+        reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
+        self.stop_reason = _STOP_REASONS.get(reason, "end_turn")
+        if self.stop_reason == "end_turn" and self.stop and not (self.token_ids and self.token_ids[-1] in self.eog_ids):
+            text = self.decode(self.token_ids)  # the engine cut the reply at the first stop string in it
+            found = [(text.find(s), s) for s in self.stop if s in text]
+            if found:
+                self.stop_reason, self.stop_sequence = "stop_sequence", min(found)[1]
+        self.usage.update(input_tokens=prompt_tokens - cached, cache_read_input_tokens=cached,
+                          output_tokens=completion_tokens)
+        return out
+
+
+async def _reply(gen: Generation, b: MessageBuilder) -> AsyncIterator[bytes]:
+    """The reply's blocks and their events; an abnormal end raises its `ApiError`."""
+    reader = gen.reply_format.reader()
+    async with contextlib.aclosing(gen.events()) as events:
+        async for choice, event in events:
+            b.token_ids += event.token_ids
+            parts = reader.feed(event.text) if event.text else []
+            if event.finish_reason is not None:
+                parts += reader.finish()
+            for part in parts:
+                for frame in b.part(part):
+                    yield frame
+            if event.finish_reason is None:
+                continue
+            error = abnormal_end(gen, choice, event)
+            if error is not None:
+                raise error
+            for frame in b.finish(event.finish_reason, reader.num_calls, gen.prompt_tokens, gen.completion_tokens,
+                                  gen.cached_tokens):
+                yield frame
+
+
+async def whole(gen: Generation, b: MessageBuilder) -> dict[str, Any]:
+    async for _ in _reply(gen, b):
+        pass
+    return b.message()
+
+
+async def event_frames(gen: Generation, b: MessageBuilder, prompt_tokens: int,
+                       on_first_token: Callable[[], None] | None = None) -> AsyncIterator[bytes]:
+    start = b.message()
+    start["usage"] = {**b.usage, "input_tokens": prompt_tokens}
+    try:
+        yield b.event({"type": "message_start", "message": start})
+        async for frame in _reply(gen, b):
+            if on_first_token is not None:
+                on_first_token()
+                on_first_token = None
+            yield frame
+        yield b.event({"type": "message_delta", "delta": {"stop_reason": b.stop_reason, "stop_sequence": b.stop_sequence},
+                       "usage": b.usage})
+        yield b.event({"type": "message_stop"})
+    except ApiError as error:
+        yield b.event(error_body(error))
+    except Exception:
+        log.exception("streaming message %s failed", b.message_id)
+        gen.cancel()
+        yield b.event({"type": "error", "error": {"type": "api_error", "message": "internal error while streaming"}})
+
+
+def message_id() -> str:
+    return new_id("msg_")

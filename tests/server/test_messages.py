@@ -1,0 +1,195 @@
+"""Anthropic's Messages API (server/messages_api.py) on the fake engine: the chat request it
+becomes, the message and its stream (also as Anthropic's SDK reads them), tool use, thinking,
+stop reasons, token counts, and errors in Anthropic's shape."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anthropic
+import httpx2
+import pytest
+
+from scheduler.types import StreamEvent
+from server.messages_api import to_chat
+from server.errors import ApiError
+from tests.server.fakes import EOS, FakeEngine, client_for, make_app, tok
+from tests.server.test_reasoning import THINKING_TEMPLATE
+from tests.server.test_responses import engine_with, prompt_text
+from tests.server.test_tool_calls import CALL, HERMES_TEMPLATE
+
+pytestmark = pytest.mark.anyio
+
+TOOLS = [{"name": "get_weather", "description": "d",
+          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+HI = [{"role": "user", "content": "Weather?"}]
+
+
+def parse_events(body: str) -> list[dict[str, Any]]:
+    out = []
+    for frame in body[:-2].split("\n\n"):
+        event_line, data_line = frame.split("\n")
+        data = json.loads(data_line.removeprefix("data: "))
+        assert event_line == f"event: {data['type']}"
+        out.append(data)
+    return out
+
+
+def test_blocks_become_chat_messages() -> None:
+    chat = to_chat({"max_tokens": 9, "system": [{"type": "text", "text": "Be brief."}], "stop_sequences": ["\n\n"],
+                    "tools": TOOLS, "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+                    "thinking": {"type": "enabled", "budget_tokens": 1024}, "top_k": 4, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": "in Paris?"}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "Look.", "signature": "s"},
+                                          {"type": "text", "text": "Checking."},
+                                          {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+                                     {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
+                                      "content": [{"type": "text", "text": "no such city"}]},
+                                     {"type": "text", "text": "Thanks."}]}]})
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather\nin Paris?"},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "Look.", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: no such city"},
+        {"role": "user", "content": "Thanks."}]
+    assert chat["max_completion_tokens"] == 9 and chat["stop"] == ["\n\n"] and chat["top_k"] == 4
+    assert chat["tools"] == [{"type": "function", "function": {"name": "get_weather", "description": "d",
+                                                               "parameters": TOOLS[0]["input_schema"]}}]
+    assert chat["tool_choice"] == "required" and chat["parallel_tool_calls"] is False
+    assert chat["chat_template_kwargs"] == {"enable_thinking": True}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": HI}, "max_tokens"),
+    ({"max_tokens": 5, "messages": []}, "messages"),
+    ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0]"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f"}]}]},
+     "messages[0].content[0]"),
+    ({"max_tokens": 5, "messages": HI, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]"),
+    ({"max_tokens": 5, "messages": HI, "tool_choice": {"type": "maybe"}}, "tool_choice"),
+    ({"max_tokens": 5, "messages": HI, "thinking": {"type": "on"}}, "thinking"),
+])
+def test_requests_it_cannot_serve_are_400s(body: dict, param: str) -> None:
+    with pytest.raises(ApiError) as e:
+        to_chat(body)
+    assert e.value.status == 400 and e.value.param == param
+
+
+async def test_a_message_with_tool_use() -> None:
+    engine = engine_with("Checking." + CALL, HERMES_TEMPLATE)
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 200, "system": "Be brief.", "messages": HI,
+                                               "tools": TOOLS})
+        s = await c.post("/v1/messages", json={"model": "m", "max_tokens": 200, "system": "Be brief.", "messages": HI,
+                                               "tools": TOOLS, "stream": True})
+    body = r.json()
+    assert body["type"] == "message" and body["id"].startswith("msg_") and body["stop_reason"] == "tool_use"
+    assert body["content"][0] == {"type": "text", "text": "Checking."}
+    call = body["content"][1]
+    assert call["type"] == "tool_use" and call["id"].startswith("toolu_") and call["input"] == {"city": "Paris"}
+    assert prompt_text(engine, 0).startswith("<tools>get_weather;</tools><|system|>Be brief.<|user|>Weather?")
+    assert body["usage"]["output_tokens"] == len(("Checking." + CALL).encode())
+    events = parse_events(s.text)
+    assert [e["type"] for e in events][:3] == ["message_start", "content_block_start", "content_block_delta"]
+    assert [e["type"] for e in events][-5:] == ["content_block_start", "content_block_delta", "content_block_stop",
+                                                "message_delta", "message_stop"]
+    assert events[-4]["delta"] == {"type": "input_json_delta", "partial_json": '{"city": "Paris"}'}
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
+
+
+def engine_stopping_at(text: str, ids: tuple[int, ...]) -> FakeEngine:
+    """The engine's way with a stop: the text cut before it, the tokens generated whole."""
+    engine = FakeEngine()
+    engine.script = lambda request: [StreamEvent(text=text, token_ids=ids, finish_reason="stop", completion_tokens=len(ids))]
+    return engine
+
+
+@pytest.mark.parametrize("engine, extra, reason, sequence, text", [
+    (engine_with("Hello world"), {}, "end_turn", None, "Hello world"),
+    (engine_with("Hello world"), {"max_tokens": 5}, "max_tokens", None, "Hello"),
+    (engine_stopping_at("Hell", tuple(tok("Hello wor"))), {"stop_sequences": ["xyz", " wor", "o w"]}, "stop_sequence",
+     "o w", "Hell"),
+    (engine_stopping_at("Hello", (*tok("Hello"), EOS)), {"stop_sequences": ["xyz"]}, "end_turn", None, "Hello"),
+])
+async def test_stop_reasons(engine: FakeEngine, extra: dict, reason: str, sequence: str | None, text: str) -> None:
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 100, "messages": HI, **extra})
+    body = r.json()
+    assert (body["stop_reason"], body["stop_sequence"], body["content"][0]["text"]) == (reason, sequence, text)
+
+
+async def test_a_thought_is_a_thinking_block() -> None:
+    engine = engine_with("<think>Four.</think>It is 4.", THINKING_TEMPLATE)
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 100, "messages": HI})
+        s = await c.post("/v1/messages", json={"model": "m", "max_tokens": 100, "messages": HI, "stream": True})
+    assert [(b["type"], b.get("thinking", b.get("text"))) for b in r.json()["content"]] == [
+        ("thinking", "Four."), ("text", "It is 4.")]
+    deltas = [e["delta"] for e in parse_events(s.text) if e["type"] == "content_block_delta"]
+    assert "".join(d.get("thinking", "") for d in deltas) == "Four."
+    assert "".join(d.get("text", "") for d in deltas) == "It is 4."
+
+
+async def test_errors_are_anthropics_shape() -> None:
+    engine = FakeEngine()
+    async with client_for(make_app(engine)) as c:
+        bad = await c.post("/v1/messages", json={"model": "m", "messages": HI})
+        long = await c.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": [
+            {"role": "user", "content": "x" * 500}]})
+        engine.queue_full_after = 0
+        full = await c.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": HI})
+    assert bad.status_code == 400 and bad.json() == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "'max_tokens' is required"}}
+    assert long.status_code == 400 and long.json()["error"]["type"] == "invalid_request_error"
+    assert full.status_code == 429 and full.json()["error"]["type"] == "rate_limit_error" and "retry-after" in full.headers
+
+
+async def test_an_engine_error_mid_stream_is_an_error_event() -> None:
+    engine = FakeEngine()
+    engine.script = lambda request: [StreamEvent(text="He", token_ids=(1, 2)),
+                                     StreamEvent(finish_reason="error", error="device lost")]
+    async with client_for(make_app(engine)) as c:
+        s = await c.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": HI, "stream": True})
+        r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": HI})
+    last = parse_events(s.text)[-1]
+    assert last["type"] == "error" and "device lost" in last["error"]["message"]
+    assert r.status_code == 500 and r.json()["error"]["type"] == "api_error"
+
+
+async def test_count_tokens_is_the_prompts() -> None:
+    engine = engine_with("Hello")
+    async with client_for(make_app(engine)) as c:
+        n = (await c.post("/v1/messages/count_tokens", json={"model": "m", "system": "Be brief.", "messages": HI})).json()
+        await c.post("/v1/messages", json={"model": "m", "max_tokens": 5, "system": "Be brief.", "messages": HI})
+    assert n == {"input_tokens": len(engine.requests[0].prompt_tokens)}
+
+
+async def test_the_sdk_reads_messages() -> None:
+    engine = engine_with("Checking." + CALL, HERMES_TEMPLATE)
+    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=make_app(engine, api_key="sekret")))
+    async with anthropic.AsyncAnthropic(base_url="http://test", api_key="sekret", http_client=http, max_retries=0) as sdk:
+        out = await sdk.messages.create(model="m", max_tokens=200, messages=HI, tools=TOOLS)  # type: ignore[arg-type]
+        async with sdk.messages.stream(model="m", max_tokens=200, messages=HI, tools=TOOLS) as stream:  # type: ignore[arg-type]
+            texts = [t async for t in stream.text_stream]
+            final = await stream.get_final_message()
+        count = await sdk.messages.count_tokens(model="m", messages=HI, tools=TOOLS)  # type: ignore[arg-type]
+        with pytest.raises(anthropic.BadRequestError):
+            await sdk.messages.create(model="m", max_tokens=0, messages=HI)  # type: ignore[arg-type]
+    assert out.stop_reason == "tool_use" and out.content[0].text == "Checking."  # type: ignore[union-attr]
+    assert out.content[1].input == {"city": "Paris"}  # type: ignore[union-attr]
+    assert "".join(texts) == "Checking." and final.stop_reason == "tool_use"
+    assert final.content[1].input == {"city": "Paris"}  # type: ignore[union-attr]
+    assert count.input_tokens == len(engine.requests[0].prompt_tokens)
+
+
+async def test_the_api_key_may_come_as_x_api_key() -> None:
+    async with client_for(make_app(engine_with("Hi"), api_key="sekret")) as c:
+        ok = await c.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": HI}, headers={"x-api-key": "sekret"})
+        wrong = await c.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": HI}, headers={"x-api-key": "nope"})
+        bearer = await c.post("/v1/chat/completions", json={"messages": HI}, headers={"x-api-key": "sekret"})
+    assert ok.status_code == 200 and wrong.status_code == 401 and bearer.status_code == 200
