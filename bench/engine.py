@@ -384,9 +384,12 @@ async def run_suite(engine, timings: TimingLog, args: argparse.Namespace, max_co
             log.info("decode trace x%d: %s", u, out["decode_traces"][str(u)])
         out["decode_trace"] = out["decode_traces"][str(trace_users[-1])]  # the most users' (earlier files' key)
     if args.trace_constrained:
-        name, constraint = CONSTRAINTS[0]
-        out["constrained_trace"] = {"constraint": name, **await trace_decode(engine, timings, 1, args, rng, constraint)}
-        log.info("constrained trace x1: %s", out["constrained_trace"])
+        out["constrained_traces"] = {}
+        for name, constraint in CONSTRAINTS:
+            trace = {"constraint": name, **await trace_decode(engine, timings, 1, args, rng, constraint)}
+            out["constrained_traces"][name] = trace
+            log.info("constrained trace (%s) x1: %s", name, trace)
+        out["constrained_trace"] = out["constrained_traces"][CONSTRAINTS[0][0]]  # earlier files' key
     if args.trace_prefill and "prefill" in out:
         out["prefill_trace"] = await trace_prefill(engine, args.prefill_len, args.repeats, rng)
         log.info("prefill trace: %s", json.dumps(out["prefill_trace"])[:4000])
@@ -723,8 +726,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--constrained", action="store_true",
                     help="also measure decode under constrained decoding (details.constrained)")
     ap.add_argument("--trace-constrained", action="store_true",
-                    help="after the measured runs, trace one more decode of 1 user under the first of "
-                         "CONSTRAINTS, as --trace-users does a plain one (details.constrained_trace)")
+                    help="after the measured runs, trace one more decode of 1 user under each of "
+                         "CONSTRAINTS, as --trace-users does a plain one (details.constrained_traces)")
     ap.add_argument("--out", type=pathlib.Path, help="results directory (default bench/results)")
     ap.add_argument("--plot-with", nargs="*", default=[], help="earlier engine-*.json results to draw beside this run")
     ap.add_argument("--plot-only", nargs="+", type=pathlib.Path, help="draw these engine-*.json results and exit")

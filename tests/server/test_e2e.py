@@ -217,3 +217,23 @@ def test_a_response_equals_the_chat_reply_and_continues_it(client):
     follow = client.responses.create(model="m", previous_response_id=first.id, input="And a vegetable?",
                                      max_output_tokens=8, temperature=0)
     assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+
+
+def test_a_message_equals_the_chat_reply(server):
+    """Anthropic's Messages API on the real model: the chat request's greedy reply, streamed or not."""
+    import anthropic
+
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a fruit."}]
+    chat = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+        model="m", messages=messages, max_tokens=12, temperature=0)
+    client = anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0, timeout=300)
+    kwargs = dict(model="m", system="Answer briefly.", messages=[{"role": "user", "content": "Name a fruit."}],
+                  max_tokens=12, extra_body={"temperature": 0})  # (the SDK no longer takes it as an argument)
+    message = client.messages.create(**kwargs)
+    assert message.content[0].text == chat.choices[0].message.content
+    assert message.stop_reason == ("max_tokens" if chat.choices[0].finish_reason == "length" else "end_turn")
+    assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) == chat.usage.prompt_tokens
+    with client.messages.stream(**kwargs) as stream:
+        assert "".join(stream.text_stream) == message.content[0].text
+    assert client.messages.count_tokens(model="m", system="Answer briefly.",
+                                        messages=[{"role": "user", "content": "Name a fruit."}]).input_tokens == chat.usage.prompt_tokens
