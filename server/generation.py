@@ -297,6 +297,26 @@ async def collect(gen: Generation) -> list[ChoiceResult]:
     return [results[i] for i in sorted(results)]
 
 
+async def reply_parts(gen: Generation) -> AsyncIterator[tuple[StreamEvent, list[Any], ReplyReader]]:
+    """A one-choice request's events, each with the parts its reply reader makes of it (thoughts,
+    text, calls; with the final event, what the reader held) and the reader. An abnormal end
+    raises its `ApiError` after its parts (which come with the event's finish_reason cleared)."""
+    reader = gen.reply_format.reader()
+    async with contextlib.aclosing(gen.events()) as events:
+        async for choice, event in events:
+            parts = reader.feed(event.text) if event.text else []
+            if event.finish_reason is None:
+                yield event, parts, reader
+                continue
+            parts += reader.finish()
+            error = abnormal_end(gen, choice, event)
+            if error is None:
+                yield event, parts, reader
+                return
+            yield dataclasses.replace(event, finish_reason=None), parts, reader
+            raise error
+
+
 class _StreamedReply:
     """A streamed chat choice's text through its `ReplyReader`: thought, content and whole-call
     deltas, each token's logprobs sent with the first chunk after it (or with the choice's end)."""

@@ -23,14 +23,13 @@ Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from typing import Any, AsyncIterator, Callable
 
 from server.errors import ApiError, invalid
-from server.generation import Generation, abnormal_end
-from server.responses_api import PASSED_THROUGH, new_id
+from server.generation import Generation, reply_parts
+from server.responses_api import PASSED_THROUGH, new_id, text_of
 from server.tool_calls import ToolCall
 
 log = logging.getLogger(__name__)
@@ -100,17 +99,8 @@ def renamed(error: ApiError) -> ApiError:
 
 
 def _blocks_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid("content must be a string or an array of blocks", where)
-    texts = []
-    for j, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            kind = block.get("type") if isinstance(block, dict) else None
-            raise invalid(f"block type {kind!r} is not supported here (text blocks only)", f"{where}[{j}]")
-        texts.append(block["text"])
-    return "\n".join(texts)
+    """A string, or text blocks, as one string."""
+    return text_of(content, where, ("text",))
 
 
 def _chat_messages(message: Any, where: str) -> list[dict[str, Any]]:
@@ -269,21 +259,12 @@ class MessageBuilder:
 
 async def _reply(gen: Generation, b: MessageBuilder) -> AsyncIterator[bytes]:
     """The reply's blocks and their events; an abnormal end raises its `ApiError`."""
-    reader = gen.reply_format.reader()
-    async with contextlib.aclosing(gen.events()) as events:
-        async for choice, event in events:
-            b.token_ids += event.token_ids
-            parts = reader.feed(event.text) if event.text else []
-            if event.finish_reason is not None:
-                parts += reader.finish()
-            for part in parts:
-                for frame in b.part(part):
-                    yield frame
-            if event.finish_reason is None:
-                continue
-            error = abnormal_end(gen, choice, event)
-            if error is not None:
-                raise error
+    async for event, parts, reader in reply_parts(gen):
+        b.token_ids += event.token_ids
+        for part in parts:
+            for frame in b.part(part):
+                yield frame
+        if event.finish_reason is not None:
             for frame in b.finish(event.finish_reason, reader.num_calls, gen.prompt_tokens, gen.completion_tokens,
                                   gen.cached_tokens):
                 yield frame

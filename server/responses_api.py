@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import json
 import logging
@@ -46,7 +45,7 @@ from typing import Any, AsyncIterator, Callable
 
 from scheduler.types import TokenLogprob
 from server.errors import SERVER_ERROR, ApiError, invalid
-from server.generation import Generation, abnormal_end
+from server.generation import Generation, reply_parts
 from server.openai_api import ChatRenderer, MAX_TOP_LOGPROBS
 from server.tool_calls import ToolCall
 
@@ -258,7 +257,7 @@ def _wants_logprobs(body: dict[str, Any]) -> bool:
     return "message.output_text.logprobs" in (include or []) or bool(top)
 
 
-def _text_of(content: Any, where: str, parts: tuple[str, ...]) -> str:
+def text_of(content: Any, where: str, parts: tuple[str, ...]) -> str:
     """A message's or output's content (a string, or text parts) as one string."""
     if isinstance(content, str):
         return content
@@ -306,7 +305,7 @@ def _input_messages(items: list[Any]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise invalid(f"'role' must be user, system, developer or assistant, got {role!r}", f"{where}.role")
-            text = _text_of(item.get("content"), f"{where}.content", TEXT_PARTS)
+            text = text_of(item.get("content"), f"{where}.content", TEXT_PARTS)
             if role == "assistant":
                 message = assistant()
                 if message.get("tool_calls") or message["content"]:  # a new turn of the assistant's
@@ -326,7 +325,7 @@ def _input_messages(items: list[Any]) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise invalid("a function_call_output item needs 'call_id' (a string)", f"{where}.call_id")
-            text = _text_of(item.get("output"), f"{where}.output", TEXT_PARTS)
+            text = text_of(item.get("output"), f"{where}.output", TEXT_PARTS)
             thought = None
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
         elif kind == "reasoning":
@@ -553,40 +552,32 @@ async def _reply_items(gen: Generation, items: _Items) -> AsyncIterator[bytes]:
     logprobs of a token go with the text part its text reaches first (those of a thought's or a
     call's tokens go nowhere: output items other than text have no logprobs)."""
     b = items.b
-    reader = gen.reply_format.reader()
     pending: list[dict[str, Any]] = []  # logprobs of the tokens read since the last part
-    async with contextlib.aclosing(gen.events()) as events:
-        async for choice, event in events:
-            pending += b.logprobs(event.logprobs)
-            parts = reader.feed(event.text) if event.text else []
-            if event.finish_reason is not None:
-                parts += reader.finish()
-            for part in parts:
-                if isinstance(part, ToolCall):
-                    frames = items.call(part)
-                else:
-                    kind = "reasoning" if part[0] == "reasoning" else "message"
-                    frames = items.text_delta(kind, part[1], pending if kind == "message" else [])
-                pending = []
-                for frame in frames:
-                    yield frame
-            if event.finish_reason is None:
-                continue
-            error = abnormal_end(gen, choice, event)
-            if error is not None:
-                raise error
-            status = "incomplete" if event.finish_reason == "length" else "completed"
-            if items.open is not None and items.open["type"] == "message":
-                items.logprobs += pending  # tokens held back at the end (a stop string's)
-            frames = items.close(status)
-            if not any(item["type"] in ("message", "function_call") for item in b.output):
-                frames += items._open("message") + items.close(status)  # every reply has its message
+    async for event, parts, _ in reply_parts(gen):
+        pending += b.logprobs(event.logprobs)
+        for part in parts:
+            if isinstance(part, ToolCall):
+                frames = items.call(part)
+            else:
+                kind = "reasoning" if part[0] == "reasoning" else "message"
+                frames = items.text_delta(kind, part[1], pending if kind == "message" else [])
+            pending = []
             for frame in frames:
                 yield frame
-            thought = b.thought()
-            # counted again by the tokenizer, off the event loop (the engine counts the reply whole)
-            reasoning_tokens = await asyncio.to_thread(b.count_tokens, thought) if thought else 0
-            b.finish(event.finish_reason, gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens, reasoning_tokens)
+        if event.finish_reason is None:
+            continue
+        status = "incomplete" if event.finish_reason == "length" else "completed"
+        if items.open is not None and items.open["type"] == "message":
+            items.logprobs += pending  # tokens held back at the end (a stop string's)
+        frames = items.close(status)
+        if not any(item["type"] in ("message", "function_call") for item in b.output):
+            frames += items._open("message") + items.close(status)  # every reply has its message
+        for frame in frames:
+            yield frame
+        thought = b.thought()
+        # counted again by the tokenizer, off the event loop (the engine counts the reply whole)
+        reasoning_tokens = await asyncio.to_thread(b.count_tokens, thought) if thought else 0
+        b.finish(event.finish_reason, gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens, reasoning_tokens)
 
 
 async def whole(gen: Generation, b: ResponseBuilder) -> dict[str, Any]:

@@ -261,6 +261,19 @@ def parse_sse(body: str) -> list[Any]:
     return out
 
 
+def parse_typed_sse(body: str) -> list[dict[str, Any]]:
+    """An SSE body of typed events (the Responses and Messages APIs'): each frame an `event:` line
+    and a `data:` line whose object names the same type; no `[DONE]`."""
+    assert body.endswith("\n\n") and "[DONE]" not in body
+    out = []
+    for frame in body[:-2].split("\n\n"):
+        event_line, data_line = frame.split("\n")
+        data = json.loads(data_line.removeprefix("data: "))
+        assert event_line == f"event: {data['type']}"
+        out.append(data)
+    return out
+
+
 MODEL_NAME = "fake.gguf"
 
 

@@ -14,7 +14,7 @@ import pytest
 from scheduler.types import StreamEvent
 from server.messages_api import to_chat
 from server.errors import ApiError
-from tests.server.fakes import EOS, FakeEngine, client_for, make_app, tok
+from tests.server.fakes import EOS, FakeEngine, client_for, make_app, parse_typed_sse, tok
 from tests.server.test_reasoning import THINKING_TEMPLATE
 from tests.server.test_responses import engine_with, prompt_text
 from tests.server.test_tool_calls import CALL, HERMES_TEMPLATE
@@ -24,16 +24,6 @@ pytestmark = pytest.mark.anyio
 TOOLS = [{"name": "get_weather", "description": "d",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
 HI = [{"role": "user", "content": "Weather?"}]
-
-
-def parse_events(body: str) -> list[dict[str, Any]]:
-    out = []
-    for frame in body[:-2].split("\n\n"):
-        event_line, data_line = frame.split("\n")
-        data = json.loads(data_line.removeprefix("data: "))
-        assert event_line == f"event: {data['type']}"
-        out.append(data)
-    return out
 
 
 def test_blocks_become_chat_messages() -> None:
@@ -94,7 +84,7 @@ async def test_a_message_with_tool_use() -> None:
     assert call["type"] == "tool_use" and call["id"].startswith("toolu_") and call["input"] == {"city": "Paris"}
     assert prompt_text(engine, 0).startswith("<tools>get_weather;</tools><|system|>Be brief.<|user|>Weather?")
     assert body["usage"]["output_tokens"] == len(("Checking." + CALL).encode())
-    events = parse_events(s.text)
+    events = parse_typed_sse(s.text)
     assert [e["type"] for e in events][:3] == ["message_start", "content_block_start", "content_block_delta"]
     assert [e["type"] for e in events][-5:] == ["content_block_start", "content_block_delta", "content_block_stop",
                                                 "message_delta", "message_stop"]
@@ -130,7 +120,7 @@ async def test_a_thought_is_a_thinking_block() -> None:
         s = await c.post("/v1/messages", json={"model": "m", "max_tokens": 100, "messages": HI, "stream": True})
     assert [(b["type"], b.get("thinking", b.get("text"))) for b in r.json()["content"]] == [
         ("thinking", "Four."), ("text", "It is 4.")]
-    deltas = [e["delta"] for e in parse_events(s.text) if e["type"] == "content_block_delta"]
+    deltas = [e["delta"] for e in parse_typed_sse(s.text) if e["type"] == "content_block_delta"]
     assert "".join(d.get("thinking", "") for d in deltas) == "Four."
     assert "".join(d.get("text", "") for d in deltas) == "It is 4."
 
@@ -156,7 +146,7 @@ async def test_an_engine_error_mid_stream_is_an_error_event() -> None:
     async with client_for(make_app(engine)) as c:
         s = await c.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": HI, "stream": True})
         r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": HI})
-    last = parse_events(s.text)[-1]
+    last = parse_typed_sse(s.text)[-1]
     assert last["type"] == "error" and "device lost" in last["error"]["message"]
     assert r.status_code == 500 and r.json()["error"]["type"] == "api_error"
 

@@ -14,7 +14,7 @@ import pytest
 from scheduler.types import StreamEvent
 from server import responses_api
 from server.responses_api import ResponseStore, to_chat
-from tests.server.fakes import BOS, FakeEngine, client_for, make_app
+from tests.server.fakes import BOS, FakeEngine, client_for, make_app, parse_typed_sse
 from tests.server.test_reasoning import THINKING_TEMPLATE
 from tests.server.test_tool_calls import CALL, HERMES_TEMPLATE
 
@@ -31,14 +31,8 @@ def prompt_text(engine: FakeEngine, i: int = -1) -> str:
 
 
 def parse_events(body: str) -> list[dict[str, Any]]:
-    """A Responses SSE body: each frame an `event:` line and a `data:` line naming the same type."""
-    assert body.endswith("\n\n") and "[DONE]" not in body
-    out = []
-    for frame in body[:-2].split("\n\n"):
-        event_line, data_line = frame.split("\n")
-        data = json.loads(data_line.removeprefix("data: "))
-        assert event_line == f"event: {data['type']}"
-        out.append(data)
+    """A Responses SSE body, its events numbered in order."""
+    out = parse_typed_sse(body)
     assert [e["sequence_number"] for e in out] == list(range(len(out)))
     return out
 
