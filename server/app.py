@@ -48,6 +48,7 @@ from server.generation import Generation, collect, sse_frames, unavailable
 from server.metrics import Metrics
 from server.openai_api import ChatRenderer, CompletionRenderer, Fields, ParsedRequest, parse_chat, parse_completion
 from server.prompts import ModelLimits, PreparedPrompt, bos_eos_text, prepare
+from server.prompts import count as count_prompt
 from server.prompts import render as render_prompt
 from server.replies import ReplyFormat
 
@@ -325,7 +326,7 @@ async def create_message(request: Request) -> Response:
         return json_response(messages_api.error_body(error), status=error.status, headers=error.headers)
     tokenizer = state.holder.engine.tokenizer
     builder = messages_api.MessageBuilder(message_id, parsed.model or state.config.model_name, parsed.stop,
-                                          tuple(tokenizer.eog_ids), lambda ids: tokenizer.decode(ids))
+                                          (*tokenizer.eog_ids, *parsed.stop_token_ids), lambda ids: tokenizer.decode(ids))
     if parsed.stream:
         frames = messages_api.event_frames(gen, builder, gen.prompt_tokens, on_first_token=_first_frame_timer(request, entered))
         return EventStreamResponse(frames, on_close=gen.cancel)  # type: ignore[return-value]
@@ -347,16 +348,15 @@ async def count_message_tokens(request: Request) -> Response:
     try:
         body = await _json_body(request)
         if isinstance(body, dict):
-            body = {"max_tokens": 1, **body}
+            body = {**body, "max_tokens": 1}  # (required by a request, not by its count)
         parsed = parse_chat(messages_api.to_chat(body), 1)
         engine, ready = state.holder.require_ready()
         template = state.config.chat_template or ready.chat_template
-        prompts = prepare(dataclasses.replace(parsed, max_tokens=None), engine.tokenizer, ready.limits, template,
-                          render_chat)
+        n = count_prompt(parsed, engine.tokenizer, template, render_chat)
     except ApiError as e:
         error = messages_api.renamed(e)
         return json_response(messages_api.error_body(error), status=error.status, headers=error.headers)
-    return json_response({"input_tokens": len(prompts[0].tokens)})
+    return json_response({"input_tokens": n})
 
 
 def _stored_response(request: Request) -> tuple[str, responses_api.ResponseStore]:

@@ -7,9 +7,11 @@ content blocks the chat messages (`text`; an assistant's `tool_use` blocks its `
 user's text), `tools` (`name`, `description`, `input_schema`) function tools, `tool_choice`
 (`auto`, `any`, `tool`, `none`; `disable_parallel_tool_use`) the chat forms, `stop_sequences`
 the `stop`, `thinking` the chat template's `enable_thinking` (Qwen3's switch; other templates
-ignore it). The chat endpoint's sampling fields and our extensions pass through (`seed`,
-`min_p`, `repetition_penalty`, ...). Refused (400): image and document blocks, server tools
-(a `type` other than `custom`), and a missing `max_tokens`.
+ignore it; off unless asked, as Anthropic's default is), and a final assistant message a
+prefill that the reply continues (`continue_final_message`). The chat endpoint's sampling
+fields and our extensions pass through (`seed`, `min_p`, `repetition_penalty`, ...). Refused
+(400): image and document blocks, server tools (a `type` other than `custom`), and a missing
+`max_tokens`.
 
 The reply, read as a chat reply is (server/replies.py), becomes content blocks in the order it
 gives them: `thinking`, `text`, and a `tool_use` per call (its `input` the arguments object);
@@ -37,7 +39,7 @@ log = logging.getLogger(__name__)
 # OpenAI's error types (and statuses) as Anthropic names them
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
-                504: "api_error"}
+                504: "timeout_error"}
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}
 _PARAM_NAMES = (("max_completion_tokens", "max_tokens"), ("messages", "messages"), ("stop", "stop_sequences"))
 
@@ -68,6 +70,8 @@ def to_chat(body: Any) -> dict[str, Any]:
     for i, message in enumerate(given):
         messages += _chat_messages(message, f"messages[{i}]")
     chat["messages"] = messages
+    if messages[-1]["role"] == "assistant":  # a prefill: the reply continues it (Anthropic's way)
+        chat["continue_final_message"] = True
     if body.get("stop_sequences") is not None:
         chat["stop"] = body["stop_sequences"]
     if body.get("tools") is not None:
@@ -76,13 +80,12 @@ def to_chat(body: Any) -> dict[str, Any]:
     if choice is not None:
         chat["tool_choice"], parallel = _chat_tool_choice(choice)
         chat["parallel_tool_calls"] = parallel
-    thinking = body.get("thinking")
-    if thinking is not None:
-        if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled", "adaptive"):
-            raise invalid("'thinking' must be {\"type\": \"enabled\" | \"disabled\", ...}", "thinking")
-        kwargs = chat.get("chat_template_kwargs")
-        chat["chat_template_kwargs"] = {"enable_thinking": thinking["type"] != "disabled",
-                                        **(kwargs if isinstance(kwargs, dict) else {})}
+    thinking = body.get("thinking", {"type": "disabled"})  # Anthropic's default: no thinking
+    if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled", "adaptive"):
+        raise invalid("'thinking' must be {\"type\": \"enabled\" | \"adaptive\" | \"disabled\", ...}", "thinking")
+    kwargs = chat.get("chat_template_kwargs", {})
+    if isinstance(kwargs, dict):  # (anything else the chat parser refuses)
+        chat["chat_template_kwargs"] = {"enable_thinking": thinking["type"] != "disabled", **kwargs}
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise invalid("'metadata' must be an object", "metadata")
@@ -126,8 +129,9 @@ def _chat_messages(message: Any, where: str) -> list[dict[str, Any]]:
         elif kind == "tool_result" and role == "user":
             if not isinstance(block.get("tool_use_id"), str):
                 raise invalid("a tool_result block needs 'tool_use_id' (a string)", f"{at}.tool_use_id")
-            result = block.get("content", "")
-            text = _blocks_text(result, f"{at}.content")
+            text = _blocks_text(block.get("content", ""), f"{at}.content")
+            if not isinstance(block.get("is_error", False), bool):
+                raise invalid("'is_error' must be a boolean", f"{at}.is_error")
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                         "content": f"Error: {text}" if block.get("is_error") else text})
         elif kind == "tool_use" and role == "assistant":
@@ -141,8 +145,10 @@ def _chat_messages(message: Any, where: str) -> list[dict[str, Any]]:
             thought.append(block["thinking"])
         elif kind == "redacted_thinking" and role == "assistant":
             continue
+        elif kind in ("text", "thinking"):
+            raise invalid(f"a {kind} block needs '{kind}' (a string)", at)
         else:
-            raise invalid(f"block type {kind!r} is not supported in a {role} message", at)
+            raise invalid(f"block type {kind!r} is not supported in the {role}'s message", at)
     if role == "assistant":
         reply: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
         if thought:
@@ -165,7 +171,10 @@ def _chat_tools(tools: Any) -> list[dict[str, Any]]:
             raise invalid(f"tool type {kind!r} is not supported: client tools only", f"tools[{i}]")
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise invalid("a tool needs a 'name'", f"tools[{i}].name")
-        function = {"name": tool["name"], "parameters": tool.get("input_schema", {"type": "object"})}
+        schema = tool.get("input_schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise invalid("a tool's 'input_schema' must be an object (a JSON schema)", f"tools[{i}].input_schema")
+        function = {"name": tool["name"], "parameters": schema}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
         out.append({"type": "function", "function": function})
@@ -175,6 +184,8 @@ def _chat_tools(tools: Any) -> list[dict[str, Any]]:
 def _chat_tool_choice(choice: Any) -> tuple[Any, bool]:
     if not isinstance(choice, dict) or choice.get("type") not in ("auto", "any", "tool", "none"):
         raise invalid("'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}", "tool_choice")
+    if not isinstance(choice.get("disable_parallel_tool_use", False), bool):
+        raise invalid("'disable_parallel_tool_use' must be a boolean", "tool_choice.disable_parallel_tool_use")
     parallel = not choice.get("disable_parallel_tool_use", False)
     kind = choice["type"]
     if kind == "tool":

@@ -44,6 +44,8 @@ class ParsedRequest:
     messages: tuple[dict[str, Any], ...] = ()  # chat: content flattened to a string
     template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # tools, chat_template_kwargs
     add_generation_prompt: bool = True
+    # vLLM's field: the prompt ends inside the final (assistant) message, which the reply continues
+    continue_final_message: bool = False
     n: int = 1
     max_tokens: int | None = None  # None: up to the context
     sampling: SamplingParams = SamplingParams()
@@ -175,6 +177,11 @@ def parse_chat(body: Any, max_choices: int) -> ParsedRequest:
         template_kwargs.pop("tools", None)  # tool_choice "none": the model is not told of them
     # a reply constrained otherwise is what its grammar allows: no calls are read out of it
     tool_calls = tool_calls and common["constraint"] is None
+    continues = fields.boolean("continue_final_message", False)
+    add_generation_prompt = fields.boolean("add_generation_prompt", not continues)
+    if continues and (add_generation_prompt or messages[-1]["role"] != "assistant"):
+        raise invalid("'continue_final_message' continues a final assistant message, without "
+                      "'add_generation_prompt'", "continue_final_message")
     return ParsedRequest(
         is_chat=True,
         messages=messages,
@@ -184,7 +191,8 @@ def parse_chat(body: Any, max_choices: int) -> ParsedRequest:
         forced_function=forced_function,
         parallel_tool_calls=fields.boolean("parallel_tool_calls", True),
         reasoning_format=_parse_reasoning_format(fields),
-        add_generation_prompt=fields.boolean("add_generation_prompt", True),
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continues,
         logprobs=logprobs,
         **common,
     )

@@ -93,7 +93,7 @@ def render(parsed: ParsedRequest, tokenizer: TokenizerLike, template: str | None
     """A chat request's messages (and tools, template kwargs) through the chat template."""
     bos, eos = bos_eos_text(tokenizer)
     try:
-        return render_chat(
+        text = render_chat(
             template,
             [dict(m) for m in parsed.messages],
             add_generation_prompt=parsed.add_generation_prompt,
@@ -103,6 +103,19 @@ def render(parsed: ParsedRequest, tokenizer: TokenizerLike, template: str | None
         )
     except ValueError as e:  # ChatTemplateError: no template, or it refused these messages
         raise invalid(str(e), "messages") from None
+    if parsed.continue_final_message:  # cut after the final message's content (vLLM's way)
+        content = parsed.messages[-1]["content"]
+        end = text.rfind(content) if content else -1
+        if end < 0:
+            raise invalid("the final message cannot be continued: it is empty, or the chat template does not "
+                          "write its content as given", "messages")
+        text = text[: end + len(content)]
+    return text
+
+
+def count(parsed: ParsedRequest, tokenizer: TokenizerLike, template: str | None, render_chat: RenderChat) -> int:
+    """A chat request's prompt tokens, whatever the model's context (Anthropic's count_tokens)."""
+    return len(_encode(tokenizer, render(parsed, tokenizer, template, render_chat), "messages"))
 
 
 def _encode(tokenizer: TokenizerLike, text: str, field: str) -> tuple[int, ...]:

@@ -104,7 +104,7 @@ def engine_stopping_at(text: str, ids: tuple[int, ...]) -> FakeEngine:
     (engine_with("Hello world"), {"max_tokens": 5}, "max_tokens", None, "Hello"),
     (engine_stopping_at("Hell", tuple(tok("Hello wor"))), {"stop_sequences": ["xyz", " wor", "o w"]}, "stop_sequence",
      "o w", "Hell"),
-    (engine_stopping_at("Hello", (*tok("Hello"), EOS)), {"stop_sequences": ["xyz"]}, "end_turn", None, "Hello"),
+    (engine_stopping_at("Hello", (*tok("Hello"), EOS)), {"stop_sequences": ["lo"]}, "end_turn", None, "Hello"),
 ])
 async def test_stop_reasons(engine: FakeEngine, extra: dict, reason: str, sequence: str | None, text: str) -> None:
     async with client_for(make_app(engine)) as c:
@@ -183,3 +183,37 @@ async def test_the_api_key_may_come_as_x_api_key() -> None:
         wrong = await c.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": HI}, headers={"x-api-key": "nope"})
         bearer = await c.post("/v1/chat/completions", json={"messages": HI}, headers={"x-api-key": "sekret"})
     assert ok.status_code == 200 and wrong.status_code == 401 and bearer.status_code == 200
+
+
+async def test_a_final_assistant_message_is_continued() -> None:
+    engine = engine_with('"a": 1}')
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 20, "messages": [
+            {"role": "user", "content": "JSON please"}, {"role": "assistant", "content": "{"}]})
+        chat = await c.post("/v1/chat/completions", json={"continue_final_message": True, "messages": [
+            {"role": "user", "content": "JSON please"}, {"role": "assistant", "content": "{"}]})
+        bad = await c.post("/v1/chat/completions", json={"continue_final_message": True, "messages": HI})
+    assert r.json()["content"][0]["text"] == '"a": 1}' and chat.status_code == 200
+    assert prompt_text(engine, 0) == prompt_text(engine, 1) == "<|user|>JSON please\n<|assistant|>{"
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
+
+
+async def test_count_tokens_counts_past_the_context_and_ignores_max_tokens() -> None:
+    engine = FakeEngine(max_context=64)
+    long = [{"role": "user", "content": "x" * 100}]
+    async with client_for(make_app(engine)) as c:
+        n = await c.post("/v1/messages/count_tokens", json={"model": "m", "messages": long, "max_tokens": None})
+        r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": long})
+        zero = await c.post("/v1/messages", json={"model": "m", "max_tokens": 0, "messages": HI})
+    assert n.json() == {"input_tokens": 1 + len("<|user|>" + "x" * 100 + "\n<|assistant|>")}
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert zero.status_code == 400 and "'max_tokens'" in zero.json()["error"]["message"]
+    assert "max_completion_tokens" not in zero.text
+
+
+async def test_a_stop_token_is_no_stop_sequence() -> None:
+    engine = engine_stopping_at("Hel", tuple(tok("Hello")))
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 20, "messages": HI, "stop_sequences": ["lo"],
+                                               "stop_token_ids": tok("o")})
+    assert (r.json()["stop_reason"], r.json()["stop_sequence"]) == ("end_turn", None)
