@@ -1,16 +1,16 @@
 """Perplexity of a GGUF over a text, and what a kernel variant changes in it: llama.cpp's
 `llama-perplexity` method, and its KL-divergence comparison, in one run.
 
-The text is tokenized once and cut into windows of `--ctx` tokens, each starting with BOS (the
-first token of each piece replaced by it, as llama-perplexity does); the model reads each window
-teacher-forced and only its second half is scored (every scored token then has at least half a
-window of context). Windows run `--batch` at a time in their own cache rows: the first half as
+The text is tokenized once (with the model's BOS policy) and cut into windows of `--ctx` tokens,
+each starting with BOS where the model adds one (the first token of each piece replaced by it);
+the model reads each window teacher-forced and the logits at positions ctx/2 .. ctx-2 are scored
+on the token after each (ctx/2 - 1 a window), as llama-perplexity does. Windows run `--batch` at a time in their own cache rows: the first half as
 one prefill chunk, then a decode step per scored token. The log-probability of each actual next
 token is taken on the device (the [B, V] logits never leave it).
 
-`--compare "FLAGS"` loads the model a second time with those of the server's engine flags
-changed (e.g. `"--kernels matmul=reference"`, `"--kv-dtype float8_e4m3fn"`, `"--numerics native"`)
-and runs both in lockstep over the same windows:
+`--compare "FLAGS"` loads the model a second time with those flags changed (e.g. `"--kernels
+matmul=reference"`, `"--kv-dtype float8_e4m3fn"`, `"--numerics native"`, or `"--model
+other-quant.gguf"` of the same vocabulary) and runs both in lockstep over the same windows:
 beside each one's perplexity it reports the mean and 99th percentile of KL(base || variant) per
 token and how often the two put the same token first, which is what a kernel's rounding costs
 (llama-perplexity's --kl-divergence). With `--numerics ggml` on the CPU the base is llama.cpp's
@@ -107,15 +107,16 @@ class Scorer:
 
 
 def run(scorers: list[Scorer], windows: list[list[int]], ctx: int, batch: int) -> dict[str, Any]:
-    first = ctx // 2
+    # llama-perplexity's span: the logits at positions ctx/2 .. ctx-2, each scored on the token after it
+    lead = ctx // 2 + 1
     nll: list[list[float]] = [[] for _ in scorers]
     kl: list[float] = []
     same_top: list[bool] = []
     for i in range(0, len(windows), batch):
         group = windows[i:i + batch]
         n = len(group)
-        logits = [s.start(group, first) for s in scorers]
-        for t in range(first, ctx):
+        logits = [s.start(group, lead) for s in scorers]
+        for t in range(lead, ctx):
             targets = np.zeros((batch,), np.int32)
             targets[:n] = [w[t] for w in group]
             scored = [_scores(lg, jnp.asarray(targets)) for lg in logits]
@@ -158,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", type=int, default=8, help="at most this many windows")
     ap.add_argument("--batch", type=int, default=8, help="windows run together")
     ap.add_argument("--compare", default=None, metavar="FLAGS",
-                    help="a variant: these engine flags (one string) over the base's, run beside it")
+                    help="a variant: these flags (one string; --compare=\"...\" for a single flag) over the base's, run "
+                         "beside it: --model (another quant of the same vocabulary) and the engine flags that shape the "
+                         "arithmetic (--kernels, --numerics, --kv-dtype, the --split-* flags); scheduling flags do "
+                         "nothing here")
     ap.add_argument("--out", default=None)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
@@ -170,15 +174,21 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(default_model_path())
     t0 = time.perf_counter()
     configs = [load_resolved(args.model, engine_config(args))]
-    if args.compare:
-        variant = ap.parse_args(argv + shlex.split(args.compare))
-        variant.model = args.model
-        configs.append(load_resolved(args.model, engine_config(variant)))
-    loaded, ecfg = configs[0]
-    tokenizer = loaded.tokenizer
     text = pathlib.Path(args.text).read_text(encoding="utf-8")
-    tokens = tokenizer.encode(text, add_bos=False)
-    windows = windows_of(tokens, args.ctx, tokenizer.bos_id, args.windows)
+    tokenizer = configs[0][0].tokenizer
+    tokens = tokenizer.encode(text, add_bos=None)  # the model's own BOS policy, as llama-perplexity's
+    variant_is_base = False
+    if args.compare:
+        variant = ap.parse_args(argv + shlex.split(args.compare))  # its --model, if it names one, wins
+        variant.model = variant.model or args.model
+        configs.append(load_resolved(variant.model, engine_config(variant)))
+        if configs[1][0].tokenizer.encode(text, add_bos=None) != tokens:
+            ap.error("the variant's model tokenizes the text otherwise: its perplexity is not comparable")
+        variant_is_base = (variant.model, configs[1][1]) == (args.model, configs[0][1])
+        if variant_is_base:
+            print("warning: --compare changes nothing here (the same model and engine settings)", flush=True)
+    loaded, ecfg = configs[0]
+    windows = windows_of(tokens, args.ctx, tokenizer.bos_id if tokenizer.add_bos else None, args.windows)
     if not windows:
         ap.error(f"the text has {len(tokens)} tokens: fewer than one window of {args.ctx}")
     scorers = [Scorer(m, c, min(args.batch, len(windows)), args.ctx) for m, c in configs]
@@ -190,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         **common.device_info(), "git": common.git_rev(), "command": " ".join(sys.argv),
         "model": str(args.model), "text": str(args.text), "ctx": args.ctx, "windows": len(windows),
         "numerics": ecfg.numerics, "kv_dtype": ecfg.kv_dtype, "kernels": scorers[0].kernel_names,
-        "variant_config": {"flags": args.compare, "numerics": configs[1][1].numerics, "kv_dtype": configs[1][1].kv_dtype,
-                    "kernels": scorers[1].kernel_names} if len(scorers) > 1 else None,
+        "variant_config": {"flags": args.compare, "model": str(variant.model), "numerics": configs[1][1].numerics,
+                           "kv_dtype": configs[1][1].kv_dtype, "kernels": scorers[1].kernel_names,
+                           "is_base": variant_is_base} if len(scorers) > 1 else None,
         "seconds": round(time.perf_counter() - t1, 2), **result,
     }
     line = f"PPL {result['base']['ppl']:.4f} +/- {result['base']['ppl_err']:.4f} over {result['scored_tokens']} tokens"

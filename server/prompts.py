@@ -22,6 +22,10 @@ from server.openai_api import ParsedRequest
 log = logging.getLogger(__name__)
 
 RenderChat = Callable[..., str]  # render_chat(template, messages, add_generation_prompt, bos_token, eos_token, **extra)
+# Ends the final message's content in a prompt rendered to be continued (`render`); cut away
+# before tokenizing. Private-use characters, which no template writes of itself.
+CONTINUE_MARKER = "\ue000continue\ue001"
+
 
 class TokenizerLike(Protocol):
     vocab_size: int
@@ -67,7 +71,11 @@ def prepare(
     if parsed.is_chat:
         text = render(parsed, tokenizer, chat_template, render_chat)
         prompt = _fit(_encode(tokenizer, text, "messages"), parsed, limits, "messages", "")
-        return [dataclasses.replace(prompt, opens_thought=reasoning.opens_thought(text))]
+        opens = reasoning.opens_thought(text)
+        if parsed.continue_final_message:  # a prefill that opened a thought and has not closed it
+            prefill = parsed.messages[-1]["content"]
+            opens = opens or prefill.rfind(reasoning.OPEN) > prefill.rfind(reasoning.CLOSE)
+        return [dataclasses.replace(prompt, opens_thought=opens)]
     out = []
     for i, prompt in enumerate(parsed.prompts):
         field = "prompt" if len(parsed.prompts) == 1 else f"prompt[{i}]"
@@ -92,10 +100,17 @@ def bos_eos_text(tokenizer: TokenizerLike) -> tuple[str, str]:
 def render(parsed: ParsedRequest, tokenizer: TokenizerLike, template: str | None, render_chat: RenderChat) -> str:
     """A chat request's messages (and tools, template kwargs) through the chat template."""
     bos, eos = bos_eos_text(tokenizer)
+    messages = [dict(m) for m in parsed.messages]
+    if parsed.continue_final_message:
+        # The prompt is cut where the final message's content ends: a marker after it shows where
+        # (finding the content itself can match inside the turn's closing tags or an earlier message)
+        if messages[-1].get("tool_calls"):
+            raise invalid("a final message with tool calls cannot be continued", "messages")
+        messages[-1]["content"] += CONTINUE_MARKER
     try:
         text = render_chat(
             template,
-            [dict(m) for m in parsed.messages],
+            messages,
             add_generation_prompt=parsed.add_generation_prompt,
             bos_token=bos,
             eos_token=eos,
@@ -103,13 +118,11 @@ def render(parsed: ParsedRequest, tokenizer: TokenizerLike, template: str | None
         )
     except ValueError as e:  # ChatTemplateError: no template, or it refused these messages
         raise invalid(str(e), "messages") from None
-    if parsed.continue_final_message:  # cut after the final message's content (vLLM's way)
-        content = parsed.messages[-1]["content"]
-        end = text.rfind(content) if content else -1
-        if end < 0:
-            raise invalid("the final message cannot be continued: it is empty, or the chat template does not "
-                          "write its content as given", "messages")
-        text = text[: end + len(content)]
+    if parsed.continue_final_message:
+        if text.count(CONTINUE_MARKER) != 1:
+            raise invalid("the final message cannot be continued: the chat template does not write its "
+                          "content once, as given", "messages")
+        text = text[: text.index(CONTINUE_MARKER)]
     return text
 
 

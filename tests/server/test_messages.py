@@ -217,3 +217,41 @@ async def test_a_stop_token_is_no_stop_sequence() -> None:
         r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 20, "messages": HI, "stop_sequences": ["lo"],
                                                "stop_token_ids": tok("o")})
     assert (r.json()["stop_reason"], r.json()["stop_sequence"]) == ("end_turn", None)
+
+
+@pytest.mark.parametrize("prefill", ["<", "\n", "im", "Sure "])
+async def test_a_prefill_is_cut_where_its_content_ends_whatever_it_holds(prefill: str) -> None:
+    """The end of the final message is found by a marker, not by searching for its text, which can
+    stand in the turn's closing tags (ChatML's `<|im_end|>`) or in an earlier message; a template
+    that trims its content (Llama 3's) trims the prefill too."""
+    chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    trimming = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}<|end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    messages = [{"role": "user", "content": "Sure thing, answer in JSON please."}, {"role": "assistant", "content": prefill}]
+    # (the trimming template strips the prefill's leading whitespace, as it would the message's;
+    # its trailing whitespace, before the marker, is the prefill's own and stays)
+    for template, expected in ((chatml, f"<|im_start|>user\n{messages[0]['content']}<|im_end|>\n<|im_start|>assistant\n{prefill}"),
+                               (trimming, f"<|user|>{messages[0]['content']}<|end|><|assistant|>{prefill.lstrip()}")):
+        engine = engine_with("x", template)
+        async with client_for(make_app(engine)) as c:
+            r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": messages})
+        assert r.status_code == 200, r.text
+        assert prompt_text(engine) == expected
+
+
+async def test_a_final_message_with_tool_calls_is_not_continued() -> None:
+    async with client_for(make_app(engine_with("x"))) as c:
+        r = await c.post("/v1/chat/completions", json={"continue_final_message": True, "messages": [
+            HI[0], {"role": "assistant", "content": "a", "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]})
+    assert r.status_code == 400 and "tool calls" in r.json()["error"]["message"]
+
+
+async def test_a_prefill_inside_a_thought_is_continued_as_the_thought() -> None:
+    engine = engine_with(" it through.</think>It is 4.", THINKING_TEMPLATE)
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/messages", json={"model": "m", "max_tokens": 100, "messages": [
+            HI[0], {"role": "assistant", "content": "<think>\nLet me think"}]})
+    assert [(b["type"], b.get("thinking", b.get("text"))) for b in r.json()["content"]] == [
+        ("thinking", "it through."), ("text", "It is 4.")]
