@@ -10,7 +10,7 @@ Request path: middleware (`server/asgi.py`: HTTP metrics, 500 boundary, CORS, bo
 key) -> route ->
 `server/openai_api.py` (parse) -> `server/prompts.py` (tokenize, check) ->
 `server/generation.py` (submit, stream or collect). `/v1/responses` (server/responses_api.py)
-becomes a chat request and follows the same path.
+and `/v1/messages` (server/messages_api.py) become chat requests and follow the same path.
 """
 
 from __future__ import annotations
@@ -244,6 +244,19 @@ async def _submit(request: Request, parsed: ParsedRequest, response_id: str, ent
     return gen
 
 
+async def _finished(request: Request, gen: Generation, work: Any, response_id: str) -> Any:
+    """What a non-streamed request's `work` (a coroutine reading its generation) returns, or None
+    where the client left first; its engine requests are cancelled either way."""
+    try:
+        is_done, result = await unless_disconnected(request.receive, work)
+    finally:
+        gen.cancel()
+    if not is_done or result is None:
+        log.info("client left before %s finished", response_id)
+        return None
+    return result
+
+
 def _first_frame_timer(request: Request, entered: float) -> Callable[[], None]:
     metrics: Metrics = request.app.state.metrics
     return lambda: metrics.http_first_frame.observe(time.perf_counter() - entered)
@@ -267,12 +280,8 @@ async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]
     if parsed.stream:
         frames = sse_frames(gen, renderer, parsed.include_usage, on_first_token=_first_frame_timer(request, entered))
         return EventStreamResponse(frames, on_close=gen.cancel)  # type: ignore[return-value]
-    try:
-        is_done, results = await unless_disconnected(request.receive, collect(gen))
-    finally:
-        gen.cancel()
-    if not is_done or results is None:
-        log.info("client left before %s finished", response_id)
+    results = await _finished(request, gen, collect(gen), response_id)
+    if results is None:
         return Response(status_code=CLIENT_CLOSED)
     return json_response(renderer.response(results, gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens))
 
@@ -301,12 +310,8 @@ async def create_response(request: Request) -> Response:
     if parsed.stream:
         frames = responses_api.event_frames(gen, builder, keep, on_first_token=_first_frame_timer(request, entered))
         return EventStreamResponse(frames, on_close=gen.cancel)  # type: ignore[return-value]
-    try:
-        is_done, body = await unless_disconnected(request.receive, responses_api.whole(gen, builder))
-    finally:
-        gen.cancel()
-    if not is_done or body is None:
-        log.info("client left before %s finished", response_id)
+    body = await _finished(request, gen, responses_api.whole(gen, builder), response_id)
+    if body is None:
         return Response(status_code=CLIENT_CLOSED)
     keep(builder)
     return json_response(body)
@@ -331,15 +336,10 @@ async def create_message(request: Request) -> Response:
         frames = messages_api.event_frames(gen, builder, gen.prompt_tokens, on_first_token=_first_frame_timer(request, entered))
         return EventStreamResponse(frames, on_close=gen.cancel)  # type: ignore[return-value]
     try:
-        is_done, body = await unless_disconnected(request.receive, messages_api.whole(gen, builder))
+        body = await _finished(request, gen, messages_api.whole(gen, builder), message_id)
     except ApiError as e:
         return json_response(messages_api.error_body(e), status=e.status, headers=e.headers)
-    finally:
-        gen.cancel()
-    if not is_done or body is None:
-        log.info("client left before %s finished", message_id)
-        return Response(status_code=CLIENT_CLOSED)
-    return json_response(body)
+    return json_response(body) if body is not None else Response(status_code=CLIENT_CLOSED)
 
 
 async def count_message_tokens(request: Request) -> Response:

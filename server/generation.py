@@ -224,6 +224,11 @@ def sse_frame(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+def typed_sse_frame(obj: dict[str, Any]) -> bytes:
+    """A frame of the Responses and Messages APIs' streams: an `event:` line naming the object's type."""
+    return b"event: " + obj["type"].encode() + b"\n" + sse_frame(obj)
+
+
 async def sse_frames(gen: Generation, renderer: Renderer, include_usage: bool,
                      on_first_token: Callable[[], None] | None = None) -> AsyncIterator[bytes]:
     """The SSE body of a streamed response. Errors after the headers went out become a frame.

@@ -30,7 +30,7 @@ import logging
 from typing import Any, AsyncIterator, Callable
 
 from server.errors import ApiError, invalid
-from server.generation import Generation, reply_parts
+from server.generation import Generation, reply_parts, typed_sse_frame
 from server.responses_api import PASSED_THROUGH, new_id, text_of
 from server.tool_calls import ToolCall
 
@@ -217,10 +217,7 @@ class MessageBuilder:
                 "content": self.content, "stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence,
                 "usage": self.usage}
 
-    @staticmethod
-    def event(obj: dict[str, Any]) -> bytes:
-        data = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-        return f"event: {obj['type']}\ndata: {data}\n\n".encode()
+    event = staticmethod(typed_sse_frame)
 
     def _close(self) -> list[bytes]:
         if self.open is None:

@@ -643,12 +643,17 @@ class ChatRenderer(Renderer):
     def _logprobs(self, entries: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
         if not self.is_logprobs:
             return None
-        content = []
+        return {"content": self.logprob_entries(entries), "refusal": None}
+
+    def logprob_entries(self, entries: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
+        """OpenAI's per-token logprob objects (token, logprob, bytes, top_logprobs): chat's
+        `logprobs.content` and the Responses API's `output_text.logprobs`."""
+        out = []
         for entry in entries:
             item = self._entry(entry.token_id, entry.logprob)
             item["top_logprobs"] = [self._entry(t, lp) for t, lp in entry.top]
-            content.append(item)
-        return {"content": content, "refusal": None}
+            out.append(item)
+        return out
 
     def _item(self, index: int, delta: dict[str, Any], logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -45,7 +45,7 @@ from typing import Any, AsyncIterator, Callable
 
 from scheduler.types import TokenLogprob
 from server.errors import SERVER_ERROR, ApiError, invalid
-from server.generation import Generation, reply_parts
+from server.generation import Generation, reply_parts, typed_sse_frame
 from server.openai_api import ChatRenderer, MAX_TOP_LOGPROBS
 from server.tool_calls import ToolCall
 
@@ -399,7 +399,7 @@ class ResponseBuilder:
         self.model = model
         self.request = request
         self.count_tokens = count_tokens
-        self._logprob_renderer = ChatRenderer(response_id, self.created, model, token_bytes, logprobs=True)
+        self._logprob_renderer = ChatRenderer(response_id, self.created, model, token_bytes)
         self.output: list[dict[str, Any]] = []
         self.status = "in_progress"
         self.usage: dict[str, Any] | None = None
@@ -408,7 +408,7 @@ class ResponseBuilder:
     def logprobs(self, entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> list[dict[str, Any]]:
         if not self.request.logprobs or not entries:
             return []
-        return self._logprob_renderer._logprobs(entries)["content"]  # type: ignore[index]
+        return self._logprob_renderer.logprob_entries(entries)
 
     def obj(self) -> dict[str, Any]:
         return {
@@ -460,11 +460,6 @@ class ResponseBuilder:
         return self.obj()
 
 
-def sse_event(obj: dict[str, Any]) -> bytes:
-    data = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    return f"event: {obj['type']}\ndata: {data}\n\n".encode()
-
-
 def _text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
@@ -483,7 +478,7 @@ class _Items:
     def event(self, kind: str, **fields: Any) -> bytes:
         obj = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return sse_event(obj)
+        return typed_sse_frame(obj)
 
     def _added(self, item: dict[str, Any]) -> list[bytes]:
         self.b.output.append(item)
