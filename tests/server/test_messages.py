@@ -4,8 +4,6 @@ stop reasons, token counts, and errors in Anthropic's shape."""
 
 from __future__ import annotations
 
-import json
-from typing import Any
 
 import anthropic
 import httpx2
