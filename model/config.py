@@ -303,6 +303,10 @@ class EngineConfig:
     # what follows the chunks its history shares with an earlier prompt. The tokens are those of a
     # cold prefill. Off: every request prefills its whole prompt (for A/B measurements).
     prompt_cache: bool = True
+    # Prompt logprobs (PrefillChunk.score: OpenAI's echo with logprobs, vLLM's prompt_logprobs):
+    # a prefill program that also scores each prompt token, at the largest chunk size, compiled
+    # for every context bucket. Off: those requests are refused and the compiles saved.
+    prompt_logprobs: bool = True
     # The decode step's new keys and values written by XLA scatters before the attention kernel
     # instead of by the kernel itself (where it can: the Triton one, `Kernels.decode_writes_cache`).
     # For A/B measurements: the kernel's own write saved 64 kernels and 89-97 us per step of a 7B

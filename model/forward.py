@@ -380,7 +380,8 @@ def _embed(cfg: ModelConfig, kern: Kernels, params: Params, tokens: jax.Array) -
     return x * cfg.embed_scale if cfg.embed_scale != 1.0 else x
 
 
-def _logits(cfg: ModelConfig, kern: Kernels, params: Params, x: jax.Array) -> jax.Array:
+def head_logits(cfg: ModelConfig, kern: Kernels, params: Params, x: jax.Array) -> jax.Array:
+    """The output head's logits [R, V] f32 of the last layer's outputs x [R, E]."""
     h = _norm(kern, x, params.output_norm, cfg.rms_eps)
     w = params.output if params.output is not None else params.embed
     # vocab-parallel head; its logits are gathered once, so that sampling runs whole on every
@@ -448,10 +449,10 @@ def decode(
 
     x = _embed(cfg, kern, params, tokens)
     x, cache = _run_layers(params, cache, body, unroll)(x)
-    return _logits(cfg, kern, params, x), cache
+    return head_logits(cfg, kern, params, x), cache
 
 
-def prefill(
+def prefill_hidden(
     cfg: ModelConfig,
     kern: Kernels,
     params: Params,
@@ -461,7 +462,8 @@ def prefill(
     start_pos: jax.Array,  # [] int32
     num_valid: jax.Array,  # [] int32, 1 <= num_valid <= T
     attend: int | None = None,  # static: attention reads cache positions [0, attend); >= start + num_valid
-) -> tuple[jax.Array, KVCache]:  # logits [V] f32 of the last valid token
+) -> tuple[jax.Array, KVCache]:  # the last layer's output [T, E], before the output norm
+    """A prompt chunk's forward pass: its keys and values written into the slot's cache."""
     t = tokens.shape[0]
     s = cache.max_context
     pos = start_pos + jnp.arange(t)
@@ -479,5 +481,45 @@ def prefill(
 
     x = _embed(cfg, kern, params, tokens)
     x, cache = _run_layers(params, cache, body)(x)
+    return x, cache
+
+
+def prefill(cfg: ModelConfig, kern: Kernels, params: Params, cache: KVCache, slot: jax.Array, tokens: jax.Array,
+            start_pos: jax.Array, num_valid: jax.Array, attend: int | None = None,
+            ) -> tuple[jax.Array, KVCache]:  # logits [V] f32 of the last valid token
+    """`prefill_hidden`, then the logits of the chunk's last valid token."""
+    x, cache = prefill_hidden(cfg, kern, params, cache, slot, tokens, start_pos, num_valid, attend)
     last = jax.lax.dynamic_slice_in_dim(x, num_valid - 1, 1, axis=0)  # [1, E]
-    return _logits(cfg, kern, params, last)[0], cache
+    return head_logits(cfg, kern, params, last)[0], cache
+
+
+SCORE_ROWS = 64  # rows of a chunk whose logits `token_scores` holds at once
+
+
+def token_scores(cfg: ModelConfig, kern: Kernels, params: Params, x: jax.Array, targets: jax.Array,
+                 num_top: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """For each row of a chunk's hidden states `x` [T, E]: the log-probability of `targets` [T]
+    under the row's logits (raw: log-softmax, no sampling settings), the target's rank among
+    them (1 + the tokens with a larger logit), and the `num_top` most likely tokens' ids and
+    log-probabilities, descending. SCORE_ROWS rows at a time, so that the logits in memory are
+    [SCORE_ROWS, V] whatever the chunk (a 262k vocabulary's 512 rows would be 512 MiB)."""
+    t = x.shape[0]
+    rows = min(SCORE_ROWS, t)
+    pad = -t % rows
+    xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(-1, rows, x.shape[1])
+    ts = jnp.pad(targets, (0, pad)).reshape(-1, rows)
+
+    def block(args):
+        xb, tb = args
+        logits = head_logits(cfg, kern, params, xb).astype(jnp.float32)  # [R, V]
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        chosen = jnp.take_along_axis(logits, tb[:, None], axis=1)[:, 0]
+        rank = 1 + jnp.sum(logits > chosen[:, None], axis=-1, dtype=jnp.int32)
+        if num_top:
+            top_lps, top_ids = jax.lax.top_k(logits, num_top)
+        else:
+            top_lps, top_ids = jnp.zeros((rows, 0), jnp.float32), jnp.zeros((rows, 0), jnp.int32)
+        return chosen - lse, rank, top_ids.astype(jnp.int32), top_lps - lse[:, None]
+
+    outs = jax.lax.map(block, (xs, ts))
+    return tuple(o.reshape(-1, *o.shape[2:])[:t] for o in outs)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from model.step_types import PrefillChunk, SamplingParams, StepOutput, StepPlan
+from model.step_types import PrefillChunk, PromptScores, SamplingParams, StepOutput, StepPlan
 
 if TYPE_CHECKING:
     from model.runner import ModelRunner
@@ -48,15 +48,19 @@ class _Pending:
         out.top_ids[active] = top_ids[active]
         out.top_logprobs[active] = top_lps[active]
 
-    @staticmethod
-    def _fill_prefill(out: StepOutput, prefill_out: np.ndarray) -> None:
+    def _fill_prefill(self, out: StepOutput, prefill_out: np.ndarray, chunk: PrefillChunk) -> None:
         """A chunk's sampled first token into `out` (its slot, then `_pack_outputs`' row;
-        nothing where not is_last)."""
+        nothing where not is_last), and a scored chunk's rows (`_prefill_step`) into its scores."""
+        width = 3 + 2 * self._num_top
         slot = int(prefill_out[0])
-        tok, is_last, lp, top_ids, top_lps = _unpack_outputs(prefill_out[1:])
+        tok, is_last, lp, top_ids, top_lps = _unpack_outputs(prefill_out[1:1 + width])
         if is_last:
             out.tokens[slot], out.valid[slot], out.logprobs[slot] = tok, True, lp
             out.top_ids[slot], out.top_logprobs[slot] = top_ids, top_lps
+        if chunk.score:  # the last chunk's last row predicts the sampled token: not a prompt token's
+            rows = prefill_out[1 + width:].reshape(-1, width)[:len(chunk.tokens) - chunk.is_last]
+            _, _, lps, ids, top = _unpack_outputs(rows)
+            out.scores.append(PromptScores(slot, chunk.start_pos + 1, lps, rows[:, 1].copy(), ids, top))
 
     def results(self) -> list[StepOutput]:
         if self._results is not None:
@@ -73,8 +77,8 @@ class _Pending:
         out = self._empty()
         if decode_out is not None:
             self._fill_decode(out, decode_out)
-        for prefill_out in prefill_outs:
-            self._fill_prefill(out, prefill_out)
+        for chunk, prefill_out in zip(self._prefills, prefill_outs):
+            self._fill_prefill(out, prefill_out, chunk)
         self._results = [out]
         return self._results
 
@@ -97,13 +101,14 @@ class _Pending:
         yield from self._prefill_parts()
 
     def _prefill_parts(self):
-        """`parts()`' tail: each chunk that ends its prompt, its first token."""
+        """`parts()`' tail: each chunk that ends its prompt, its first token, and each scored
+        chunk, its scores (a chunk that does not end its prompt: for no slot's token)."""
         for chunk, prefill_out in zip(self._prefills, self._prefill_outs):
-            if not chunk.is_last:
+            if not chunk.is_last and not chunk.score:
                 continue  # samples nothing: no wait
             out = self._empty()
-            self._fill_prefill(out, jax.device_get(prefill_out))
-            yield [out], (chunk.slot,)
+            self._fill_prefill(out, jax.device_get(prefill_out), chunk)
+            yield [out], (chunk.slot,) if chunk.is_last else ()
 
 
 class _DeferredPending(_Pending):
@@ -219,8 +224,8 @@ class _SpecPending(_Pending):
     def results(self) -> list[StepOutput]:
         if self._results is None:
             outs = [o for o, _ in self._decoded()] or [self._empty()]
-            for prefill_out in jax.device_get(self._prefill_outs):
-                self._fill_prefill(outs[0], prefill_out)
+            for chunk, prefill_out in zip(self._prefills, jax.device_get(self._prefill_outs)):
+                self._fill_prefill(outs[0], prefill_out, chunk)
             self._results = outs
         return self._results
 

@@ -241,15 +241,20 @@ def _copy_prefix(span: int, layers: int, params, cache: KVCache, st: SlotState, 
 
 
 def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, samp_layout: transfer.WordsLayout,
-                  params, cache, st: SlotState, args):
+                  params, cache, st: SlotState, args, *, score: bool = False):
     """One prompt chunk (`prefill_args`); returns (cache, state, the sampling arrays it unpacked
-    for the decode programs after it, its outputs)."""
+    for the decode programs after it, its outputs). `score` (a scored chunk, PrefillChunk.score):
+    `args` ends with the prompt's token after the chunk (-1: none), and the outputs go on with
+    each row's `forward.token_scores` of the token after it (`_pack_outputs`' columns: the
+    token, its rank, its logprob, the top ids and logprobs), row by row."""
     words = transfer.words_size(samp_layout)
     vocab, s = st.prompt_mask.shape[1], st.history.shape[1]
     slot, start, num_valid, is_last, reused = args[0], args[1], args[2], args[3] != 0, args[4]
     samp = transfer.unpack_words(args[PREFILL_HEAD:PREFILL_HEAD + words], samp_layout)
     allowed = args[PREFILL_HEAD + words:PREFILL_HEAD + words + mask_words(vocab)]
     tokens = args[PREFILL_HEAD + words + mask_words(vocab):]
+    if score:
+        tokens, next_token = tokens[:-1], tokens[-1]
     t = tokens.shape[0]
     fresh = start == reused  # a new request's first chunk: reset the slot's penalty state
     row_history = st.history[slot]
@@ -262,7 +267,9 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
     row_mask = row_mask.at[ids].set(True, mode="drop")
     row_history = row_history.at[jnp.where(valid, start + jnp.arange(t), s)].set(tokens, mode="drop")
 
-    logits, cache = forward.prefill(cfg, kern, params, cache, slot, tokens, start, num_valid, attend)
+    x, cache = forward.prefill_hidden(cfg, kern, params, cache, slot, tokens, start, num_valid, attend)
+    last = jax.lax.dynamic_slice_in_dim(x, num_valid - 1, 1, axis=0)  # [1, E]
+    logits = forward.head_logits(cfg, kern, params, last)[0]
     row_samp = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), samp)
     # no conditionals: on the GPU this program's would run on the host and block the call
     tok, lp, top_ids, top_lps = sampling.sample(
@@ -279,7 +286,13 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
         step_index=st.step_index.at[slot].set(row_step + is_last.astype(jnp.int32)),
         history=st.history.at[slot].set(row_history),
     )
-    return cache, st, samp, jnp.concatenate([slot[None], _pack_outputs(tok, is_last, lp[0], top_ids[0], top_lps[0])])
+    out = jnp.concatenate([slot[None], _pack_outputs(tok, is_last, lp[0], top_ids[0], top_lps[0])])
+    if score:
+        targets = jnp.where(jnp.arange(t) == num_valid - 1, next_token, jnp.roll(tokens, -1))
+        targets = jnp.clip(targets, 0, vocab - 1)  # past the prompt: scored, never read
+        lps, ranks, ids, top = forward.token_scores(cfg, kern, params, x, targets, num_top)
+        out = jnp.concatenate([out, _pack_outputs(targets, ranks, lps, ids, top).reshape(-1)])
+    return cache, st, samp, out
 
 
 def _start_copies(outputs: Any) -> Any:
@@ -309,6 +322,7 @@ class ModelRunner:
         self.max_context = engine_cfg.max_context
         self.prefill_chunks = engine_cfg.prefill_chunks
         self.max_top_logprobs = engine_cfg.max_top_logprobs
+        self.scores_prompts = engine_cfg.prompt_logprobs  # PrefillChunk.score: a program per context bucket
         self.decode_steps = tuple(sorted({1, engine_cfg.decode_steps()}))
         self.dispatch_ahead = engine_cfg.dispatch_ahead
         self._mesh = mesh
@@ -334,6 +348,7 @@ class ModelRunner:
         host = transfer.host_outputs(mesh) if engine_cfg.host_outputs else None
         # (a decode program's outputs placed there made its steps 26-30% slower on the H200)
         self._out_shardings = {"prefill": self._step_out_shardings(mesh, 4, host),
+                               "score": self._step_out_shardings(mesh, 4, host),
                                "decode": self._step_out_shardings(mesh, 3, None),
                                "copy": self._step_out_shardings(mesh, 2, None)}
         log.info("prefill outputs written to %s", "pinned host memory by the programs" if host else "device memory")
@@ -439,9 +454,9 @@ class ModelRunner:
                                    unroll=self._unroll_decode, few_rows=few_rows, record=record)
         elif kind == "copy":
             fn = functools.partial(_copy_prefix, attend, COPY_LAYERS)
-        else:
+        else:  # "prefill", "score"
             fn = functools.partial(_prefill_step, self.cfg, self.kernels, self.max_top_logprobs, attend,
-                                   self._samp_layout)
+                                   self._samp_layout, score=kind == "score")
         return self._jit(kind, fn)
 
     @staticmethod
@@ -475,7 +490,8 @@ class ModelRunner:
                     jnp.zeros((speculative.LAYOUT_ROWS, self.num_slots), jnp.int32))
         if kind == "copy":
             return (self.params, self._cache, self._state, jnp.zeros((2,), jnp.int32))
-        args = jnp.zeros((PREFILL_HEAD + self._samp_words.size + self._mask_words + size,), jnp.int32)
+        extra = 1 if kind == "score" else 0  # the token after the chunk
+        args = jnp.zeros((PREFILL_HEAD + self._samp_words.size + self._mask_words + size + extra,), jnp.int32)
         return (self.params, self._cache, self._state, args)
 
     def warmup(self) -> None:
@@ -485,6 +501,8 @@ class ModelRunner:
         without holding the GIL)."""
         targets = [("decode", self.num_slots, k) for k in self.decode_steps]
         targets += [("prefill", t, 1) for t in self.prefill_chunks]
+        if self.scores_prompts:  # scored chunks run at the largest size only
+            targets.append(("score", self.prefill_chunks[-1], 1))
         jobs = [(kind, size, steps, attend, False) for kind, size, steps in targets for attend in self.context_buckets]
         jobs += [("copy", attend, 1, attend, False) for attend in self.context_buckets]
         jobs += [("decode", self.num_slots, steps, attend, True) for steps in self.decode_steps
@@ -523,16 +541,16 @@ class ModelRunner:
         # (tracing and lowering hold it) and for the cores, so they exceed the work done
         lowering, compiling = (sum(times[i] for _, _, times in built) for i in (0, 1))
         log.info(
-            "compiled %d step programs (decode[%d] x steps %s, prefill%s, prefix copies%s; context buckets %s) in "
+            "compiled %d step programs (decode[%d] x steps %s, prefill%s, prefix copies%s%s; context buckets %s) in "
             "%.1f s on %d thread(s); per-program wall times summed: tracing and lowering %.1f s, XLA compiling %.1f s",
             len(self._compiled), self.num_slots, list(self.decode_steps), list(self.prefill_chunks),
-            "" if self._spec is None else ", speculative decode", list(self.context_buckets), time.perf_counter() - t_all, workers, lowering, compiling,
+            "" if self._spec is None else ", speculative decode", ", scored prompt chunks" if self.scores_prompts else "", list(self.context_buckets), time.perf_counter() - t_all, workers, lowering, compiling,
         )
 
     def _compiler_options(self, kind: str) -> dict[str, str] | None:
         """XLA options of a program of `kind`: none but, on a GPU with
         EngineConfig.prefill_cuda_graphs off, no command buffers for the prefill programs."""
-        if kind == "prefill" and not self.engine_cfg.prefill_cuda_graphs and jax.default_backend() == "gpu":
+        if kind in ("prefill", "score") and not self.engine_cfg.prefill_cuda_graphs and jax.default_backend() == "gpu":
             return {"xla_gpu_enable_command_buffer": ""}
         return None
 
@@ -666,14 +684,21 @@ class ModelRunner:
         n = int(chunk.tokens.shape[0])
         if n < 1 or chunk.start_pos + n > self.max_context:
             raise ValueError(f"prefill chunk [{chunk.start_pos}, {chunk.start_pos + n}) outside the context")
-        size = self._chunk_size(n)
-        padded = np.zeros((size,), np.int32)
+        if chunk.score and not self.scores_prompts:
+            raise ValueError("a scored prompt chunk for a runner built without prompt scoring (EngineConfig.prompt_logprobs)")
+        kind = "score" if chunk.score else "prefill"
+        size = self.prefill_chunks[-1] if chunk.score else self._chunk_size(n)
+        if n > size:
+            raise ValueError(f"prefill chunk of {n} tokens exceeds the largest compiled chunk {size}")
+        padded = np.zeros((size + chunk.score,), np.int32)
         padded[:n] = chunk.tokens
+        if chunk.score:
+            padded[-1] = chunk.next_token
         attend = self._bucket(chunk.start_pos + n)
         self._positions[chunk.slot] = chunk.start_pos + n
         self._epochs[chunk.slot] += 1
         self._gain[chunk.slot], self._since_spec[chunk.slot] = DRAFT_GAIN_START, 0
-        self._cache, self._state, self._samp, out = self._program("prefill", size, attend)(
+        self._cache, self._state, self._samp, out = self._program(kind, size, attend)(
             self.params, self._cache, self._state,
             prefill_args(chunk.slot, padded, chunk.start_pos, n, chunk.is_last, self._samp_words,
                          self._free_row if allowed is None else allowed, chunk.reused),

@@ -90,6 +90,12 @@ class PrefillChunk:
     prompt tokens, prefilled for an earlier request with the same ones (the engine's prompt
     cache); its first chunk starts there, and that chunk (start_pos == reused) resets the
     slot's penalty state, taking the prompt tokens below it from the slot's token history.
+    `score` (a runner that `scores_prompts`): the step's output also holds the chunk's
+    `PromptScores`: the model's log-probability of each prompt token the chunk's tokens
+    predict, positions start_pos + 1 through start_pos + len(tokens), the last of them
+    `next_token` (the prompt's token after the chunk); the prompt's last chunk has none
+    (`next_token` -1: the token after the prompt is sampled, not scored), so its scores end at
+    the prompt's last position.
     """
 
     slot: int
@@ -97,6 +103,12 @@ class PrefillChunk:
     start_pos: int
     is_last: bool
     reused: int = 0
+    score: bool = False
+    next_token: int = -1
+
+    def __post_init__(self) -> None:
+        if self.score and (self.next_token < 0) != self.is_last:
+            raise ValueError("a scored chunk has a next token exactly when it is not the prompt's last")
 
     @property
     def is_first(self) -> bool:
@@ -148,6 +160,21 @@ class StepPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class PromptScores:
+    """A scored prompt chunk's (`PrefillChunk.score`) log-probabilities of the prompt tokens at
+    positions [first, first + n) of its slot, each under the model's raw distribution after the
+    tokens before it (no sampling settings: penalties, bias, temperature), with its rank in that
+    distribution (1: the most likely) and the `max_top_logprobs` most likely tokens there."""
+
+    slot: int
+    first: int  # the position of the first token scored (the chunk's start_pos + 1)
+    logprobs: np.ndarray  # [n] f32
+    ranks: np.ndarray  # [n] int32
+    top_ids: np.ndarray  # [n, max_top_logprobs] int32, descending
+    top_logprobs: np.ndarray  # [n, max_top_logprobs] f32
+
+
+@dataclasses.dataclass(frozen=True)
 class StepOutput:
     """Host copy of one step's sampled tokens. Row b is meaningful only where `valid[b]`."""
 
@@ -161,6 +188,8 @@ class StepOutput:
     # other outputs), so that the engine counts drafts only for tokens a request keeps.
     drafted: np.ndarray | None = None  # [B] bool; None: no drafts
     drafts: np.ndarray | None = None  # [B] int32
+    # the scored prompt chunks (PrefillChunk.score) whose outputs this one carries, in dispatch order
+    scores: list[PromptScores] = dataclasses.field(default_factory=list)
 
     @staticmethod
     def empty(num_slots: int, num_top: int, drafts: bool = False) -> "StepOutput":
@@ -206,6 +235,9 @@ class StepModel(Protocol):
     # (optional, default 1) programs the engine keeps queued beyond the one it reads
     # (the runner's is EngineConfig.dispatch_ahead)
     # dispatch_ahead: int
+    # (optional, default False) takes scored prompt chunks (PrefillChunk.score, prompt logprobs),
+    # each run as a chunk of the largest size
+    # scores_prompts: bool
 
     def warmup(self) -> None: ...
 

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.offline import generate
-from model.step_types import PrefixCopy, SamplingParams
+from model.offline import generate, teacher_forced_logits
+from model.step_types import PrefillChunk, PrefixCopy, SamplingParams, SlotSetup, StepPlan
 
 PROMPTS = [
     "The quick brown fox",
@@ -329,3 +329,55 @@ def test_a_deferred_decode_samples_what_the_one_program_decode_does(smollm2, smo
         np.testing.assert_allclose(a.logprobs[a.valid], b.logprobs[b.valid], atol=1e-4)
     assert all(grammar_ok for grammar_ok in (int(o.tokens[0]) in set(np.flatnonzero(
         np.unpackbits(row.view(np.uint8), bitorder="little"))) for o in split))
+
+
+def _scored(runner, prompt: list[int], slot: int, sampling: SamplingParams = SamplingParams(temperature=0.0)):
+    """The prompt prefilled in scored chunks of the largest size (PrefillChunk.score): its
+    first token and the PromptScores of its chunks, in order."""
+    size = runner.prefill_chunks[-1]
+    chunks = []
+    for start in range(0, len(prompt), size):
+        end = min(start + size, len(prompt))
+        chunks.append(PrefillChunk(slot, np.asarray(prompt[start:end], np.int32), start, end == len(prompt),
+                                   score=True, next_token=prompt[end] if end < len(prompt) else -1))
+    out = smol_dispatch(runner, StepPlan(setups=(SlotSetup(slot, sampling),), prefills=tuple(chunks)))
+    return int(out.tokens[slot]), out.scores
+
+
+def smol_dispatch(runner, plan):
+    return runner.dispatch(plan).result()
+
+
+def test_scored_prompt_chunks_give_each_prompt_tokens_logprob_as_teacher_forcing_does(smollm2, smol_runner,
+                                                                                      prompt_ids):
+    """Prompt logprobs (PrefillChunk.score): over two chunks, each prompt token after the first
+    gets the log-softmax of the logits a plain prefill of the tokens before it, then decode
+    steps, give (model.offline.teacher_forced_logits), its rank there and the top tokens; the
+    token after the first chunk is scored by that chunk's last row. The first token sampled is a
+    plain prefill's."""
+    chunk = smol_runner.prefill_chunks[-1]
+    prompt = (prompt_ids[7] + prompt_ids[2] + prompt_ids[5]) * 30
+    prompt = prompt[:chunk + 90]
+    first, scores = _scored(smol_runner, prompt, slot=5)
+    assert [(s.slot, s.first, len(s.logprobs)) for s in scores] == [(5, 1, chunk), (5, chunk + 1, 89)]
+    lps = np.concatenate([s.logprobs for s in scores])
+    ranks = np.concatenate([s.ranks for s in scores])
+    top_ids = np.concatenate([s.top_ids for s in scores])
+    top_lps = np.concatenate([s.top_logprobs for s in scores])
+    assert lps.shape == (len(prompt) - 1,) and top_ids.shape == (len(prompt) - 1, smol_runner.max_top_logprobs)
+    assert first == generate(smol_runner, [prompt], 1, slots=[2])[0][0]
+    # the reference: positions 1..7, and 500..523 (across the chunks' boundary at 512)
+    for k, m in ((1, 7), (chunk - 12, 24)):
+        (ref,) = teacher_forced_logits(smollm2.config, smollm2.kernels, smollm2.params,
+                                       [(prompt[:k], prompt[k:k + m])], max_context=smol_runner.max_context)
+        ref_lp = ref - np.logaddexp.reduce(ref, axis=1, keepdims=True)
+        got = slice(k - 1, k - 1 + m)
+        want = ref_lp[np.arange(m), prompt[k:k + m]]
+        # (the reference's decode steps run the matmuls at one row, the chunk at 512: a few 1e-3 apart)
+        np.testing.assert_allclose(lps[got], want, atol=1e-2)
+        assert (1 + (ref_lp > want[:, None] + 1e-2).sum(axis=1) <= ranks[got]).all()
+        assert (ranks[got] <= 1 + (ref_lp > want[:, None] - 1e-2).sum(axis=1)).all()
+        np.testing.assert_array_equal(top_ids[got][:, :3], np.argsort(-ref_lp, axis=1)[:, :3])
+        np.testing.assert_allclose(top_lps[got], np.sort(ref_lp, axis=1)[:, ::-1][:, :top_ids.shape[1]], atol=1e-2)
+    assert (np.diff(top_lps, axis=1) <= 0).all() and (lps <= top_lps[:, 0] + 1e-6).all()
+    assert ((ranks == 1) == (top_ids[:, 0] == np.asarray(prompt[1:]))).mean() > 0.99
