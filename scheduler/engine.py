@@ -71,10 +71,11 @@ from typing import Any, Callable
 import numpy as np
 
 from model.config import EngineConfig
-from model.step_types import PendingStep, PrefillChunk, PrefixCopy, SlotSetup, StepModel, StepOutput, StepPlan
+from model.step_types import PendingStep, PrefillChunk, SlotSetup, StepModel, StepOutput, StepPlan
 from model.tokenizer import IncrementalDetokenizer
 from scheduler import grammar
 from scheduler.gc_pauses import freeze_heap
+from scheduler.prompt_cache import PromptCache
 from scheduler.request_stream import RequestStream, _Cancel, _hand_over
 from scheduler.requests import Detokenizer, Observer, RequestState, RequestTiming, notify, validate_request
 from scheduler.types import (
@@ -149,12 +150,7 @@ class Engine:
         self._slots: list[RequestState | None] = [None] * config.num_slots  # resized to the model's
         self._waiting: collections.deque[RequestState] = collections.deque()
         self._requests: dict[int, RequestState] = {}
-        # Prompt cache (module docstring): per slot, the tokens of the whole chunks prefilled
-        # there from position 0, and when its last request ended (for the least recently used).
-        self._held: list[np.ndarray] = [np.zeros((0,), np.int32)] * config.num_slots
-        self._freed_at: list[float] = [0.0] * config.num_slots
-        self._copyable: list[int] = [0] * config.num_slots  # of a slot's held tokens, those a copy may read now
-        self._salts: list[str] = [""] * config.num_slots  # the cache_salt of the requests that prefilled them
+        self._prompts = PromptCache(config.num_slots, config.prefill_chunks[-1], config.prompt_cache)
         self._chunk_sizes: tuple[int, ...] = config.prefill_chunks
         self._max_context = config.max_context
         self._max_top_logprobs = config.max_top_logprobs
@@ -362,10 +358,7 @@ class Engine:
         if self.config.prefill_budget < chunks[-1]:
             raise ValueError(f"prefill budget {self.config.prefill_budget} is below the largest chunk {chunks[-1]}")
         self._slots = [None] * int(model.num_slots)
-        self._held = [np.zeros((0,), np.int32)] * len(self._slots)
-        self._freed_at = [0.0] * len(self._slots)
-        self._copyable = [0] * len(self._slots)
-        self._salts = [""] * len(self._slots)
+        self._prompts = PromptCache(len(self._slots), chunks[-1], self.config.prompt_cache)
         self._chunk_sizes = chunks
         self._max_context = int(model.max_context)
         self._max_top_logprobs = int(model.max_top_logprobs)
@@ -520,8 +513,7 @@ class Engine:
             rows[slot] = state
         budget = self.config.prefill_budget
         prefills: list[PrefillChunk] = []
-        # What earlier steps dispatched: a copy may read it (this step's prompt chunks run after its copies).
-        self._copyable = [len(held) for held in self._held]
+        self._prompts.start_step()
         # Prompts already in a slot continue first, oldest first; each takes what fits.
         prefilling = sorted((s for s in self._slots if s is not None and not s.is_decoding), key=lambda s: s.seq)
         for state in prefilling:
@@ -532,7 +524,8 @@ class Engine:
         free = [slot for slot, state in enumerate(self._slots) if state is None]
         while self._waiting and free:
             state = self._waiting[0]
-            slot, reused, src = self._pick_slot(state, free)
+            request = state.request
+            slot, reused, src = self._prompts.pick_slot(state.prompt, request.cache_salt, request.cache_prompt, free)
             if self._chunk_cost(min(self._chunk_sizes[-1], state.num_prompt - reused)) > budget:
                 break
             self._waiting.popleft()
@@ -540,13 +533,9 @@ class Engine:
             state.slot = slot
             state.admitted_at = now
             state.num_reused = state.num_prefilled = reused
-            if src is None:
-                self._held[slot] = self._held[slot][:reused]  # the rest is overwritten from here on
-            else:
-                copies.append(PrefixCopy(src, slot, reused))
-                self._held[slot] = self._held[src][:reused]
-            self._copyable[slot] = reused  # (its chunks planned below: not before the next step)
-            self._salts[slot] = state.request.cache_salt
+            copy = self._prompts.admit(slot, reused, src, request.cache_salt)
+            if copy is not None:
+                copies.append(copy)
             self._prompt_tokens_cached_total += reused
             self._slots[state.slot] = state
             setups.append(SlotSetup(state.slot, state.request.sampling))
@@ -584,37 +573,6 @@ class Engine:
                 rows[slot] = grammar.without(row, self.tokenizer.eog_ids) if state.request.ignore_eos else row
         return rows
 
-    def _matched(self, slot: int, state: RequestState, limit: int) -> int:
-        """How many of the request's first prompt tokens, in whole chunks and at most `limit`, the
-        slot holds for its cache_salt."""
-        if self._salts[slot] != state.request.cache_salt:
-            return 0
-        held, prompt = self._held[slot], state.prompt
-        n = min(len(held), limit)
-        differ = np.flatnonzero(held[:n] != prompt[:n])
-        largest = self._chunk_sizes[-1]
-        return (int(differ[0]) if differ.size else n) // largest * largest
-
-    def _pick_slot(self, state: RequestState, free: list[int]) -> tuple[int, int, int | None]:
-        """(the free slot for a request, how many of its prompt tokens it reuses, the slot they are
-        copied from or None) (module docstring): the free slot holding the longest match of whole
-        chunks, leaving at least one token to prefill, unless another slot holds a longer one, copied
-        into the free slot that holds nothing, else the one idle longest; without a match, that slot
-        too. A request with `cache_prompt` off reuses nothing but is placed the same way (other slots'
-        caches last)."""
-        if not self.config.prompt_cache:
-            return free[0], 0, None
-        largest = self._chunk_sizes[-1]
-        limit = (state.num_prompt - 1) // largest * largest if state.request.cache_prompt else 0
-        spare = max(free, key=lambda s: (len(self._held[s]) == 0, -self._freed_at[s]))
-        own, reused = max(((s, self._matched(s, state, limit)) for s in free),
-                          key=lambda sm: (sm[1], sm[0] == spare))
-        src, copied = max(((s, self._matched(s, state, min(limit, self._copyable[s])))
-                           for s in range(len(self._slots))), key=lambda sm: sm[1])
-        if copied > reused:
-            return spare, copied, src
-        return (own, reused, None) if reused else (spare, 0, None)
-
     def _plan_chunks(
         self, state: RequestState, budget: int, prefills: list[PrefillChunk], rows: dict[int, RequestState],
         allowed: list[tuple[int, np.ndarray]],
@@ -640,8 +598,7 @@ class Engine:
             budget -= cost
             tokens = state.prompt[start:end]
             prefills.append(PrefillChunk(state.slot, tokens, start, is_last, state.num_reused))
-            if end - start == largest:  # held since admission: [0, start), the chunks before this one
-                self._held[state.slot] = np.concatenate([self._held[state.slot], tokens])
+            self._prompts.hold(state.slot, tokens)  # held since admission: [0, start), the chunks before this one
             state.num_prefilled = end
             self._prompt_tokens_total += end - start
             if is_last:
@@ -726,7 +683,7 @@ class Engine:
         state.is_finished = True
         if state.slot is not None:
             self._slots[state.slot] = None
-            self._freed_at[state.slot] = now
+            self._prompts.free(state.slot, now)
         else:
             self._waiting.remove(state)
         del self._requests[state.seq]
