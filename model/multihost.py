@@ -98,6 +98,7 @@ class LeaderRunner:
         self.decode_steps = runner.decode_steps
         self.vocab_size = runner.vocab_size
         self.dispatch_ahead = getattr(runner, "dispatch_ahead", 1)
+        self.scores_prompts = getattr(runner, "scores_prompts", False)  # PrefillChunk.score
         self._rng = rng if rng is not None else np.random.default_rng()
         self._closed = False
 

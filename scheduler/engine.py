@@ -105,6 +105,15 @@ class _Shutdown:
     pass
 
 
+class _Rows(dict):
+    """A dispatched step's {slot: request} of the rows it samples, and in `scored` those of its
+    scored prompt chunks (PrefillChunk.score), as the slots were when it was planned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scored: dict[int, RequestState] = {}
+
+
 def unavailable_reason(stats: EngineStats) -> str:
     """Why an engine in this state takes no request (EngineUnavailableError's message)."""
     if stats.state == "failed":
@@ -154,6 +163,7 @@ class Engine:
         self._chunk_sizes: tuple[int, ...] = config.prefill_chunks
         self._max_context = config.max_context
         self._max_top_logprobs = config.max_top_logprobs
+        self._scores_prompts = False  # the model's (GenerationRequest.prompt_logprobs)
         self._decode_steps: tuple[int, ...] = (1,)
         self._dispatch_ahead = 1
         # While a step's outputs are processed, its events wait here, by event loop, and go in one
@@ -279,6 +289,7 @@ class Engine:
         validate_request(
             request, vocab_size=int(self.tokenizer.vocab_size), max_context=self._max_context,
             max_top_logprobs=self._max_top_logprobs, max_logit_bias=self.config.max_logit_bias,
+            scores_prompts=self._scores_prompts,
         )
 
     # ---- the engine thread ----
@@ -365,6 +376,7 @@ class Engine:
         self._decode_steps = tuple(getattr(model, "decode_steps", (1,)))
         self._dispatch_ahead = int(getattr(model, "dispatch_ahead", 1))
         self._defers = bool(getattr(model, "defers_allowed", False))  # StepPlan.deferred
+        self._scores_prompts = bool(getattr(model, "scores_prompts", False))  # PrefillChunk.score
         if self._dispatch_ahead < 1:
             raise ValueError(f"the model's dispatch_ahead {self._dispatch_ahead} is below 1")
         self._info = self._build_info(model)
@@ -381,6 +393,7 @@ class Engine:
             "decode_steps_per_dispatch": max(self._decode_steps),  # the most, while no prompt waits
             "dispatch_ahead": self._dispatch_ahead,
             "prompt_cache": self.config.prompt_cache,
+            "prompt_logprobs": self._scores_prompts,
             # speculative decode by prompt lookup (EngineConfig.draft_max; 0: off)
             "draft_max": self.config.draft_max,
         }
@@ -476,12 +489,13 @@ class Engine:
         for state in [s for s in self._requests.values() if now >= s.deadline]:
             self._finish(state, FINISH_TIMEOUT, flush=True)
 
-    def _chunk_cost(self, num_tokens: int) -> int:
-        """Tokens the device computes for a chunk: the compiled size it is padded to."""
-        return next(size for size in self._chunk_sizes if num_tokens <= size)
+    def _chunk_cost(self, num_tokens: int, state: RequestState) -> int:
+        """Tokens the device computes for a chunk: the compiled size it is padded to (the largest
+        for a scored chunk)."""
+        return self._chunk_sizes[-1] if state.scores_prompt else next(s for s in self._chunk_sizes if num_tokens <= s)
 
-    def _plan_step(self) -> tuple[StepPlan | None, dict[int, RequestState]]:
-        rows: dict[int, RequestState] = {}
+    def _plan_step(self) -> tuple[StepPlan | None, _Rows]:
+        rows = _Rows()
         decoding = [
             (slot, state) for slot, state in enumerate(self._slots)
             if state is not None and state.is_decoding and state.num_scheduled < state.limit and self._plannable(state)
@@ -525,8 +539,9 @@ class Engine:
         while self._waiting and free:
             state = self._waiting[0]
             request = state.request
-            slot, reused, src = self._prompts.pick_slot(state.prompt, request.cache_salt, request.cache_prompt, free)
-            if self._chunk_cost(min(self._chunk_sizes[-1], state.num_prompt - reused)) > budget:
+            slot, reused, src = self._prompts.pick_slot(state.prompt, request.cache_salt,
+                                                        request.cache_prompt and not state.scores_prompt, free)
+            if self._chunk_cost(min(self._chunk_sizes[-1], state.num_prompt - reused), state) > budget:
                 break
             self._waiting.popleft()
             free.remove(slot)
@@ -574,7 +589,7 @@ class Engine:
         return rows
 
     def _plan_chunks(
-        self, state: RequestState, budget: int, prefills: list[PrefillChunk], rows: dict[int, RequestState],
+        self, state: RequestState, budget: int, prefills: list[PrefillChunk], rows: _Rows,
         allowed: list[tuple[int, np.ndarray]],
     ) -> int:
         """Adds the request's next prompt chunks that fit in `budget`; returns what is left (and,
@@ -586,7 +601,7 @@ class Engine:
         while not state.is_decoding:
             start = state.num_prefilled
             end = min(start + largest, state.num_prompt)
-            cost = self._chunk_cost(end - start)
+            cost = self._chunk_cost(end - start, state)
             if cost > budget:
                 break
             is_last = end == state.num_prompt
@@ -597,7 +612,10 @@ class Engine:
                 allowed.append((state.slot, row))
             budget -= cost
             tokens = state.prompt[start:end]
-            prefills.append(PrefillChunk(state.slot, tokens, start, is_last, state.num_reused))
+            scored = dict(score=True, next_token=-1 if is_last else int(state.prompt[end])) if state.scores_prompt else {}
+            if scored:
+                rows.scored[state.slot] = state
+            prefills.append(PrefillChunk(state.slot, tokens, start, is_last, state.num_reused, **scored))
             self._prompts.hold(state.slot, tokens)  # held since admission: [0, start), the chunks before this one
             state.num_prefilled = end
             self._prompt_tokens_total += end - start
@@ -606,7 +624,7 @@ class Engine:
                 rows[state.slot] = state
         return budget
 
-    def _process(self, pending: PendingStep, rows: dict[int, RequestState]) -> None:
+    def _process(self, pending: PendingStep, rows: _Rows) -> None:
         # A part's outputs are one per decode step of the plan; a request that ends at one step
         # ignores the rest. Each part's events reach the loop in one hand-over. Where the model
         # hands a step over as the device finishes its parts (`parts`: the decode part, then
@@ -618,6 +636,10 @@ class Engine:
         done: set[int] = set()
         self._stepped = set()
         for outs, slots in parts:
+            for scores in (s for out in outs for s in out.scores):  # before the tokens of the part
+                state = rows.scored.get(scores.slot)
+                if state is not None and not state.is_finished:
+                    state.add_scores(scores.first, scores.logprobs, scores.ranks, scores.top_ids, scores.top_logprobs)
             part_rows = rows if slots is None else {s: rows[s] for s in slots if s in rows}
             self._process_part(outs, part_rows)
             done.update(part_rows)
@@ -664,7 +686,7 @@ class Engine:
                 log.exception("request %s failed while processing its token", state.request.request_id)
                 self._finish(state, FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")
                 continue
-            self._generation_tokens_total += 1
+            self._generation_tokens_total += bool(event.token_ids)  # (none where max_tokens is 0)
             self._draft_tokens_total += drafts
             self._draft_tokens_accepted_total += drafted
             if state.seq not in self._stepped:  # the step's first token for it (a speculative step gives several)

@@ -120,7 +120,7 @@ class EngineProcess:
         self._observers: tuple[Callable[[RequestTiming], None], ...] = ()
         self._stats = EngineStats("loading", config.num_slots, 0, 0, 0, 0, 0, 0)
         self._info: dict[str, Any] = {"model": model_name}
-        self._limits: dict[str, int] = {}
+        self._limits: dict[str, int | bool] = {}
         self._gc: GcSnapshot | None = None  # the child's GC pauses, as of its last stats message
         self._inbox = _CancelSender(self)
         # Constrained decoding: grammars are compiled here too, against this tokenizer, so that one
@@ -315,6 +315,7 @@ class EngineProcess:
                         "max_context": int(info["max_context"]),
                         "max_top_logprobs": int(info["max_top_logprobs"]),
                         "max_logit_bias": self.config.max_logit_bias,
+                        "scores_prompts": bool(info.get("prompt_logprobs", False)),
                     }
                     self._stats = message[2]  # "ready" only once the limits are set
                     self._settled.set()

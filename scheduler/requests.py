@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 def validate_request(
     request: GenerationRequest, *, vocab_size: int, max_context: int, max_top_logprobs: int, max_logit_bias: int,
+    scores_prompts: bool = False,
 ) -> None:
     """Raises `RequestValidationError` for a request the engine cannot take: the checks of
     `Engine.submit`, and of `scheduler.engine_process.EngineProcess.submit` with the limits its
@@ -54,6 +55,10 @@ def validate_request(
         raise RequestValidationError(f"at most {max_logit_bias} logit_bias entries", "logit_bias")
     if any(not 0 <= token < vocab for token, _ in sampling.logit_bias):
         raise RequestValidationError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+    if request.prompt_logprobs is not None and not scores_prompts:
+        raise RequestValidationError("prompt logprobs are off on this server (--no-prompt-logprobs)", "prompt_logprobs")
+    if (request.prompt_logprobs or 0) > max_top_logprobs:
+        raise RequestValidationError(f"prompt_logprobs must be <= {max_top_logprobs}", "prompt_logprobs")
     if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise RequestValidationError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids", "stop_token_ids")
 
@@ -178,6 +183,25 @@ class RequestState:
         self._first_at: float | None = None
         self._last_at: float | None = None
         self._gaps: list[float] = []
+        # GenerationRequest.prompt_logprobs: the prompt tokens' scores so far, by position - 1,
+        # until the first event takes them
+        self._prompt_logprobs: list[TokenLogprob] | None = [] if request.prompt_logprobs is not None else None
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.request.prompt_logprobs is not None
+
+    def add_scores(self, first: int, logprobs: np.ndarray, ranks: np.ndarray, top_ids: np.ndarray,
+                   top_logprobs: np.ndarray) -> None:
+        """A scored chunk's prompt tokens (model.step_types.PromptScores), from position `first`;
+        chunks come in order."""
+        got = self._prompt_logprobs
+        if got is None or len(got) != first - 1:
+            raise RuntimeError(f"prompt scores from position {first} out of order ({len(got or ())} held)")
+        k = self.request.prompt_logprobs
+        for j, token in enumerate(self.prompt[first:first + len(logprobs)]):
+            top = tuple((int(i), float(v)) for i, v in zip(top_ids[j, :k], top_logprobs[j, :k]))
+            got.append(TokenLogprob(int(token), float(logprobs[j]), top, int(ranks[j])))
 
     @property
     def is_decoding(self) -> bool:
@@ -203,7 +227,10 @@ class RequestState:
         top_logprobs: np.ndarray,  # [L] f32
         now: float,
     ) -> StreamEvent:
-        """Takes one generated token; the event's finish_reason is set when it ends the request."""
+        """Takes one generated token; the event's finish_reason is set when it ends the request.
+        With max_tokens 0 the token sampled after the prompt is dropped: the request ends."""
+        if self.limit == 0:
+            return self._event("", (), (), FINISH_LENGTH)
         self.num_generated += 1
         self._record_time(now)
         logprobs: tuple[TokenLogprob, ...] = ()
@@ -284,12 +311,18 @@ class RequestState:
         reason: str | None,
         error: str | None = None,
     ) -> StreamEvent:
+        prompt: tuple[TokenLogprob, ...] = ()
+        if self._prompt_logprobs is not None and len(self._prompt_logprobs) == self.num_prompt - 1:
+            # on the first event, once whole (an event that ends a request before its prompt's
+            # last chunk was read carries none)
+            prompt, self._prompt_logprobs = tuple(self._prompt_logprobs), None
         if reason is None:
-            return StreamEvent(text=text, token_ids=token_ids, logprobs=logprobs)
+            return StreamEvent(text=text, token_ids=token_ids, logprobs=logprobs, prompt_logprobs=prompt)
         return StreamEvent(
             text=text,
             token_ids=token_ids,
             logprobs=logprobs,
+            prompt_logprobs=prompt,
             finish_reason=reason,
             error=error,
             prompt_tokens=self.num_prompt,

@@ -70,12 +70,18 @@ class GenerationRequest:
     cache_salt: str = ""  # reuses only what requests of the same salt prefilled (vLLM's cache_salt)
     timeout_s: float | None = None  # None: the engine's default
     constraint: Constraint | None = None  # constrained decoding: the output follows this grammar
+    # Prompt logprobs (vLLM's prompt_logprobs; OpenAI's echo with logprobs): None, none; k, the
+    # first event carries each prompt token's after the first (StreamEvent.prompt_logprobs) with
+    # its rank and k alternatives. The prompt is then prefilled whole (no prompt cache reuse).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:
             raise RequestValidationError("the prompt is empty", "prompt")
-        if self.max_tokens < 1:
-            raise RequestValidationError("max_tokens must be >= 1", "max_tokens")
+        if self.max_tokens < 0:
+            raise RequestValidationError("max_tokens must be >= 0", "max_tokens")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise RequestValidationError("prompt_logprobs must be >= 0", "prompt_logprobs")
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise RequestValidationError("timeout must be > 0", "timeout")
 
@@ -85,6 +91,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+    rank: int = 0  # a prompt token's rank in the model's distribution (1: the most likely); 0: not given
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +119,8 @@ class StreamEvent:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None
     error: str | None = None
+    # GenerationRequest.prompt_logprobs: on the request's first event, one per prompt token after the first
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
     prompt_tokens: int = 0  # usage, set on the final event
     completion_tokens: int = 0
     cached_tokens: int = 0  # of prompt_tokens, those reused from the prompt cache, not prefilled

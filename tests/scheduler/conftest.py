@@ -9,6 +9,11 @@ held that prefix. It checks the runner contract (setups before chunks, chunks in
 prefix, decodes only after the last chunk), records every plan, and can delay results (a device
 still running) or fail on a chosen step.
 
+A scored prompt chunk (`PrefillChunk.score`, prompt logprobs) gives each prompt token it
+predicts, at position p, the logprob `fake_score(token, p)`, rank 1 + token % 5, and as
+alternatives token + i (logprob minus i); the scores travel in the step's first output (its
+first part).
+
 With a plan's `allowed` rows (constrained decoding) it takes instead the first allowed token at
 or after (t + 1) % V, counting around the vocabulary; with `defers_allowed`, a plan's deferred
 slots sample when their rows are supplied, and it checks that nothing is dispatched before.
@@ -19,6 +24,7 @@ slots sample when their rows are supplied, and it checks that nothing is dispatc
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import sys
 import threading
 import time
@@ -28,7 +34,7 @@ import numpy as np
 import pytest
 
 from model.config import EngineConfig
-from model.step_types import StepOutput, StepPlan
+from model.step_types import PromptScores, StepOutput, StepPlan
 from scheduler.engine import Engine
 
 EOS = 256
@@ -77,6 +83,11 @@ class ByteDetokenizer:
         return self._decoder.decode(b"", final=True)
 
 
+def fake_score(token: int, position: int) -> float:
+    """FakeModel's logprob of a prompt token at a position (scored chunks)."""
+    return -(token % 10) / 10 - position / 1000
+
+
 class _FakePending:
     def __init__(self, outputs: list[StepOutput], ready_at: float, gate: threading.Event | None) -> None:
         self._outputs, self._ready_at, self._gate = outputs, ready_at, gate
@@ -115,6 +126,7 @@ class _FakePartsPending(_FakePending):
     def parts(self):
         outs = super().results()
         yield outs, self._plan.decode_slots
+        outs = [dataclasses.replace(o, scores=[]) for o in outs]  # (the first part carried them)
         for chunk in self._plan.prefills:
             if chunk.is_last:
                 self._wait_for_prefill()
@@ -171,6 +183,7 @@ class FakeModel:
         dispatch_ahead: int | None = None,
         context_tokens: bool = False,
         defers_allowed: bool = False,
+        scores_prompts: bool = True,
     ) -> None:
         self.num_slots = num_slots
         self.decode_steps = decode_steps
@@ -192,6 +205,7 @@ class FakeModel:
         self.cache: list[list[int | None]] = [[None] * max_context for _ in range(num_slots)]  # token per position
         self._busy_until = 0.0  # the fake device runs one program after another
         self.defers_allowed = defers_allowed  # StepPlan.deferred
+        self.scores_prompts = scores_prompts  # PrefillChunk.score
         self._unsupplied: _FakeDeferredPending | None = None
 
     def warmup(self) -> None:
@@ -242,6 +256,9 @@ class FakeModel:
             assert chunk.start_pos == self._pos[chunk.slot], "chunks out of order"
             assert 1 <= n <= self.prefill_chunks[-1], f"chunk of {n} tokens"
             self.cache[chunk.slot][chunk.start_pos:chunk.start_pos + n] = [int(t) for t in chunk.tokens]
+            if chunk.score:
+                assert self.scores_prompts, "a scored chunk for a model that does not score prompts"
+                self._score(out, chunk)
             self._pos[chunk.slot] += n
             if chunk.is_last:
                 self._sample(out, chunk.slot, int(chunk.tokens[-1]), allowed.get(chunk.slot))
@@ -253,6 +270,15 @@ class FakeModel:
         if self.parts:
             return _FakePartsPending(outs, self._busy_until, self.gate, plan, self.prefill_gate)
         return _FakePending(outs, self._busy_until, self.gate)
+
+    def _score(self, out: StepOutput, chunk) -> None:
+        predicted = [int(t) for t in chunk.tokens[1:]] + ([] if chunk.is_last else [chunk.next_token])
+        first = chunk.start_pos + 1
+        lps = np.asarray([fake_score(t, first + j) for j, t in enumerate(predicted)], np.float32).reshape(-1)
+        k = self.max_top_logprobs
+        top_ids = np.asarray([[(t + i) % VOCAB for i in range(k)] for t in predicted], np.int32).reshape(-1, k)
+        out.scores.append(PromptScores(chunk.slot, first, lps, np.asarray([1 + t % 5 for t in predicted], np.int32),
+                                       top_ids, (lps[:, None] - np.arange(k)).astype(np.float32)))
 
     def _sample(self, out: StepOutput, slot: int, last: int, allowed: np.ndarray | None = None) -> None:
         if self.context_tokens:  # a byte (never EOS) that depends on every position before
