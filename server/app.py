@@ -276,6 +276,9 @@ async def _generate(request: Request, parse: Callable[[Any, int], ParsedRequest]
         request.app.state.holder.engine.tokenizer.token_bytes,
         include_usage=parsed.include_usage,
         logprobs=parsed.logprobs is not None,
+        echo_logprobs=parsed.logprobs if parsed.echo else None,
+        prompt_logprobs=parsed.prompt_logprobs,
+        token_ids=parsed.return_token_ids,
     )
     if parsed.stream:
         frames = sse_frames(gen, renderer, parsed.include_usage, on_first_token=_first_frame_timer(request, entered))

@@ -89,6 +89,7 @@ class Generation:
             cache_prompt=self._parsed.cache_prompt,
             cache_salt=self._parsed.cache_salt,
             constraint=self._parsed.constraint,
+            prompt_logprobs=self._parsed.scores_prompt,
         )
 
     async def compile_constraint(self) -> None:
@@ -236,11 +237,19 @@ async def sse_frames(gen: Generation, renderer: Renderer, include_usage: bool,
     try:
         readers = {} if gen.reply_format.is_plain else {c.index: _StreamedReply(gen.reply_format.reader())
                                                         for c in gen.choices}
-        for choice in gen.choices:
+        # a choice whose echoed prompt has its logprobs starts once they come, with its first event
+        scored = getattr(renderer, "echo_logprobs", None) is not None
+        starting = {c.index for c in gen.choices} if scored else set()
+        for choice in gen.choices if not scored else ():
             for chunk in renderer.start_chunks(choice.index, choice.prompt.echo_text):
                 yield sse_frame(chunk)
         async with contextlib.aclosing(gen.events()) as events:
             async for choice, event in events:
+                if choice.index in starting:
+                    starting.discard(choice.index)
+                    for chunk in renderer.start_chunks(choice.index, choice.prompt.echo_text, choice.prompt.tokens,
+                                                       event.prompt_logprobs):
+                        yield sse_frame(chunk)
                 reader = readers.get(choice.index)
                 if reader is not None:  # a chat request's: its renderer is a ChatRenderer
                     chunks = reader.chunks(renderer, choice.index, event)  # type: ignore[arg-type]
@@ -280,12 +289,16 @@ async def sse_frames(gen: Generation, renderer: Renderer, include_usage: bool,
 
 async def collect(gen: Generation) -> list[ChoiceResult]:
     """All choices of a non-streaming response, in index order; raises `ApiError` on failure."""
-    results = {c.index: ChoiceResult(index=c.index) for c in gen.choices}
+    results = {c.index: ChoiceResult(index=c.index, prompt_tokens=c.prompt.tokens, echo_length=len(c.prompt.echo_text))
+               for c in gen.choices}
     texts: dict[int, list[str]] = {c.index: [c.prompt.echo_text] for c in gen.choices}
     async with contextlib.aclosing(gen.events()) as events:
         async for choice, event in events:
             texts[choice.index].append(event.text)
             results[choice.index].logprobs.extend(event.logprobs)
+            results[choice.index].token_ids.extend(event.token_ids)
+            if event.prompt_logprobs:
+                results[choice.index].prompt_logprobs = event.prompt_logprobs
             if event.finish_reason is not None:
                 error = abnormal_end(gen, choice, event)
                 if error is not None:

@@ -53,6 +53,9 @@ class ParsedRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # alternatives per token; None: no logprobs
+    # vLLM's field: each prompt token's logprob, rank and this many alternatives (non-streamed)
+    prompt_logprobs: int | None = None
+    return_token_ids: bool = False  # vLLM's field: the prompt's and each choice's token ids (non-streamed)
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
@@ -74,6 +77,14 @@ class ParsedRequest:
     @property
     def logprobs_field(self) -> str:
         return "top_logprobs" if self.is_chat else "logprobs"
+
+    @property
+    def scores_prompt(self) -> int | None:
+        """The engine's GenerationRequest.prompt_logprobs: the most alternatives that vLLM's
+        `prompt_logprobs` or a completion's `echo` with `logprobs` (OpenAI's legacy prompt
+        logprobs) asks for; None: neither."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
 
 
 # ----------------------------------------------------------------------------- field readers
@@ -147,9 +158,8 @@ def parse_completion(body: Any, max_choices: int) -> ParsedRequest:
         raise invalid("'suffix' is not supported", "suffix")
     logprobs = fields.integer("logprobs", None, 0, MAX_TOP_LOGPROBS)
     echo = fields.boolean("echo", False)
-    if echo and logprobs is not None:
-        raise invalid("'echo' together with 'logprobs' (prompt logprobs) is not supported", "echo")
-    common = _parse_common(fields, max_tokens_names=("max_tokens",), top_logprobs=logprobs or 0)
+    # max_tokens 0: the prompt alone, scored where echo and logprobs ask (OpenAI's legacy scoring)
+    common = _parse_common(fields, max_tokens_names=("max_tokens",), top_logprobs=logprobs or 0, min_tokens=0)
     _check_best_of(fields, common["n"])
     _check_choices(len(prompts) * common["n"], max_choices)
     return ParsedRequest(is_chat=False, prompts=prompts, logprobs=logprobs, echo=echo, **common)
@@ -204,12 +214,13 @@ def _require_object(body: Any) -> Fields:
     return Fields(body)
 
 
-def _parse_common(fields: Fields, max_tokens_names: tuple[str, ...], top_logprobs: int) -> dict[str, Any]:
+def _parse_common(fields: Fields, max_tokens_names: tuple[str, ...], top_logprobs: int,
+                  min_tokens: int = 1) -> dict[str, Any]:
     model = fields.string("model")
     n = fields.integer("n", 1, 1, MAX_N)
     max_tokens = None
     for name in max_tokens_names:  # first present wins (max_completion_tokens over max_tokens)
-        max_tokens = fields.integer(name, None, 1)
+        max_tokens = fields.integer(name, None, min_tokens)
         if max_tokens is not None:
             break
     fields.string("user")  # accepted for compatibility, type-checked, unused
@@ -234,7 +245,16 @@ def _parse_common(fields: Fields, max_tokens_names: tuple[str, ...], top_logprob
     if options is not None and not isinstance(options, dict):
         raise invalid("'stream_options' must be an object", "stream_options")
     include_usage = Fields(options or {}, "stream_options.").boolean("include_usage", False)
+    prompt_logprobs = fields.integer("prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if prompt_logprobs is not None and stream:
+        raise invalid("'prompt_logprobs' is not available with 'stream': true (as in vLLM); a streamed completion "
+                      "gives its prompt's logprobs with 'echo' and 'logprobs'", "prompt_logprobs")
+    return_token_ids = fields.boolean("return_token_ids", False)
+    if return_token_ids and stream:
+        raise invalid("'return_token_ids' is served for non-streamed requests only", "return_token_ids")
     return dict(
+        prompt_logprobs=prompt_logprobs,
+        return_token_ids=return_token_ids,
         model=model,
         n=n,
         max_tokens=max_tokens,
@@ -466,6 +486,10 @@ class ChoiceResult:
     timings: Timings | None = None
     tool_calls: list[ToolCall] | None = None  # read out of `text` (chat with tools); text then the rest
     reasoning: str | None = None  # the reply's thought, split out of `text` (server/reasoning.py)
+    prompt_tokens: tuple[int, ...] = ()  # with prompt logprobs (ParsedRequest.scores_prompt): the
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt and its tokens' logprobs after the first
+    echo_length: int = 0  # of `text`, the echoed prompt's characters
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # generated (a stop token included)
 
 
 def render_timings(t: Timings) -> dict[str, Any]:
@@ -507,6 +531,21 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
+def vllm_prompt_logprobs(token_text: Callable[[int], str], tokens: tuple[int, ...],
+                         entries: tuple[TokenLogprob, ...], k: int) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: null for the first token (nothing came before it), then for
+    each token {id: {logprob, rank, decoded_token}} of the token itself (its rank in the model's
+    distribution) and of its k most likely alternatives (ranks 1 to k)."""
+    out: list[dict[str, Any] | None] = [None] if tokens else []
+    for entry in entries:
+        item = {str(entry.token_id): {"logprob": _finite(entry.logprob), "rank": entry.rank,
+                                      "decoded_token": token_text(entry.token_id)}}
+        for rank, (token, logprob) in enumerate(entry.top[:k], start=1):
+            item.setdefault(str(token), {"logprob": _finite(logprob), "rank": rank, "decoded_token": token_text(token)})
+        out.append(item)
+    return out
+
+
 def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) and logprob > MIN_LOGPROB else MIN_LOGPROB
 
@@ -527,8 +566,14 @@ class Renderer:
         *,
         include_usage: bool = False,
         logprobs: bool = False,
+        echo_logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        token_ids: bool = False,
     ) -> None:
+        self.token_ids = token_ids  # vLLM's return_token_ids
         self.response_id = response_id
+        self.echo_logprobs = echo_logprobs  # a completion's echo with logprobs: its prompt's, legacy form
+        self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs
         self.created = created
         self.model = model
         self.token_bytes = token_bytes
@@ -574,7 +619,9 @@ class Renderer:
         return out
 
     # Per endpoint.
-    def start_chunks(self, index: int, echo_text: str) -> list[dict[str, Any]]:
+    def start_chunks(self, index: int, echo_text: str, prompt_tokens: tuple[int, ...] = (),
+                     prompt_logprobs: tuple[TokenLogprob, ...] = ()) -> list[dict[str, Any]]:
+        """A choice's first chunks: an echoed prompt (with its logprobs where echo_logprobs)."""
         raise NotImplementedError
 
     def delta_chunk(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
@@ -596,29 +643,47 @@ class CompletionRenderer(Renderer):
         super().__init__(*args, **kwargs)
         self._offsets: dict[int, int] = {}  # choice index -> text offset of its next token
 
-    def _logprobs(self, index: int, entries: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, entries: list[TokenLogprob] | tuple[TokenLogprob, ...],
+                  out: dict[str, list[Any]] | None = None, k: int | None = None) -> dict[str, Any] | None:
+        """The legacy logprobs of `entries` (after `out`'s, where given), at most k alternatives
+        each besides the token itself (k None: all given)."""
         if not self.is_logprobs:
             return None
-        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        out = out or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         offset = self._offsets.get(index, 0)
         for entry in entries:
             piece = self.token_text(entry.token_id)
             out["tokens"].append(piece)
             out["token_logprobs"].append(_finite(entry.logprob))
-            top = {self.token_text(t): _finite(lp) for t, lp in entry.top}
-            top.setdefault(piece, _finite(entry.logprob))  # the sampled token is always listed
+            top = {self.token_text(t): _finite(lp) for t, lp in entry.top[:k]}
+            top.setdefault(piece, _finite(entry.logprob))  # the sampled (or prompt) token is always listed
             out["top_logprobs"].append(top)
             out["text_offset"].append(offset)
             offset += len(piece)
         self._offsets[index] = offset
         return out
 
+    def _prompt_logprobs(self, index: int, tokens: tuple[int, ...],
+                         entries: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+        """An echoed prompt's legacy logprobs (echo_logprobs): its first token's are null (nothing
+        came before it); the generated tokens' offsets follow the echoed text's end."""
+        if self.echo_logprobs is None or not tokens:
+            return None
+        self._offsets[index] = 0
+        first = self.token_text(tokens[0])
+        out: dict[str, list[Any]] = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None],
+                                     "text_offset": [0]}
+        self._offsets[index] = len(first)
+        return self._logprobs(index, entries, out, self.echo_logprobs)
+
     def _item(self, index: int, text: str, logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def start_chunks(self, index: int, echo_text: str) -> list[dict[str, Any]]:
+    def start_chunks(self, index: int, echo_text: str, prompt_tokens: tuple[int, ...] = (),
+                     prompt_logprobs: tuple[TokenLogprob, ...] = ()) -> list[dict[str, Any]]:
+        logprobs = self._prompt_logprobs(index, prompt_tokens, prompt_logprobs)
         self._offsets[index] = len(echo_text)
-        return [self._chunk(self._item(index, echo_text, None, None))] if echo_text else []
+        return [self._chunk(self._item(index, echo_text, logprobs, None))] if echo_text else []
 
     def delta_chunk(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
         return self._chunk(self._item(index, text, self._logprobs(index, logprobs), None))
@@ -627,7 +692,17 @@ class CompletionRenderer(Renderer):
         return self._chunk(self._item(index, "", None, finish_reason))
 
     def _choice(self, choice: ChoiceResult) -> dict[str, Any]:
-        return self._item(choice.index, choice.text, self._logprobs(choice.index, choice.logprobs), choice.finish_reason)
+        echoed = self._prompt_logprobs(choice.index, choice.prompt_tokens, choice.prompt_logprobs)
+        if echoed is not None:  # the generated tokens' offsets after the echoed text
+            self._offsets[choice.index] = choice.echo_length
+        item = self._item(choice.index, choice.text, self._logprobs(choice.index, choice.logprobs, echoed),
+                          choice.finish_reason)
+        if self.prompt_logprobs is not None:  # vLLM's, per choice
+            item["prompt_logprobs"] = vllm_prompt_logprobs(self.token_text, choice.prompt_tokens,
+                                                           choice.prompt_logprobs, self.prompt_logprobs)
+        if self.token_ids:  # vLLM's, per choice
+            item["prompt_token_ids"], item["token_ids"] = list(choice.prompt_tokens), list(choice.token_ids)
+        return item
 
 
 class ChatRenderer(Renderer):
@@ -658,7 +733,8 @@ class ChatRenderer(Renderer):
     def _item(self, index: int, delta: dict[str, Any], logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def start_chunks(self, index: int, echo_text: str) -> list[dict[str, Any]]:
+    def start_chunks(self, index: int, echo_text: str, prompt_tokens: tuple[int, ...] = (),
+                     prompt_logprobs: tuple[TokenLogprob, ...] = ()) -> list[dict[str, Any]]:
         return [self._chunk(self._item(index, {"role": "assistant", "content": ""}, None, None))]
 
     def delta_chunk(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
@@ -674,6 +750,18 @@ class ChatRenderer(Renderer):
 
     def finish_chunk(self, index: int, finish_reason: str) -> dict[str, Any]:
         return self._chunk(self._item(index, {}, None, finish_reason))
+
+    def response(self, choices: list[ChoiceResult], prompt_tokens: int, completion_tokens: int,
+                 cached_tokens: int = 0) -> dict[str, Any]:
+        out = super().response(choices, prompt_tokens, completion_tokens, cached_tokens)
+        if self.prompt_logprobs is not None and choices:  # vLLM's, of the one prompt, beside the choices
+            out["prompt_logprobs"] = vllm_prompt_logprobs(self.token_text, choices[0].prompt_tokens,
+                                                          choices[0].prompt_logprobs, self.prompt_logprobs)
+        if self.token_ids and choices:  # vLLM's: the prompt's beside the choices, each choice's own
+            out["prompt_token_ids"] = list(choices[0].prompt_tokens)
+            for item, choice in zip(out["choices"], choices):
+                item["token_ids"] = list(choice.token_ids)
+        return out
 
     def _choice(self, choice: ChoiceResult) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": choice.text, "refusal": None}

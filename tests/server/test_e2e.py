@@ -5,6 +5,7 @@ decode on (`--draft-max 3`): the greedy requests below take their tokens from it
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -70,7 +71,7 @@ def test_seeded_choices(client):
 @pytest.mark.parametrize(
     "body, field",
     [
-        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
         ({"prompt": "hi", "temperature": -1}, "temperature"),
         ({"prompt": "hi", "top_p": 0}, "top_p"),
         ({"prompt": "x " * 2000, "max_tokens": 4}, "prompt"),
@@ -237,3 +238,73 @@ def test_a_message_equals_the_chat_reply(server):
         assert "".join(stream.text_stream) == message.content[0].text
     assert client.messages.count_tokens(model="m", system="Answer briefly.",
                                         messages=[{"role": "user", "content": "Name a fruit."}]).input_tokens == chat.usage.prompt_tokens
+
+
+def _post(server: str, route: str, body: dict) -> dict:
+    r = httpx.post(server + route, json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_echo_with_logprobs_scores_a_prompt_as_the_model_generated_it(server):
+    """lm-eval's loglikelihood request (a batch of token-id prompts, echo, logprobs 1, max_tokens
+    1): a greedy continuation appended to its prompt scores, token by token, the logprob it was
+    generated with and is the most likely token at each place (lm-eval's is_greedy); vLLM's
+    prompt_logprobs give the same values with ids and rank 1; a shorter prompt in the same
+    request scores the positions it shares alike."""
+    prompt = _post(server, "/tokenize", {"content": "The capital of France is"})["tokens"]
+    gen = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 0,
+                                            "ignore_eos": True, "return_token_ids": True})["choices"][0]
+    assert gen["prompt_token_ids"] == prompt and len(gen["token_ids"]) == 6
+    full = prompt + gen["token_ids"]
+    body = {"prompt": [full, prompt], "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True,
+            "prompt_logprobs": 2}
+    a, b = sorted(_post(server, "/v1/completions", body)["choices"], key=lambda c: c["index"])
+    lp, n = a["logprobs"], len(prompt)
+    assert len(lp["tokens"]) == len(full) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and a["text"].startswith("The capital of France is")
+    scored = lp["token_logprobs"][n:len(full)]
+    assert scored == pytest.approx(gen["logprobs"]["token_logprobs"], abs=2e-2)
+    for value, top in zip(scored, lp["top_logprobs"][n:len(full)]):
+        assert value == max(top.values()) and 1 <= len(top) <= 2
+    vllm = a["prompt_logprobs"]
+    assert vllm[0] is None and len(vllm) == len(full)
+    for position in range(1, len(full)):
+        mine = vllm[position][str(full[position])]
+        assert mine["logprob"] == pytest.approx(lp["token_logprobs"][position], abs=1e-6)
+        assert mine["rank"] >= 1 and (mine["rank"] == 1) == (position >= n or mine["logprob"] == max(
+            e["logprob"] for e in vllm[position].values()))
+        assert len(vllm[position]) in (2, 3) and sorted(e["rank"] for e in vllm[position].values())[:2] == [1, 2]
+    assert all(vllm[p][str(full[p])]["rank"] == 1 for p in range(n, len(full)))
+    shared = b["logprobs"]["token_logprobs"][1:n]
+    assert shared == pytest.approx(lp["token_logprobs"][1:n], abs=1e-4)
+
+
+def test_max_tokens_zero_with_echo_returns_the_scored_prompt_alone(server):
+    prompt = _post(server, "/tokenize", {"content": "Paris is the capital of France."})["tokens"]
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 0}
+    out = _post(server, "/v1/completions", body)
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 0
+    assert choice["text"] == "Paris is the capital of France."
+    assert len(choice["logprobs"]["tokens"]) == len(prompt) and all(
+        len(top) == 1 for top in choice["logprobs"]["top_logprobs"][1:])
+    # streamed: the echoed prompt's chunk carries the same logprobs
+    with httpx.stream("POST", server + "/v1/completions", json={**body, "max_tokens": 3, "stream": True},
+                      timeout=300) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    first = chunks[0]["choices"][0]
+    assert first["text"] == choice["text"] and first["logprobs"] == choice["logprobs"]
+    offsets = [o for c in chunks for o in (c["choices"][0]["logprobs"] or {}).get("text_offset", [])]
+    assert len(offsets) == len(prompt) + 3 and offsets[len(prompt)] == len(choice["text"])
+
+
+def test_chat_prompt_logprobs_and_token_ids_come_beside_the_choices(server):
+    body = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0,
+            "prompt_logprobs": 0, "return_token_ids": True}
+    out = _post(server, "/v1/chat/completions", body)
+    ids, scores = out["prompt_token_ids"], out["prompt_logprobs"]
+    assert len(ids) == out["usage"]["prompt_tokens"] == len(scores) and scores[0] is None
+    assert all(list(entry)[0] == str(token) for entry, token in zip(scores[1:], ids[1:]))
+    assert len(out["choices"][0]["token_ids"]) == out["usage"]["completion_tokens"]
+    assert httpx.post(server + "/v1/chat/completions", json={**body, "stream": True}).status_code == 400
