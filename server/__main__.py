@@ -133,6 +133,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
     p.add_argument("--no-prompt-cache", dest="prompt_cache", action="store_false",
                    help="prefill every prompt whole, rather than reuse the whole chunks a free slot's cache "
                         "holds of its start (the same tokens either way; for A/B measurements)")
+    p.add_argument("--no-prompt-logprobs", dest="prompt_logprobs", action="store_false",
+                   help="refuse prompt logprobs (echo with logprobs, prompt_logprobs) and save the compiles of their "
+                        "prefill program (one per context bucket)")
     p.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                    help="leave the heap loading built to Python's cyclic GC (by default it is frozen after warm-up, "
                         "so that full collections, which stall every thread, scan only what requests allocate)")
@@ -198,6 +201,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         few_rows_attention=args.few_rows_attention,
         constrained_overlap=args.constrained_overlap,
         prompt_cache=args.prompt_cache,
+        prompt_logprobs=args.prompt_logprobs,
         draft_max=args.draft_max,
         ngram_max=args.ngram_max,
         ngram_min=args.ngram_min,

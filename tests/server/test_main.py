@@ -66,6 +66,7 @@ def test_defaults() -> None:
     no_legacy = build_configs(build_parser().parse_args(["--split-legacy", "off"]), {})[0]
     assert split_formats(no_legacy, True) == {"q4_k", "q5_k", "q6_k6"} and split_formats(no_legacy, False) == set()
     assert engine.reuse_kernel_lowering and engine.prefill_cuda_graphs and engine.gc_freeze
+    assert engine.prompt_logprobs and engine.prompt_cache
     assert split_formats(engine) == set() and split_formats(engine, mosaic_available=True) == every
     for other in (dataclasses.replace(engine, kernels=(("matmul", "triton"),)),
                   dataclasses.replace(engine, tensor_parallel=2)):
@@ -129,6 +130,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
             "--few-rows-attention", "--separate-kv-write", "--split-q4-k", "--no-reuse-kernel-lowering",
             "--no-prefill-cuda-graphs", "--no-gc-freeze", "--no-gather-x", "--no-ordered-values",
             "--no-gated-ffn", "--tool-call-parser", "llama3_json", "--reasoning-format", "none",
+            "--no-prompt-logprobs", "--no-prompt-cache",
         ]
     )  # fmt: skip
     engine, server = build_configs(args, {})
@@ -143,6 +145,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
     assert engine.few_rows_attention and engine.separate_kv_write and engine.split_q4_k == "on"
     assert not engine.reuse_kernel_lowering and not engine.prefill_cuda_graphs and not engine.gc_freeze
     assert not engine.gather_x and not engine.ordered_values and not engine.gated_ffn
+    assert not engine.prompt_logprobs and not engine.prompt_cache
     assert split_formats(engine, mosaic_available=False) == {"q4_k"}  # "on" splits whatever serves it
     assert (server.model_name, server.host, server.port, server.log_level) == ("m.gguf", "0.0.0.0", 0, "debug")
     assert server.chat_template == "{{ messages[0]['content'] }}"
