@@ -43,7 +43,7 @@ from scheduler.types import Constraint, EngineStats
 from server import messages_api, reasoning, responses_api, tool_calls
 from server.asgi import ApiKeyAuth, BodyLimit, ErrorBoundary, EventStreamResponse, HttpMetricsMiddleware, unless_disconnected
 from server.config import ServerConfig
-from server.errors import ApiError, error_body, invalid, json_response
+from server.errors import ApiError, error_response, invalid, json_response
 from server.generation import Generation, collect, sse_frames, unavailable
 from server.metrics import Metrics
 from server.openai_api import ChatRenderer, CompletionRenderer, Fields, ParsedRequest, parse_chat, parse_completion
@@ -548,7 +548,7 @@ async def metrics(request: Request) -> Response:
 
 
 async def _api_error(request: Request, exc: ApiError) -> Response:
-    return exc.response()
+    return error_response(exc, request.url.path)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -559,8 +559,8 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
         message = f"{request.method} is not allowed on {request.url.path}"
     else:
         message = str(exc.detail)
-    body = error_body(message, type="invalid_request_error", code=code)
-    return json_response(body, status=exc.status_code, headers=dict(exc.headers or {}))
+    error = ApiError(exc.status_code, message, code=code, headers=dict(exc.headers or {}))
+    return error_response(error, request.url.path)
 
 
 ROUTES = (

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import AUTHENTICATION, SERVER_ERROR, ApiError, invalid
+from server.errors import AUTHENTICATION, SERVER_ERROR, ApiError, error_response, invalid
 from server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class _BodyTooLarge(Exception):
 
 
 async def _send_error(scope: Scope, receive: Receive, send: Send, error: ApiError) -> None:
-    await error.response()(scope, receive, send)
+    await error_response(error, scope["path"])(scope, receive, send)
 
 
 class HttpMetricsMiddleware:
@@ -55,7 +55,9 @@ class HttpMetricsMiddleware:
         try:
             await self.app(scope, receive, recording_send)
         finally:
-            route = scope["path"] if scope["path"] in self.routes else "other"
+            # a templated route (/v1/responses/{response_id}) by its template, as the router matched it
+            matched = getattr(scope.get("route"), "path", None)
+            route = matched if matched in self.routes else scope["path"] if scope["path"] in self.routes else "other"
             method = scope["method"] if scope["method"] in METHODS else "other"
             self.metrics.http_requests.labels(route=route, method=method, status=str(status)).inc()
 

@@ -1,4 +1,6 @@
-"""Errors in OpenAI's JSON shape: `{"error": {"message", "type", "param", "code"}}`.
+"""Errors in OpenAI's JSON shape: `{"error": {"message", "type", "param", "code"}}`, and on
+Anthropic's Messages routes (ANTHROPIC_PATHS) in Anthropic's: `{"type": "error", "error":
+{"type", "message"}}`.
 
 Handlers raise `ApiError`; `server/app.py` turns it (and Starlette's 404/405) into a response.
 Status codes used:
@@ -46,6 +48,25 @@ class ApiError(Exception):
 
     def response(self) -> Response:
         return json_response(self.body(), status=self.status, headers=self.headers)
+
+
+# Routes whose errors, those of the middleware before them included, take Anthropic's shape
+ANTHROPIC_PATHS = ("/v1/messages",)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 504: "timeout_error"}
+
+
+def anthropic_error_body(error: ApiError) -> dict[str, Any]:
+    message = error.message if error.param is None or error.param in error.message else f"{error.message} ({error.param})"
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(error.status, "api_error"), "message": message}}
+
+
+def error_response(error: ApiError, path: str) -> Response:
+    """The error's response on a route at `path`: Anthropic's shape on its Messages routes."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return json_response(anthropic_error_body(error), status=error.status, headers=error.headers)
+    return error.response()
 
 
 def invalid(message: str, param: str | None) -> ApiError:

@@ -29,7 +29,7 @@ import json
 import logging
 from typing import Any, AsyncIterator, Callable
 
-from server.errors import ApiError, invalid
+from server.errors import ApiError, anthropic_error_body, invalid
 from server.generation import Generation, reply_parts, typed_sse_frame
 from server.responses_api import PASSED_THROUGH, new_id, text_of
 from server.tool_calls import ToolCall
@@ -37,16 +37,11 @@ from server.tool_calls import ToolCall
 log = logging.getLogger(__name__)
 
 # OpenAI's error types (and statuses) as Anthropic names them
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
-                504: "timeout_error"}
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}
 _PARAM_NAMES = (("max_completion_tokens", "max_tokens"), ("messages", "messages"), ("stop", "stop_sequences"))
 
 
-def error_body(error: ApiError) -> dict[str, Any]:
-    message = error.message if error.param is None or error.param in error.message else f"{error.message} ({error.param})"
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(error.status, "api_error"), "message": message}}
+error_body = anthropic_error_body
 
 
 def to_chat(body: Any) -> dict[str, Any]:

@@ -108,12 +108,14 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 async def test_metrics(client: httpx.AsyncClient) -> None:
     assert (await client.post("/v1/completions", json={"prompt": "x"})).status_code == 200
     assert (await client.get("/nope")).status_code == 404
+    assert (await client.get("/v1/responses/resp_none")).status_code == 404  # a templated route, by its template
     r = await client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     m = _samples(r.text)
     http = "pallas_http_requests_total"
     assert m[(http, (("method", "POST"), ("route", "/v1/completions"), ("status", "200")))] == 1
     assert m[(http, (("method", "GET"), ("route", "other"), ("status", "404")))] == 1
+    assert m[(http, (("method", "GET"), ("route", "/v1/responses/{response_id}"), ("status", "404")))] == 1
     assert m[("pallas_time_to_first_token_seconds_count", ())] == 1
     assert m[("pallas_time_to_first_token_seconds_sum", ())] == pytest.approx(0.02)
     assert m[("pallas_inter_token_latency_seconds_count", ())] == 10  # 11 tokens

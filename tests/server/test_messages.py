@@ -181,6 +181,16 @@ async def test_the_api_key_may_come_as_x_api_key() -> None:
         wrong = await c.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": HI}, headers={"x-api-key": "nope"})
         bearer = await c.post("/v1/chat/completions", json={"messages": HI}, headers={"x-api-key": "sekret"})
     assert ok.status_code == 200 and wrong.status_code == 401 and bearer.status_code == 200
+    # the middleware's refusal in Anthropic's shape on its route, OpenAI's elsewhere
+    assert wrong.json()["type"] == "error" and wrong.json()["error"]["type"] == "authentication_error"
+    async with client_for(make_app(engine_with("Hi"), api_key="sekret")) as c:
+        openai_shaped = await c.post("/v1/chat/completions", json={"messages": HI}, headers={"x-api-key": "nope"})
+        too_large = await c.post("/v1/messages", content=b"x" * (9 << 20), headers={"x-api-key": "sekret"})
+        not_allowed = await c.get("/v1/messages", headers={"x-api-key": "sekret"})
+    assert openai_shaped.status_code == 401 and openai_shaped.json()["error"]["type"] == "authentication_error"
+    assert "type" not in openai_shaped.json()
+    assert too_large.status_code == 413 and too_large.json()["error"]["type"] == "request_too_large"
+    assert not_allowed.status_code == 405 and not_allowed.json()["type"] == "error"
 
 
 async def test_a_final_assistant_message_is_continued() -> None:
