@@ -34,7 +34,7 @@ from model.pending import (
     _Pending,
     _SpecPending,
 )
-from model.step_types import PrefillChunk, SamplingParams, StepPlan, mask_words
+from model.step_types import PrefillChunk, SamplingParams, StepPlan, mask_words, scored_chunk_sizes
 from model.weights import Params
 
 log = logging.getLogger(__name__)
@@ -322,7 +322,8 @@ class ModelRunner:
         self.max_context = engine_cfg.max_context
         self.prefill_chunks = engine_cfg.prefill_chunks
         self.max_top_logprobs = engine_cfg.max_top_logprobs
-        self.scores_prompts = engine_cfg.prompt_logprobs  # PrefillChunk.score: a program per context bucket
+        # PrefillChunk.score: a program per scored chunk size (scored_chunk_sizes) and context bucket
+        self.scores_prompts = engine_cfg.prompt_logprobs
         self.decode_steps = tuple(sorted({1, engine_cfg.decode_steps()}))
         self.dispatch_ahead = engine_cfg.dispatch_ahead
         self._mesh = mesh
@@ -501,8 +502,8 @@ class ModelRunner:
         without holding the GIL)."""
         targets = [("decode", self.num_slots, k) for k in self.decode_steps]
         targets += [("prefill", t, 1) for t in self.prefill_chunks]
-        if self.scores_prompts:  # scored chunks run at the largest size only
-            targets.append(("score", self.prefill_chunks[-1], 1))
+        if self.scores_prompts:
+            targets += [("score", t, 1) for t in scored_chunk_sizes(self.prefill_chunks)]
         jobs = [(kind, size, steps, attend, False) for kind, size, steps in targets for attend in self.context_buckets]
         jobs += [("copy", attend, 1, attend, False) for attend in self.context_buckets]
         jobs += [("decode", self.num_slots, steps, attend, True) for steps in self.decode_steps
@@ -577,11 +578,12 @@ class ModelRunner:
                 return b
         return self.context_buckets[-1]
 
-    def _chunk_size(self, n: int) -> int:
-        for size in self.prefill_chunks:
+    def _chunk_size(self, n: int, sizes: tuple[int, ...] | None = None) -> int:
+        sizes = sizes or self.prefill_chunks
+        for size in sizes:
             if n <= size:
                 return size
-        raise ValueError(f"prefill chunk of {n} tokens exceeds the largest compiled chunk {self.prefill_chunks[-1]}")
+        raise ValueError(f"prefill chunk of {n} tokens exceeds the largest compiled chunk {sizes[-1]}")
 
     def dispatch(self, plan: StepPlan):
         if plan.setups:
@@ -687,9 +689,7 @@ class ModelRunner:
         if chunk.score and not self.scores_prompts:
             raise ValueError("a scored prompt chunk for a runner built without prompt scoring (EngineConfig.prompt_logprobs)")
         kind = "score" if chunk.score else "prefill"
-        size = self.prefill_chunks[-1] if chunk.score else self._chunk_size(n)
-        if n > size:
-            raise ValueError(f"prefill chunk of {n} tokens exceeds the largest compiled chunk {size}")
+        size = self._chunk_size(n, scored_chunk_sizes(self.prefill_chunks) if chunk.score else None)
         padded = np.zeros((size + chunk.score,), np.int32)
         padded[:n] = chunk.tokens
         if chunk.score:

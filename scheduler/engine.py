@@ -71,7 +71,8 @@ from typing import Any, Callable
 import numpy as np
 
 from model.config import EngineConfig
-from model.step_types import PendingStep, PrefillChunk, SlotSetup, StepModel, StepOutput, StepPlan
+from model.step_types import (
+    PendingStep, PrefillChunk, SlotSetup, StepModel, StepOutput, StepPlan, scored_chunk_sizes)
 from model.tokenizer import IncrementalDetokenizer
 from scheduler import grammar
 from scheduler.gc_pauses import freeze_heap
@@ -490,9 +491,10 @@ class Engine:
             self._finish(state, FINISH_TIMEOUT, flush=True)
 
     def _chunk_cost(self, num_tokens: int, state: RequestState) -> int:
-        """Tokens the device computes for a chunk: the compiled size it is padded to (the largest
-        for a scored chunk)."""
-        return self._chunk_sizes[-1] if state.scores_prompt else next(s for s in self._chunk_sizes if num_tokens <= s)
+        """Tokens the device computes for a chunk: the compiled size it is padded to (a scored
+        chunk's: model.step_types.scored_chunk_sizes)."""
+        sizes = scored_chunk_sizes(self._chunk_sizes) if state.scores_prompt else self._chunk_sizes
+        return next(s for s in sizes if num_tokens <= s)
 
     def _plan_step(self) -> tuple[StepPlan | None, _Rows]:
         rows = _Rows()
@@ -639,7 +641,12 @@ class Engine:
             for scores in (s for out in outs for s in out.scores):  # before the tokens of the part
                 state = rows.scored.get(scores.slot)
                 if state is not None and not state.is_finished:
-                    state.add_scores(scores.first, scores.logprobs, scores.ranks, scores.top_ids, scores.top_logprobs)
+                    try:
+                        state.add_scores(scores.first, scores.logprobs, scores.ranks, scores.top_ids,
+                                         scores.top_logprobs)
+                    except Exception as exc:  # that request's alone
+                        log.exception("request %s: its prompt scores failed", state.request.request_id)
+                        self._finish(state, FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")
             part_rows = rows if slots is None else {s: rows[s] for s in slots if s in rows}
             self._process_part(outs, part_rows)
             done.update(part_rows)

@@ -230,6 +230,7 @@ class RequestState:
         """Takes one generated token; the event's finish_reason is set when it ends the request.
         With max_tokens 0 the token sampled after the prompt is dropped: the request ends."""
         if self.limit == 0:
+            self._record_time(now)  # (timings: the prompt's time)
             return self._event("", (), (), FINISH_LENGTH)
         self.num_generated += 1
         self._record_time(now)

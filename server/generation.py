@@ -123,7 +123,9 @@ class Generation:
             ) from None
         except RequestValidationError as e:
             self.cancel()
-            raise invalid(str(e), e.field) from None
+            # prompt logprobs asked for by echo with logprobs, not by the field of that name
+            field = "echo" if e.field == "prompt_logprobs" and self._parsed.prompt_logprobs is None else e.field
+            raise invalid(str(e), field) from None
         except EngineUnavailableError as e:
             self.cancel()
             raise unavailable(str(e) or "the engine is not available") from None
@@ -248,7 +250,7 @@ async def sse_frames(gen: Generation, renderer: Renderer, include_usage: bool,
                 if choice.index in starting:
                     starting.discard(choice.index)
                     for chunk in renderer.start_chunks(choice.index, choice.prompt.echo_text, choice.prompt.tokens,
-                                                       event.prompt_logprobs):
+                                                       event.prompt_logprobs) if gen.finish_error(event) is None else ():
                         yield sse_frame(chunk)
                 reader = readers.get(choice.index)
                 if reader is not None:  # a chat request's: its renderer is a ChatRenderer
@@ -289,8 +291,7 @@ async def sse_frames(gen: Generation, renderer: Renderer, include_usage: bool,
 
 async def collect(gen: Generation) -> list[ChoiceResult]:
     """All choices of a non-streaming response, in index order; raises `ApiError` on failure."""
-    results = {c.index: ChoiceResult(index=c.index, prompt_tokens=c.prompt.tokens, echo_length=len(c.prompt.echo_text))
-               for c in gen.choices}
+    results = {c.index: ChoiceResult(index=c.index, prompt_tokens=c.prompt.tokens) for c in gen.choices}
     texts: dict[int, list[str]] = {c.index: [c.prompt.echo_text] for c in gen.choices}
     async with contextlib.aclosing(gen.events()) as events:
         async for choice, event in events:

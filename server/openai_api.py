@@ -488,7 +488,6 @@ class ChoiceResult:
     reasoning: str | None = None  # the reply's thought, split out of `text` (server/reasoning.py)
     prompt_tokens: tuple[int, ...] = ()  # with prompt logprobs (ParsedRequest.scores_prompt): the
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt and its tokens' logprobs after the first
-    echo_length: int = 0  # of `text`, the echoed prompt's characters
     token_ids: list[int] = dataclasses.field(default_factory=list)  # generated (a stop token included)
 
 
@@ -666,10 +665,11 @@ class CompletionRenderer(Renderer):
     def _prompt_logprobs(self, index: int, tokens: tuple[int, ...],
                          entries: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
         """An echoed prompt's legacy logprobs (echo_logprobs): its first token's are null (nothing
-        came before it); the generated tokens' offsets follow the echoed text's end."""
+        came before it). `text_offset` runs over every token's text, the prompt's and then the
+        generated ones (as vLLM's does): the echoed text may differ from the prompt tokens' (a
+        BOS token's text, a leading space a decode strips), and the offsets never go back."""
         if self.echo_logprobs is None or not tokens:
             return None
-        self._offsets[index] = 0
         first = self.token_text(tokens[0])
         out: dict[str, list[Any]] = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None],
                                      "text_offset": [0]}
@@ -682,7 +682,8 @@ class CompletionRenderer(Renderer):
     def start_chunks(self, index: int, echo_text: str, prompt_tokens: tuple[int, ...] = (),
                      prompt_logprobs: tuple[TokenLogprob, ...] = ()) -> list[dict[str, Any]]:
         logprobs = self._prompt_logprobs(index, prompt_tokens, prompt_logprobs)
-        self._offsets[index] = len(echo_text)
+        if logprobs is None:
+            self._offsets[index] = len(echo_text)
         return [self._chunk(self._item(index, echo_text, logprobs, None))] if echo_text else []
 
     def delta_chunk(self, index: int, text: str, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
@@ -693,8 +694,6 @@ class CompletionRenderer(Renderer):
 
     def _choice(self, choice: ChoiceResult) -> dict[str, Any]:
         echoed = self._prompt_logprobs(choice.index, choice.prompt_tokens, choice.prompt_logprobs)
-        if echoed is not None:  # the generated tokens' offsets after the echoed text
-            self._offsets[choice.index] = choice.echo_length
         item = self._item(choice.index, choice.text, self._logprobs(choice.index, choice.logprobs, echoed),
                           choice.finish_reason)
         if self.prompt_logprobs is not None:  # vLLM's, per choice

@@ -7,6 +7,8 @@ import dataclasses
 import httpx
 import pytest
 
+from scheduler.types import TokenLogprob
+from server.openai_api import ChoiceResult, CompletionRenderer
 from tests.server.fakes import BOS, FakeEngine, parse_sse, script_reply, tok
 
 pytestmark = pytest.mark.anyio
@@ -209,3 +211,29 @@ async def test_streaming_logprobs(client: httpx.AsyncClient) -> None:
 async def test_short_alias_routes(client: httpx.AsyncClient) -> None:
     r = await client.post("/completions", json={"prompt": "Hi", "max_tokens": 1})
     assert r.json()["choices"][0]["text"] == "H"
+
+
+def test_echoed_prompt_logprobs_offsets_run_over_every_tokens_text() -> None:
+    """Echo with logprobs: the prompt's tokens first (the first null), at most `logprobs`
+    alternatives beside each token, and text_offset over every token's text, prompt then output,
+    even where the echoed text lacks a token's (a BOS) and so is shorter."""
+    pieces = {1: b"<s>", 10: b"He", 11: b"llo", 12: b"!", 13: b"?"}
+    renderer = CompletionRenderer("cmpl-x", 0, "m", pieces.__getitem__, logprobs=True, echo_logprobs=1,
+                                  prompt_logprobs=1)
+    prompt = (TokenLogprob(10, -1.0, ((12, -0.5), (13, -0.7)), 2), TokenLogprob(11, -0.1, ((11, -0.1),), 1))
+    choice = ChoiceResult(index=0, text="Hello!", finish_reason="length", prompt_tokens=(1, 10, 11),
+                          prompt_logprobs=prompt, logprobs=[TokenLogprob(12, -0.2, ((12, -0.2),))])
+    out = renderer.response([choice], 3, 1)["choices"][0]
+    lp = out["logprobs"]
+    assert lp["tokens"] == ["<s>", "He", "llo", "!"] and lp["token_logprobs"] == [None, -1.0, -0.1, -0.2]
+    assert lp["top_logprobs"] == [None, {"!": -0.5, "He": -1.0}, {"llo": -0.1}, {"!": -0.2}]
+    assert lp["text_offset"] == [0, 3, 5, 8]
+    assert out["prompt_logprobs"] == [None, {"10": {"logprob": -1.0, "rank": 2, "decoded_token": "He"},
+                                             "12": {"logprob": -0.5, "rank": 1, "decoded_token": "!"}},
+                                      {"11": {"logprob": -0.1, "rank": 1, "decoded_token": "llo"}}]
+    # streamed: the echo chunk holds the prompt's, and the output's offsets go on from there
+    streamed = CompletionRenderer("cmpl-x", 0, "m", pieces.__getitem__, logprobs=True, echo_logprobs=1)
+    (start,) = streamed.start_chunks(0, "Hello", (1, 10, 11), prompt)
+    assert start["choices"][0]["logprobs"]["text_offset"] == [0, 3, 5]
+    delta = streamed.delta_chunk(0, "!", (TokenLogprob(12, -0.2, ()),))
+    assert delta["choices"][0]["logprobs"]["text_offset"] == [8]
