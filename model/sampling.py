@@ -42,6 +42,10 @@ class SamplingArrays(NamedTuple):
     seed: jax.Array  # [B, 2] uint32: threefry key data (high word, low word of the 64-bit seed)
     bias_ids: jax.Array  # [B, N] int32; -1 = unused entry
     bias_values: jax.Array  # [B, N] f32
+    # entries [ban_from, N) of a row are min_tokens' bans (-inf), in force while it has generated
+    # fewer than `min_tokens` tokens (SamplingParams.min_tokens)
+    ban_from: jax.Array  # [B] int32
+    min_tokens: jax.Array  # [B] int32
     top_logprobs: jax.Array  # [B] int32: alternatives the row returns; 0 = none
 
 
@@ -69,12 +73,16 @@ def pack_sampling(
     seed = np.zeros((num_slots, 2), np.uint32)
     bias_ids = np.full((num_slots, max_bias), -1, np.int32)
     bias_values = np.zeros((num_slots, max_bias), np.float32)
+    ban_from = np.zeros((num_slots,), np.int32)
+    min_tokens = np.zeros((num_slots,), np.int32)
     top_logprobs = np.zeros((num_slots,), np.int32)
     for b, p in enumerate(params):
         if p is None:
             continue
-        if len(p.logit_bias) > max_bias:
-            raise ValueError(f"slot {b}: {len(p.logit_bias)} logit_bias entries exceed the maximum {max_bias}")
+        bans = p.min_tokens_ids if p.min_tokens else ()
+        if len(p.logit_bias) + len(bans) > max_bias:
+            raise ValueError(f"slot {b}: {len(p.logit_bias)} logit_bias entries and {len(bans)} min_tokens bans "
+                             f"exceed the maximum {max_bias}")
         temperature[b] = p.temperature
         top_k[b] = p.top_k
         top_p[b] = p.top_p
@@ -88,9 +96,10 @@ def pack_sampling(
             rng = rng if rng is not None else np.random.default_rng()
             s = int(rng.integers(0, 2**63))
         seed[b] = (s >> 32) & 0xFFFFFFFF, s & 0xFFFFFFFF
-        for i, (token, value) in enumerate(p.logit_bias):
+        for i, (token, value) in enumerate((*p.logit_bias, *((t, -np.inf) for t in bans))):
             bias_ids[b, i] = token
             bias_values[b, i] = value
+        ban_from[b], min_tokens[b] = len(p.logit_bias), p.min_tokens
     return SamplingArrays(
         temperature=temperature,
         top_k=top_k,
@@ -102,6 +111,8 @@ def pack_sampling(
         seed=seed,
         bias_ids=bias_ids,
         bias_values=bias_values,
+        ban_from=ban_from,
+        min_tokens=min_tokens,
         top_logprobs=top_logprobs,
     )
 
@@ -124,10 +135,15 @@ def apply_penalties(
     arrays: SamplingArrays,
     prompt_mask: jax.Array,  # [B, V] bool
     output_counts: jax.Array,  # [B, V] int32
+    step_index: jax.Array | None = None,  # [B] int32: tokens generated so far (min_tokens' bans); None: 0
 ) -> jax.Array:  # [B, V] f32
-    """Logit bias, then the repetition penalty (HF/vLLM), then presence/frequency (OpenAI)."""
+    """Logit bias (min_tokens' bans with it), then the repetition penalty (HF/vLLM), then
+    presence/frequency (OpenAI)."""
     num_rows = logits.shape[0]
-    used = arrays.bias_ids >= 0
+    generated_so_far = jnp.zeros((num_rows,), jnp.int32) if step_index is None else step_index
+    in_force = (jnp.arange(arrays.bias_ids.shape[1])[None, :] < arrays.ban_from[:, None]) | (
+        generated_so_far < arrays.min_tokens)[:, None]
+    used = (arrays.bias_ids >= 0) & in_force
     # Unused entries add 0 to column 0, which leaves it unchanged.
     ids = jnp.where(used, arrays.bias_ids, 0)
     values = jnp.where(used, arrays.bias_values, 0.0).astype(logits.dtype)
@@ -211,7 +227,7 @@ def sample(
         # not ask are masked to the padding after.
         return true_fn(operand)
 
-    logits = apply_penalties(logits.astype(jnp.float32), arrays, prompt_mask, output_counts)
+    logits = apply_penalties(logits.astype(jnp.float32), arrays, prompt_mask, output_counts, step_index)
     if allowed is not None:
         logits = apply_allowed(logits, allowed)
     logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V]

@@ -51,6 +51,10 @@ class SamplingParams:
     # the most drafts a speculative decode checks per step for this request (EngineConfig.draft_max
     # caps it; None: that cap; 0: none)
     draft_max: int | None = None
+    # vLLM's min_tokens: `min_tokens_ids` (the engine puts the request's stop tokens there) cannot be
+    # sampled before min_tokens tokens were generated; they count against EngineConfig.max_logit_bias
+    min_tokens: int = 0
+    min_tokens_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -69,6 +73,8 @@ class SamplingParams:
             raise ValueError("frequency_penalty must be in [-2, 2]")
         if self.top_logprobs < 0:
             raise ValueError("top_logprobs must be >= 0")
+        if self.min_tokens < 0:
+            raise ValueError("min_tokens must be >= 0")
         if self.draft_max is not None and self.draft_max < 0:
             raise ValueError("draft_max must be >= 0")
         if self.seed is not None and not 0 <= self.seed < 2**63:

@@ -78,7 +78,8 @@ from scheduler import grammar
 from scheduler.gc_pauses import freeze_heap
 from scheduler.prompt_cache import PromptCache
 from scheduler.request_stream import RequestStream, _Cancel, _hand_over
-from scheduler.requests import Detokenizer, Observer, RequestState, RequestTiming, notify, validate_request
+from scheduler.requests import (
+    Detokenizer, Observer, RequestState, RequestTiming, notify, validate_request, with_min_tokens_bans)
 from scheduler.types import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -215,6 +216,7 @@ class Engine:
         `tag` is kept as the stream's `tag`."""
         loop = loop if loop is not None else asyncio.get_running_loop()
         self._check_available()
+        request = with_min_tokens_bans(request, self.tokenizer.eog_ids)
         self._validate(request)
         if not self._capacity.acquire(blocking=False):
             self._rejected += 1

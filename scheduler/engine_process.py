@@ -58,7 +58,7 @@ from scheduler import grammar
 from scheduler.engine import Engine, unavailable_reason
 from scheduler.gc_pauses import GcSnapshot, freeze_heap, gc_pauses
 from scheduler.request_stream import RequestStream, _Cancel, _hand_over
-from scheduler.requests import RequestTiming, notify, validate_request
+from scheduler.requests import RequestTiming, notify, validate_request, with_min_tokens_bans
 from scheduler.types import (
     FINISH_ERROR,
     Constraint,
@@ -200,6 +200,7 @@ class EngineProcess:
         stats = self.stats()
         if stats.state != "ready":
             raise EngineUnavailableError(unavailable_reason(stats))
+        request = with_min_tokens_bans(request, self.tokenizer.eog_ids)
         validate_request(request, vocab_size=int(self.tokenizer.vocab_size), **self._limits)
         if request.constraint is not None:
             self.compile_constraint(request.constraint)

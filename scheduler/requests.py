@@ -24,6 +24,15 @@ from scheduler.types import (
 log = logging.getLogger(__name__)
 
 
+def with_min_tokens_bans(request: GenerationRequest, eog_ids: frozenset[int]) -> GenerationRequest:
+    """The request with its stop tokens (stop_token_ids, and the end-of-generation ones unless
+    ignore_eos) as the tokens min_tokens bans (SamplingParams.min_tokens_ids)."""
+    if not request.sampling.min_tokens:
+        return request
+    stops = set(request.stop_token_ids) | (set() if request.ignore_eos else set(eog_ids))
+    return dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, min_tokens_ids=tuple(sorted(stops))))
+
+
 def validate_request(
     request: GenerationRequest, *, vocab_size: int, max_context: int, max_top_logprobs: int, max_logit_bias: int,
     scores_prompts: bool = False,
@@ -53,6 +62,14 @@ def validate_request(
         raise RequestValidationError(f"top_logprobs must be <= {max_top_logprobs}", "top_logprobs")
     if len(sampling.logit_bias) > max_logit_bias:
         raise RequestValidationError(f"at most {max_logit_bias} logit_bias entries", "logit_bias")
+    if sampling.min_tokens and len(sampling.logit_bias) + len(sampling.min_tokens_ids) > max_logit_bias:
+        raise RequestValidationError(f"at most {max_logit_bias} logit_bias entries and stop tokens with min_tokens",
+                                     "logit_bias")
+    if sampling.min_tokens and request.constraint is not None:
+        raise RequestValidationError("min_tokens together with a constrained output is not supported", "min_tokens")
+    if sampling.min_tokens > request.max_tokens:
+        raise RequestValidationError(f"min_tokens ({sampling.min_tokens}) exceeds max_tokens ({request.max_tokens})",
+                                     "min_tokens")
     if any(not 0 <= token < vocab for token, _ in sampling.logit_bias):
         raise RequestValidationError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
     if request.prompt_logprobs is not None and not scores_prompts:
@@ -245,7 +262,11 @@ class RequestState:
             return self._event(text, (token,), logprobs, FINISH_STOP)
         if self.matcher is not None:
             self.matcher.consume(token)  # raises where the grammar does not take it: the request fails
-        text, matched = self._stop.feed(self._detok.add(token))
+        piece = self._detok.add(token)
+        if self.num_generated < self.request.sampling.min_tokens:  # stop strings wait for min_tokens too (vLLM's)
+            text, matched = piece, False
+        else:
+            text, matched = self._stop.feed(piece)
         if matched:
             return self._event(text, (token,), logprobs, FINISH_STOP)
         if self.matcher is not None and self.matcher.is_stopped:  # the grammar is complete

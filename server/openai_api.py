@@ -159,7 +159,7 @@ def parse_completion(body: Any, max_choices: int) -> ParsedRequest:
     logprobs = fields.integer("logprobs", None, 0, MAX_TOP_LOGPROBS)
     echo = fields.boolean("echo", False)
     # max_tokens 0: the prompt alone, scored where echo and logprobs ask (OpenAI's legacy scoring)
-    common = _parse_common(fields, max_tokens_names=("max_tokens",), top_logprobs=logprobs or 0, min_tokens=0)
+    common = _parse_common(fields, max_tokens_names=("max_tokens",), top_logprobs=logprobs or 0, fewest=0)
     _check_best_of(fields, common["n"])
     _check_choices(len(prompts) * common["n"], max_choices)
     return ParsedRequest(is_chat=False, prompts=prompts, logprobs=logprobs, echo=echo, **common)
@@ -215,12 +215,12 @@ def _require_object(body: Any) -> Fields:
 
 
 def _parse_common(fields: Fields, max_tokens_names: tuple[str, ...], top_logprobs: int,
-                  min_tokens: int = 1) -> dict[str, Any]:
+                  fewest: int = 1) -> dict[str, Any]:
     model = fields.string("model")
     n = fields.integer("n", 1, 1, MAX_N)
     max_tokens = None
     for name in max_tokens_names:  # first present wins (max_completion_tokens over max_tokens)
-        max_tokens = fields.integer(name, None, min_tokens)
+        max_tokens = fields.integer(name, None, fewest)
         if max_tokens is not None:
             break
     fields.string("user")  # accepted for compatibility, type-checked, unused
@@ -239,7 +239,12 @@ def _parse_common(fields: Fields, max_tokens_names: tuple[str, ...], top_logprob
         top_logprobs=top_logprobs,
         # llama-server's field: the most drafts the speculative decode checks per step (--draft-max caps it)
         draft_max=fields.integer("speculative.n_max", None, 0),
+        # vLLM's: no stop token or stop string before this many tokens
+        min_tokens=fields.integer("min_tokens", 0, 0),
     )
+    if max_tokens is not None and sampling.min_tokens > max_tokens:
+        raise invalid(f"'min_tokens' ({sampling.min_tokens}) exceeds the most tokens asked for ({max_tokens})",
+                      "min_tokens")
     stream = fields.boolean("stream", False)
     options = fields.raw("stream_options")
     if options is not None and not isinstance(options, dict):

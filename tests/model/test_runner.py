@@ -71,7 +71,8 @@ def test_several_decode_steps_per_dispatch_match_single_steps(smollm2, prompt_id
     from model.step_types import PrefillChunk, SlotSetup, StepPlan
     from tests.model.conftest import SMOL_ENGINE
 
-    cfg = dataclasses.replace(SMOL_ENGINE, num_slots=2, context_buckets=(1024, 4096), decode_steps_per_dispatch=4)
+    cfg = dataclasses.replace(SMOL_ENGINE, num_slots=2, context_buckets=(1024, 4096), decode_steps_per_dispatch=4,
+                              prompt_logprobs=False)
     runner = smollm2.make_runner(cfg)
     runner.warmup()
     assert runner.decode_steps == (1, 4)
@@ -101,7 +102,8 @@ def test_unrolled_decode_layers_match_the_scanned_loop(smollm2, prompt_ids):
     tokens, loops = {}, {}
     for mode in ("off", "on"):
         cfg = dataclasses.replace(SMOL_ENGINE, num_slots=2, max_context=1024, context_buckets=(1024,),
-                                  unroll_decode_layers=mode, decode_steps_per_dispatch=2 if mode == "on" else 1)
+                                  unroll_decode_layers=mode, decode_steps_per_dispatch=2 if mode == "on" else 1,
+                                  prompt_logprobs=False)
         runner = smollm2.make_runner(cfg)
         runner.warmup()
         tokens[mode] = generate(runner, prompt_ids[:2], 6)
@@ -171,7 +173,7 @@ def test_few_busy_slots_run_the_decode_programs_planned_for_them(smollm2, prompt
         return attention_decode_reference(*args, **kwargs)
 
     cfg = dataclasses.replace(SMOL_ENGINE, num_slots=2, max_context=1024, context_buckets=(512, 1024),
-                              decode_steps_per_dispatch=2)
+                              decode_steps_per_dispatch=2, prompt_logprobs=False)
     runner = smollm2.make_runner(cfg)
     assert runner.kernels.decode_few_rows_limit(1024) == 0  # not opted in (nor has the reference such a plan)
     runner.kernels = dataclasses.replace(runner.kernels, attention_decode=attention,
@@ -295,7 +297,7 @@ def test_a_deferred_decode_samples_what_the_one_program_decode_does(smollm2, smo
     from model.step_types import PrefillChunk, SlotSetup, StepPlan
 
     runner = smollm2.make_runner(EngineConfig(num_slots=8, max_context=1024, context_buckets=(1024,),
-                                              prefill_chunks=(64,), constrained_overlap="on"))
+                                              prefill_chunks=(64,), constrained_overlap="on", prompt_logprobs=False))
     assert runner.defers_allowed
     runner.warmup()
     vocab = runner.vocab_size

@@ -269,3 +269,27 @@ def test_allowed_tokens_follow_llguidances_bit_layout():
     assert [t for t in range(vocab) if np.isfinite(out[0, t])] == [0, 31, 33, 69]
     np.testing.assert_array_equal(out[0, [0, 31, 33, 69]], np.asarray(logits)[0, [0, 31, 33, 69]])
     np.testing.assert_array_equal(out[1], np.asarray(logits)[1])
+
+
+def test_min_tokens_bans_its_tokens_until_that_many_were_generated():
+    """min_tokens: the banned tokens (the engine's stop tokens) get -inf, in the logprobs too,
+    while a row has generated fewer than min_tokens tokens; its logit_bias holds throughout, and
+    a row without min_tokens is untouched."""
+    logits = np.tile(np.asarray([[0.0, 1.0, 2.0, 5.0, 3.0]], np.float32), (2, 1))
+    banned = SamplingParams(temperature=0, top_logprobs=2, logit_bias=((1, 10.0),), min_tokens=2,
+                            min_tokens_ids=(1, 3))
+    plain = SamplingParams(temperature=0, top_logprobs=2)
+    for step, want in ((0, 4), (1, 4), (2, 1)):
+        tokens, logprob, top_ids, top_lps = _run(logits, [banned, plain], step_index=[step, step])
+        assert tokens.tolist() == [want, 3]
+        if step < 2:  # (the top 4 of 5 tokens: a banned one last, at -inf)
+            assert top_ids[0][:3].tolist() == [4, 2, 0] and np.isneginf(top_lps[0][3])
+    arrays = sampling.pack_sampling([banned, plain], 4)
+    assert arrays.bias_ids[0].tolist() == [1, 1, 3, -1] and arrays.ban_from.tolist() == [1, 0]
+    assert arrays.min_tokens.tolist() == [2, 0] and np.isneginf(arrays.bias_values[0][1:3]).all()
+    # seeded draws never take a banned token either
+    sampled = SamplingParams(temperature=1.5, seed=3, min_tokens=50, min_tokens_ids=(3,))
+    draws = [_run(logits[:1], [sampled], step_index=[i])[0][0] for i in range(40)]
+    assert 3 not in draws and len(set(draws)) > 1
+    with pytest.raises(ValueError, match="min_tokens bans"):
+        sampling.pack_sampling([SamplingParams(logit_bias=((1, 1.0),), min_tokens=1, min_tokens_ids=(2, 3))], 2)

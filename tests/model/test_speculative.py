@@ -95,7 +95,7 @@ def spec_runners(smollm2, smol_runner):
     to the plain one's first bucket (the prompts here stay in it, so both run the same bucket)."""
     from tests.model.conftest import SMOL_ENGINE
 
-    cfg = dataclasses.replace(SMOL_ENGINE, max_context=1024, context_buckets=(1024,), draft_max=7)
+    cfg = dataclasses.replace(SMOL_ENGINE, max_context=1024, context_buckets=(1024,), draft_max=7, prompt_logprobs=False)
     assert SMOL_ENGINE.context_buckets[0] == 1024
     spec = smollm2.make_runner(cfg)
     spec.warmup()
@@ -179,7 +179,7 @@ def test_speculative_tokens_on_the_gpu_kernels(synthetic_gguf):
     from model.loader import load_model
 
     cfg = EngineConfig(num_slots=8, max_context=1024, context_buckets=(512, 1024), prefill_chunks=(64, 512),
-                       kv_dtype="bfloat16", compute_dtype="bfloat16")
+                       kv_dtype="bfloat16", compute_dtype="bfloat16", prompt_logprobs=False)
     loaded = load_model(synthetic_gguf("llama2-7b", "q4_0", layers=4), cfg)
     plain, spec = loaded.make_runner(cfg), loaded.make_runner(dataclasses.replace(cfg, draft_max=7))
     plain.warmup()
@@ -200,7 +200,7 @@ def test_several_speculative_steps_per_dispatch(smollm2, spec_runners, spec_ids)
 
     plain, _ = spec_runners
     cfg = dataclasses.replace(SMOL_ENGINE, num_slots=4, max_context=512, context_buckets=(512,), prefill_chunks=(64,),
-                              draft_max=3, decode_steps_per_dispatch=3)
+                              draft_max=3, decode_steps_per_dispatch=3, prompt_logprobs=False)
     runner = smollm2.make_runner(cfg)
     runner.warmup()
     assert runner.decode_steps == (1, 3)

@@ -22,7 +22,8 @@ CASES = ("code_python_dataclass", "zh_story", "math_pencils")
 def server(smollm2_path, tmp_path_factory):
     # Only the compile sizes differ from the defaults (the prompts fit one 64-token chunk,
     # which is llama.cpp's ubatch for them too).
-    args = ["--model", str(smollm2_path), "--max-context", "1024", "--slots", "4", "--prefill-chunks", "64,512"]
+    args = ["--model", str(smollm2_path), "--max-context", "1024", "--slots", "4", "--prefill-chunks", "64,512",
+            "--no-prompt-logprobs"]
     with running_server(args, tmp_path_factory.mktemp("server") / "server.log") as base:
         yield base
 

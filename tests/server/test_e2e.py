@@ -308,3 +308,16 @@ def test_chat_prompt_logprobs_and_token_ids_come_beside_the_choices(server):
     assert all(list(entry)[0] == str(token) for entry, token in zip(scores[1:], ids[1:]))
     assert len(out["choices"][0]["token_ids"]) == out["usage"]["completion_tokens"]
     assert httpx.post(server + "/v1/chat/completions", json={**body, "stream": True}).status_code == 400
+
+
+def test_min_tokens_holds_the_end_back(client):
+    """vLLM's min_tokens: a greedy reply that ends early runs on past its end-of-turn token to
+    min_tokens, the same tokens up to there."""
+    kwargs = dict(model="m", messages=[{"role": "user", "content": "Say hi."}], temperature=0, max_tokens=40)
+    short = client.chat.completions.create(**kwargs)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 30
+    longer = client.chat.completions.create(**kwargs, extra_body={"min_tokens": 30})
+    assert longer.usage.completion_tokens >= 30
+    assert longer.choices[0].message.content.startswith(short.choices[0].message.content)
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        client.chat.completions.create(**{**kwargs, "max_tokens": 5}, extra_body={"min_tokens": 6})
