@@ -68,8 +68,8 @@ def validate_request(
     if sampling.min_tokens and request.constraint is not None:
         raise RequestValidationError("min_tokens together with a constrained output is not supported", "min_tokens")
     if sampling.min_tokens > request.max_tokens:
-        raise RequestValidationError(f"min_tokens ({sampling.min_tokens}) exceeds max_tokens ({request.max_tokens})",
-                                     "min_tokens")
+        raise RequestValidationError(f"min_tokens ({sampling.min_tokens}) exceeds the {request.max_tokens} tokens this "
+                                     "request may generate (max_tokens, or what the context leaves)", "min_tokens")
     if any(not 0 <= token < vocab for token, _ in sampling.logit_bias):
         raise RequestValidationError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
     if request.prompt_logprobs is not None and not scores_prompts:
@@ -133,13 +133,15 @@ class StopMatcher:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
 
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Returns (text safe to send, whether a stop string matched)."""
+    def feed(self, text: str, may_match: bool = True) -> tuple[str, bool]:
+        """Returns (text safe to send, whether a stop string matched). `may_match` False (the
+        request's first min_tokens tokens): no match is taken, but a tail that may start one is
+        held back as ever, so that a stop string ending after that still matches whole."""
         if not self._stops:
             return text, False
         buf = self._held + text
         # A match cannot start in text already released (that text ends with no stop prefix).
-        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0] if may_match else []
         if hits:
             self._held = ""
             return buf[: min(hits)], True
@@ -262,11 +264,9 @@ class RequestState:
             return self._event(text, (token,), logprobs, FINISH_STOP)
         if self.matcher is not None:
             self.matcher.consume(token)  # raises where the grammar does not take it: the request fails
-        piece = self._detok.add(token)
-        if self.num_generated < self.request.sampling.min_tokens:  # stop strings wait for min_tokens too (vLLM's)
-            text, matched = piece, False
-        else:
-            text, matched = self._stop.feed(piece)
+        # stop strings end nothing within the first min_tokens tokens either (vLLM's): the first
+        # token that may hold the end of one is the first a stop token may be
+        text, matched = self._stop.feed(self._detok.add(token), may_match=self.num_generated > self.request.sampling.min_tokens)
         if matched:
             return self._event(text, (token,), logprobs, FINISH_STOP)
         if self.matcher is not None and self.matcher.is_stopped:  # the grammar is complete

@@ -599,7 +599,7 @@ def create_app(
     app_metrics = Metrics(holder.stats, holder.engine_gc)
     holder.add_timing_observer(app_metrics.observe)
     middleware = [
-        Middleware(HttpMetricsMiddleware, metrics=app_metrics, routes=frozenset(r.path for r in ROUTES)),
+        Middleware(HttpMetricsMiddleware, metrics=app_metrics, routes=ROUTES),
         Middleware(ErrorBoundary),
         # Browser front ends call from another origin; the API key still guards the routes.
         Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"]),

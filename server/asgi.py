@@ -1,7 +1,8 @@
 """ASGI pieces under the routes: middleware and the responses that watch for clients leaving.
 
 Middleware, outermost first (see `server/app.py`): `HttpMetricsMiddleware` counts responses by
-route and status; `ErrorBoundary` turns an escaped exception (a bug) into an OpenAI-shaped 500
+route and status; `ErrorBoundary` turns an escaped exception (a bug) into a 500 (OpenAI's error shape,
+Anthropic's on its Messages routes)
 with a logged traceback; CORS; `BodyLimit` answers 413; `ApiKeyAuth` answers 401.
 `EventStreamResponse` and `unless_disconnected` notice a client that leaves, so its engine
 requests are cancelled.
@@ -15,6 +16,7 @@ import logging
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import AUTHENTICATION, SERVER_ERROR, ApiError, error_response, invalid
@@ -38,8 +40,15 @@ async def _send_error(scope: Scope, receive: Receive, send: Send, error: ApiErro
 class HttpMetricsMiddleware:
     """Counts responses; unknown paths and methods share one label so clients cannot grow the series."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, routes: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: tuple[BaseRoute, ...]) -> None:
         self.app, self.metrics, self.routes = app, metrics, routes
+        self.paths = frozenset(getattr(r, "path", "") for r in routes)
+
+    def _label(self, scope: Scope) -> str:
+        """The route's path, a templated one's template (/v1/responses/{response_id}); else "other"."""
+        if scope["path"] in self.paths:
+            return scope["path"]
+        return next((r.path for r in self.routes if r.matches(scope)[0] != Match.NONE), "other")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -55,15 +64,13 @@ class HttpMetricsMiddleware:
         try:
             await self.app(scope, receive, recording_send)
         finally:
-            # a templated route (/v1/responses/{response_id}) by its template, as the router matched it
-            matched = getattr(scope.get("route"), "path", None)
-            route = matched if matched in self.routes else scope["path"] if scope["path"] in self.routes else "other"
+            route = self._label(scope)
             method = scope["method"] if scope["method"] in METHODS else "other"
             self.metrics.http_requests.labels(route=route, method=method, status=str(status)).inc()
 
 
 class ErrorBoundary:
-    """Any exception that escapes a route is a bug: log its traceback, answer an OpenAI-shaped 500."""
+    """Any exception that escapes a route is a bug: log its traceback, answer a 500 (server.errors.error_response)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

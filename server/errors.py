@@ -59,12 +59,13 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
 
 def anthropic_error_body(error: ApiError) -> dict[str, Any]:
     message = error.message if error.param is None or error.param in error.message else f"{error.message} ({error.param})"
-    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(error.status, "api_error"), "message": message}}
+    fallback = "invalid_request_error" if error.status < 500 else "api_error"
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(error.status, fallback), "message": message}}
 
 
 def error_response(error: ApiError, path: str) -> Response:
     """The error's response on a route at `path`: Anthropic's shape on its Messages routes."""
-    if path.startswith(ANTHROPIC_PATHS):
+    if any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS):
         return json_response(anthropic_error_body(error), status=error.status, headers=error.headers)
     return error.response()
 

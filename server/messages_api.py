@@ -251,8 +251,10 @@ class MessageBuilder:
         reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
         self.stop_reason = _STOP_REASONS.get(reason, "end_turn")
         if self.stop_reason == "end_turn" and self.stop and not (self.token_ids and self.token_ids[-1] in self.eog_ids):
-            text = self.decode(self.token_ids)  # the engine cut the reply at the first stop string in it
-            found = [(text.find(s), s) for s in self.stop if s in text]
+            # the engine cut the reply at the first stop string that ended in its last token (not
+            # an earlier one, which min_tokens passed over)
+            text, tail = self.decode(self.token_ids), len(self.decode(self.token_ids[:-1]))
+            found = [(i, s) for s in self.stop if (i := text.find(s, max(0, tail - len(s)))) >= 0]
             if found:
                 self.stop_reason, self.stop_sequence = "stop_sequence", min(found)[1]
         self.usage.update(input_tokens=prompt_tokens - cached, cache_read_input_tokens=cached,

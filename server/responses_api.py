@@ -58,7 +58,7 @@ PASSED_THROUGH = (
     "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "stop", "stop_token_ids",
     "ignore_eos", "cache_prompt", "cache_salt", "chat_template_kwargs", "reasoning_format", "json_schema",
     "grammar", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "guided_whitespace_pattern", "speculative.n_max",
+    "guided_whitespace_pattern", "speculative.n_max", "min_tokens",
 )
 # Chat fields a Responses request names otherwise, for the `param` and message of a 400 (the
 # more specific first).

@@ -35,14 +35,20 @@ def test_stop_strings_wait_for_min_tokens(make_engine):
     plain = run(collect_one(engine, req("a", 6, stop=("c",))))
     late = run(collect_one(engine, req("a", 6, stop=("c",), sampling=SamplingParams(min_tokens=3))))
     after = run(collect_one(engine, req("a", 6, stop=("e",), sampling=SamplingParams(min_tokens=2))))
+    # the min_tokens-th token ("d") ends none either: a stop token could come only after it
+    at = run(collect_one(engine, req("a", 6, stop=("d",), sampling=SamplingParams(min_tokens=3))))
+    # one that starts within the first min_tokens tokens and ends after them matches whole
+    across = run(collect_one(engine, req("a", 6, stop=("cde",), sampling=SamplingParams(min_tokens=3))))
     assert (plain.text, plain.final.finish_reason) == ("b", "stop")
     assert (late.text, late.final.finish_reason) == ("bcdefg", "length")
     assert (after.text, after.final.finish_reason) == ("bcd", "stop")
+    assert (at.text, at.final.finish_reason) == ("bcdefg", "length")
+    assert (across.text, across.final.finish_reason) == ("b", "stop")
 
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(constraint=Constraint("regex", "[a-z]+")), "constrained"),
-    (dict(max_tokens=2), "exceeds max_tokens"),
+    (dict(max_tokens=2), "exceeds the 2 tokens"),
     (dict(sampling=SamplingParams(min_tokens=3, logit_bias=tuple((t, 1.0) for t in range(4)))), "logit_bias"),
 ])
 def test_min_tokens_refusals(make_engine, kwargs, match):

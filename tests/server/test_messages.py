@@ -100,8 +100,11 @@ def engine_stopping_at(text: str, ids: tuple[int, ...]) -> FakeEngine:
 @pytest.mark.parametrize("engine, extra, reason, sequence, text", [
     (engine_with("Hello world"), {}, "end_turn", None, "Hello world"),
     (engine_with("Hello world"), {"max_tokens": 5}, "max_tokens", None, "Hello"),
-    (engine_stopping_at("Hell", tuple(tok("Hello wor"))), {"stop_sequences": ["xyz", " wor", "o w"]}, "stop_sequence",
+    (engine_stopping_at("Hell", tuple(tok("Hello w"))), {"stop_sequences": ["xyz", " wor", "o w"]}, "stop_sequence",
      "o w", "Hell"),
+    # the stop string that ended in the last token, not an earlier one (min_tokens passed over it)
+    (engine_stopping_at("llo Hell", tuple(tok("llo Hello w"))), {"stop_sequences": ["llo", "o w"]}, "stop_sequence",
+     "o w", "llo Hell"),
     (engine_stopping_at("Hello", (*tok("Hello"), EOS)), {"stop_sequences": ["lo"]}, "end_turn", None, "Hello"),
 ])
 async def test_stop_reasons(engine: FakeEngine, extra: dict, reason: str, sequence: str | None, text: str) -> None:

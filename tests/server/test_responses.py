@@ -69,7 +69,7 @@ def test_input_items_become_chat_messages() -> None:
         {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "rain"}]},
     ]
     r = to_chat({"input": items, "instructions": "Be brief.", "max_output_tokens": 7, "tools": TOOLS,
-                 "tool_choice": {"type": "function", "name": "get_weather"}, "top_k": 5}, ResponseStore())
+                 "tool_choice": {"type": "function", "name": "get_weather"}, "top_k": 5, "min_tokens": 2}, ResponseStore())
     calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "get_weather", "arguments": a}}
              for i, a in ((1, '{"city": "Paris"}'), (2, '{"city": "Lyon"}'))]
     assert r.chat_body["messages"] == [
@@ -81,7 +81,7 @@ def test_input_items_become_chat_messages() -> None:
         {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
     ]
     assert r.history == tuple(r.chat_body["messages"][1:])  # instructions are not part of the conversation
-    assert r.chat_body["max_completion_tokens"] == 7 and r.chat_body["top_k"] == 5
+    assert r.chat_body["max_completion_tokens"] == 7 and r.chat_body["top_k"] == 5 and r.chat_body["min_tokens"] == 2
     assert r.chat_body["tools"] == [{"type": "function", "function": {k: TOOLS[0][k] for k in ("name", "description", "parameters")}}]
     assert r.chat_body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert r.echo["tools"] == TOOLS and r.echo["instructions"] == "Be brief." and r.store
