@@ -89,7 +89,8 @@ class Generation:
             cache_prompt=self._parsed.cache_prompt,
             cache_salt=self._parsed.cache_salt,
             constraint=self._parsed.constraint,
-            prompt_logprobs=self._parsed.scores_prompt,
+            # chat returns the prompt's scores once, beside the choices: its first choice scores it
+            prompt_logprobs=self._parsed.scores_prompt if i == 0 or not self._parsed.is_chat else None,
         )
 
     async def compile_constraint(self) -> None:

@@ -76,6 +76,10 @@ async def test_chat_n(client: httpx.AsyncClient, engine: FakeEngine) -> None:
     r = await client.post("/v1/chat/completions", json={"messages": HI, "n": 2, "max_tokens": 1, "seed": 7})
     assert [c["index"] for c in r.json()["choices"]] == [0, 1]
     assert [q.sampling.seed for q in engine.requests] == [7, 8]
+    # vLLM's prompt_logprobs come once, beside the choices: the first choice alone scores the prompt
+    r = await client.post("/v1/chat/completions", json={"messages": HI, "n": 3, "max_tokens": 1, "prompt_logprobs": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
+    assert [q.prompt_logprobs for q in engine.requests[2:]] == [2, None, None]
 
 
 async def test_timings_as_llama_server_reports_them(client: httpx.AsyncClient, engine: FakeEngine) -> None:
