@@ -489,8 +489,13 @@ def prefill(cfg: ModelConfig, kern: Kernels, params: Params, cache: KVCache, slo
             ) -> tuple[jax.Array, KVCache]:  # logits [V] f32 of the last valid token
     """`prefill_hidden`, then the logits of the chunk's last valid token."""
     x, cache = prefill_hidden(cfg, kern, params, cache, slot, tokens, start_pos, num_valid, attend)
+    return last_logits(cfg, kern, params, x, num_valid), cache
+
+
+def last_logits(cfg: ModelConfig, kern: Kernels, params: Params, x: jax.Array, num_valid: jax.Array) -> jax.Array:
+    """The logits [V] f32 of a chunk's last valid row of `prefill_hidden`'s output x [T, E]."""
     last = jax.lax.dynamic_slice_in_dim(x, num_valid - 1, 1, axis=0)  # [1, E]
-    return head_logits(cfg, kern, params, last)[0], cache
+    return head_logits(cfg, kern, params, last)[0]
 
 
 SCORE_ROWS = 64  # rows of a chunk whose logits `token_scores` holds at once

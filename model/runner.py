@@ -268,8 +268,7 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
     row_history = row_history.at[jnp.where(valid, start + jnp.arange(t), s)].set(tokens, mode="drop")
 
     x, cache = forward.prefill_hidden(cfg, kern, params, cache, slot, tokens, start, num_valid, attend)
-    last = jax.lax.dynamic_slice_in_dim(x, num_valid - 1, 1, axis=0)  # [1, E]
-    logits = forward.head_logits(cfg, kern, params, last)[0]
+    logits = forward.last_logits(cfg, kern, params, x, num_valid)
     row_samp = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), samp)
     # no conditionals: on the GPU this program's would run on the host and block the call
     tok, lp, top_ids, top_lps = sampling.sample(

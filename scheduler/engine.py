@@ -644,8 +644,7 @@ class Engine:
                 state = rows.scored.get(scores.slot)
                 if state is not None and not state.is_finished:
                     try:
-                        state.add_scores(scores.first, scores.logprobs, scores.ranks, scores.top_ids,
-                                         scores.top_logprobs)
+                        state.add_scores(scores)
                     except Exception as exc:  # that request's alone
                         log.exception("request %s: its prompt scores failed", state.request.request_id)
                         self._finish(state, FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")

@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from model.step_types import MAX_STOP_TOKEN_IDS
+from model.step_types import MAX_STOP_TOKEN_IDS, PromptScores
 from scheduler import grammar
 from scheduler.types import (
     FINISH_LENGTH, FINISH_STOP, GenerationRequest, RequestValidationError, StreamEvent, Timings, TokenLogprob)
@@ -210,17 +210,15 @@ class RequestState:
     def scores_prompt(self) -> bool:
         return self.request.prompt_logprobs is not None
 
-    def add_scores(self, first: int, logprobs: np.ndarray, ranks: np.ndarray, top_ids: np.ndarray,
-                   top_logprobs: np.ndarray) -> None:
-        """A scored chunk's prompt tokens (model.step_types.PromptScores), from position `first`;
-        chunks come in order."""
-        got = self._prompt_logprobs
+    def add_scores(self, scores: PromptScores) -> None:
+        """A scored chunk's prompt tokens; chunks come in order."""
+        got, first = self._prompt_logprobs, scores.first
         if got is None or len(got) != first - 1:
             raise RuntimeError(f"prompt scores from position {first} out of order ({len(got or ())} held)")
         k = self.request.prompt_logprobs
-        for j, token in enumerate(self.prompt[first:first + len(logprobs)]):
-            top = tuple((int(i), float(v)) for i, v in zip(top_ids[j, :k], top_logprobs[j, :k]))
-            got.append(TokenLogprob(int(token), float(logprobs[j]), top, int(ranks[j])))
+        for j, token in enumerate(self.prompt[first:first + len(scores.logprobs)]):
+            top = tuple((int(i), float(v)) for i, v in zip(scores.top_ids[j, :k], scores.top_logprobs[j, :k]))
+            got.append(TokenLogprob(int(token), float(scores.logprobs[j]), top, int(scores.ranks[j])))
 
     @property
     def is_decoding(self) -> bool:

@@ -329,19 +329,15 @@ async def create_message(request: Request) -> Response:
         parsed = parse_chat(messages_api.to_chat(await _json_body(request)), 1)
         message_id = messages_api.message_id()
         gen = await _submit(request, parsed, message_id, entered)
-    except ApiError as e:
-        error = messages_api.renamed(e)
-        return json_response(messages_api.error_body(error), status=error.status, headers=error.headers)
+    except ApiError as e:  # (in Anthropic's shape on this route: server.errors.error_response)
+        raise messages_api.renamed(e) from None
     tokenizer = state.holder.engine.tokenizer
     builder = messages_api.MessageBuilder(message_id, parsed.model or state.config.model_name, parsed.stop,
                                           (*tokenizer.eog_ids, *parsed.stop_token_ids), lambda ids: tokenizer.decode(ids))
     if parsed.stream:
         frames = messages_api.event_frames(gen, builder, gen.prompt_tokens, on_first_token=_first_frame_timer(request, entered))
         return EventStreamResponse(frames, on_close=gen.cancel)  # type: ignore[return-value]
-    try:
-        body = await _finished(request, gen, messages_api.whole(gen, builder), message_id)
-    except ApiError as e:
-        return json_response(messages_api.error_body(e), status=e.status, headers=e.headers)
+    body = await _finished(request, gen, messages_api.whole(gen, builder), message_id)
     return json_response(body) if body is not None else Response(status_code=CLIENT_CLOSED)
 
 
@@ -357,8 +353,7 @@ async def count_message_tokens(request: Request) -> Response:
         template = state.config.chat_template or ready.chat_template
         n = count_prompt(parsed, engine.tokenizer, template, render_chat)
     except ApiError as e:
-        error = messages_api.renamed(e)
-        return json_response(messages_api.error_body(error), status=error.status, headers=error.headers)
+        raise messages_api.renamed(e) from None
     return json_response({"input_tokens": n})
 
 

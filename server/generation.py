@@ -241,7 +241,7 @@ async def sse_frames(gen: Generation, renderer: Renderer, include_usage: bool,
         readers = {} if gen.reply_format.is_plain else {c.index: _StreamedReply(gen.reply_format.reader())
                                                         for c in gen.choices}
         # a choice whose echoed prompt has its logprobs starts once they come, with its first event
-        scored = getattr(renderer, "echo_logprobs", None) is not None
+        scored = renderer.echo_logprobs is not None
         starting = {c.index for c in gen.choices} if scored else set()
         for choice in gen.choices if not scored else ():
             for chunk in renderer.start_chunks(choice.index, choice.prompt.echo_text):

@@ -36,12 +36,8 @@ from server.tool_calls import ToolCall
 
 log = logging.getLogger(__name__)
 
-# OpenAI's error types (and statuses) as Anthropic names them
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}
 _PARAM_NAMES = (("max_completion_tokens", "max_tokens"), ("messages", "messages"), ("stop", "stop_sequences"))
-
-
-error_body = anthropic_error_body
 
 
 def to_chat(body: Any) -> dict[str, Any]:
@@ -296,7 +292,7 @@ async def event_frames(gen: Generation, b: MessageBuilder, prompt_tokens: int,
                        "usage": b.usage})
         yield b.event({"type": "message_stop"})
     except ApiError as error:
-        yield b.event(error_body(error))
+        yield b.event(anthropic_error_body(error))
     except Exception:
         log.exception("streaming message %s failed", b.message_id)
         gen.cancel()

@@ -491,8 +491,8 @@ class ChoiceResult:
     timings: Timings | None = None
     tool_calls: list[ToolCall] | None = None  # read out of `text` (chat with tools); text then the rest
     reasoning: str | None = None  # the reply's thought, split out of `text` (server/reasoning.py)
-    prompt_tokens: tuple[int, ...] = ()  # with prompt logprobs (ParsedRequest.scores_prompt): the
-    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt and its tokens' logprobs after the first
+    prompt_tokens: tuple[int, ...] = ()  # the choice's prompt
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # its tokens' after the first (ParsedRequest.scores_prompt)
     token_ids: list[int] = dataclasses.field(default_factory=list)  # generated (a stop token included)
 
 
@@ -574,8 +574,8 @@ class Renderer:
         prompt_logprobs: int | None = None,
         token_ids: bool = False,
     ) -> None:
-        self.token_ids = token_ids  # vLLM's return_token_ids
         self.response_id = response_id
+        self.token_ids = token_ids  # vLLM's return_token_ids
         self.echo_logprobs = echo_logprobs  # a completion's echo with logprobs: its prompt's, legacy form
         self.prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs
         self.created = created
