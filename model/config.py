@@ -63,6 +63,9 @@ class ModelConfig:
     rope_theta_local: float = 0.0  # gemma3 local layers
     attn_scale: float = 0.0  # 0: 1/sqrt(head_dim)
     final_logit_softcap: float = 0.0
+    # llama.cpp's {arch}.pooling_type, for embeddings: "mean" (1), "last" (3); None: unset or
+    # another kind (none, cls, rank)
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -158,6 +161,7 @@ class ModelConfig:
             rope_dim=int(get("rope.dimension_count", head_dim)),
             rope_scaling=scaling,
             tied_output="output.weight" not in tensor_names,
+            pooling={1: "mean", 3: "last"}.get(int(get("pooling_type", 0) or 0)),
         )
         if arch == "llama":
             # convert_hf_to_gguf permutes q/k so llama.cpp rotates adjacent pairs (LLAMA_ROPE_TYPE_NORM).

@@ -498,6 +498,17 @@ def last_logits(cfg: ModelConfig, kern: Kernels, params: Params, x: jax.Array, n
     return head_logits(cfg, kern, params, last)[0]
 
 
+def pooled_hidden(cfg: ModelConfig, kern: Kernels, params: Params, x: jax.Array,
+                  num_valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A chunk's last-layer outputs x [T, E] after the output norm (the rows the output head
+    reads, llama.cpp's embeddings), pooled: their sum over the valid rows and the last valid
+    row, each [E] f32."""
+    h = _norm(kern, x, params.output_norm, cfg.rms_eps).astype(jnp.float32)
+    valid = jnp.arange(x.shape[0]) < num_valid
+    total = jnp.sum(jnp.where(valid[:, None], h, 0.0), axis=0)
+    return total, jax.lax.dynamic_slice_in_dim(h, num_valid - 1, 1, axis=0)[0]
+
+
 SCORE_ROWS = 64  # rows of a chunk whose logits `token_scores` holds at once
 
 

@@ -58,9 +58,13 @@ class _Pending:
             out.tokens[slot], out.valid[slot], out.logprobs[slot] = tok, True, lp
             out.top_ids[slot], out.top_logprobs[slot] = top_ids, top_lps
         if chunk.score:  # the last chunk's last row predicts the sampled token: not a prompt token's
-            rows = prefill_out[1 + width:].reshape(-1, width)[:len(chunk.tokens) - chunk.is_last]
+            at = 1 + width
+            pooled = np.array(prefill_out[at + 1:at + 1 + int(prefill_out[at])], np.int32).view(np.float32)
+            rows = prefill_out[at + 1 + len(pooled):].reshape(-1, width)[:len(chunk.tokens) - chunk.is_last]
             _, _, lps, ids, top = _unpack_outputs(rows)
-            out.scores.append(PromptScores(slot, chunk.start_pos + 1, lps, rows[:, 1].copy(), ids, top))
+            total, last = np.split(pooled, 2)
+            out.scores.append(PromptScores(slot, chunk.start_pos + 1, lps, rows[:, 1].copy(), ids, top, total, last,
+                                           len(chunk.tokens)))
 
     def results(self) -> list[StepOutput]:
         if self._results is not None:

@@ -245,8 +245,9 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
     """One prompt chunk (`prefill_args`); returns (cache, state, the sampling arrays it unpacked
     for the decode programs after it, its outputs). `score` (a scored chunk, PrefillChunk.score):
     `args` ends with the prompt's token after the chunk (-1: none), and the outputs go on with
-    each row's `forward.token_scores` of the token after it (`_pack_outputs`' columns: the
-    token, its rank, its logprob, the top ids and logprobs), row by row."""
+    the length of `forward.pooled_hidden`'s two vectors (2E), their f32 bits, then each row's
+    `forward.token_scores` of the token after it (`_pack_outputs`' columns: the token, its
+    rank, its logprob, the top ids and logprobs), row by row."""
     words = transfer.words_size(samp_layout)
     vocab, s = st.prompt_mask.shape[1], st.history.shape[1]
     slot, start, num_valid, is_last, reused = args[0], args[1], args[2], args[3] != 0, args[4]
@@ -290,7 +291,10 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
         targets = jnp.where(jnp.arange(t) == num_valid - 1, next_token, jnp.roll(tokens, -1))
         targets = jnp.clip(targets, 0, vocab - 1)  # past the prompt: scored, never read
         lps, ranks, ids, top = forward.token_scores(cfg, kern, params, x, targets, num_top)
-        out = jnp.concatenate([out, _pack_outputs(targets, ranks, lps, ids, top).reshape(-1)])
+        pooled = jax.lax.bitcast_convert_type(jnp.concatenate(forward.pooled_hidden(cfg, kern, params, x, num_valid)),
+                                              jnp.int32)
+        out = jnp.concatenate([out, jnp.asarray([pooled.shape[0]], jnp.int32), pooled,
+                               _pack_outputs(targets, ranks, lps, ids, top).reshape(-1)])
     return cache, st, samp, out
 
 

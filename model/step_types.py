@@ -177,7 +177,8 @@ class PromptScores:
     """A scored prompt chunk's (`PrefillChunk.score`) log-probabilities of the prompt tokens at
     positions [first, first + n) of its slot, each under the model's raw distribution after the
     tokens before it (no sampling settings: penalties, bias, temperature), with its rank in that
-    distribution (1: the most likely) and the `max_top_logprobs` most likely tokens there."""
+    distribution (1: the most likely) and the `max_top_logprobs` most likely tokens there; with
+    the chunk's normed hidden states pooled (`hidden_sum`, `hidden_last`: embeddings)."""
 
     slot: int
     first: int  # the position of the first token scored (the chunk's start_pos + 1)
@@ -185,6 +186,11 @@ class PromptScores:
     ranks: np.ndarray  # [n] int32
     top_ids: np.ndarray  # [n, max_top_logprobs] int32, descending
     top_logprobs: np.ndarray  # [n, max_top_logprobs] f32
+    # the chunk's rows' last hidden states after the output norm (what the output head reads), for
+    # pooled embeddings: their sum over the chunk's tokens, and its last token's; None: not given
+    hidden_sum: np.ndarray | None = None  # [E] f32, over the chunk's hidden_tokens tokens from position first - 1
+    hidden_last: np.ndarray | None = None  # [E] f32
+    hidden_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

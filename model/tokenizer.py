@@ -156,6 +156,7 @@ class Tokenizer:
         add_space_prefix: bool,
         chat_template: str | None,
         extra_ids: Mapping[str, int],
+        add_eos: bool = False,
     ) -> None:
         if kind not in ("gpt2", "llama"):
             raise ValueError(
@@ -180,6 +181,7 @@ class Tokenizer:
 
         self._bos_id, self._eos_id, self._unk_id = valid(bos_id), valid(eos_id), valid(unk_id)
         self._add_bos = bool(add_bos)
+        self._add_eos = bool(add_eos) and self._eos_id is not None  # (embeddings' inputs: the file's special tokens)
         self._add_space_prefix = bool(add_space_prefix) and kind == "llama"
         self._chat_template = chat_template
         self._eog_ids, self._eot_id = self._detect_eog(attrs, {k: valid(v) for k, v in extra_ids.items()})
@@ -245,6 +247,7 @@ class Tokenizer:
             add_space_prefix=bool(add_space_prefix),
             chat_template=template if isinstance(template, str) and template else None,
             extra_ids=extra,
+            add_eos=bool(get("add_eos_token", False)),
         )
 
     def _detect_eog(self, attrs: list[int], extra: dict[str, int | None]) -> tuple[frozenset[int], int | None]:
@@ -319,6 +322,12 @@ class Tokenizer:
     @property
     def add_bos(self) -> bool:
         return self._add_bos
+
+    @property
+    def add_eos(self) -> bool:
+        """tokenizer.ggml.add_eos_token: llama.cpp appends EOS where it adds special tokens
+        (an embedding model's input, say Qwen3-Embedding's)."""
+        return self._add_eos
 
     @property
     def add_space_prefix(self) -> bool:

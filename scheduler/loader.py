@@ -58,6 +58,9 @@ def build_engine(
     info = {
         "model_path": loaded.path,
         "arch": loaded.config.arch,
+        # embeddings: their length, and the GGUF's pooling (None: unset; the server's default)
+        "embedding_length": loaded.config.embed_dim,
+        "pooling": loaded.config.pooling,
         "kernels": dict(loaded.kernel_names),
         "split_formats": sorted(loaded.splits),
         # the output projections whose values are stored in the order they read x in

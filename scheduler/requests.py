@@ -72,6 +72,9 @@ def validate_request(
                                      "request may generate (max_tokens, or what the context leaves)", "min_tokens")
     if any(not 0 <= token < vocab for token, _ in sampling.logit_bias):
         raise RequestValidationError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+    if request.pooling is not None and not scores_prompts:
+        raise RequestValidationError("embeddings need the scored prompt programs, off on this server "
+                                     "(--no-prompt-logprobs)", "input")
     if request.prompt_logprobs is not None and not scores_prompts:
         raise RequestValidationError("prompt logprobs are off on this server (--no-prompt-logprobs)", "prompt_logprobs")
     if (request.prompt_logprobs or 0) > max_top_logprobs:
@@ -205,20 +208,41 @@ class RequestState:
         # GenerationRequest.prompt_logprobs: the prompt tokens' scores so far, by position - 1,
         # until the first event takes them
         self._prompt_logprobs: list[TokenLogprob] | None = [] if request.prompt_logprobs is not None else None
+        # GenerationRequest.pooling: the prompt's pooled hidden states so far (PromptScores.hidden_*)
+        self._pooled_n = 0
+        self._pooled_sum: np.ndarray | None = None
+        self._pooled_last: np.ndarray | None = None
 
     @property
     def scores_prompt(self) -> bool:
-        return self.request.prompt_logprobs is not None
+        return self.request.prompt_logprobs is not None or self.request.pooling is not None
 
     def add_scores(self, scores: PromptScores) -> None:
         """A scored chunk's prompt tokens; chunks come in order."""
-        got, first = self._prompt_logprobs, scores.first
+        first = scores.first
+        if self.request.pooling is not None:
+            if scores.hidden_sum is None or self._pooled_n != first - 1:
+                raise RuntimeError(f"pooled states from position {first - 1} out of order ({self._pooled_n} held)")
+            total = scores.hidden_sum.astype(np.float64)
+            self._pooled_sum = total if self._pooled_sum is None else self._pooled_sum + total
+            self._pooled_last, self._pooled_n = scores.hidden_last, self._pooled_n + scores.hidden_tokens
+        got = self._prompt_logprobs
+        if self.request.prompt_logprobs is None:
+            return
         if got is None or len(got) != first - 1:
             raise RuntimeError(f"prompt scores from position {first} out of order ({len(got or ())} held)")
         k = self.request.prompt_logprobs
         for j, token in enumerate(self.prompt[first:first + len(scores.logprobs)]):
             top = tuple((int(i), float(v)) for i, v in zip(scores.top_ids[j, :k], scores.top_logprobs[j, :k]))
             got.append(TokenLogprob(int(token), float(scores.logprobs[j]), top, int(scores.ranks[j])))
+
+    def _embedding(self) -> np.ndarray | None:
+        """The pooled embedding, once the whole prompt was read (GenerationRequest.pooling)."""
+        if self.request.pooling is None or self._pooled_n != self.num_prompt or self._pooled_sum is None:
+            return None
+        if self.request.pooling == "last":
+            return np.asarray(self._pooled_last, np.float32)
+        return (self._pooled_sum / self.num_prompt).astype(np.float32)
 
     @property
     def is_decoding(self) -> bool:
@@ -349,4 +373,5 @@ class RequestState:
             completion_tokens=self.num_generated,
             cached_tokens=self.num_reused,
             timings=self.timings(),
+            embedding=self._embedding(),
         )

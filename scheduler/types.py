@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from model.step_types import SamplingParams
 
 FINISH_STOP = "stop"  # EOS, a stop token id or a stop string
@@ -38,6 +40,10 @@ class RequestValidationError(ValueError):
         super().__init__(message)
         self.field = field
 
+
+# Pooled embeddings (GenerationRequest.pooling): the prompt's hidden states after the output
+# norm, averaged over its tokens or its last token's (llama.cpp's pooling types mean and last)
+POOLING_KINDS = ("mean", "last")
 
 # Constraint kinds: llguidance's grammar formats (scheduler/grammar.py)
 CONSTRAINT_KINDS = ("json_schema", "regex", "lark", "gbnf", "choice")
@@ -74,12 +80,19 @@ class GenerationRequest:
     # first event carries each prompt token's after the first (StreamEvent.prompt_logprobs) with
     # its rank and k alternatives. The prompt is then prefilled whole (no prompt cache reuse).
     prompt_logprobs: int | None = None
+    # An embedding (one of POOLING_KINDS): the prompt is prefilled whole, as for prompt logprobs,
+    # and the final event carries its pooled hidden states (StreamEvent.embedding); max_tokens 0.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:
             raise RequestValidationError("the prompt is empty", "prompt")
         if self.max_tokens < 0:
             raise RequestValidationError("max_tokens must be >= 0", "max_tokens")
+        if self.pooling is not None and self.pooling not in POOLING_KINDS:
+            raise RequestValidationError(f"pooling must be one of {', '.join(POOLING_KINDS)}", "pooling")
+        if self.pooling is not None and self.max_tokens:
+            raise RequestValidationError("an embedding request generates nothing (max_tokens 0)", "max_tokens")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise RequestValidationError("prompt_logprobs must be >= 0", "prompt_logprobs")
         if self.timeout_s is not None and not self.timeout_s > 0:
@@ -125,6 +138,9 @@ class StreamEvent:
     completion_tokens: int = 0
     cached_tokens: int = 0  # of prompt_tokens, those reused from the prompt cache, not prefilled
     timings: Timings | None = None  # set on the final event
+    # GenerationRequest.pooling: on the final event of a request whose prompt was read whole, its
+    # pooled hidden states [E] f32 (not normalized)
+    embedding: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import gguf
-from model.config import EngineConfig, UnsupportedModelError
+from model.config import EngineConfig, ModelConfig, UnsupportedModelError
 from model.gguf_file import GGUFFile, GGUFLoadError
 from model.loader import load_model
 
@@ -107,3 +107,13 @@ def _relabel_and_load(tmp_path, data: bytearray, new_type):
 def test_missing_tensor(tmp_path):
     with pytest.raises(GGUFLoadError, match="missing tensor 'blk.0.ffn_up.weight'"):
         load_model(_write(tmp_path / "m.gguf", drop=("blk.0.ffn_up.weight",)), EngineConfig(max_context=64))
+
+
+@pytest.mark.parametrize("pooling_type, pooling", [(None, None), (0, None), (1, "mean"), (2, None), (3, "last")])
+def test_pooling_type_names_the_embeddings_pooling(pooling_type, pooling):
+    """llama.cpp's {arch}.pooling_type: mean (1) and last (3) are served; none, cls and rank are not."""
+    meta = {"general.architecture": "qwen3", "qwen3.attention.head_count": 2, "qwen3.embedding_length": 8,
+            "qwen3.block_count": 1, "qwen3.feed_forward_length": 16, "qwen3.vocab_size": 10}
+    if pooling_type is not None:
+        meta["qwen3.pooling_type"] = pooling_type
+    assert ModelConfig.from_gguf_metadata(meta, frozenset({"token_embd.weight"})).pooling == pooling

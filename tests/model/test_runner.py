@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from model import forward
 from model.offline import generate, teacher_forced_logits
 from model.step_types import PrefillChunk, PrefixCopy, SamplingParams, SlotSetup, StepPlan
 
@@ -383,3 +384,30 @@ def test_scored_prompt_chunks_give_each_prompt_tokens_logprob_as_teacher_forcing
         np.testing.assert_allclose(top_lps[got], np.sort(ref_lp, axis=1)[:, ::-1][:, :top_ids.shape[1]], atol=1e-2)
     assert (np.diff(top_lps, axis=1) <= 0).all() and (lps <= top_lps[:, 0] + 1e-6).all()
     assert ((ranks == 1) == (top_ids[:, 0] == np.asarray(prompt[1:]))).mean() > 0.99
+
+
+def test_scored_chunks_pool_the_normed_hidden_states_a_whole_prefill_gives(smollm2, smol_runner, prompt_ids):
+    """Embeddings (PromptScores.hidden_*): a prompt in three scored chunks of the smallest size
+    pools the same normed last-layer rows as one plain-jnp prefill of the whole prompt in a
+    fresh cache: their sum over each chunk's tokens, and its last token's."""
+    size = smol_runner.prefill_chunks[0]
+    prompt = (prompt_ids[3] + prompt_ids[6]) * 20
+    prompt = prompt[:2 * size + 22]
+    chunks = []
+    for start in range(0, len(prompt), size):
+        end = min(start + size, len(prompt))
+        chunks.append(PrefillChunk(4, np.asarray(prompt[start:end], np.int32), start, end == len(prompt),
+                                   score=True, next_token=prompt[end] if end < len(prompt) else -1))
+    out = smol_dispatch(smol_runner, StepPlan(setups=(SlotSetup(4, SamplingParams(temperature=0.0)),),
+                                              prefills=tuple(chunks)))
+    assert [(s.first, s.hidden_tokens) for s in out.scores] == [(1, size), (size + 1, size), (2 * size + 1, 22)]
+    cfg, kern, params = smollm2.config, smollm2.kernels, smollm2.params
+    cache = forward.KVCache.create(cfg, 1, smol_runner.max_context, jnp.float32)
+    x, _ = jax.jit(lambda p, c, t: forward.prefill_hidden(cfg, kern, p, c, jnp.int32(0), t, jnp.int32(0),
+                                                          jnp.int32(len(prompt))))(params, cache, jnp.asarray(prompt))
+    rows = np.asarray(forward.rms_norm(x, params.output_norm, cfg.rms_eps), np.float32)
+    scale = np.abs(rows).max()
+    for s, start in zip(out.scores, range(0, len(prompt), size)):
+        got = rows[start:start + s.hidden_tokens]
+        np.testing.assert_allclose(s.hidden_sum, got.sum(axis=0), atol=2e-3 * scale * len(got) ** 0.5)
+        np.testing.assert_allclose(s.hidden_last, got[-1], atol=2e-3 * scale)

@@ -375,3 +375,11 @@ def test_encode_speed(gemma3: Tokenizer, smollm2: Tokenizer) -> None:
         start = time.perf_counter()
         tok.encode(text, parse_special=True)
         assert time.perf_counter() - start < 1.0
+
+
+def test_add_eos_token_is_read_where_the_file_has_an_eos() -> None:
+    """tokenizer.ggml.add_eos_token (an embedding model's, say Qwen3-Embedding's): the
+    embeddings endpoint appends EOS to its text inputs; absent, or without an EOS id, it is off."""
+    assert _tiny_bpe("qwen2", eos_token_id=258, add_eos_token=True).add_eos
+    assert not _tiny_bpe("qwen2", eos_token_id=258).add_eos
+    assert not _tiny_bpe("qwen2", add_eos_token=True).add_eos

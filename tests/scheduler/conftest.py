@@ -88,6 +88,12 @@ def fake_score(token: int, position: int) -> float:
     return -(token % 10) / 10 - position / 1000
 
 
+def fake_hidden(token: int, position: int) -> np.ndarray:
+    """FakeModel's normed last hidden state [4] of a prompt token at a position (pooled by
+    scored chunks: embeddings)."""
+    return np.asarray([token, position, (token * position) % 7, 1], np.float32)
+
+
 class _FakePending:
     def __init__(self, outputs: list[StepOutput], ready_at: float, gate: threading.Event | None) -> None:
         self._outputs, self._ready_at, self._gate = outputs, ready_at, gate
@@ -277,8 +283,10 @@ class FakeModel:
         lps = np.asarray([fake_score(t, first + j) for j, t in enumerate(predicted)], np.float32).reshape(-1)
         k = self.max_top_logprobs
         top_ids = np.asarray([[(t + i) % VOCAB for i in range(k)] for t in predicted], np.int32).reshape(-1, k)
+        hidden = [fake_hidden(int(t), chunk.start_pos + j) for j, t in enumerate(chunk.tokens)]
         out.scores.append(PromptScores(chunk.slot, first, lps, np.asarray([1 + t % 5 for t in predicted], np.int32),
-                                       top_ids, (lps[:, None] - np.arange(k)).astype(np.float32)))
+                                       top_ids, (lps[:, None] - np.arange(k)).astype(np.float32),
+                                       np.sum(hidden, axis=0), hidden[-1], len(hidden)))
 
     def _sample(self, out: StepOutput, slot: int, last: int, allowed: np.ndarray | None = None) -> None:
         if self.context_tokens:  # a byte (never EOS) that depends on every position before
