@@ -134,8 +134,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
                    help="prefill every prompt whole, rather than reuse the whole chunks a free slot's cache "
                         "holds of its start (the same tokens either way; for A/B measurements)")
     p.add_argument("--no-prompt-logprobs", dest="prompt_logprobs", action="store_false",
-                   help="refuse prompt logprobs (echo with logprobs, prompt_logprobs) and save the compiles of their "
-                        "prefill program (two per context bucket)")
+                   help="refuse prompt logprobs (echo with logprobs, prompt_logprobs) and embeddings, and save the "
+                        "compiles of their prefill program (two per context bucket)")
     p.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                    help="leave the heap loading built to Python's cyclic GC (by default it is frozen after warm-up, "
                         "so that full collections, which stall every thread, scan only what requests allocate)")
@@ -242,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chat replies' <think>...</think> as reasoning_content: auto (where the chat template names "
                         "</think>), deepseek (always), none (thoughts stay in content); requests may set "
                         "reasoning_format")
+    p.add_argument("--pooling", default="auto", choices=("auto", "mean", "last"),
+                   help="how /v1/embeddings pools the prompt's normed last hidden states: auto (the GGUF's "
+                        "pooling_type where it is mean or last, else last, as vLLM does for a decoder), mean over "
+                        "the tokens, or the last token's")
     p.add_argument("--compile-cache", type=pathlib.Path, default=None,
                    help="JAX persistent compilation cache directory (default: in the model cache; 'none' disables)")
     p.add_argument("--coordinator", metavar="HOST:PORT",
@@ -315,6 +319,7 @@ def build_configs(args: argparse.Namespace, environ: dict[str, str] | os._Enviro
         chat_template=load_template(args.chat_template) if args.chat_template is not None else None,
         tool_call_parser=args.tool_call_parser,
         reasoning_format=args.reasoning_format,
+        pooling=args.pooling,
         log_level=args.log_level,
     )
     return engine_config, server_config

@@ -39,8 +39,8 @@ from starlette.routing import Route
 from model.chat_template import render_chat
 from scheduler.gc_pauses import GcSnapshot
 from scheduler.requests import RequestTiming
-from scheduler.types import Constraint, EngineStats
-from server import messages_api, reasoning, responses_api, tool_calls
+from scheduler.types import Constraint, EngineStats, GenerationRequest
+from server import embeddings_api, messages_api, reasoning, responses_api, tool_calls
 from server.asgi import ApiKeyAuth, BodyLimit, ErrorBoundary, EventStreamResponse, HttpMetricsMiddleware, unless_disconnected
 from server.config import ServerConfig
 from server.errors import ApiError, error_response, invalid, json_response
@@ -412,6 +412,29 @@ async def chat_completions(request: Request) -> Response:
     return await _generate(request, parse_chat)
 
 
+async def embeddings(request: Request) -> Response:
+    """OpenAI's embeddings (server/embeddings_api.py)."""
+    body = await _json_body(request)
+    parsed = embeddings_api.parse(body)
+    state = request.app.state
+    engine, ready = state.holder.require_ready()
+    info, limits = ready.info, ready.limits
+    size = info.get("embedding_length")
+    if parsed.dimensions is not None and size is not None and parsed.dimensions > size:
+        raise invalid(f"'dimensions' must be at most the model's {size}", "dimensions")
+    tokens = embeddings_api.tokens_of(parsed, engine.tokenizer, limits.max_context, limits.vocab_size)
+    pooling = state.config.pooling if state.config.pooling != "auto" else info.get("pooling") or "last"
+    request_id = "embd-" + uuid.uuid4().hex
+    requests = [GenerationRequest(f"{request_id}-{i}", ids, 0, pooling=pooling) for i, ids in enumerate(tokens)]
+    work = embeddings_api.embed(engine, requests, max(1, int(info.get("num_slots", 1))))
+    is_done, vectors = await unless_disconnected(request.receive, work)
+    if not is_done or vectors is None:
+        log.info("client left before %s finished", request_id)
+        return Response(status_code=CLIENT_CLOSED)
+    vectors = [embeddings_api.finish(v, parsed.dimensions, parsed.norm) for v in vectors]
+    return json_response(embeddings_api.render(parsed, vectors, sum(map(len, tokens)), state.config.model_name))
+
+
 async def health(request: Request) -> Response:
     state = request.app.state
     status, body = state.holder.health()
@@ -575,6 +598,8 @@ ROUTES = (
     Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
     Route("/responses/{response_id}", get_response, methods=["GET"]),
     Route("/responses/{response_id}", delete_response, methods=["DELETE"]),
+    Route("/v1/embeddings", embeddings, methods=["POST"]),
+    Route("/embeddings", embeddings, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/apply-template", apply_template, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),

@@ -22,6 +22,7 @@ class ServerConfig:
     chat_template: str | None = None  # template text from --chat-template; None: the GGUF's
     tool_call_parser: str = "auto"  # --tool-call-parser: server/tool_calls.py's CHOICES
     reasoning_format: str = "auto"  # --reasoning-format: server/reasoning.py's CHOICES
+    pooling: str = "auto"  # --pooling: /v1/embeddings' (server/embeddings_api.py); auto: the GGUF's, else last
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
     max_choices: int = 64  # prompts x n per request
     shutdown_grace_s: float = 10.0  # open streams get this long to finish on SIGINT/SIGTERM
@@ -45,5 +46,7 @@ class ServerConfig:
             raise ValueError(f"tool call parser must be one of {', '.join(tool_calls.CHOICES)}")
         if self.reasoning_format not in reasoning.CHOICES:
             raise ValueError(f"reasoning format must be one of {', '.join(reasoning.CHOICES)}")
+        if self.pooling not in ("auto", "mean", "last"):
+            raise ValueError(f"pooling must be auto, mean or last, got {self.pooling!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log level must be one of {', '.join(LOG_LEVELS)}")

@@ -153,7 +153,7 @@ class Fields:
 
 def parse_completion(body: Any, max_choices: int) -> ParsedRequest:
     fields = _require_object(body)
-    prompts = _parse_prompts(fields.raw("prompt"))
+    prompts = parse_prompts(fields.raw("prompt"))
     if fields.string("suffix"):
         raise invalid("'suffix' is not supported", "suffix")
     logprobs = fields.integer("logprobs", None, 0, MAX_TOP_LOGPROBS)
@@ -286,25 +286,27 @@ def _check_choices(count: int, max_choices: int) -> None:
         raise invalid(f"prompts x n is {count}; this server takes at most {max_choices} per request", "n")
 
 
-def _parse_prompts(value: Any) -> tuple[Prompt, ...]:
+def parse_prompts(value: Any, name: str = "prompt") -> tuple[Prompt, ...]:
+    """A `prompt` (completions) or `input` (embeddings): a string, an array of strings, of token
+    ids (one prompt) or of token id arrays."""
     if value is None:
-        raise invalid("'prompt' is required", "prompt")
+        raise invalid(f"'{name}' is required", name)
     if isinstance(value, str):
         return (value,)
     if not isinstance(value, list) or not value:
-        raise invalid("'prompt' must be a string, a non-empty array of strings or of token ids", "prompt")
+        raise invalid(f"'{name}' must be a string, a non-empty array of strings or of token ids", name)
     if all(_is_int(x) for x in value):
-        return (_token_ids(value, "prompt"),)
+        return (_token_ids(value, name),)
     if all(isinstance(x, str) for x in value):
         return tuple(value)
     if all(isinstance(x, list) for x in value):
         out = []
         for i, ids in enumerate(value):
             if not ids or not all(_is_int(x) for x in ids):
-                raise invalid("each token id list must be a non-empty array of integers", f"prompt[{i}]")
-            out.append(_token_ids(ids, f"prompt[{i}]"))
+                raise invalid("each token id list must be a non-empty array of integers", f"{name}[{i}]")
+            out.append(_token_ids(ids, f"{name}[{i}]"))
         return tuple(out)
-    raise invalid("'prompt' must be a string, an array of strings, of token ids or of token id arrays", "prompt")
+    raise invalid(f"'{name}' must be a string, an array of strings, of token ids or of token id arrays", name)
 
 
 def _token_ids(ids: list[int], param: str) -> tuple[int, ...]:

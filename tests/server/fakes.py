@@ -19,6 +19,7 @@ import json
 from typing import Any, Callable
 
 import httpx
+import numpy as np
 from starlette.applications import Starlette
 
 from scheduler.requests import RequestTiming
@@ -121,6 +122,23 @@ def script_reply(request: GenerationRequest, reply: str) -> list[StreamEvent]:
     return events
 
 
+EMBEDDING_LENGTH = 4
+
+
+def fake_embedding(tokens: tuple[int, ...] | list[int], pooling: str) -> np.ndarray:
+    """The fake engine's pooled vector of a prompt: its mean token id (mean) or last (last), its
+    length, and two constants."""
+    first = float(np.mean(tokens)) if pooling == "mean" else float(tokens[-1])
+    return np.asarray([first, len(tokens), 3.0, -4.0], np.float32)
+
+
+def embedding_event(request: GenerationRequest) -> StreamEvent:
+    """An embedding request's one event (GenerationRequest.pooling)."""
+    n = len(request.prompt_tokens)
+    return StreamEvent(finish_reason="length", prompt_tokens=n, embedding=fake_embedding(request.prompt_tokens, request.pooling),
+                       timings=Timings(prompt_n=n, cache_n=0, prompt_ms=5.0, predicted_n=0, predicted_ms=None))
+
+
 class FakeStream:
     def __init__(self, request_id: str, events: list[StreamEvent], hold: bool, on_cancel: Callable[[], None]) -> None:
         self.request_id = request_id
@@ -220,6 +238,8 @@ class FakeEngine:
             "max_context": self.max_context,
             "max_top_logprobs": self.max_top_logprobs,
             "kernels": {"attention": "reference"},
+            "embedding_length": EMBEDDING_LENGTH,
+            "pooling": None,
         }
 
     def submit(self, request: GenerationRequest) -> FakeStream:
@@ -231,7 +251,12 @@ class FakeEngine:
             self.rejected += 1
             raise QueueFullError(retry_after_s=2.5)
         self.requests.append(request)
-        events = self.script(request) if self.script else script_reply(request, self.reply)
+        if self.script:
+            events = self.script(request)
+        elif request.pooling is not None:
+            events = [embedding_event(request)]
+        else:
+            events = script_reply(request, self.reply)
         on_cancel = functools.partial(self._finished, request, "cancelled", 1)
         stream = FakeStream(request.request_id, events, self.hold, on_cancel)
         self.streams.append(stream)

@@ -9,6 +9,7 @@ import json
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -321,3 +322,27 @@ def test_min_tokens_holds_the_end_back(client):
     assert longer.choices[0].message.content.startswith(short.choices[0].message.content)
     with pytest.raises(openai.BadRequestError, match="min_tokens"):
         client.chat.completions.create(**{**kwargs, "max_tokens": 5}, extra_body={"min_tokens": 6})
+
+
+def test_embeddings_are_the_same_alone_and_in_a_batch_and_follow_the_pooling(server, client):
+    """OpenAI's SDK (base64 by default) against the real model: unit vectors of the model's
+    576 values, each input's the same alone and beside the others (more inputs than slots: the
+    batch waits for its own), the prompt tokens counted as /tokenize counts them; with
+    normalization off, the raw pooled vector in the same direction (model/test_runner.py checks
+    its values against a whole prefill)."""
+    texts = ["The cat sat on the mat.", "Quarterly revenue grew by five percent.", "Paris is in France.",
+             "A list:", "x " * 300, "Hello", "def f(x): return x", "Once upon a time"]
+    batch = client.embeddings.create(model="m", input=texts)
+    assert [d.index for d in batch.data] == list(range(len(texts)))
+    vectors = np.asarray([d.embedding for d in batch.data])
+    assert vectors.shape == (len(texts), 576)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
+    alone = client.embeddings.create(model="m", input=texts[2]).data[0].embedding
+    np.testing.assert_array_equal(np.asarray(alone, np.float32), vectors[2].astype(np.float32))
+    assert batch.usage.prompt_tokens == sum(len(_post(server, "/tokenize", {"content": t, "add_special": True})["tokens"])
+                                           for t in texts)
+    raw = _post(server, "/v1/embeddings", {"input": texts[:2], "embd_normalize": -1})["data"]
+    assert all(np.linalg.norm(d["embedding"]) > 1 for d in raw)
+    np.testing.assert_allclose(raw[0]["embedding"] / np.linalg.norm(raw[0]["embedding"]), vectors[0], rtol=1e-5,
+                               atol=1e-6)
+    assert np.abs(vectors[0] - vectors[1]).max() > 1e-2
