@@ -414,25 +414,29 @@ async def chat_completions(request: Request) -> Response:
 
 async def embeddings(request: Request) -> Response:
     """OpenAI's embeddings (server/embeddings_api.py)."""
-    body = await _json_body(request)
-    parsed = embeddings_api.parse(body)
+    entered = time.perf_counter()
+    parsed = embeddings_api.parse(await _json_body(request))
     state = request.app.state
     engine, ready = state.holder.require_ready()
     info, limits = ready.info, ready.limits
     size = info.get("embedding_length")
     if parsed.dimensions is not None and size is not None and parsed.dimensions > size:
         raise invalid(f"'dimensions' must be at most the model's {size}", "dimensions")
-    tokens = embeddings_api.tokens_of(parsed, engine.tokenizer, limits.max_context, limits.vocab_size)
+    # (off the event loop: a batch of 2,048 texts, and its response, would stall every stream)
+    tokens = await asyncio.to_thread(embeddings_api.tokens_of, parsed, engine.tokenizer, limits.max_context,
+                                     limits.vocab_size)
     pooling = state.config.pooling if state.config.pooling != "auto" else info.get("pooling") or "last"
-    request_id = "embd-" + uuid.uuid4().hex
-    requests = [GenerationRequest(f"{request_id}-{i}", ids, 0, pooling=pooling) for i, ids in enumerate(tokens)]
+    response_id = "embd-" + uuid.uuid4().hex
+    requests = [GenerationRequest(f"{response_id}-{i}", ids, 0, pooling=pooling) for i, ids in enumerate(tokens)]
+    state.metrics.http_admit.observe(time.perf_counter() - entered)
     work = embeddings_api.embed(engine, requests, max(1, int(info.get("num_slots", 1))))
-    is_done, vectors = await unless_disconnected(request.receive, work)
-    if not is_done or vectors is None:
-        log.info("client left before %s finished", request_id)
+    is_done, pooled = await unless_disconnected(request.receive, work)
+    if not is_done or pooled is None:
+        log.info("client left before %s finished", response_id)
         return Response(status_code=CLIENT_CLOSED)
-    vectors = [embeddings_api.finish(v, parsed.dimensions, parsed.norm) for v in vectors]
-    return json_response(embeddings_api.render(parsed, vectors, sum(map(len, tokens)), state.config.model_name))
+    body = await asyncio.to_thread(embeddings_api.respond, parsed, pooled, sum(map(len, tokens)),
+                                   state.config.model_name, response_id)
+    return Response(body, media_type="application/json")
 
 
 async def health(request: Request) -> Response:
@@ -534,6 +538,8 @@ async def tokenize(request: Request) -> Response:
         tokens = tokenizer.encode(content, add_bos=None if add_special else False, parse_special=parse_special)
     except ValueError as e:  # e.g. a byte the vocabulary cannot represent
         raise invalid(f"cannot tokenize the content: {e}", name) from None
+    if add_special and getattr(tokenizer, "add_eos", False):  # (llama.cpp's: the file's add_eos_token)
+        tokens = [*tokens, tokenizer.eos_id]
     if with_pieces:
         return json_response({"tokens": [{"id": t, "piece": _piece(tokenizer.token_bytes(t))} for t in tokens]})
     return json_response({"tokens": list(tokens)})

@@ -2,8 +2,8 @@
 `--embeddings` and vLLM's pooling runner give it.
 
 Each input is one engine request with `pooling` set and max_tokens 0: its prompt is prefilled
-whole in scored chunks (model/runner.py), which also pool the last layer's normed hidden states
-(the rows the output head reads), and its one event carries the mean over the prompt's tokens or
+whole in chunks whose programs also pool the last layer's normed hidden states (the rows the
+output head reads; model/runner.py), and its one event carries the mean over the prompt's tokens or
 the last token's (`--pooling`; the GGUF's `{arch}.pooling_type` where it names one, else last,
 vLLM's default for a decoder). Here the vector is cut to `dimensions` and normalized
 (`embd_normalize`, llama-server's: Euclidean by default) and rendered as floats or base64.
@@ -21,15 +21,15 @@ import asyncio
 import base64
 import dataclasses
 import math
+import json
 import time
-import uuid
 from typing import Any
 
 import numpy as np
 
 from scheduler.types import (
     FINISH_ERROR, EngineUnavailableError, GenerationRequest, QueueFullError, RequestValidationError, StreamEvent)
-from server.errors import RATE_LIMIT, ApiError, invalid
+from server.errors import RATE_LIMIT, SERVER_ERROR, ApiError, invalid
 from server.generation import finish_error, unavailable
 from server.openai_api import Fields, parse_prompts
 
@@ -37,6 +37,7 @@ MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
 QUEUE_WAIT_S = 30.0  # how long a batch waits for the others' requests to leave room in the queue
 POLL_S = 0.05
 ENCODINGS = ("float", "base64")
+MAX_P_NORM = 64  # embd_normalize's largest p-norm (a larger one overflows: use 0, the max-abs scaling)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +61,7 @@ def parse(body: Any) -> EmbeddingRequest:
     encoding = fields.string("encoding_format") or "float"
     if encoding not in ENCODINGS:
         raise invalid(f"'encoding_format' must be one of {', '.join(ENCODINGS)}", "encoding_format")
-    norm = fields.integer("embd_normalize", 2, lo=-1)
+    norm = fields.integer("embd_normalize", 2, lo=-1, hi=MAX_P_NORM)
     if not fields.boolean("normalize", True):  # vLLM's
         norm = -1
     truncate = fields.integer("truncate_prompt_tokens", None, lo=-1)
@@ -78,27 +79,34 @@ def parse(body: Any) -> EmbeddingRequest:
 
 
 def tokens_of(parsed: EmbeddingRequest, tokenizer: Any, max_context: int, vocab_size: int) -> list[tuple[int, ...]]:
-    """Each input's tokens: text with the model's special tokens (as llama.cpp adds them: BOS by
-    the file's policy, EOS where it says add_eos_token), token ids as given; cut to
-    `truncate_prompt_tokens`, and no longer than the context less one position."""
-    most = max_context - 1  # (the scored prefill's one position past the prompt)
-    keep = most if parsed.truncate == -1 else parsed.truncate
+    """Each input's tokens: text with the model's special tokens as llama.cpp adds them (BOS by
+    the file's policy; EOS where it says add_eos_token, unless the text already ends in it), token
+    ids as given; `truncate_prompt_tokens` keeps the last tokens of the text, its special tokens
+    counted in (vLLM's); no longer than the context less one position."""
+    most = max_context - 1  # (as any prompt: a position is left for the token its prefill samples)
+    keep = None if parsed.truncate is None else min(most if parsed.truncate == -1 else parsed.truncate, most)
+    eos = tokenizer.eos_id if parsed.add_special and getattr(tokenizer, "add_eos", False) else None
     out = []
     for i, item in enumerate(parsed.inputs):
         name = "input" if len(parsed.inputs) == 1 else f"input[{i}]"
         if isinstance(item, str):
+            if not item:
+                raise invalid("the input is an empty string", name)
             try:
-                ids = tokenizer.encode(item, add_bos=None if parsed.add_special else False, parse_special=True)
+                body = tokenizer.encode(item, add_bos=False, parse_special=True)
+                bos = tokenizer.encode("", add_bos=None) if parsed.add_special else []
             except ValueError as e:
                 raise invalid(f"cannot tokenize the input: {e}", name) from None
-            if parsed.add_special and getattr(tokenizer, "add_eos", False):
-                ids = [*ids, tokenizer.eos_id]
+            tail = [eos] if eos is not None and body[-1:] != [eos] else []
+            if keep is not None:
+                body = body[max(0, len(body) - max(0, keep - len(bos) - len(tail))):]
+            ids = [*bos, *body, *tail][-keep:] if keep is not None else [*bos, *body, *tail]
         else:
             ids = list(item)
             if max(ids) >= vocab_size:
                 raise invalid(f"token ids must be in [0, {vocab_size})", name)
-        if keep is not None:
-            ids = ids[-min(keep, most):]
+            if keep is not None:
+                ids = ids[-keep:]
         if not ids:
             raise invalid("the input is empty (no tokens)", name)
         if len(ids) > most:
@@ -124,14 +132,24 @@ def finish(vector: np.ndarray, dimensions: int | None, norm: int) -> np.ndarray:
     return (v / total if total > 0 else v * 0.0).astype(np.float32)
 
 
-def render(parsed: EmbeddingRequest, vectors: list[np.ndarray], prompt_tokens: int, model: str) -> dict[str, Any]:
+def respond(parsed: EmbeddingRequest, pooled: list[np.ndarray], prompt_tokens: int, model: str,
+            response_id: str) -> bytes:
+    """The response body: each vector finished (`finish`) and rendered (`render`), as JSON bytes;
+    meant for a worker thread (2,048 vectors of 4,096 floats are about 160 MB of JSON)."""
+    vectors = [finish(v, parsed.dimensions, parsed.norm) for v in pooled]
+    body = render(parsed, vectors, prompt_tokens, model, response_id)
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def render(parsed: EmbeddingRequest, vectors: list[np.ndarray], prompt_tokens: int, model: str,
+           response_id: str) -> dict[str, Any]:
     data = []
     for i, v in enumerate(vectors):
         value: Any = (base64.b64encode(v.astype("<f4").tobytes()).decode() if parsed.encoding_format == "base64"
                       else v.tolist())
         data.append({"object": "embedding", "index": i, "embedding": value})
     return {
-        "id": "embd-" + uuid.uuid4().hex,
+        "id": response_id,
         "object": "list",
         "created": int(time.time()),
         "model": parsed.model or model,
@@ -166,7 +184,8 @@ async def embed(engine: Any, requests: list[GenerationRequest], window: int) -> 
                     waited_since = waited_since or time.monotonic()
                     break
                 except RequestValidationError as e:
-                    raise invalid(str(e), "input" if e.field == "prompt" else e.field) from None
+                    name = "input" if len(requests) == 1 else f"input[{nxt}]"
+                    raise invalid(str(e), name if e.field == "prompt" else e.field) from None
                 except EngineUnavailableError as e:
                     raise unavailable(str(e) or "the engine is not available") from None
                 waited_since = None
@@ -176,14 +195,16 @@ async def embed(engine: Any, requests: list[GenerationRequest], window: int) -> 
                 await asyncio.sleep(POLL_S)
                 continue
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            waited_since = None  # room of its own: the wait for the others' starts over
             for task in done:
                 i, _ = running.pop(task)
                 event = task.result()
                 error = _error(engine, event)
                 if error is not None:
                     raise error
-                if event.embedding is None:
-                    raise ApiError(500, "the engine returned no embedding", type="server_error", code="engine_error")
+                if event.embedding is None or not np.isfinite(event.embedding).all():
+                    what = "no embedding" if event.embedding is None else "an embedding with NaN or infinite values"
+                    raise ApiError(500, f"the engine returned {what}", type=SERVER_ERROR, code="engine_error")
                 out[i] = event.embedding
     finally:
         for task, (_, stream) in running.items():

@@ -4,15 +4,17 @@ dimensions, base64, the window of requests in the engine, a full queue and a fai
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import time
 
 import httpx
 import numpy as np
 import pytest
 
-from scheduler.types import QueueFullError, StreamEvent
+from scheduler.types import QueueFullError, RequestValidationError, StreamEvent
 from server import embeddings_api
-from tests.server.fakes import BOS, EOS, FakeEngine, client_for, fake_embedding, make_app, tok
+from tests.server.fakes import BOS, EOS, FakeEngine, client_for, embedding_event, fake_embedding, make_app, tok
 
 pytestmark = pytest.mark.anyio
 
@@ -89,10 +91,15 @@ async def test_special_tokens_truncation_and_the_servers_pooling(engine: FakeEng
         await client.post("/v1/embeddings", json={"input": "ab", "add_special_tokens": False})
         await client.post("/v1/embeddings", json={"input": "abcdef", "truncate_prompt_tokens": 3})
         r = await client.post("/v1/embeddings", json={"input": "x" * 100, "truncate_prompt_tokens": -1})
+        await client.post("/v1/embeddings", json={"input": "ab</s>"})  # ends in EOS already: not twice
+        counted = await client.post("/tokenize", json={"content": "ab", "add_special": True})
     assert r.status_code == 200, r.text
     prompts = [r.prompt_tokens for r in engine.requests]
-    assert prompts[:3] == [(BOS, *tok("ab"), EOS), tuple(tok("ab")), (*tok("ef"), EOS)]
-    assert len(prompts[3]) == engine.max_context - 1 and prompts[3][-1] == EOS
+    # truncation keeps the special tokens, counted in the three (vLLM's)
+    assert prompts[:3] == [(BOS, *tok("ab"), EOS), tuple(tok("ab")), (BOS, *tok("f"), EOS)]
+    assert len(prompts[3]) == engine.max_context - 1 and prompts[3][:2] == (BOS, *tok("x")) and prompts[3][-1] == EOS
+    assert prompts[4] == (BOS, *tok("ab"), EOS)
+    assert counted.json()["tokens"] == list(prompts[0])  # /tokenize counts as the embeddings do
     assert {r.pooling for r in engine.requests} == {"mean"}
 
 
@@ -106,6 +113,8 @@ async def test_special_tokens_truncation_and_the_servers_pooling(engine: FakeEng
     ({"input": [10**6]}, "input"),
     ({"input": ["fine", "x" * 100]}, "input[1]"),
     ({"input": "", "add_special_tokens": False}, "input"),
+    ({"input": ["a", ""]}, "input[1]"),
+    ({"input": "a", "embd_normalize": 10**400}, "embd_normalize"),
     ({"input": ["a"] * 2049}, "input"),
     ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
     ({"input": "a", "dimensions": 0}, "dimensions"),
@@ -169,3 +178,42 @@ async def test_a_failed_input_fails_the_request_and_cancels_the_rest(engine: Fak
         r = await client.post("/v1/embeddings", json={"input": ["fine", "bad!", "never"]})
     assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
     assert len(engine.requests) == 2 and engine.streams[0].is_cancelled  # the window held "never" back
+
+
+async def test_the_wait_for_room_starts_when_none_of_the_batch_is_left(engine: FakeEngine, monkeypatch) -> None:
+    """The queue is full for the second input while the first runs longer than QUEUE_WAIT_S:
+    the batch waits for its own first, then for the others' only as long as QUEUE_WAIT_S."""
+    monkeypatch.setattr(embeddings_api, "QUEUE_WAIT_S", 0.2)
+    monkeypatch.setattr(embeddings_api, "POLL_S", 0.01)
+    engine.hold = True  # the first's first event, a blank one, then nothing until the test sends its end
+    engine.script = lambda request: [StreamEvent(), embedding_event(request)]
+    submit, full = FakeEngine.submit, {"until": None}
+
+    def slow_first(request):
+        if not engine.requests:
+            return submit(engine, request)  # held: runs until the test ends it
+        if full["until"] is None or time.monotonic() < full["until"]:
+            raise QueueFullError(1.0)
+        engine.hold = False
+        return submit(engine, request)
+
+    engine.submit = slow_first  # type: ignore[method-assign]
+    async with client_for(make_app(engine)) as client:
+        task = asyncio.ensure_future(client.post("/v1/embeddings", json={"input": ["a", "b"]}))
+        await asyncio.sleep(0.4)  # twice QUEUE_WAIT_S with the first still running
+        full["until"] = time.monotonic() + 0.1  # the others' requests leave room in 0.1 s
+        engine.streams[0]._queue.put_nowait(embedding_event(engine.requests[0]))
+        r = await task
+    assert r.status_code == 200, r.text
+    assert len(engine.requests) == 2
+
+
+async def test_an_engine_error_at_an_input_names_it_and_a_nan_vector_is_a_500(engine: FakeEngine) -> None:
+    async with client_for(make_app(engine)) as client:
+        engine.submit_error = RequestValidationError("prompt token ids must be in [0, 9)", "prompt")
+        r = await client.post("/v1/embeddings", json={"input": ["a", "b"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input[0]"
+        engine.submit_error = None
+        engine.script = lambda request: [StreamEvent(finish_reason="length", embedding=np.full(4, np.nan, np.float32))]
+        r = await client.post("/v1/embeddings", json={"input": "a"})
+        assert r.status_code == 500 and "NaN" in r.json()["error"]["message"]
