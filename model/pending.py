@@ -50,25 +50,21 @@ class _Pending:
 
     def _fill_prefill(self, out: StepOutput, prefill_out: np.ndarray, chunk: PrefillChunk) -> None:
         """A chunk's sampled first token into `out` (its slot, then `_pack_outputs`' row;
-        nothing where not is_last), and a scored or pooled chunk's (`_prefill_step`) into its scores."""
+        nothing where not is_last), and a scored chunk's rows (`_prefill_step`) into its scores."""
         width = 3 + 2 * self._num_top
         slot = int(prefill_out[0])
         tok, is_last, lp, top_ids, top_lps = _unpack_outputs(prefill_out[1:1 + width])
         if is_last:
             out.tokens[slot], out.valid[slot], out.logprobs[slot] = tok, True, lp
             out.top_ids[slot], out.top_logprobs[slot] = top_ids, top_lps
-        if not (chunk.score or chunk.pool):
-            return
-        at = 1 + width
-        pooled = np.array(prefill_out[at + 1:at + 1 + int(prefill_out[at])], np.int32).view(np.float32)
-        total, last = np.split(pooled, 2)
-        lps, ranks = np.zeros((0,), np.float32), np.zeros((0,), np.int32)
-        ids, top = np.zeros((0, self._num_top), np.int32), np.zeros((0, self._num_top), np.float32)
         if chunk.score:  # the last chunk's last row predicts the sampled token: not a prompt token's
+            at = 1 + width
+            pooled = np.array(prefill_out[at + 1:at + 1 + int(prefill_out[at])], np.int32).view(np.float32)
             rows = prefill_out[at + 1 + len(pooled):].reshape(-1, width)[:len(chunk.tokens) - chunk.is_last]
             _, _, lps, ids, top = _unpack_outputs(rows)
-            ranks = rows[:, 1].copy()
-        out.scores.append(PromptScores(slot, chunk.start_pos + 1, lps, ranks, ids, top, total, last, len(chunk.tokens)))
+            total, last = np.split(pooled, 2)
+            out.scores.append(PromptScores(slot, chunk.start_pos + 1, lps, rows[:, 1].copy(), ids, top, total, last,
+                                           len(chunk.tokens)))
 
     def results(self) -> list[StepOutput]:
         if self._results is not None:
@@ -109,10 +105,10 @@ class _Pending:
         yield from self._prefill_parts()
 
     def _prefill_parts(self):
-        """`parts()`' tail: each chunk that ends its prompt, its first token, and each scored or
-        pooled chunk, its scores (a chunk that does not end its prompt: for no slot's token)."""
+        """`parts()`' tail: each chunk that ends its prompt, its first token, and each scored
+        chunk, its scores (a chunk that does not end its prompt: for no slot's token)."""
         for chunk, prefill_out in zip(self._prefills, self._prefill_outs):
-            if not (chunk.is_last or chunk.score or chunk.pool):
+            if not chunk.is_last and not chunk.score:
                 continue  # samples nothing: no wait
             out = self._empty()
             self._fill_prefill(out, jax.device_get(prefill_out), chunk)

@@ -243,12 +243,11 @@ def _copy_prefix(span: int, layers: int, params, cache: KVCache, st: SlotState, 
 def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, samp_layout: transfer.WordsLayout,
                   params, cache, st: SlotState, args, *, score: bool = False):
     """One prompt chunk (`prefill_args`); returns (cache, state, the sampling arrays it unpacked
-    for the decode programs after it, its outputs: the slot, the sampled token's `_pack_outputs`
-    row, the length of `forward.pooled_hidden`'s two vectors (2E) and their f32 bits).
-    `score` (a scored chunk, PrefillChunk.score): `args` ends with the prompt's token after the
-    chunk (-1: none), and the outputs go on with each row's `forward.token_scores` of the token
-    after it (`_pack_outputs`' columns: the token, its rank, its logprob, the top ids and
-    logprobs), row by row."""
+    for the decode programs after it, its outputs). `score` (a scored chunk, PrefillChunk.score):
+    `args` ends with the prompt's token after the chunk (-1: none), and the outputs go on with
+    the length of `forward.pooled_hidden`'s two vectors (2E), their f32 bits, then each row's
+    `forward.token_scores` of the token after it (`_pack_outputs`' columns: the token, its
+    rank, its logprob, the top ids and logprobs), row by row."""
     words = transfer.words_size(samp_layout)
     vocab, s = st.prompt_mask.shape[1], st.history.shape[1]
     slot, start, num_valid, is_last, reused = args[0], args[1], args[2], args[3] != 0, args[4]
@@ -287,16 +286,15 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
         step_index=st.step_index.at[slot].set(row_step + is_last.astype(jnp.int32)),
         history=st.history.at[slot].set(row_history),
     )
-    # (pooled for embeddings in every chunk: a norm over the chunk's rows and 2E values more to copy)
-    pooled = jax.lax.bitcast_convert_type(jnp.concatenate(forward.pooled_hidden(cfg, kern, params, x, num_valid)),
-                                          jnp.int32)
-    out = jnp.concatenate([slot[None], _pack_outputs(tok, is_last, lp[0], top_ids[0], top_lps[0]),
-                           jnp.asarray([pooled.shape[0]], jnp.int32), pooled])
+    out = jnp.concatenate([slot[None], _pack_outputs(tok, is_last, lp[0], top_ids[0], top_lps[0])])
     if score:
         targets = jnp.where(jnp.arange(t) == num_valid - 1, next_token, jnp.roll(tokens, -1))
         targets = jnp.clip(targets, 0, vocab - 1)  # past the prompt: scored, never read
         lps, ranks, ids, top = forward.token_scores(cfg, kern, params, x, targets, num_top)
-        out = jnp.concatenate([out, _pack_outputs(targets, ranks, lps, ids, top).reshape(-1)])
+        pooled = jax.lax.bitcast_convert_type(jnp.concatenate(forward.pooled_hidden(cfg, kern, params, x, num_valid)),
+                                              jnp.int32)
+        out = jnp.concatenate([out, jnp.asarray([pooled.shape[0]], jnp.int32), pooled,
+                               _pack_outputs(targets, ranks, lps, ids, top).reshape(-1)])
     return cache, st, samp, out
 
 

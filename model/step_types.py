@@ -108,9 +108,7 @@ class PrefillChunk:
     predict, positions start_pos + 1 through start_pos + len(tokens), the last of them
     `next_token` (the prompt's token after the chunk); the prompt's last chunk has none
     (`next_token` -1: the token after the prompt is sampled, not scored), so its scores end at
-    the prompt's last position. `pool` (embeddings): the step's output holds the chunk's
-    `PromptScores` with its normed hidden states pooled (`hidden_*`), its logprob arrays empty
-    unless it is scored too; any chunk's program pools them, so this asks only to read them.
+    the prompt's last position.
     """
 
     slot: int
@@ -120,7 +118,6 @@ class PrefillChunk:
     reused: int = 0
     score: bool = False
     next_token: int = -1
-    pool: bool = False
 
     def __post_init__(self) -> None:
         if self.score and (self.next_token < 0) != self.is_last:
@@ -190,7 +187,7 @@ class PromptScores:
     top_ids: np.ndarray  # [n, max_top_logprobs] int32, descending
     top_logprobs: np.ndarray  # [n, max_top_logprobs] f32
     # the chunk's rows' last hidden states after the output norm (what the output head reads), for
-    # pooled embeddings (PrefillChunk.pool): their sum over the chunk's tokens, and its last token's
+    # pooled embeddings: their sum over the chunk's tokens, and its last token's; None: not given
     hidden_sum: np.ndarray | None = None  # [E] f32, over the chunk's hidden_tokens tokens from position first - 1
     hidden_last: np.ndarray | None = None  # [E] f32
     hidden_tokens: int = 0

@@ -109,7 +109,7 @@ class _Shutdown:
 
 class _Rows(dict):
     """A dispatched step's {slot: request} of the rows it samples, and in `scored` those of its
-    scored or pooled prompt chunks (PrefillChunk.score, .pool), as the slots were when it was planned."""
+    scored prompt chunks (PrefillChunk.score), as the slots were when it was planned."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -544,7 +544,7 @@ class Engine:
             state = self._waiting[0]
             request = state.request
             slot, reused, src = self._prompts.pick_slot(state.prompt, request.cache_salt,
-                                                        request.cache_prompt and not state.reads_prompt, free)
+                                                        request.cache_prompt and not state.scores_prompt, free)
             if self._chunk_cost(min(self._chunk_sizes[-1], state.num_prompt - reused), state) > budget:
                 break
             self._waiting.popleft()
@@ -617,10 +617,9 @@ class Engine:
             budget -= cost
             tokens = state.prompt[start:end]
             scored = dict(score=True, next_token=-1 if is_last else int(state.prompt[end])) if state.scores_prompt else {}
-            if state.reads_prompt:
+            if scored:
                 rows.scored[state.slot] = state
-            prefills.append(PrefillChunk(state.slot, tokens, start, is_last, state.num_reused,
-                                         pool=state.request.pooling is not None, **scored))
+            prefills.append(PrefillChunk(state.slot, tokens, start, is_last, state.num_reused, **scored))
             # held since admission: [0, start), the chunks before this one; an embedding's are not, so its
             # slot holds nothing and is the next request's first pick: a batch of them keeps to the same
             # slots instead of evicting every chat's prefix

@@ -72,6 +72,9 @@ def validate_request(
                                      "request may generate (max_tokens, or what the context leaves)", "min_tokens")
     if any(not 0 <= token < vocab for token, _ in sampling.logit_bias):
         raise RequestValidationError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
+    if request.pooling is not None and not scores_prompts:
+        raise RequestValidationError("embeddings need the scored prompt programs, off on this server "
+                                     "(--no-prompt-logprobs)", "input")
     if request.prompt_logprobs is not None and not scores_prompts:
         raise RequestValidationError("prompt logprobs are off on this server (--no-prompt-logprobs)", "prompt_logprobs")
     if (request.prompt_logprobs or 0) > max_top_logprobs:
@@ -212,13 +215,9 @@ class RequestState:
 
     @property
     def scores_prompt(self) -> bool:
-        """Its prompt chunks are scored (PrefillChunk.score): prompt logprobs."""
-        return self.request.prompt_logprobs is not None
-
-    @property
-    def reads_prompt(self) -> bool:
-        """Each of its prompt chunks reports back (PromptScores): scored, or pooled for an
-        embedding (PrefillChunk.pool); its prompt is prefilled whole, reusing no cached prefix."""
+        """Its prompt chunks are scored (PrefillChunk.score), which also pools their hidden
+        states: prompt logprobs, or an embedding; its prompt is prefilled whole, reusing no
+        cached prefix."""
         return self.request.prompt_logprobs is not None or self.request.pooling is not None
 
     def add_scores(self, scores: PromptScores) -> None:

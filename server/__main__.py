@@ -134,8 +134,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
                    help="prefill every prompt whole, rather than reuse the whole chunks a free slot's cache "
                         "holds of its start (the same tokens either way; for A/B measurements)")
     p.add_argument("--no-prompt-logprobs", dest="prompt_logprobs", action="store_false",
-                   help="refuse prompt logprobs (echo with logprobs, prompt_logprobs) and save the compiles of their "
-                        "prefill program (two per context bucket)")
+                   help="refuse prompt logprobs (echo with logprobs, prompt_logprobs) and embeddings, and save the "
+                        "compiles of their prefill program (two per context bucket)")
     p.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                    help="leave the heap loading built to Python's cyclic GC (by default it is frozen after warm-up, "
                         "so that full collections, which stall every thread, scan only what requests allocate)")

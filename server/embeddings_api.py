@@ -2,8 +2,8 @@
 `--embeddings` and vLLM's pooling runner give it.
 
 Each input is one engine request with `pooling` set and max_tokens 0: its prompt is prefilled
-whole in chunks whose programs also pool the last layer's normed hidden states (the rows the
-output head reads; model/runner.py), and its one event carries the mean over the prompt's tokens or
+whole in scored chunks, whose programs also pool the last layer's normed hidden states (the rows
+the output head reads; model/runner.py), and its one event carries the mean over the prompt's tokens or
 the last token's (`--pooling`; the GGUF's `{arch}.pooling_type` where it names one, else last,
 vLLM's default for a decoder). Here the vector is cut to `dimensions` and normalized
 (`embd_normalize`, llama-server's: Euclidean by default) and rendered as floats or base64.

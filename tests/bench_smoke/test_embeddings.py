@@ -10,7 +10,7 @@ from bench import embeddings
 
 def test_the_embeddings_bench_runs_tiny(tiny_tp_path, tmp_path):
     argv = ["--model", str(tiny_tp_path), "--max-context", "256", "--prefill-chunks", "16,64", "--slots", "2",
-            "--lengths", "10,40", "--inputs", "4", "--repeats", "1", "--no-prompt-logprobs", "--out", str(tmp_path)]
+            "--lengths", "10,40", "--inputs", "4", "--repeats", "1", "--out", str(tmp_path)]
     assert embeddings.main(argv) == 0
     (path,) = tmp_path.glob("embeddings-*.json")
     report = json.loads(path.read_text())

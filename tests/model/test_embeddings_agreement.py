@@ -1,8 +1,7 @@
-"""The pooled embeddings of the prefill (PrefillChunk.pool, PromptScores.hidden_*: the server's
+"""The pooled embeddings of the scored prefill (PromptScores.hidden_*: the server's
 /v1/embeddings) against llama.cpp's on the committed fixture (tests/fixtures/embeddings_smollm2.json,
 recorded by tests/fixtures/record_embeddings.py, which gives llama.cpp each prompt in one batch):
-llama.cpp's token ids of each prompt, prefilled here in chunks of 512 (the last in the smallest
-that holds it), as the engine plans an embedding's, pooled as the mean
+llama.cpp's token ids of each prompt, prefilled here in scored chunks of 512, pooled as the mean
 over the prompt's tokens and as its last token's, before any normalization.
 
 Native numerics (f32 here) against llama.cpp's (8-bit activations, f16 attention) move each
@@ -30,7 +29,8 @@ def pooled(smol_runner, fixtures_dir):
     for case in cases:
         ids = case["prompt_ids"]
         chunks = [PrefillChunk(6, np.asarray(ids[start:start + size], np.int32), start, start + size >= len(ids),
-                               pool=True) for start in range(0, len(ids), size)]
+                               score=True, next_token=ids[start + size] if start + size < len(ids) else -1)
+                  for start in range(0, len(ids), size)]
         total, last, n = 0.0, None, 0
         for chunk in chunks:  # one a step, as the engine's budget of 512 runs them
             setup = (SlotSetup(6, SamplingParams(temperature=0.0)),) if chunk.start_pos == 0 else ()

@@ -264,7 +264,6 @@ class FakeModel:
             self.cache[chunk.slot][chunk.start_pos:chunk.start_pos + n] = [int(t) for t in chunk.tokens]
             if chunk.score:
                 assert self.scores_prompts, "a scored chunk for a model that does not score prompts"
-            if chunk.score or chunk.pool:
                 self._score(out, chunk)
             self._pos[chunk.slot] += n
             if chunk.is_last:

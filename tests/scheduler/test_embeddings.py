@@ -1,7 +1,7 @@
 """Pooled embeddings (GenerationRequest.pooling) through the engine over the fake model
 (tests/scheduler/conftest.py), whose scored chunks pool `fake_hidden` of each prompt token: the
 mean over every prompt token or the last one's, on the final event, across chunks and steps,
-beside generating requests, with no prompt cache reuse and no scored programs."""
+beside generating requests, with no prompt cache reuse."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def test_the_whole_prompt_is_pooled_across_chunks(make_engine, fake_model_cls, p
     assert len(result.events) == 1 and result.final.finish_reason == FINISH_LENGTH
     assert result.tokens == [] and result.final.completion_tokens == 0 and result.final.prompt_tokens == 19
     np.testing.assert_allclose(result.final.embedding, _expected(prompt, pooling), rtol=1e-6)
-    assert result.final.prompt_logprobs == ()
-    assert [(c.pool, c.score) for plan in model.plans for c in plan.prefills] == [(True, False)] * 3
+    assert result.final.prompt_logprobs == ()  # scored chunks, but no logprobs asked for
+    assert sum(c.score for plan in model.plans for c in plan.prefills) == 3
     plain = run(collect_one(engine, req(prompt, 2)))
     assert plain.final.embedding is None
 
@@ -56,16 +56,11 @@ def test_embeddings_beside_generating_requests_leave_their_tokens_alone(make_eng
             assert r.tokens == alone[i].tokens and r.final.embedding is None
 
 
-def test_embeddings_need_no_scored_programs_and_generate_nothing(make_engine, fake_model_cls):
-    """Any prefill program pools: without prompt scoring, an embedding's chunks are plain ones
-    asked to report (PrefillChunk.pool) at the plain chunk sizes."""
-    prompt = list(range(65, 84))
-    engine, model = make_engine(fake_model_cls(scores_prompts=False))
-    result = run(collect_one(engine, req(prompt, 0, pooling="mean")))
-    np.testing.assert_allclose(result.final.embedding, _expected(prompt, "mean"), rtol=1e-6)
-    chunks = [c for plan in model.plans for c in plan.prefills]
-    assert [(c.start_pos, len(c.tokens), c.pool, c.score) for c in chunks] == [
-        (0, 8, True, False), (8, 8, True, False), (16, 3, True, False)]
+def test_embeddings_are_refused_without_scored_programs_or_with_tokens_to_generate(make_engine, fake_model_cls):
+    engine, _ = make_engine(fake_model_cls(scores_prompts=False))
+    with pytest.raises(RequestValidationError, match="embeddings need the scored prompt programs") as err:
+        engine.submit(req("abc", 0, pooling="last"), loop=asyncio.new_event_loop())
+    assert err.value.field == "input"
     with pytest.raises(RequestValidationError, match="generates nothing"):
         req("abc", 2, pooling="mean")
     with pytest.raises(RequestValidationError, match="pooling must be one of mean, last"):
