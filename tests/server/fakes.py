@@ -135,7 +135,8 @@ def fake_embedding(tokens: tuple[int, ...] | list[int], pooling: str) -> np.ndar
 def embedding_event(request: GenerationRequest) -> StreamEvent:
     """An embedding request's one event (GenerationRequest.pooling)."""
     n = len(request.prompt_tokens)
-    return StreamEvent(finish_reason="length", prompt_tokens=n, embedding=fake_embedding(request.prompt_tokens, request.pooling),
+    return StreamEvent(finish_reason="length", prompt_tokens=n,
+                       embedding=fake_embedding(request.prompt_tokens, request.pooling),
                        timings=Timings(prompt_n=n, cache_n=0, prompt_ms=5.0, predicted_n=0, predicted_ms=None))
 
 

@@ -339,8 +339,8 @@ def test_embeddings_are_the_same_alone_and_in_a_batch_and_follow_the_pooling(ser
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
     alone = client.embeddings.create(model="m", input=texts[2]).data[0].embedding
     np.testing.assert_array_equal(np.asarray(alone, np.float32), vectors[2].astype(np.float32))
-    assert batch.usage.prompt_tokens == sum(len(_post(server, "/tokenize", {"content": t, "add_special": True})["tokens"])
-                                           for t in texts)
+    counts = [len(_post(server, "/tokenize", {"content": t, "add_special": True})["tokens"]) for t in texts]
+    assert batch.usage.prompt_tokens == sum(counts)
     raw = _post(server, "/v1/embeddings", {"input": texts[:2], "embd_normalize": -1})["data"]
     assert all(np.linalg.norm(d["embedding"]) > 1 for d in raw)
     np.testing.assert_allclose(raw[0]["embedding"] / np.linalg.norm(raw[0]["embedding"]), vectors[0], rtol=1e-5,
