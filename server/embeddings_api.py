@@ -20,17 +20,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
-import math
-import json
 import time
 from typing import Any
 
 import numpy as np
 
-from scheduler.types import (
-    FINISH_ERROR, EngineUnavailableError, GenerationRequest, QueueFullError, RequestValidationError, StreamEvent)
-from server.errors import RATE_LIMIT, SERVER_ERROR, ApiError, invalid
-from server.generation import finish_error, unavailable
+from scheduler.types import EngineUnavailableError, GenerationRequest, QueueFullError, RequestValidationError, StreamEvent
+from server.errors import SERVER_ERROR, ApiError, invalid, json_bytes
+from server.generation import engine_finish_error, rate_limited, unavailable
 from server.openai_api import Fields, parse_prompts
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
@@ -86,6 +83,7 @@ def tokens_of(parsed: EmbeddingRequest, tokenizer: Any, max_context: int, vocab_
     most = max_context - 1  # (as any prompt: a position is left for the token its prefill samples)
     keep = None if parsed.truncate is None else min(most if parsed.truncate == -1 else parsed.truncate, most)
     eos = tokenizer.eos_id if parsed.add_special and getattr(tokenizer, "add_eos", False) else None
+    bos = tokenizer.encode("", add_bos=None) if parsed.add_special else []  # the file's BOS policy
     out = []
     for i, item in enumerate(parsed.inputs):
         name = "input" if len(parsed.inputs) == 1 else f"input[{i}]"
@@ -94,7 +92,6 @@ def tokens_of(parsed: EmbeddingRequest, tokenizer: Any, max_context: int, vocab_
                 raise invalid("the input is an empty string", name)
             try:
                 body = tokenizer.encode(item, add_bos=False, parse_special=True)
-                bos = tokenizer.encode("", add_bos=None) if parsed.add_special else []
             except ValueError as e:
                 raise invalid(f"cannot tokenize the input: {e}", name) from None
             tail = [eos] if eos is not None and body[-1:] != [eos] else []
@@ -137,8 +134,7 @@ def respond(parsed: EmbeddingRequest, pooled: list[np.ndarray], prompt_tokens: i
     """The response body: each vector finished (`finish`) and rendered (`render`), as JSON bytes;
     meant for a worker thread (2,048 vectors of 4,096 floats are about 160 MB of JSON)."""
     vectors = [finish(v, parsed.dimensions, parsed.norm) for v in pooled]
-    body = render(parsed, vectors, prompt_tokens, model, response_id)
-    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    return json_bytes(render(parsed, vectors, prompt_tokens, model, response_id))
 
 
 def render(parsed: EmbeddingRequest, vectors: list[np.ndarray], prompt_tokens: int, model: str,
@@ -179,8 +175,7 @@ async def embed(engine: Any, requests: list[GenerationRequest], window: int) -> 
                 except QueueFullError as e:
                     if nxt == 0 or (not running and waited_since is not None
                                     and time.monotonic() - waited_since > QUEUE_WAIT_S):
-                        raise ApiError(429, str(e), type=RATE_LIMIT, code="rate_limit_exceeded",
-                                       headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from None
+                        raise rate_limited(e) from None
                     waited_since = waited_since or time.monotonic()
                     break
                 except RequestValidationError as e:
@@ -199,7 +194,7 @@ async def embed(engine: Any, requests: list[GenerationRequest], window: int) -> 
             for task in done:
                 i, _ = running.pop(task)
                 event = task.result()
-                error = _error(engine, event)
+                error = engine_finish_error(engine, event)
                 if error is not None:
                     raise error
                 if event.embedding is None or not np.isfinite(event.embedding).all():
@@ -212,8 +207,3 @@ async def embed(engine: Any, requests: list[GenerationRequest], window: int) -> 
             stream.cancel()
     return [v for v in out if v is not None]
 
-
-def _error(engine: Any, event: StreamEvent) -> ApiError | None:
-    if event.finish_reason == FINISH_ERROR and engine.stats().state != "ready":
-        return unavailable(f"embedding stopped: {event.error or 'the engine is unavailable'}")
-    return finish_error(event)

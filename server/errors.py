@@ -79,7 +79,10 @@ def error_body(message: str, *, type: str, param: str | None = None, code: str |
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+def json_bytes(body: Any) -> bytes:
     # allow_nan=False: a NaN logprob must never produce invalid JSON for clients.
-    payload = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    return Response(payload, status_code=status, headers=headers, media_type="application/json")
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(json_bytes(body), status_code=status, headers=headers, media_type="application/json")

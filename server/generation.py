@@ -118,10 +118,7 @@ class Generation:
                     self.choices.append(_Choice(index, prompt, stream))
         except QueueFullError as e:
             self.cancel()
-            retry = str(max(1, math.ceil(e.retry_after_s)))
-            raise ApiError(
-                429, str(e), type=RATE_LIMIT, code="rate_limit_exceeded", headers={"Retry-After": retry}
-            ) from None
+            raise rate_limited(e) from None
         except RequestValidationError as e:
             self.cancel()
             # prompt logprobs asked for by echo with logprobs, not by the field of that name
@@ -207,10 +204,21 @@ class Generation:
 
     def finish_error(self, event: StreamEvent) -> ApiError | None:
         """The error an abnormal final event becomes; None for "stop" and "length"."""
-        if event.finish_reason == FINISH_ERROR and self._engine.stats().state != "ready":
-            # Ended by a shutdown or a failed engine: the service, not the request, is at fault.
-            return unavailable(f"generation stopped: {event.error or 'the engine is unavailable'}")
-        return finish_error(event)
+        return engine_finish_error(self._engine, event)
+
+
+def rate_limited(e: QueueFullError) -> ApiError:
+    """A full queue's 429, with its Retry-After."""
+    retry = str(max(1, math.ceil(e.retry_after_s)))
+    return ApiError(429, str(e), type=RATE_LIMIT, code="rate_limit_exceeded", headers={"Retry-After": retry})
+
+
+def engine_finish_error(engine: Any, event: StreamEvent) -> ApiError | None:
+    """`finish_error`, but an engine error while the engine is not ready (a shutdown, a failed
+    engine) is the service's fault, not the request's: a 503."""
+    if event.finish_reason == FINISH_ERROR and engine.stats().state != "ready":
+        return unavailable(f"generation stopped: {event.error or 'the engine is unavailable'}")
+    return finish_error(event)
 
 
 def finish_error(event: StreamEvent) -> ApiError | None:
