@@ -124,7 +124,7 @@ class TimingLog:
 def make_request(
     label: str, prompt: tuple[int, ...], max_tokens: int, seed: int, *, logprobs: bool = False,
     stop: tuple[str, ...] = (), sampling: SamplingParams | None = None, ignore_eos: bool = True,
-    cache_prompt: bool = True,
+    cache_prompt: bool = True, prompt_logprobs: int | None = None,
 ) -> GenerationRequest:
     return GenerationRequest(
         request_id=label,
@@ -135,6 +135,7 @@ def make_request(
         ignore_eos=ignore_eos,
         logprobs=logprobs,
         cache_prompt=cache_prompt,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -182,10 +183,14 @@ async def run_batch(engine, requests: Sequence[GenerationRequest]) -> list[commo
 
 
 async def measure_decode(engine, timings: TimingLog, users: int, prompt_len: int, decode_tokens: int,
-                         rng: np.random.Generator, label: str = "decode") -> dict[str, Any]:
+                         rng: np.random.Generator, label: str = "decode",
+                         prompt_logprobs: int | None = None) -> dict[str, Any]:
+    """`users` streams decoding together; with `prompt_logprobs` their prompts were prefilled by
+    the scoring programs (PrefillChunk.score), so the decode steps follow those programs."""
     vocab = engine.tokenizer.vocab_size
     reqs = [
-        make_request(f"{label}-{users}-{i}", common.random_prompt(rng, prompt_len, vocab), decode_tokens, seed=i)
+        make_request(f"{label}-{users}-{i}", common.random_prompt(rng, prompt_len, vocab), decode_tokens, seed=i,
+                     prompt_logprobs=prompt_logprobs)
         for i in range(users)
     ]
     records = await run_batch(engine, reqs)
@@ -358,6 +363,10 @@ async def run_suite(engine, timings: TimingLog, args: argparse.Namespace, max_co
     for u in users:
         out["decode"][str(u)] = await measure_decode(engine, timings, u, args.prompt_len, args.decode_tokens, rng)
         log.info("decode x%d: %s", u, out["decode"][str(u)])
+        if args.scored_decode:  # alternated with the plain runs
+            out.setdefault("decode_scored", {})[str(u)] = await measure_decode(
+                engine, timings, u, args.prompt_len, args.decode_tokens, rng, label="scored", prompt_logprobs=0)
+            log.info("decode x%d after scored prompts: %s", u, out["decode_scored"][str(u)])
     out["join"] = await measure_join(engine, 3, args.join_len, args.repeats, rng, max_context)
     log.info("join: %s", out["join"])
     if args.constrained:
@@ -582,6 +591,8 @@ def main_run(args: argparse.Namespace) -> int:
                      "prefill_len": args.prefill_len, "join_len": args.join_len, "repeats": args.repeats,
                      "sampling": "temperature 1.0, seeded; ignore_eos"},
         "decode_tok_s": decode_tok_s,
+        "decode_scored_tok_s": {u: (d.get("steady_tok_s") or d.get("tok_s"))
+                                for u, d in suite.get("decode_scored", {}).items()} or None,
         "prefill_tok_s": {str(args.prefill_len): suite["prefill"]["tok_s"]} if "prefill" in suite else {},
         "ttft_ms_join3": suite["join"]["ttft_ms_p50"],
         "chat_turn": suite.get("chat_turn"),  # the prompt cache: a chat's next turn, cold and warm
@@ -621,6 +632,9 @@ def print_summary(r: dict[str, Any]) -> None:
     print(f"  start-up s: {r['startup_s']}")
     print(f"  prefill tok/s: {r['prefill_tok_s']}")
     print("  decode tok/s: " + ", ".join(f"{u} users {v}" for u, v in r["decode_tok_s"].items()))
+    if r.get("decode_scored_tok_s"):
+        print("  decode tok/s after scored prompts: " + ", ".join(
+            f"{u} users {v}" for u, v in r["decode_scored_tok_s"].items()))
     print(f"  TTFT of a {r['settings']['join_len']}-token prompt joining 3 streams: {r['ttft_ms_join3']} ms")
     for key, what in (("chat_turn", "a chat's next turn"), ("shared_prompt", "a prompt sharing a busy slot's")):
         chat = r.get(key)
@@ -723,6 +737,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="after the measured runs, trace --repeats more lone prompts and lay each out from its "
                          "submit to its first token: device start, end, busy and gaps, the host's longest events "
                          "(details.prefill_trace)")
+    ap.add_argument("--scored-decode", action="store_true",
+                    help="after each decode run, one whose prompts were scored (prompt_logprobs 0): decode "
+                         "after the scoring prefill programs, against decode after the plain ones")
     ap.add_argument("--constrained", action="store_true",
                     help="also measure decode under constrained decoding (details.constrained)")
     ap.add_argument("--trace-constrained", action="store_true",

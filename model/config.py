@@ -308,9 +308,8 @@ class EngineConfig:
     # cold prefill. Off: every request prefills its whole prompt (for A/B measurements).
     prompt_cache: bool = True
     # Prompt logprobs (PrefillChunk.score: OpenAI's echo with logprobs, vLLM's prompt_logprobs):
-    # a prefill program that also scores each prompt token, at the smallest and the largest chunk
-    # size (step_types.scored_chunk_sizes), compiled for every context bucket. Off: those
-    # requests are refused and the compiles saved.
+    # a prefill program that also scores each prompt token, compiled for every chunk size and
+    # context bucket. Off: those requests are refused and the compiles saved.
     prompt_logprobs: bool = True
     # The decode step's new keys and values written by XLA scatters before the attention kernel
     # instead of by the kernel itself (where it can: the Triton one, `Kernels.decode_writes_cache`).

@@ -34,7 +34,7 @@ from model.pending import (
     _Pending,
     _SpecPending,
 )
-from model.step_types import PrefillChunk, SamplingParams, StepPlan, mask_words, scored_chunk_sizes
+from model.step_types import PrefillChunk, SamplingParams, StepPlan, mask_words
 from model.weights import Params
 
 log = logging.getLogger(__name__)
@@ -325,7 +325,7 @@ class ModelRunner:
         self.max_context = engine_cfg.max_context
         self.prefill_chunks = engine_cfg.prefill_chunks
         self.max_top_logprobs = engine_cfg.max_top_logprobs
-        # PrefillChunk.score: a program per scored chunk size (scored_chunk_sizes) and context bucket
+        # PrefillChunk.score: a scoring program per chunk size and context bucket
         self.scores_prompts = engine_cfg.prompt_logprobs
         self.decode_steps = tuple(sorted({1, engine_cfg.decode_steps()}))
         self.dispatch_ahead = engine_cfg.dispatch_ahead
@@ -506,7 +506,7 @@ class ModelRunner:
         targets = [("decode", self.num_slots, k) for k in self.decode_steps]
         targets += [("prefill", t, 1) for t in self.prefill_chunks]
         if self.scores_prompts:
-            targets += [("score", t, 1) for t in scored_chunk_sizes(self.prefill_chunks)]
+            targets += [("score", t, 1) for t in self.prefill_chunks]
         jobs = [(kind, size, steps, attend, False) for kind, size, steps in targets for attend in self.context_buckets]
         jobs += [("copy", attend, 1, attend, False) for attend in self.context_buckets]
         jobs += [("decode", self.num_slots, steps, attend, True) for steps in self.decode_steps
@@ -581,12 +581,11 @@ class ModelRunner:
                 return b
         return self.context_buckets[-1]
 
-    def _chunk_size(self, n: int, sizes: tuple[int, ...] | None = None) -> int:
-        sizes = sizes or self.prefill_chunks
-        for size in sizes:
+    def _chunk_size(self, n: int) -> int:
+        for size in self.prefill_chunks:
             if n <= size:
                 return size
-        raise ValueError(f"prefill chunk of {n} tokens exceeds the largest compiled chunk {sizes[-1]}")
+        raise ValueError(f"prefill chunk of {n} tokens exceeds the largest compiled chunk {self.prefill_chunks[-1]}")
 
     def dispatch(self, plan: StepPlan):
         if plan.setups:
@@ -692,7 +691,7 @@ class ModelRunner:
         if chunk.score and not self.scores_prompts:
             raise ValueError("a scored prompt chunk for a runner built without prompt scoring (EngineConfig.prompt_logprobs)")
         kind = "score" if chunk.score else "prefill"
-        size = self._chunk_size(n, scored_chunk_sizes(self.prefill_chunks) if chunk.score else None)
+        size = self._chunk_size(n)
         padded = np.zeros((size + chunk.score,), np.int32)
         padded[:n] = chunk.tokens
         if chunk.score:

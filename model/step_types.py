@@ -22,13 +22,6 @@ import numpy as np
 MAX_STOP_TOKEN_IDS = 16
 
 
-def scored_chunk_sizes(prefill_chunks: tuple[int, ...]) -> tuple[int, ...]:
-    """The compiled sizes a scored prompt chunk (PrefillChunk.score) runs at: the smallest and
-    the largest prefill chunk (a program per context bucket each), so that a short scored prompt
-    costs the smallest, not a padded largest."""
-    return tuple(sorted({prefill_chunks[0], prefill_chunks[-1]}))
-
-
 def mask_words(vocab_size: int) -> int:
     """W: the int32 words of a row of allowed tokens (StepPlan.allowed), one bit a token."""
     return -(-vocab_size // 32)
@@ -255,7 +248,7 @@ class StepModel(Protocol):
     # (the runner's is EngineConfig.dispatch_ahead)
     # dispatch_ahead: int
     # (optional, default False) takes scored prompt chunks (PrefillChunk.score, prompt logprobs),
-    # each run at the smallest of `scored_chunk_sizes(prefill_chunks)` that holds it
+    # each run at the smallest prefill chunk size that holds it, as a plain chunk is
     # scores_prompts: bool
 
     def warmup(self) -> None: ...

@@ -72,7 +72,7 @@ import numpy as np
 
 from model.config import EngineConfig
 from model.step_types import (
-    PendingStep, PrefillChunk, SlotSetup, StepModel, StepOutput, StepPlan, scored_chunk_sizes)
+    PendingStep, PrefillChunk, SlotSetup, StepModel, StepOutput, StepPlan)
 from model.tokenizer import IncrementalDetokenizer
 from scheduler import grammar
 from scheduler.gc_pauses import freeze_heap
@@ -492,11 +492,9 @@ class Engine:
         for state in [s for s in self._requests.values() if now >= s.deadline]:
             self._finish(state, FINISH_TIMEOUT, flush=True)
 
-    def _chunk_cost(self, num_tokens: int, state: RequestState) -> int:
-        """Tokens the device computes for a chunk: the compiled size it is padded to (a scored
-        chunk's: model.step_types.scored_chunk_sizes)."""
-        sizes = scored_chunk_sizes(self._chunk_sizes) if state.scores_prompt else self._chunk_sizes
-        return next(s for s in sizes if num_tokens <= s)
+    def _chunk_cost(self, num_tokens: int) -> int:
+        """Tokens the device computes for a chunk: the compiled size it is padded to."""
+        return next(s for s in self._chunk_sizes if num_tokens <= s)
 
     def _plan_step(self) -> tuple[StepPlan | None, _Rows]:
         rows = _Rows()
@@ -545,7 +543,7 @@ class Engine:
             request = state.request
             slot, reused, src = self._prompts.pick_slot(state.prompt, request.cache_salt,
                                                         request.cache_prompt and not state.scores_prompt, free)
-            if self._chunk_cost(min(self._chunk_sizes[-1], state.num_prompt - reused), state) > budget:
+            if self._chunk_cost(min(self._chunk_sizes[-1], state.num_prompt - reused)) > budget:
                 break
             self._waiting.popleft()
             free.remove(slot)
@@ -605,7 +603,7 @@ class Engine:
         while not state.is_decoding:
             start = state.num_prefilled
             end = min(start + largest, state.num_prompt)
-            cost = self._chunk_cost(end - start, state)
+            cost = self._chunk_cost(end - start)
             if cost > budget:
                 break
             is_last = end == state.num_prompt

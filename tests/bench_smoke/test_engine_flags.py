@@ -73,3 +73,32 @@ def test_the_chat_turn_measure_reuses_the_history_and_agrees_with_the_cold_prefi
     reused = [c.reused for plan in model.plans for c in plan.prefills if c.is_first]
     assert reused == [0, 16, 0] * 4  # per round: turn 1, turn 2 warm, turn 2 cold
     assert len([c for plan in model.plans for c in plan.copies]) == (4 if shared else 0)
+
+
+def test_the_scored_decode_runs_prefill_through_the_scoring_programs():
+    """`measure_decode` with prompt_logprobs (--scored-decode): every prompt chunk of its streams
+    is a scored one, and they decode as many tokens as the plain runs."""
+    import asyncio
+
+    import numpy as np
+
+    from model.config import EngineConfig
+    from scheduler.engine import Engine
+    from tests.scheduler.conftest import ByteDetokenizer, ByteTokenizer, FakeModel
+
+    model = FakeModel(num_slots=3, dispatch_ahead=1)
+    config = EngineConfig(num_slots=3, max_context=256, prefill_chunks=(4, 8), prefill_budget=16, gc_freeze=False)
+    eng = Engine(lambda: model, ByteTokenizer(), config, detokenizer_factory=ByteDetokenizer)
+    eng.start()
+    try:
+        assert eng.wait_ready(10)
+        timings = engine.TimingLog()
+        eng.add_observer(timings)
+        runs = {lp: asyncio.run(engine.measure_decode(eng, timings, 3, 12, 5, np.random.default_rng(0),
+                                                      label=f"run{lp}", prompt_logprobs=lp))
+                for lp in (None, 0)}
+    finally:
+        eng.shutdown(10)
+    assert runs[None]["tokens"] == runs[0]["tokens"] == 15
+    chunks = [c for plan in model.plans for c in plan.prefills]
+    assert len(chunks) == 12 and [c.score for c in chunks] == [False] * 6 + [True] * 6
