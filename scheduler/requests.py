@@ -319,7 +319,8 @@ class RequestState:
             prompt_tokens=self.num_prompt,
             completion_tokens=self.num_generated,
             queue_s=None if self.admitted_at is None else self.admitted_at - self.submitted_at,
-            ttft_s=None if self._first_at is None else self._first_at - self.submitted_at,
+            # max_tokens 0 (scoring, embeddings): the prompt's end is stamped, but no token came
+            ttft_s=None if self._first_at is None or not self.num_generated else self._first_at - self.submitted_at,
             itl_s=tuple(self._gaps),
             e2e_s=now - self.submitted_at,
             steps=self.num_steps,

@@ -1,7 +1,7 @@
 """Prompt logprobs (GenerationRequest.prompt_logprobs) through the engine over the fake model
 (tests/scheduler/conftest.py), whose scored chunks give each prompt token `fake_score`: every
 prompt token after the first on the request's first event, in order across chunks and steps,
-scored chunks at the largest size, no prompt cache reuse for them, max_tokens 0 for scoring alone."""
+scored chunks at the sizes plain ones run at, no prompt cache reuse for them, max_tokens 0 for scoring alone."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from scheduler.types import FINISH_LENGTH, RequestValidationError
 from tests.scheduler.conftest import VOCAB, fake_score
-from tests.scheduler.streams import collect, collect_one, req, run
+from tests.scheduler.streams import collect, collect_one, req, run, wait_until
 
 
 def _check(prompt: bytes, events, k: int) -> None:
@@ -45,11 +45,16 @@ def test_every_prompt_token_after_the_first_comes_on_the_first_event(make_engine
 def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(make_engine, fake_model_cls):
     prompt = b"scoring only"
     engine, _ = make_engine(fake_model_cls())
+    timings = []
+    engine.add_observer(timings.append)
     result = run(collect_one(engine, req(list(prompt), 0, prompt_logprobs=0)))
     assert len(result.events) == 1 and result.final.finish_reason == FINISH_LENGTH
     assert result.tokens == [] and result.text == "" and result.final.completion_tokens == 0
     _check(prompt, result.events, 0)
     assert engine.stats().generation_tokens_total == 0
+    # no token, so no time to a first one (/metrics' histogram of it is for generated tokens)
+    wait_until(lambda: len(timings) == 1)
+    assert timings[0].ttft_s is None and timings[0].itl_s == () and timings[0].e2e_s > 0
     # a one-token prompt has no token to score
     one = run(collect_one(engine, req([70], 0, prompt_logprobs=1)))
     assert one.final.prompt_logprobs == () and one.final.finish_reason == FINISH_LENGTH
