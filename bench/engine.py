@@ -352,7 +352,7 @@ async def measure_chat_turn(engine, history_len: int, turn_len: int, repeats: in
 
 
 async def run_suite(engine, timings: TimingLog, args: argparse.Namespace, max_context: int) -> dict[str, Any]:
-    rng = np.random.default_rng(args.seed)
+    rng, scored_rng = np.random.default_rng(args.seed), np.random.default_rng(args.seed + 1)
     await run_batch(engine, [make_request("warmup", common.random_prompt(rng, 64, engine.tokenizer.vocab_size), 8, 0)])
     out: dict[str, Any] = {}
     if args.prefill_len + 1 <= max_context:
@@ -363,9 +363,9 @@ async def run_suite(engine, timings: TimingLog, args: argparse.Namespace, max_co
     for u in users:
         out["decode"][str(u)] = await measure_decode(engine, timings, u, args.prompt_len, args.decode_tokens, rng)
         log.info("decode x%d: %s", u, out["decode"][str(u)])
-        if args.scored_decode:  # alternated with the plain runs
+        if args.scored_decode:  # alternated with the plain runs, prompts of their own (the others' unchanged)
             out.setdefault("decode_scored", {})[str(u)] = await measure_decode(
-                engine, timings, u, args.prompt_len, args.decode_tokens, rng, label="scored", prompt_logprobs=0)
+                engine, timings, u, args.prompt_len, args.decode_tokens, scored_rng, label="scored", prompt_logprobs=0)
             log.info("decode x%d after scored prompts: %s", u, out["decode_scored"][str(u)])
     out["join"] = await measure_join(engine, 3, args.join_len, args.repeats, rng, max_context)
     log.info("join: %s", out["join"])
@@ -765,6 +765,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.model is None:
         ap.error("--model is required")
+    if args.scored_decode and not args.prompt_logprobs:
+        ap.error("--scored-decode needs the scoring programs, which --no-prompt-logprobs leaves out")
     if args.trace_users and not all(u.strip().isdigit() and 1 <= int(u) <= args.slots
                                     for u in args.trace_users.split(",")):
         ap.error(f"--trace-users takes user counts from 1 to --slots ({args.slots}) separated by commas, "

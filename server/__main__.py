@@ -135,7 +135,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
                         "holds of its start (the same tokens either way; for A/B measurements)")
     p.add_argument("--no-prompt-logprobs", dest="prompt_logprobs", action="store_false",
                    help="refuse prompt logprobs (echo with logprobs, prompt_logprobs) and embeddings, and save the "
-                        "compiles of their prefill program (two per context bucket)")
+                        "compiles of their prefill programs (one per prefill chunk size and context bucket)")
     p.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                    help="leave the heap loading built to Python's cyclic GC (by default it is frozen after warm-up, "
                         "so that full collections, which stall every thread, scan only what requests allocate)")

@@ -46,6 +46,12 @@ def test_traced_user_counts():
             engine.main(["--model", "m.gguf", "--slots", "8", "--trace-users", bad])
 
 
+def test_the_scored_decode_needs_the_scoring_programs():
+    assert engine.build_parser().parse_args(["--model", "m.gguf", "--scored-decode"]).scored_decode
+    with pytest.raises(SystemExit):  # refused before the engine starts
+        engine.main(["--model", "m.gguf", "--scored-decode", "--no-prompt-logprobs"])
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_the_chat_turn_measure_reuses_the_history_and_agrees_with_the_cold_prefill(shared):
     """`measure_chat_turn` on the engine over the scheduler tests' fake model (chunks of 8, whose

@@ -105,7 +105,8 @@ def test_prompt_logprobs_are_refused_where_the_model_cannot_score_or_beyond_the_
 
 def test_a_scored_chunk_runs_at_the_size_a_plain_one_would_and_costs_it(make_engine, fake_model_cls):
     """Chunks of 2, 4 and 8, a budget of 8: 3-token prompts cost 4 each (two a step), scored or
-    not; 5-token ones cost 8 (one a step); four 2-token scored prompts cost 2 each (one step)."""
+    not; 5-token ones cost 8 (one a step), so a 5- and a 3-token one cost 12 (two steps, though
+    their 8 tokens would fit); four 2-token scored prompts cost 2 each (one step)."""
     engine, model = make_engine(fake_model_cls(prefill_chunks=(2, 4, 8)), prefill_budget=8)
 
     async def together(*requests):
@@ -117,6 +118,8 @@ def test_a_scored_chunk_runs_at_the_size_a_plain_one_would_and_costs_it(make_eng
     assert [len(p.prefills) for p in model.plans[1:]] == [2]
     run(together(req("abcde", 1, prompt_logprobs=0), req("fghij", 1, prompt_logprobs=0)))
     assert [len(p.prefills) for p in model.plans[2:4]] == [1, 1]
+    run(together(req("abcde", 1, prompt_logprobs=0), req("abc", 1, prompt_logprobs=0)))
+    assert [len(p.prefills) for p in model.plans[4:6]] == [1, 1]
     results = run(together(*(req("ab", 1, prompt_logprobs=0) for _ in range(4))))
-    assert [len(p.prefills) for p in model.plans[4:]] == [4]
+    assert [len(p.prefills) for p in model.plans[6:]] == [4]
     assert all(len(r.events[0].prompt_logprobs) == 1 for r in results)
