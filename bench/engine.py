@@ -515,6 +515,11 @@ def startup_only(args: argparse.Namespace) -> int:
     return 0
 
 
+def decode_rates(runs: dict[str, Any]) -> dict[str, Any]:
+    """tok/s per user count of decode runs (`measure_decode`): the steady window's, else the whole run's."""
+    return {u: (d.get("steady_tok_s") or d.get("tok_s")) for u, d in runs.items()}
+
+
 def main_run(args: argparse.Namespace) -> int:
     stamp = common.timestamp()
     cache_dir = str(args.cache_dir) if args.cache_dir else tempfile.mkdtemp(prefix="pallas-serve-jax-cache-")
@@ -550,7 +555,7 @@ def main_run(args: argparse.Namespace) -> int:
     weight_bytes = common.weight_bytes_per_decode(args.model, engine_info.get("split_formats", ()))
     floor = bandwidth * 1e9 / weight_bytes
     decode = suite["decode"]
-    decode_tok_s = {u: (d.get("steady_tok_s") or d.get("tok_s")) for u, d in decode.items()}
+    decode_tok_s = decode_rates(decode)
     itl_users = str(min(8, max(int(u) for u in decode)))
     if cold is not None:
         startup_s = {"cold": cold["total_s"], "warm": startup["total_s"]}
@@ -591,8 +596,7 @@ def main_run(args: argparse.Namespace) -> int:
                      "prefill_len": args.prefill_len, "join_len": args.join_len, "repeats": args.repeats,
                      "sampling": "temperature 1.0, seeded; ignore_eos"},
         "decode_tok_s": decode_tok_s,
-        "decode_scored_tok_s": {u: (d.get("steady_tok_s") or d.get("tok_s"))
-                                for u, d in suite.get("decode_scored", {}).items()} or None,
+        "decode_scored_tok_s": decode_rates(suite.get("decode_scored", {})) or None,
         "prefill_tok_s": {str(args.prefill_len): suite["prefill"]["tok_s"]} if "prefill" in suite else {},
         "ttft_ms_join3": suite["join"]["ttft_ms_p50"],
         "chat_turn": suite.get("chat_turn"),  # the prompt cache: a chat's next turn, cold and warm
