@@ -16,6 +16,7 @@ import os
 import pathlib
 import statistics
 import subprocess
+import sys
 import time
 from typing import Any, Collection, Iterable
 
@@ -393,6 +394,21 @@ def result_path(out_dir: str | os.PathLike[str] | None, kind: str, stamp: str, s
 
 def write_json(path: pathlib.Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=1, sort_keys=False) + "\n")
+
+
+def run_facts(model: str | os.PathLike[str]) -> dict[str, Any]:
+    """What every result file opens with: the device, the checkout, the model and the command."""
+    return {**device_info(), "git": git_rev(), "model": str(model), "command": " ".join(sys.argv)}
+
+
+def save_report(out_dir: str | os.PathLike[str] | None, kind: str, report: Any) -> pathlib.Path | None:
+    """Writes `report` as `<kind>-<timestamp>.json` under `out_dir` and says so; nothing without one."""
+    if not out_dir:
+        return None
+    path = result_path(out_dir, kind, timestamp())
+    write_json(path, report)
+    print(f"wrote {path}", flush=True)
+    return path
 
 
 def git_rev() -> str | None:

@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = one.vocab_size
     prompts = [rng.integers(0, vocab, args.prompt_len, dtype=np.int32) for _ in range(3)]
     row = random_row(vocab, args.allowed, rng)
-    report = {**common.device_info(), "git": common.git_rev(), "model": str(args.model),
-              "command": " ".join(sys.argv), "steps": args.steps,
+    report = {**common.run_facts(args.model), "steps": args.steps,
               "engine_config": {"kv_dtype": cfg.kv_dtype, "compute_dtype": cfg.compute_dtype}, "cases": {}}
     ok = True
     for name, sp in (("greedy", SamplingParams(temperature=0, top_logprobs=5)),
@@ -116,10 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         ok &= case["tokens_equal"]
         print(f"{name}: tokens equal {case['tokens_equal']}, logprobs bitwise {case['bitwise']}, "
               f"max |diff| {case['max_logprob_diff']:.3g}", flush=True)
-    if args.out:
-        path = common.result_path(args.out, "deferred-check", common.timestamp())
-        common.write_json(path, report)
-        print(f"wrote {path}")
+    common.save_report(args.out, "deferred-check", report)
     return 0 if ok else 1
 
 

@@ -119,13 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.shutdown()
         loop.close()
-    report = {**common.device_info(), "git": common.git_rev(), "model": str(args.model),
-              "command": " ".join(sys.argv), "pooling": args.pooling, "slots": window,
+    report = {**common.run_facts(args.model), "pooling": args.pooling, "slots": window,
               "prefill_chunks": info.get("prefill_chunks"), "results": results, "ok": ok}
-    if args.out:
-        path = common.result_path(args.out, "embeddings", common.timestamp())
-        common.write_json(path, report)
-        print(f"wrote {path}")
+    common.save_report(args.out, "embeddings", report)
     return 0 if ok else 1
 
 

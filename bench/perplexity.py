@@ -197,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     t1 = time.perf_counter()
     result = run(scorers, windows, args.ctx, scorers[0].batch)
     report = {
-        **common.device_info(), "git": common.git_rev(), "command": " ".join(sys.argv),
-        "model": str(args.model), "text": str(args.text), "ctx": args.ctx, "windows": len(windows),
+        **common.run_facts(args.model), "text": str(args.text), "ctx": args.ctx, "windows": len(windows),
         "numerics": ecfg.numerics, "kv_dtype": ecfg.kv_dtype, "kernels": scorers[0].kernel_names,
         "variant_config": {"flags": args.compare, "model": str(variant.model), "numerics": configs[1][1].numerics,
                            "kv_dtype": configs[1][1].kv_dtype, "kernels": scorers[1].kernel_names,
@@ -211,10 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"KL mean {result['kl_mean']:.3e} p99 {result['kl_p99']:.3e}, same top token "
                  f"{result['same_top_pct']:.2f}%")
     print(line, flush=True)
-    if args.out:
-        path = common.result_path(args.out, "perplexity", common.timestamp())
-        common.write_json(path, report)
-        print(f"wrote {path}")
+    common.save_report(args.out, "perplexity", report)
     return 0
 
 

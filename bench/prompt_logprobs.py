@@ -99,16 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cut {c}: best token {'same' if same else 'differs'}{' (near tie)' if tie else ''}, "
               f"top-5 |diff| {diff}", flush=True)
     best = {k: max(v) for k, v in rates.items()}
-    report = {**common.device_info(), "git": common.git_rev(), "model": str(args.model),
-              "command": " ".join(sys.argv), "prompt_len": args.prompt_len, "prompts": args.prompts,
+    report = {**common.run_facts(args.model), "prompt_len": args.prompt_len, "prompts": args.prompts,
               "chunk": size, "prefill_tok_s": rates, "scored_over_plain": best["scored"] / best["plain"],
               "checks": checks, "ok": ok}
     print(f"prefill tok/s plain {rates['plain']}, scored {rates['scored']} "
           f"(best scored / best plain {report['scored_over_plain']:.3f})", flush=True)
-    if args.out:
-        path = common.result_path(args.out, "prompt-logprobs", common.timestamp())
-        common.write_json(path, report)
-        print(f"wrote {path}")
+    common.save_report(args.out, "prompt-logprobs", report)
     return 0 if ok else 1
 
 
