@@ -10,7 +10,8 @@ Request path: middleware (`server/asgi.py`: HTTP metrics, 500 boundary, CORS, bo
 key) -> route ->
 `server/openai_api.py` (parse) -> `server/prompts.py` (tokenize, check) ->
 `server/generation.py` (submit, stream or collect). `/v1/responses` (server/responses_api.py)
-and `/v1/messages` (server/messages_api.py) become chat requests and follow the same path.
+and `/v1/messages` (server/messages_api.py) become chat requests, llama-server's `/completion`
+(server/llama_api.py) a completion request, and follow the same path.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from model.chat_template import render_chat
 from scheduler.gc_pauses import GcSnapshot
 from scheduler.requests import RequestTiming
 from scheduler.types import Constraint, EngineStats, GenerationRequest
-from server import embeddings_api, messages_api, reasoning, responses_api, tool_calls
+from server import embeddings_api, llama_api, messages_api, reasoning, responses_api, tool_calls
 from server.asgi import ApiKeyAuth, BodyLimit, ErrorBoundary, EventStreamResponse, HttpMetricsMiddleware, unless_disconnected
 from server.config import ServerConfig
 from server.errors import ApiError, error_response, invalid, json_response
@@ -341,6 +342,29 @@ async def create_message(request: Request) -> Response:
     return json_response(body) if body is not None else Response(status_code=CLIENT_CLOSED)
 
 
+async def native_completion(request: Request) -> Response:
+    """llama-server's native completion API (server/llama_api.py), served as a completion request."""
+    entered = time.perf_counter()
+    state = request.app.state
+    config: ServerConfig = state.config
+    engine, _ = state.holder.require_ready()
+    tokenizer = engine.tokenizer
+    body = await _json_body(request)
+    response_id = "cmpl-" + uuid.uuid4().hex
+    try:
+        native = llama_api.to_completion(body, tokenizer.encode)
+        parsed = parse_completion(native.body, config.max_choices)
+        gen = await _submit(request, parsed, response_id, entered)
+    except ApiError as e:  # named as llama.cpp's fields name it
+        raise llama_api.renamed(e) from None
+    builder = llama_api.NativeBuilder(parsed, native, parsed.model or config.model_name, tokenizer)
+    if parsed.stream:
+        frames = llama_api.event_frames(gen, builder, on_first_token=_first_frame_timer(request, entered))
+        return EventStreamResponse(frames, on_close=gen.cancel)  # type: ignore[return-value]
+    result = await _finished(request, gen, llama_api.whole(gen, builder), response_id)
+    return json_response(result) if result is not None else Response(status_code=CLIENT_CLOSED)
+
+
 async def count_message_tokens(request: Request) -> Response:
     """Anthropic's token count of a Messages request's prompt, as the chat template renders it."""
     state = request.app.state
@@ -594,6 +618,7 @@ ROUTES = (
     Route("/models", models, methods=["GET"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/completions", completions, methods=["POST"]),
+    Route("/completion", native_completion, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/messages", create_message, methods=["POST"]),

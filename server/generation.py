@@ -207,6 +207,18 @@ class Generation:
         return engine_finish_error(self._engine, event)
 
 
+def matched_stop(stop: tuple[str, ...], token_ids: list[int], eog_ids: tuple[int, ...],
+                 decode: Callable[[list[int]], str]) -> str | None:
+    """The stop string that ended a reply which finished "stop", or None where a stop token (in
+    `eog_ids`) or no stop string did: the engine cut the reply at the first stop string that
+    ended in its last token (not an earlier one, which min_tokens passed over)."""
+    if not stop or not token_ids or token_ids[-1] in eog_ids:
+        return None
+    text, tail = decode(token_ids), len(decode(token_ids[:-1]))
+    found = [(i, s) for s in stop if (i := text.find(s, max(0, tail - len(s)))) >= 0]
+    return min(found)[1] if found else None
+
+
 def rate_limited(e: QueueFullError) -> ApiError:
     """A full queue's 429, with its Retry-After."""
     retry = str(max(1, math.ceil(e.retry_after_s)))

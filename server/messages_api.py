@@ -30,7 +30,7 @@ import logging
 from typing import Any, AsyncIterator, Callable
 
 from server.errors import ApiError, anthropic_error_body, invalid
-from server.generation import Generation, reply_parts, typed_sse_frame
+from server.generation import Generation, matched_stop, reply_parts, typed_sse_frame
 from server.responses_api import PASSED_THROUGH, new_id, text_of
 from server.tool_calls import ToolCall
 
@@ -246,13 +246,10 @@ class MessageBuilder:
         out = self._close()
         reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
         self.stop_reason = _STOP_REASONS.get(reason, "end_turn")
-        if self.stop_reason == "end_turn" and self.stop and not (self.token_ids and self.token_ids[-1] in self.eog_ids):
-            # the engine cut the reply at the first stop string that ended in its last token (not
-            # an earlier one, which min_tokens passed over)
-            text, tail = self.decode(self.token_ids), len(self.decode(self.token_ids[:-1]))
-            found = [(i, s) for s in self.stop if (i := text.find(s, max(0, tail - len(s)))) >= 0]
-            if found:
-                self.stop_reason, self.stop_sequence = "stop_sequence", min(found)[1]
+        if self.stop_reason == "end_turn":
+            self.stop_sequence = matched_stop(self.stop, self.token_ids, self.eog_ids, self.decode)
+            if self.stop_sequence is not None:
+                self.stop_reason = "stop_sequence"
         self.usage.update(input_tokens=prompt_tokens - cached, cache_read_input_tokens=cached,
                           output_tokens=completion_tokens)
         return out

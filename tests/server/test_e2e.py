@@ -241,6 +241,29 @@ def test_a_message_equals_the_chat_reply(server):
                                         messages=[{"role": "user", "content": "Name a fruit."}]).input_tokens == chat.usage.prompt_tokens
 
 
+def test_a_native_completion_equals_the_openai_completion(server, client):
+    """llama-server's `/completion` on the real model: the greedy text and logprobs of the same
+    prompt's OpenAI completion, streamed or not, and a stop string reported as llama-server does."""
+    prompt = "The three primary colors are"
+    openai_choice = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0,
+                                              logprobs=2).choices[0]
+    body = {"prompt": prompt, "n_predict": 12, "temperature": 0, "n_probs": 2, "return_tokens": True}
+    native = _post(server, "/completion", body)
+    assert native["content"] == openai_choice.text and len(native["tokens"]) == native["tokens_predicted"]
+    assert native["stop_type"] == ("limit" if openai_choice.finish_reason == "length" else "eos")
+    assert [p["logprob"] for p in native["completion_probabilities"]] == pytest.approx(
+        openai_choice.logprobs.token_logprobs, abs=1e-6)
+    with httpx.stream("POST", server + "/completion", json={**body, "stream": True}, timeout=300) as r:
+        frames = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert "".join(f["content"] for f in frames) == native["content"] and frames[-1]["stop"] is True
+    assert [t for f in frames[:-1] for t in f["tokens"]] == native["tokens"]
+    # a stop string inside that text ends it there, and is named
+    word = native["content"].split()[1]
+    stopped = _post(server, "/completion", {**body, "stop": [word]})
+    assert (stopped["stop_type"], stopped["stopping_word"]) == ("word", word)
+    assert stopped["content"] == native["content"][: native["content"].index(word)]
+
+
 def _post(server: str, route: str, body: dict) -> dict:
     r = httpx.post(server + route, json=body, timeout=300)
     assert r.status_code == 200, r.text

@@ -1,0 +1,329 @@
+"""llama-server's native completion API (`POST /completion`), for the tools and front ends
+written against llama.cpp's server rather than OpenAI's.
+
+A request becomes a completion request (`to_completion`), served by the completion pipeline:
+`prompt` (a string, token ids, an array of prompts, or llama.cpp's mixed array of token ids and
+strings, one prompt), `n_predict` (also `max_tokens`; -1 up to the context), `n_probs` (also
+`logprobs`), `repeat_penalty`, `n_cmpl` (also `n`), `logit_bias` in llama.cpp's forms (pairs
+`[token or string, bias or false]`, or an object; a string biases each of its tokens, `false`
+bans), and the fields both APIs share (`temperature`, `top_k`, `top_p`, `min_p`, `stop`,
+`seed`, `stream`, `presence_penalty`, `frequency_penalty`, `ignore_eos`, `cache_prompt`,
+`grammar`, `json_schema`, ...). A request's defaults are this server's (`GET /props`), as a
+llama-server's come from its command line. Where the samplers differ: `repeat_penalty` weighs
+every prompt and output token (vLLM's semantics; `repeat_last_n` 0 turns the penalties off,
+another window is not kept), and the presence and frequency penalties count the output only
+(OpenAI's). Refused (400) where set to anything but their neutral value: the samplers this
+server does not have (`typical_p`, `tfs_z`, `mirostat`, `dynatemp_range`, `xtc_probability`,
+`dry_multiplier`, `top_n_sigma`), `t_max_predict_ms`, `post_sampling_probs` and `lora`.
+Accepted and ignored: `samplers` (the order is this server's), `id_slot` (the engine places
+requests), `n_keep` (no context shift), `min_keep`, `timings_per_token`, `return_progress`.
+
+The response is llama-server's: per prompt an object with `content`, `tokens` (with
+`return_tokens`), `stop`, `model`, `tokens_predicted`, `tokens_evaluated`, `tokens_cached` (the
+prompt's tokens reused from the prompt cache), `prompt` (its text), `stop_type` (`eos`, `word`
+with `stopping_word`, `limit`, `none`), `generation_settings`, `timings` and, with `n_probs`,
+`completion_probabilities` (per token `id`, `token`, `bytes`, `logprob`, `top_logprobs`); one
+prompt's is the body, several prompts' an array. `response_fields` keeps the fields named (a
+`a/b` path lifts a nested one). Streamed, each step's tokens are a `data:` frame (`content`,
+`tokens`, `stop: false`, with `n_probs` their `completion_probabilities`) and the last is the
+whole object with `stop: true` and empty `content`; no `[DONE]`. A failure after the headers is a
+frame `{"error": {...}}`. `id_slot` is -1: the slot is the engine's business. Errors are this
+server's (OpenAI's shape), named by llama.cpp's fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, AsyncIterator, Callable
+
+from server.errors import ApiError, invalid
+from server.generation import Generation, abnormal_end, matched_stop, sse_frame
+from server.openai_api import MAX_TOP_LOGPROBS, ParsedRequest, render_timings
+
+log = logging.getLogger(__name__)
+
+# fields passed to the completion parser as they are (both APIs name them alike)
+_SHARED = ("model", "temperature", "top_k", "top_p", "min_p", "stream", "seed", "presence_penalty",
+           "frequency_penalty", "ignore_eos", "cache_prompt", "cache_salt", "grammar", "json_schema",
+           "response_format", "stop_token_ids", "min_tokens", "speculative.n_max")
+# samplers and switches this server does not have, with the value that leaves them off
+_OFF = {"typical_p": (1.0, "at least 1"), "tfs_z": (1.0, "at least 1"), "mirostat": (0, "0"),
+        "dynatemp_range": (0.0, "0 or less"), "xtc_probability": (0.0, "0 or less"),
+        "dry_multiplier": (0.0, "0 or less"), "top_n_sigma": (-1.0, "0 or less"), "t_max_predict_ms": (0, "0 or less")}
+# the completion parser's field names -> this API's, for the `param` and message of a 400
+Encode = Callable[[str, bool | None, bool], list[int]]  # (text, add_bos, parse_special) -> ids
+_PARAM_NAMES = {"max_tokens": "n_predict", "logprobs": "n_probs", "repetition_penalty": "repeat_penalty",
+                "n": "n_cmpl"}
+_MIN_BIAS, _MAX_BIAS = -100.0, 100.0  # the completion parser's range; `false` bans with the lowest
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeRequest:
+    body: dict[str, Any]  # the completion request it is served as
+    n_probs: int
+    return_tokens: bool
+    response_fields: tuple[str, ...]
+
+
+def to_completion(body: Any, encode: Encode) -> NativeRequest:
+    """The completion request a `/completion` request is served as, or a 400 naming the field;
+    `encode` is the tokenizer's (`model.tokenizer.Tokenizer.encode`)."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object", None)
+    body = {k: v for k, v in body.items() if v is not None}
+    out: dict[str, Any] = {k: body[k] for k in _SHARED if k in body}
+    if "prompt" not in body:
+        raise invalid("'prompt' is required", "prompt")
+    out["prompt"] = _prompt(body["prompt"], encode)
+    temperature = body.get("temperature")
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature < 0:
+        out["temperature"] = 0.0  # llama.cpp's greedy (it gave the probabilities as well)
+    for name in ("n_predict", "max_tokens", "max_completion_tokens"):  # the first given wins
+        if name in body:
+            value = body[name]
+            if isinstance(value, int) and not isinstance(value, bool) and value < -1:
+                raise invalid(f"'{name}' must be -1 (up to the context) or at least 0, got {value}", name)
+            if value != -1:
+                out["max_tokens"] = value
+            break
+    n_probs = body.get("n_probs", body.get("logprobs", 0))
+    if not isinstance(n_probs, int) or isinstance(n_probs, bool) or n_probs < 0:
+        raise invalid("'n_probs' must be an integer of at least 0", "n_probs")
+    n_probs = min(n_probs, MAX_TOP_LOGPROBS)
+    if n_probs:
+        out["logprobs"] = n_probs
+    if "n_cmpl" in body or "n" in body:
+        out["n"] = body.get("n_cmpl", body.get("n"))
+    if "repeat_penalty" in body:
+        out["repetition_penalty"] = body["repeat_penalty"]
+    if body.get("repeat_last_n") == 0:  # llama.cpp's: no penalties at all
+        out.pop("repetition_penalty", None)
+        out.pop("presence_penalty", None)
+        out.pop("frequency_penalty", None)
+    stop = body.get("stop", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise invalid("'stop' must be an array of strings", "stop")
+    out["stop"] = [s for s in stop if s]  # llama.cpp skips empty ones
+    if "logit_bias" in body:
+        out["logit_bias"] = _logit_bias(body["logit_bias"], encode)
+    for name, (neutral, what) in _OFF.items():
+        value = body.get(name, neutral)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise invalid(f"'{name}' must be a number", name)
+        off = value >= neutral if name in ("typical_p", "tfs_z") else value <= max(neutral, 0)
+        if not off:
+            raise invalid(f"'{name}' is not supported by this server (its sampler or switch is not "
+                          f"there): leave it out or set it to {what}", name)
+    if body.get("post_sampling_probs", False) is not False:
+        raise invalid("'post_sampling_probs' is not supported: the probabilities given are the model's, "
+                      "before the samplers", "post_sampling_probs")
+    if body.get("lora", []) != []:
+        raise invalid("'lora' is not supported: this server serves its GGUF's weights alone", "lora")
+    return_tokens = body.get("return_tokens", False)
+    if not isinstance(return_tokens, bool):
+        raise invalid("'return_tokens' must be a boolean", "return_tokens")
+    fields = body.get("response_fields", [])
+    if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
+        raise invalid("'response_fields' must be an array of strings", "response_fields")
+    return NativeRequest(out, n_probs, return_tokens, tuple(fields))
+
+
+def _prompt(value: Any, encode: Encode) -> Any:
+    """llama.cpp's mixed prompt (token ids and strings in one array) as token ids, a BOS first
+    where it starts with a string and the model's prompts take one (special tokens read in the
+    strings, as in a prompt string); the other forms as they are."""
+    if isinstance(value, list) and value and any(isinstance(x, str) for x in value) and \
+            any(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        ids: list[int] = []
+        for i, x in enumerate(value):
+            if isinstance(x, str):
+                ids += _encoded(encode, x, None if i == 0 else False, True, "prompt")
+            elif isinstance(x, int) and not isinstance(x, bool):
+                ids.append(x)
+            else:
+                raise invalid("a mixed 'prompt' holds token ids and strings only", "prompt")
+        if not ids:
+            raise invalid("'prompt' must not be empty", "prompt")
+        return ids
+    return value
+
+
+def _encoded(encode: Encode, text: str, add_bos: bool | None, parse_special: bool, field: str) -> list[int]:
+    try:
+        return encode(text, add_bos, parse_special)
+    except ValueError as e:  # e.g. a byte the vocabulary cannot represent
+        raise invalid(f"cannot tokenize the {field}: {e}", field) from None
+
+
+def _logit_bias(value: Any, encode: Encode) -> dict[str, float]:
+    """llama.cpp's logit_bias, `[[token or text, bias or false], ...]` or `{token or text: bias
+    or false}`, as the completion parser's `{token id: bias}`: text biases each of its tokens,
+    `false` bans, a bias is held to the parser's [-100, 100]."""
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
+        pairs = [(p[0], p[1]) for p in value]
+    else:
+        raise invalid("'logit_bias' must be an array of [token or text, bias or false] pairs, or an object",
+                      "logit_bias")
+    out: dict[str, float] = {}
+    for key, bias in pairs:
+        if bias is False:
+            bias = _MIN_BIAS
+        elif not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias):
+            raise invalid(f"logit_bias entry {key!r}: the bias must be a number or false, got {bias!r}", "logit_bias")
+        if isinstance(key, int) and not isinstance(key, bool):
+            ids = [key]
+        elif isinstance(key, str) and key.lstrip("-").isdigit():
+            ids = [int(key)]
+        elif isinstance(key, str) and key:
+            ids = _encoded(encode, key, False, False, "logit_bias")
+        else:
+            raise invalid(f"logit_bias entry {key!r} is neither a token id nor text", "logit_bias")
+        for token in ids:
+            if token < 0:
+                raise invalid(f"logit_bias entry {key!r} is not a token id", "logit_bias")
+            out[str(token)] = min(max(float(bias), _MIN_BIAS), _MAX_BIAS)
+    return out
+
+
+def renamed(error: ApiError) -> ApiError:
+    """A completion parser's 400 named by this API's fields."""
+    name = _PARAM_NAMES.get(error.param or "")
+    if name is None or name == error.param:
+        return error
+    message = error.message.replace(f"'{error.param}'", f"'{name}'")
+    return ApiError(error.status, message, type=error.type, param=name, code=error.code, headers=error.headers)
+
+
+class NativeBuilder:
+    """One response's objects: a streamed step's frame, and each prompt's final object."""
+
+    def __init__(self, parsed: ParsedRequest, native: NativeRequest, model: str, tokenizer: Any) -> None:
+        self.parsed, self.native, self.model, self.tokenizer = parsed, native, model, tokenizer
+        self.eog_ids = (*tokenizer.eog_ids, *parsed.stop_token_ids)
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        raw = self.tokenizer.token_bytes(token_id)
+        return {"id": token_id, "token": raw.decode("utf-8", "ignore"), "bytes": list(raw),
+                "logprob": logprob if math.isfinite(logprob) else -1e30}
+
+    def probabilities(self, entries: Any) -> list[dict[str, Any]]:
+        """llama-server's `completion_probabilities`: each token with its `n_probs` most likely."""
+        return [{**self._token(e.token_id, e.logprob),
+                 "top_logprobs": [self._token(t, lp) for t, lp in e.top[: self.native.n_probs]]} for e in entries]
+
+    def step(self, index: int, text: str, token_ids: tuple[int, ...], entries: Any, predicted: int,
+             evaluated: int) -> dict[str, Any]:
+        chunk = {"index": index, "content": text, "tokens": list(token_ids), "stop": False, "id_slot": -1,
+                 "tokens_predicted": predicted, "tokens_evaluated": evaluated}
+        if self.native.n_probs:
+            chunk["completion_probabilities"] = self.probabilities(entries)
+        return chunk
+
+    def settings(self) -> dict[str, Any]:
+        s, p = self.parsed.sampling, self.parsed
+        return {"n_predict": -1 if p.max_tokens is None else p.max_tokens, "seed": -1 if s.seed is None else s.seed,
+                "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
+                "repeat_penalty": s.repetition_penalty, "presence_penalty": s.presence_penalty,
+                "frequency_penalty": s.frequency_penalty, "stop": list(p.stop), "ignore_eos": p.ignore_eos,
+                "n_probs": self.native.n_probs, "logit_bias": [{"token": t, "bias": b} for t, b in s.logit_bias],
+                "stream": p.stream, "cache_prompt": p.cache_prompt}
+
+    def final(self, index: int, content: str, token_ids: list[int], entries: list[Any], finish_reason: str,
+              prompt: tuple[int, ...], cached: int, timings: Any, streamed: bool = False) -> dict[str, Any]:
+        """A prompt's whole result; `streamed`: as a stream's last frame, without its content,
+        tokens and probabilities (the frames before gave them)."""
+        word = matched_stop(self.parsed.stop, token_ids, self.eog_ids, self.tokenizer.decode) \
+            if finish_reason == "stop" else None
+        stop_type = {"length": "limit", "stop": "word" if word is not None else "eos"}.get(finish_reason, "none")
+        text = self.tokenizer.decode(token_ids)
+        out: dict[str, Any] = {
+            "index": index, "content": content, "tokens": token_ids if self.native.return_tokens and not streamed else [],
+            "id_slot": -1, "stop": True, "model": self.model, "tokens_predicted": len(token_ids),
+            "tokens_evaluated": len(prompt), "generation_settings": self.settings(),
+            "prompt": self.tokenizer.decode(prompt, skip_special=False), "has_new_line": "\n" in text,
+            "truncated": False, "stop_type": stop_type, "stopping_word": word or "", "tokens_cached": cached,
+        }
+        if timings is not None:
+            out["timings"] = render_timings(timings)
+        if self.native.n_probs and not streamed:
+            out["completion_probabilities"] = self.probabilities(entries)
+        return self.select(out)
+
+    def select(self, out: dict[str, Any]) -> dict[str, Any]:
+        """`response_fields`: the fields named, a path `a/b` lifting a nested one; those missing left out."""
+        if not self.native.response_fields:
+            return out
+        kept: dict[str, Any] = {}
+        for path in self.native.response_fields:
+            value: Any = out
+            for key in path.split("/"):
+                value = value.get(key, _MISSING) if isinstance(value, dict) else _MISSING
+            if value is not _MISSING:
+                kept[path] = value
+        return kept
+
+
+_MISSING = object()
+
+
+@dataclasses.dataclass
+class _Result:
+    texts: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    entries: list[Any] = dataclasses.field(default_factory=list)
+
+
+async def whole(gen: Generation, b: NativeBuilder) -> dict[str, Any] | list[dict[str, Any]]:
+    """The non-streamed body: one prompt's object, or several prompts' in an array, by index."""
+    results = {c.index: _Result() for c in gen.choices}
+    finals: dict[int, dict[str, Any]] = {}
+    async for choice, event in gen.events():
+        r = results[choice.index]
+        r.texts.append(event.text)
+        r.token_ids += event.token_ids
+        r.entries += event.logprobs
+        if event.finish_reason is not None:
+            error = abnormal_end(gen, choice, event)
+            if error is not None:
+                raise error
+            finals[choice.index] = b.final(choice.index, "".join(r.texts), r.token_ids, r.entries,
+                                           event.finish_reason, choice.prompt.tokens, event.cached_tokens,
+                                           event.timings)
+    ordered = [finals[i] for i in sorted(finals)]
+    return ordered[0] if len(ordered) == 1 else ordered
+
+
+async def event_frames(gen: Generation, b: NativeBuilder,
+                       on_first_token: Callable[[], None] | None = None) -> AsyncIterator[bytes]:
+    """The streamed body: a frame per step of each prompt, its whole object last; no [DONE]."""
+    results = {c.index: _Result() for c in gen.choices}
+    try:
+        async for choice, event in gen.events():
+            r = results[choice.index]
+            r.token_ids += event.token_ids
+            if event.text or event.token_ids:
+                yield sse_frame(b.step(choice.index, event.text, event.token_ids, event.logprobs,
+                                       len(r.token_ids), len(choice.prompt.tokens)))
+                if on_first_token is not None:
+                    on_first_token()
+                    on_first_token = None
+            if event.finish_reason is None:
+                continue
+            error = abnormal_end(gen, choice, event)
+            if error is not None:
+                yield sse_frame(error.body())
+                return
+            yield sse_frame(b.final(choice.index, "", r.token_ids, [], event.finish_reason, choice.prompt.tokens,
+                                    event.cached_tokens, event.timings, streamed=True))
+    except ApiError as error:
+        yield sse_frame(error.body())
+    except Exception:
+        log.exception("streaming native completion failed")
+        gen.cancel()
+        yield sse_frame(ApiError(500, "internal error while streaming", type="server_error",
+                                 code="internal_error").body())
