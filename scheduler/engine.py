@@ -782,6 +782,7 @@ class Engine:
             speculative_steps_total=int(getattr(self._model, "spec_steps", 0)),
             generation_tokens_total=self._generation_tokens_total,
             error=error,
+            slots=tuple(s.slot_info() for s in self._slots if s is not None),
         )
 
     def _publish(self, state: str, error: str | None = None) -> None:

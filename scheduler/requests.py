@@ -19,7 +19,7 @@ import numpy as np
 from model.step_types import MAX_STOP_TOKEN_IDS, PromptScores
 from scheduler import grammar
 from scheduler.types import (
-    FINISH_LENGTH, FINISH_STOP, GenerationRequest, RequestValidationError, StreamEvent, Timings, TokenLogprob)
+    FINISH_LENGTH, FINISH_STOP, GenerationRequest, RequestValidationError, SlotInfo, StreamEvent, Timings, TokenLogprob)
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +200,7 @@ class RequestState:
         self._stop = StopMatcher(request.stop)
         self._stop_ids = stop_ids
         self.matcher = matcher  # constrained decoding: the grammar's state, past the accepted tokens
+        self._slot_params: tuple | None = None  # slot_info's, made once
         self.submitted_at = submitted_at
         self.admitted_at: float | None = None
         self._first_at: float | None = None
@@ -311,6 +312,13 @@ class RequestState:
             except Exception:  # noqa: BLE001 - the request ends anyway; the text is best effort
                 text = ""
         return self._event(text, (), (), reason, error)
+
+    def slot_info(self) -> tuple:
+        """SlotInfo's fields, as EngineStats.slots holds them."""
+        if self._slot_params is None:
+            self._slot_params = SlotInfo.params_of(self.request.sampling)
+        return (self.slot if self.slot is not None else -1, self.seq, self.request.request_id, self.num_prompt,
+                self.num_prefilled, self.num_reused, self.num_generated, self.limit, self._slot_params)
 
     def timing(self, finish_reason: str, now: float) -> RequestTiming:
         return RequestTiming(

@@ -9,6 +9,7 @@ piece of a stop string that might still match.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -143,6 +144,28 @@ class StreamEvent:
     embedding: np.ndarray | None = None
 
 
+class SlotInfo(NamedTuple):
+    """A busy slot, as llama-server's `GET /slots` shows it (EngineStats.slot_infos)."""
+
+    slot: int
+    task: int  # the engine's number of the request in it
+    request_id: str
+    prompt_tokens: int
+    prompt_done: int  # of them, prefilled or reused
+    prompt_cached: int  # of them, reused from the prompt cache
+    generated: int
+    limit: int  # the most it may generate (max_tokens, or the context left)
+    params: tuple[float | int | None, ...]  # its sampling settings, SLOT_PARAMS' values
+
+    @staticmethod
+    def params_of(sampling: SamplingParams) -> tuple[float | int | None, ...]:
+        return tuple(getattr(sampling, name) for name in SLOT_PARAMS)
+
+
+SLOT_PARAMS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+               "frequency_penalty", "seed")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
     """A snapshot for /health and /metrics."""
@@ -162,3 +185,9 @@ class EngineStats:
     draft_tokens_total: int = 0
     draft_tokens_accepted_total: int = 0
     speculative_steps_total: int = 0  # decode steps that ran the speculative program
+    # the busy slots, by slot: each a SlotInfo's fields as a plain tuple, which the engine
+    # process pickles at every step at a third of a named tuple's cost
+    slots: tuple[tuple, ...] = ()
+
+    def slot_infos(self) -> list[SlotInfo]:
+        return [SlotInfo(*fields) for fields in self.slots]

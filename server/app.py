@@ -40,14 +40,15 @@ from starlette.routing import Route
 from model.chat_template import render_chat
 from scheduler.gc_pauses import GcSnapshot
 from scheduler.requests import RequestTiming
-from scheduler.types import Constraint, EngineStats, GenerationRequest
+from scheduler.types import SLOT_PARAMS, Constraint, EngineStats, GenerationRequest
 from server import embeddings_api, llama_api, messages_api, reasoning, responses_api, tool_calls
 from server.asgi import ApiKeyAuth, BodyLimit, ErrorBoundary, EventStreamResponse, HttpMetricsMiddleware, unless_disconnected
 from server.config import ServerConfig
 from server.errors import ApiError, error_response, invalid, json_response
 from server.generation import Generation, collect, sse_frames, unavailable
 from server.metrics import Metrics
-from server.openai_api import ChatRenderer, CompletionRenderer, Fields, ParsedRequest, parse_chat, parse_completion
+from server.openai_api import (MAX_TOP_LOGPROBS, ChatRenderer, CompletionRenderer, Fields, ParsedRequest, parse_chat,
+                               parse_completion)
 from server.prompts import ModelLimits, PreparedPrompt, bos_eos_text, prepare
 from server.prompts import count as count_prompt
 from server.prompts import render as render_prompt
@@ -351,12 +352,14 @@ async def native_completion(request: Request) -> Response:
     tokenizer = engine.tokenizer
     body = await _json_body(request)
     response_id = "cmpl-" + uuid.uuid4().hex
+    native = None
     try:
-        native = llama_api.to_completion(body, tokenizer.encode)
+        native = llama_api.to_completion(body, tokenizer.encode, bos_eos_text(tokenizer)[0],
+                                         int(engine.info().get("max_top_logprobs", MAX_TOP_LOGPROBS)))
         parsed = parse_completion(native.body, config.max_choices)
         gen = await _submit(request, parsed, response_id, entered)
     except ApiError as e:  # named as llama.cpp's fields name it
-        raise llama_api.renamed(e) from None
+        raise llama_api.renamed(e, native.names if native is not None else llama_api.PARAM_NAMES) from None
     builder = llama_api.NativeBuilder(parsed, native, parsed.model or config.model_name, tokenizer)
     if parsed.stream:
         frames = llama_api.event_frames(gen, builder, on_first_token=_first_frame_timer(request, entered))
@@ -512,6 +515,36 @@ async def props(request: Request) -> Response:
     })
 
 
+async def slots(request: Request) -> Response:
+    """llama-server's `GET /slots`: each slot, idle or with its request's progress and sampling
+    settings (no prompt or output text); `?fail_on_no_slot=1`: a 503 when none is idle."""
+    engine, ready = request.app.state.holder.require_ready()
+    stats = engine.stats()
+    busy = {info.slot: info for info in stats.slot_infos()}
+    if request.query_params.get("fail_on_no_slot") and len(busy) >= stats.num_slots:
+        raise unavailable("no slot available")
+    speculative = bool(engine.info().get("draft_max"))
+    out = []
+    for slot in range(stats.num_slots):
+        entry: dict[str, Any] = {"id": slot, "n_ctx": ready.limits.max_context, "speculative": speculative,
+                                 "is_processing": slot in busy}
+        info = busy.get(slot)
+        if info is not None:
+            params = dict(zip(SLOT_PARAMS, info.params))
+            params["repeat_penalty"] = params.pop("repetition_penalty")
+            params["seed"] = -1 if params["seed"] is None else params["seed"]
+            entry.update({
+                "id_task": info.task, "request_id": info.request_id,
+                "n_prompt_tokens": info.prompt_tokens, "n_prompt_tokens_processed": info.prompt_done,
+                "n_prompt_tokens_cache": info.prompt_cached,
+                "params": {**params, "n_predict": info.limit},
+                "next_token": [{"has_next_token": True, "n_remain": info.limit - info.generated,
+                                "n_decoded": info.generated}],
+            })
+        out.append(entry)
+    return json_response(out)
+
+
 @functools.cache
 def _version() -> str:
     try:
@@ -636,6 +669,7 @@ ROUTES = (
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/props", props, methods=["GET"]),
+    Route("/slots", slots, methods=["GET"]),
 )
 
 

@@ -33,9 +33,11 @@ server's (OpenAI's shape), named by llama.cpp's fields.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
+import re
 from typing import Any, AsyncIterator, Callable
 
 from server.errors import ApiError, invalid
@@ -54,9 +56,10 @@ _OFF = {"typical_p": (1.0, "at least 1"), "tfs_z": (1.0, "at least 1"), "mirosta
         "dry_multiplier": (0.0, "0 or less"), "top_n_sigma": (-1.0, "0 or less"), "t_max_predict_ms": (0, "0 or less")}
 # the completion parser's field names -> this API's, for the `param` and message of a 400
 Encode = Callable[[str, bool | None, bool], list[int]]  # (text, add_bos, parse_special) -> ids
-_PARAM_NAMES = {"max_tokens": "n_predict", "logprobs": "n_probs", "repetition_penalty": "repeat_penalty",
+PARAM_NAMES = {"max_tokens": "n_predict", "logprobs": "n_probs", "repetition_penalty": "repeat_penalty",
                 "n": "n_cmpl"}
 _MIN_BIAS, _MAX_BIAS = -100.0, 100.0  # the completion parser's range; `false` bans with the lowest
+_RANDOM_SEED = 0xFFFFFFFF  # llama-server's -1 (random) as its responses give it back
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,43 +68,57 @@ class NativeRequest:
     n_probs: int
     return_tokens: bool
     response_fields: tuple[str, ...]
+    names: dict[str, str]  # a completion field -> the field of this request it came from (errors)
 
 
-def to_completion(body: Any, encode: Encode) -> NativeRequest:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def to_completion(body: Any, encode: Encode, bos_text: str | None = None,
+                  max_probs: int = MAX_TOP_LOGPROBS) -> NativeRequest:
     """The completion request a `/completion` request is served as, or a 400 naming the field;
-    `encode` is the tokenizer's (`model.tokenizer.Tokenizer.encode`)."""
+    `encode` is the tokenizer's (`model.tokenizer.Tokenizer.encode`), `bos_text` its BOS as text
+    (a prompt string starting with it gets no other), `max_probs` the engine's most alternatives."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object", None)
     body = {k: v for k, v in body.items() if v is not None}
     out: dict[str, Any] = {k: body[k] for k in _SHARED if k in body}
+    names = dict(PARAM_NAMES)
     if "prompt" not in body:
         raise invalid("'prompt' is required", "prompt")
-    out["prompt"] = _prompt(body["prompt"], encode)
+    out["prompt"] = _prompt(body["prompt"], encode, bos_text)
     temperature = body.get("temperature")
     if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature < 0:
         out["temperature"] = 0.0  # llama.cpp's greedy (it gave the probabilities as well)
+    if body.get("seed") == _RANDOM_SEED and _is_int(body["seed"]):
+        out.pop("seed")  # -1 as llama-server reports it back
     for name in ("n_predict", "max_tokens", "max_completion_tokens"):  # the first given wins
         if name in body:
             value = body[name]
-            if isinstance(value, int) and not isinstance(value, bool) and value < -1:
+            if _is_int(value) and value < -1:
                 raise invalid(f"'{name}' must be -1 (up to the context) or at least 0, got {value}", name)
             if value != -1:
-                out["max_tokens"] = value
+                out["max_tokens"], names["max_tokens"] = value, name
             break
-    n_probs = body.get("n_probs", body.get("logprobs", 0))
-    if not isinstance(n_probs, int) or isinstance(n_probs, bool) or n_probs < 0:
-        raise invalid("'n_probs' must be an integer of at least 0", "n_probs")
-    n_probs = min(n_probs, MAX_TOP_LOGPROBS)
+    probs_name = "n_probs" if "n_probs" in body else "logprobs"
+    n_probs = body.get(probs_name, 0)
+    if not _is_int(n_probs) or n_probs < 0:
+        raise invalid(f"'{probs_name}' must be an integer of at least 0", probs_name)
+    n_probs = min(n_probs, max_probs)  # (llama-server's post-sampling lists can be shorter too)
     if n_probs:
-        out["logprobs"] = n_probs
+        out["logprobs"], names["logprobs"] = n_probs, probs_name
     if "n_cmpl" in body or "n" in body:
-        out["n"] = body.get("n_cmpl", body.get("n"))
+        names["n"] = "n_cmpl" if "n_cmpl" in body else "n"
+        out["n"] = body[names["n"]]
     if "repeat_penalty" in body:
         out["repetition_penalty"] = body["repeat_penalty"]
-    if body.get("repeat_last_n") == 0:  # llama.cpp's: no penalties at all
-        out.pop("repetition_penalty", None)
-        out.pop("presence_penalty", None)
-        out.pop("frequency_penalty", None)
+    last_n = body.get("repeat_last_n", -1)
+    if not _is_int(last_n):
+        raise invalid("'repeat_last_n' must be an integer", "repeat_last_n")
+    if last_n == 0:  # llama.cpp's: no penalties at all
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            out.pop(name, None)
     stop = body.get("stop", [])
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
@@ -117,38 +134,49 @@ def to_completion(body: Any, encode: Encode) -> NativeRequest:
         if not off:
             raise invalid(f"'{name}' is not supported by this server (its sampler or switch is not "
                           f"there): leave it out or set it to {what}", name)
-    if body.get("post_sampling_probs", False) is not False:
+    for name in ("post_sampling_probs", "return_tokens"):
+        if not isinstance(body.get(name, False), bool):
+            raise invalid(f"'{name}' must be a boolean", name)
+    if body.get("post_sampling_probs", False):
         raise invalid("'post_sampling_probs' is not supported: the probabilities given are the model's, "
                       "before the samplers", "post_sampling_probs")
     if body.get("lora", []) != []:
         raise invalid("'lora' is not supported: this server serves its GGUF's weights alone", "lora")
-    return_tokens = body.get("return_tokens", False)
-    if not isinstance(return_tokens, bool):
-        raise invalid("'return_tokens' must be a boolean", "return_tokens")
     fields = body.get("response_fields", [])
     if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
         raise invalid("'response_fields' must be an array of strings", "response_fields")
-    return NativeRequest(out, n_probs, return_tokens, tuple(fields))
+    return NativeRequest(out, n_probs, body.get("return_tokens", False), tuple(fields), names)
 
 
-def _prompt(value: Any, encode: Encode) -> Any:
-    """llama.cpp's mixed prompt (token ids and strings in one array) as token ids, a BOS first
-    where it starts with a string and the model's prompts take one (special tokens read in the
-    strings, as in a prompt string); the other forms as they are."""
-    if isinstance(value, list) and value and any(isinstance(x, str) for x in value) and \
-            any(isinstance(x, int) and not isinstance(x, bool) for x in value):
-        ids: list[int] = []
-        for i, x in enumerate(value):
-            if isinstance(x, str):
-                ids += _encoded(encode, x, None if i == 0 else False, True, "prompt")
-            elif isinstance(x, int) and not isinstance(x, bool):
-                ids.append(x)
-            else:
-                raise invalid("a mixed 'prompt' holds token ids and strings only", "prompt")
-        if not ids:
-            raise invalid("'prompt' must not be empty", "prompt")
-        return ids
+def _prompt(value: Any, encode: Encode, bos_text: str | None) -> Any:
+    """llama.cpp's prompt forms as the completion parser takes them: a mixed array (token ids and
+    strings, one prompt) as token ids, a BOS first where a string starts it (special tokens read
+    in the strings, as in a prompt string); an array of prompts whose forms differ (strings, token
+    ids, mixed arrays) as token ids each; the other forms as they are."""
+    if not isinstance(value, list) or not value:
+        return value
+    if any(_is_int(x) for x in value) and any(isinstance(x, str) for x in value):
+        return _mixed(value, encode, bos_text)
+    if any(isinstance(x, list) for x in value) and not all(isinstance(x, list) and all(map(_is_int, x)) for x in value):
+        return [_mixed([x] if isinstance(x, str) else x, encode, bos_text) if isinstance(x, (str, list)) else x
+                for x in value]  # (anything else the completion parser refuses)
     return value
+
+
+def _mixed(parts: list[Any], encode: Encode, bos_text: str | None) -> list[int]:
+    ids: list[int] = []
+    for i, x in enumerate(parts):
+        if isinstance(x, str):
+            # a BOS as the file adds one before a prompt that starts with text, unless it has one
+            add_bos = False if i or (bos_text and x.startswith(bos_text)) else None
+            ids += _encoded(encode, x, add_bos, True, "prompt")
+        elif _is_int(x):
+            ids.append(x)
+        else:
+            raise invalid("a mixed 'prompt' holds token ids and strings only", "prompt")
+    if not ids:
+        raise invalid("'prompt' must not be empty", "prompt")
+    return ids
 
 
 def _encoded(encode: Encode, text: str, add_bos: bool | None, parse_special: bool, field: str) -> list[int]:
@@ -171,13 +199,19 @@ def _logit_bias(value: Any, encode: Encode) -> dict[str, float]:
                       "logit_bias")
     out: dict[str, float] = {}
     for key, bias in pairs:
+        number = math.nan
         if bias is False:
-            bias = _MIN_BIAS
-        elif not isinstance(bias, (int, float)) or isinstance(bias, bool) or not math.isfinite(bias):
+            number = _MIN_BIAS
+        elif isinstance(bias, (int, float)) and not isinstance(bias, bool):
+            try:
+                number = float(bias)
+            except OverflowError:  # an integer beyond float range
+                pass
+        if not math.isfinite(number):
             raise invalid(f"logit_bias entry {key!r}: the bias must be a number or false, got {bias!r}", "logit_bias")
-        if isinstance(key, int) and not isinstance(key, bool):
+        if _is_int(key):
             ids = [key]
-        elif isinstance(key, str) and key.lstrip("-").isdigit():
+        elif isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key):
             ids = [int(key)]
         elif isinstance(key, str) and key:
             ids = _encoded(encode, key, False, False, "logit_bias")
@@ -186,13 +220,13 @@ def _logit_bias(value: Any, encode: Encode) -> dict[str, float]:
         for token in ids:
             if token < 0:
                 raise invalid(f"logit_bias entry {key!r} is not a token id", "logit_bias")
-            out[str(token)] = min(max(float(bias), _MIN_BIAS), _MAX_BIAS)
+            out[str(token)] = min(max(number, _MIN_BIAS), _MAX_BIAS)
     return out
 
 
-def renamed(error: ApiError) -> ApiError:
-    """A completion parser's 400 named by this API's fields."""
-    name = _PARAM_NAMES.get(error.param or "")
+def renamed(error: ApiError, names: dict[str, str] = PARAM_NAMES) -> ApiError:
+    """A completion parser's 400 named by this request's fields (NativeRequest.names)."""
+    name = names.get(error.param or "")
     if name is None or name == error.param:
         return error
     message = error.message.replace(f"'{error.param}'", f"'{name}'")
@@ -233,16 +267,17 @@ class NativeBuilder:
                 "n_probs": self.native.n_probs, "logit_bias": [{"token": t, "bias": b} for t, b in s.logit_bias],
                 "stream": p.stream, "cache_prompt": p.cache_prompt}
 
-    def final(self, index: int, content: str, token_ids: list[int], entries: list[Any], finish_reason: str,
+    def final(self, index: int, text: str, token_ids: list[int], entries: list[Any], finish_reason: str,
               prompt: tuple[int, ...], cached: int, timings: Any, streamed: bool = False) -> dict[str, Any]:
-        """A prompt's whole result; `streamed`: as a stream's last frame, without its content,
-        tokens and probabilities (the frames before gave them)."""
+        """A prompt's whole result, `text` the reply as sent (a stop string cut off); `streamed`:
+        as a stream's last frame, without its content, tokens and probabilities (the frames
+        before gave them)."""
         word = matched_stop(self.parsed.stop, token_ids, self.eog_ids, self.tokenizer.decode) \
             if finish_reason == "stop" else None
         stop_type = {"length": "limit", "stop": "word" if word is not None else "eos"}.get(finish_reason, "none")
-        text = self.tokenizer.decode(token_ids)
         out: dict[str, Any] = {
-            "index": index, "content": content, "tokens": token_ids if self.native.return_tokens and not streamed else [],
+            "index": index, "content": "" if streamed else text,
+            "tokens": token_ids if self.native.return_tokens and not streamed else [],
             "id_slot": -1, "stop": True, "model": self.model, "tokens_predicted": len(token_ids),
             "tokens_evaluated": len(prompt), "generation_settings": self.settings(),
             "prompt": self.tokenizer.decode(prompt, skip_special=False), "has_new_line": "\n" in text,
@@ -251,6 +286,9 @@ class NativeBuilder:
         if timings is not None:
             out["timings"] = render_timings(timings)
         if self.native.n_probs and not streamed:
+            if word is not None:  # as llama-server: none for the tokens that made the stop string
+                while entries and len(self.tokenizer.decode(token_ids[:len(entries) - 1])) >= len(text):
+                    entries = entries[:-1]
             out["completion_probabilities"] = self.probabilities(entries)
         return self.select(out)
 
@@ -282,18 +320,19 @@ async def whole(gen: Generation, b: NativeBuilder) -> dict[str, Any] | list[dict
     """The non-streamed body: one prompt's object, or several prompts' in an array, by index."""
     results = {c.index: _Result() for c in gen.choices}
     finals: dict[int, dict[str, Any]] = {}
-    async for choice, event in gen.events():
-        r = results[choice.index]
-        r.texts.append(event.text)
-        r.token_ids += event.token_ids
-        r.entries += event.logprobs
-        if event.finish_reason is not None:
-            error = abnormal_end(gen, choice, event)
-            if error is not None:
-                raise error
-            finals[choice.index] = b.final(choice.index, "".join(r.texts), r.token_ids, r.entries,
-                                           event.finish_reason, choice.prompt.tokens, event.cached_tokens,
-                                           event.timings)
+    async with contextlib.aclosing(gen.events()) as events:
+        async for choice, event in events:
+            r = results[choice.index]
+            r.texts.append(event.text)
+            r.token_ids += event.token_ids
+            r.entries += event.logprobs
+            if event.finish_reason is not None:
+                error = abnormal_end(gen, choice, event)
+                if error is not None:
+                    raise error
+                finals[choice.index] = b.final(choice.index, "".join(r.texts), r.token_ids, r.entries,
+                                               event.finish_reason, choice.prompt.tokens, event.cached_tokens,
+                                               event.timings)
     ordered = [finals[i] for i in sorted(finals)]
     return ordered[0] if len(ordered) == 1 else ordered
 
@@ -303,23 +342,26 @@ async def event_frames(gen: Generation, b: NativeBuilder,
     """The streamed body: a frame per step of each prompt, its whole object last; no [DONE]."""
     results = {c.index: _Result() for c in gen.choices}
     try:
-        async for choice, event in gen.events():
-            r = results[choice.index]
-            r.token_ids += event.token_ids
-            if event.text or event.token_ids:
-                yield sse_frame(b.step(choice.index, event.text, event.token_ids, event.logprobs,
-                                       len(r.token_ids), len(choice.prompt.tokens)))
-                if on_first_token is not None:
-                    on_first_token()
-                    on_first_token = None
-            if event.finish_reason is None:
-                continue
-            error = abnormal_end(gen, choice, event)
-            if error is not None:
-                yield sse_frame(error.body())
-                return
-            yield sse_frame(b.final(choice.index, "", r.token_ids, [], event.finish_reason, choice.prompt.tokens,
-                                    event.cached_tokens, event.timings, streamed=True))
+        async with contextlib.aclosing(gen.events()) as events:
+            async for choice, event in events:
+                r = results[choice.index]
+                r.texts.append(event.text)
+                r.token_ids += event.token_ids
+                if event.text or event.token_ids:
+                    frame = sse_frame(b.step(choice.index, event.text, event.token_ids, event.logprobs,
+                                             len(r.token_ids), len(choice.prompt.tokens)))
+                    if on_first_token is not None:
+                        on_first_token()
+                        on_first_token = None
+                    yield frame
+                if event.finish_reason is None:
+                    continue
+                error = abnormal_end(gen, choice, event)
+                if error is not None:
+                    yield sse_frame(error.body())
+                    return
+                yield sse_frame(b.final(choice.index, "".join(r.texts), r.token_ids, [], event.finish_reason,
+                                        choice.prompt.tokens, event.cached_tokens, event.timings, streamed=True))
     except ApiError as error:
         yield sse_frame(error.body())
     except Exception:

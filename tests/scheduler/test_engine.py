@@ -17,6 +17,7 @@ import pytest
 
 from model.step_types import SamplingParams
 from scheduler.types import (
+    SLOT_PARAMS,
     EngineUnavailableError,
     QueueFullError,
     RequestValidationError,
@@ -150,11 +151,15 @@ def test_waiting_request_is_counted(make_engine, fake_model_cls):
     engine, model = make_engine(fake_model_cls(num_slots=1, gate=gate), max_queue=4)
 
     async def main():
-        first = engine.submit(req("a", max_tokens=3))
+        first = engine.submit(req("a", max_tokens=3, request_id="first"))
         second = engine.submit(req("x", max_tokens=2))
         await asyncio.to_thread(wait_until, lambda: engine.stats().requests_waiting == 1)
         stats = engine.stats()
         assert (stats.requests_running, stats.slots_busy) == (1, 1)
+        # /slots: the running request's slot, prompt, limit and settings; not the waiting one
+        [info] = stats.slot_infos()
+        assert (info.slot, info.request_id, info.prompt_tokens, info.prompt_done, info.limit) == (0, "first", 1, 1, 3)
+        assert dict(zip(SLOT_PARAMS, info.params))["temperature"] == req("a").sampling.temperature
         gate.set()
         return await collect(first), await collect(second)
 

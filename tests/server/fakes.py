@@ -190,6 +190,7 @@ class FakeEngine:
         self.is_started = False
         self.is_shut_down = False
         self.ready_gate: threading.Event | None = None  # wait_ready blocks on it when set
+        self.busy_slots: tuple[tuple, ...] = ()  # EngineStats.slots, as a test sets them
 
     def start(self) -> None:
         self.is_started = True
@@ -212,6 +213,7 @@ class FakeEngine:
             generation_tokens_total=7,
             prompt_tokens_cached_total=5,
             error="device lost" if self.state == "failed" else None,
+            slots=self.busy_slots,
         )
 
     def add_observer(self, observer: Callable[[RequestTiming], None]) -> None:

@@ -100,6 +100,12 @@ def test_disconnect_frees_the_slot(server):
         got = [next(lines) for _ in range(4)]
         assert any(line.startswith("data: ") for line in got)
         assert httpx.get(server + "/health").json()["slots_busy"] == 1
+        # llama-server's /slots shows it, from the engine's process, with its prompt and limit
+        slots = httpx.get(server + "/slots").json()
+        busy = [s for s in slots if s["is_processing"]]
+        assert len(slots) == 4 and len(busy) == 1 and all(s["n_ctx"] == 1024 and s["speculative"] for s in slots)
+        assert busy[0]["n_prompt_tokens"] == busy[0]["n_prompt_tokens_processed"] > 0
+        assert busy[0]["params"]["n_predict"] == 400 and busy[0]["next_token"][0]["n_decoded"] > 0
     deadline = time.monotonic() + 60
     while httpx.get(server + "/health").json()["slots_busy"] != 0:
         assert time.monotonic() < deadline, "the cancelled request still holds its slot"
@@ -258,10 +264,18 @@ def test_a_native_completion_equals_the_openai_completion(server, client):
     assert "".join(f["content"] for f in frames) == native["content"] and frames[-1]["stop"] is True
     assert [t for f in frames[:-1] for t in f["tokens"]] == native["tokens"]
     # a stop string inside that text ends it there, and is named
-    word = native["content"].split()[1]
+    content = native["content"]
+    assert len(content) >= 6, content
+    word = content[len(content) // 2:len(content) // 2 + 3]
     stopped = _post(server, "/completion", {**body, "stop": [word]})
     assert (stopped["stop_type"], stopped["stopping_word"]) == ("word", word)
-    assert stopped["content"] == native["content"][: native["content"].index(word)]
+    assert stopped["content"] == content[:content.index(word)]
+    assert stopped["has_new_line"] == ("\n" in stopped["content"])
+    # its probabilities stop where its text does, as llama-server's: none for the stop string's tokens
+    ids = [p["id"] for p in stopped["completion_probabilities"]]
+    assert ids == [p["id"] for p in native["completion_probabilities"]][:len(ids)]
+    covered = "".join(p["token"] for p in stopped["completion_probabilities"])
+    assert covered.startswith(stopped["content"]) and len(ids) < len(native["completion_probabilities"])
 
 
 def _post(server: str, route: str, body: dict) -> dict:

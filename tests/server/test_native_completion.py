@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.types import StreamEvent
+from scheduler.types import StreamEvent, TokenLogprob
 from server.errors import ApiError
 from server.llama_api import to_completion
 from tests.server.fakes import BOS, EOS, FakeEngine, FakeTokenizer, client_for, make_app, parse_sse, tok
@@ -37,6 +37,10 @@ def test_fields_become_a_completion_request() -> None:
     ({"prompt": "x", "stop": ["", "a"]}, {"stop": ["a"]}),
     ({"prompt": "x", "repeat_penalty": 1.2, "presence_penalty": 0.5, "repeat_last_n": 0}, {}),
     ({"prompt": "x", "repeat_penalty": 1.2, "repeat_last_n": 64}, {"repetition_penalty": 1.2}),
+    ({"prompt": "x", "seed": 4294967295}, {}),  # llama-server's -1 as it reports it back
+    ({"prompt": "x", "seed": 4294967294}, {"seed": 4294967294}),
+    ({"prompt": "x", "n_probs": 50}, {"logprobs": 20}),  # held to the most the engine gives
+    ({"prompt": "x", "post_sampling_probs": False}, {}),
 ])
 def test_llama_cpp_forms(body: dict, expected: dict) -> None:
     assert to_completion(body, ENCODE).body == {"prompt": "x", "stop": [], **expected}
@@ -45,9 +49,19 @@ def test_llama_cpp_forms(body: dict, expected: dict) -> None:
 def test_a_mixed_prompt_is_token_ids_with_bos_where_a_string_starts_it() -> None:
     assert to_completion({"prompt": ["ab", 7, "c"]}, ENCODE).body["prompt"] == [BOS, *tok("ab"), 7, *tok("c")]
     assert to_completion({"prompt": [7, "<s>c"]}, ENCODE).body["prompt"] == [7, BOS, *tok("c")]  # specials read
+    # a string that starts with the BOS gets no other
+    assert to_completion({"prompt": ["<s>a", 7]}, ENCODE, "<s>").body["prompt"] == [BOS, *tok("a"), 7]
+    # an array of prompts of several forms: token ids each
+    assert to_completion({"prompt": ["ab", [5, 6], [7, "c"]]}, ENCODE).body["prompt"] == [
+        [BOS, *tok("ab")], [5, 6], [7, *tok("c")]]
     # the forms the completion parser takes pass as they are
     assert to_completion({"prompt": ["ab", "c"]}, ENCODE).body["prompt"] == ["ab", "c"]
     assert to_completion({"prompt": [[5, 6], [7]]}, ENCODE).body["prompt"] == [[5, 6], [7]]
+
+
+def test_logit_bias_keys_that_only_look_like_numbers_are_text() -> None:
+    assert to_completion({"prompt": "x", "logit_bias": [["²", 1], ["--5", 2]]}, ENCODE).body["logit_bias"] == {
+        **{str(t): 1.0 for t in tok("²")}, str(tok("-")[0]): 2.0, str(tok("5")[0]): 2.0}
 
 
 def test_logit_bias_forms() -> None:
@@ -74,6 +88,12 @@ def test_logit_bias_forms() -> None:
     ({"prompt": "x", "logit_bias": [[5, "a"]]}, "logit_bias"),
     ({"prompt": "x", "logit_bias": 5}, "logit_bias"),
     ({"prompt": "x", "logit_bias": [[-3, 1]]}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": [[5, 10 ** 400]]}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": [[5, True]]}, "logit_bias"),
+    ({"prompt": "x", "repeat_last_n": False}, "repeat_last_n"),
+    ({"prompt": "x", "post_sampling_probs": 0}, "post_sampling_probs"),
+    ({"prompt": "x", "return_tokens": 1}, "return_tokens"),
+    ({"prompt": "x", "logprobs": -2}, "logprobs"),
     ({"prompt": [5, "a", None]}, "prompt"),
     ({"prompt": "x", "response_fields": "content"}, "response_fields"),
 ])
@@ -102,12 +122,14 @@ async def test_the_response() -> None:
     (engine_with("Hello world"), {"n_predict": 5}, "limit", "", "Hello"),
     (engine_stopping_at("Hell", tuple(tok("Hello w"))), {"stop": ["xyz", "o w"]}, "word", "o w", "Hell"),
     (engine_stopping_at("Hello", (*tok("Hello"), EOS)), {"stop": ["lo"]}, "eos", "", "Hello"),
+    (engine_stopping_at("Hi", tuple(tok("Hi\n"))), {"stop": ["\n"]}, "word", "\n", "Hi"),
 ])
 async def test_stop_types(engine: FakeEngine, extra: dict, stop_type: str, word: str, content: str) -> None:
     async with client_for(make_app(engine)) as c:
         r = await c.post("/completion", json={"prompt": "Hi", **extra})
     body = r.json()
     assert (body["stop_type"], body["stopping_word"], body["content"]) == (stop_type, word, content)
+    assert body["has_new_line"] == ("\n" in content)  # of the text sent, without the stop string
 
 
 async def test_probabilities() -> None:
@@ -118,6 +140,19 @@ async def test_probabilities() -> None:
     assert probs[0]["bytes"] == [ord("a")] and probs[0]["logprob"] == pytest.approx(-0.1)
     assert [(t["id"], t["logprob"]) for t in probs[1]["top_logprobs"]] == [
         (tok("b")[0], pytest.approx(-0.2)), (tok("b")[0] + 1, pytest.approx(-1.2))]
+
+
+async def test_no_probabilities_for_the_stop_strings_tokens() -> None:
+    engine = FakeEngine()
+    ids = tuple(tok("Hello w"))
+    engine.script = lambda request: [StreamEvent(
+        text="Hell", token_ids=ids, logprobs=tuple(TokenLogprob(t, -0.5, ((t, -0.5),)) for t in ids),
+        finish_reason="stop", completion_tokens=len(ids))]
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/completion", json={"prompt": "Hi", "n_probs": 1, "stop": ["o w"]})
+    body = r.json()
+    assert body["content"] == "Hell" and body["stop_type"] == "word"
+    assert [p["token"] for p in body["completion_probabilities"]] == ["H", "e", "l", "l"]
 
 
 async def test_the_stream() -> None:
@@ -133,6 +168,16 @@ async def test_the_stream() -> None:
     assert [[p["id"] for p in f["completion_probabilities"]] for f in steps] == [tok("a"), tok("b"), tok("c")]
     assert last["stop"] is True and last["content"] == "" and last["tokens"] == []
     assert last["stop_type"] == "eos" and last["tokens_predicted"] == 3 and "completion_probabilities" not in last
+
+
+async def test_several_streamed_prompts_and_choices_end_each_with_their_object() -> None:
+    async with client_for(make_app(engine_with("ok"))) as c:
+        r = await c.post("/completion", json={"prompt": ["a", [5, "bc"]], "n_cmpl": 2, "stream": True})
+    frames = parse_sse(r.text)
+    for index in range(4):
+        mine = [f for f in frames if f["index"] == index]
+        assert "".join(f["content"] for f in mine) == "ok" and [f["stop"] for f in mine] == [False, False, True]
+        assert mine[-1]["tokens_evaluated"] == (2 if index < 2 else 3)
 
 
 async def test_several_prompts_are_an_array() -> None:
@@ -157,11 +202,13 @@ async def test_errors_name_llama_cpp_fields() -> None:
         penalty = await c.post("/completion", json={"prompt": "a", "repeat_penalty": 0})
         sampler = await c.post("/completion", json={"prompt": "a", "typical_p": 0.5})
         no_json = await c.post("/completion", content=b"{", headers={"content-type": "application/json"})
+        alias = await c.post("/completion", json={"prompt": "a", "max_tokens": "many"})
     assert (bad.status_code, bad.json()["error"]["param"]) == (400, "n_predict")
     assert "'n_predict'" in bad.json()["error"]["message"]
     assert (penalty.status_code, penalty.json()["error"]["param"]) == (400, "repeat_penalty")
     assert (sampler.status_code, sampler.json()["error"]["param"]) == (400, "typical_p")
     assert no_json.status_code == 400
+    assert (alias.status_code, alias.json()["error"]["param"]) == (400, "max_tokens")  # the field given
     assert engine.requests == []  # nothing reached the engine
 
 
