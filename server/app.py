@@ -553,17 +553,28 @@ def _version() -> str:
         return "source"
 
 
-async def models(request: Request) -> Response:
-    state = request.app.state
+def _model_entry(state: Any) -> dict[str, Any]:
     ready = state.holder.ready
-    entry = {
+    return {
         "id": state.config.model_name,
         "object": "model",
         "created": state.started,
         "owned_by": "pallas-serve",
         "meta": ready.info if ready is not None else None,
     }
-    return json_response({"object": "list", "data": [entry]})
+
+
+async def models(request: Request) -> Response:
+    return json_response({"object": "list", "data": [_model_entry(request.app.state)]})
+
+
+async def model(request: Request) -> Response:
+    """OpenAI's model retrieval (`client.models.retrieve`): the model served, by its exact name."""
+    name = request.path_params["model_id"]
+    if name != request.app.state.config.model_name:
+        raise ApiError(404, f"the model {name!r} does not exist; this server serves "
+                            f"{request.app.state.config.model_name!r}", param="model", code="model_not_found")
+    return json_response(_model_entry(request.app.state))
 
 
 async def apply_template(request: Request) -> Response:
@@ -649,6 +660,8 @@ ROUTES = (
     Route("/v1/health", health, methods=["GET"]),
     Route("/v1/models", models, methods=["GET"]),
     Route("/models", models, methods=["GET"]),
+    Route("/v1/models/{model_id:path}", model, methods=["GET"]),
+    Route("/models/{model_id:path}", model, methods=["GET"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/completions", completions, methods=["POST"]),
     Route("/completion", native_completion, methods=["POST"]),

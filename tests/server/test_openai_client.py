@@ -87,3 +87,6 @@ async def test_stream_error_frame_raises_in_the_client(sdk: openai.AsyncOpenAI, 
 async def test_models(sdk: openai.AsyncOpenAI) -> None:
     models = [m.id async for m in sdk.models.list()]
     assert models == ["fake.gguf"]
+    assert (await sdk.models.retrieve("fake.gguf")).id == "fake.gguf"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        await sdk.models.retrieve("gpt-4o")
