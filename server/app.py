@@ -359,7 +359,7 @@ async def native_completion(request: Request) -> Response:
         parsed = parse_completion(native.body, config.max_choices)
         gen = await _submit(request, parsed, response_id, entered)
     except ApiError as e:  # named as llama.cpp's fields name it
-        raise llama_api.renamed(e, native.names if native is not None else llama_api.PARAM_NAMES) from None
+        raise (llama_api.renamed(e, native.names) if native is not None else e) from None
     builder = llama_api.NativeBuilder(parsed, native, parsed.model or config.model_name, tokenizer)
     if parsed.stream:
         frames = llama_api.event_frames(gen, builder, on_first_token=_first_frame_timer(request, entered))
@@ -521,7 +521,7 @@ async def slots(request: Request) -> Response:
     engine, ready = request.app.state.holder.require_ready()
     stats = engine.stats()
     busy = {info.slot: info for info in stats.slot_infos()}
-    if request.query_params.get("fail_on_no_slot") and len(busy) >= stats.num_slots:
+    if "fail_on_no_slot" in request.query_params and len(busy) >= stats.num_slots:  # any value, as llama-server
         raise unavailable("no slot available")
     speculative = bool(engine.info().get("draft_max"))
     out = []
@@ -534,8 +534,10 @@ async def slots(request: Request) -> Response:
             params["repeat_penalty"] = params.pop("repetition_penalty")
             params["seed"] = -1 if params["seed"] is None else params["seed"]
             entry.update({
-                "id_task": info.task, "request_id": info.request_id,
-                "n_prompt_tokens": info.prompt_tokens, "n_prompt_tokens_processed": info.prompt_done,
+                # (not the request's id: a Responses API id in it would open the stored response)
+                "id_task": info.task,
+                "n_prompt_tokens": info.prompt_tokens,
+                "n_prompt_tokens_processed": info.prompt_done - info.prompt_cached,
                 "n_prompt_tokens_cache": info.prompt_cached,
                 "params": {**params, "n_predict": info.limit},
                 "next_token": [{"has_next_token": True, "n_remain": info.limit - info.generated,

@@ -56,7 +56,7 @@ _OFF = {"typical_p": (1.0, "at least 1"), "tfs_z": (1.0, "at least 1"), "mirosta
         "dry_multiplier": (0.0, "0 or less"), "top_n_sigma": (-1.0, "0 or less"), "t_max_predict_ms": (0, "0 or less")}
 # the completion parser's field names -> this API's, for the `param` and message of a 400
 Encode = Callable[[str, bool | None, bool], list[int]]  # (text, add_bos, parse_special) -> ids
-PARAM_NAMES = {"max_tokens": "n_predict", "logprobs": "n_probs", "repetition_penalty": "repeat_penalty",
+_PARAM_NAMES = {"max_tokens": "n_predict", "logprobs": "n_probs", "repetition_penalty": "repeat_penalty",
                 "n": "n_cmpl"}
 _MIN_BIAS, _MAX_BIAS = -100.0, 100.0  # the completion parser's range; `false` bans with the lowest
 _RANDOM_SEED = 0xFFFFFFFF  # llama-server's -1 (random) as its responses give it back
@@ -84,7 +84,7 @@ def to_completion(body: Any, encode: Encode, bos_text: str | None = None,
         raise invalid("the request body must be a JSON object", None)
     body = {k: v for k, v in body.items() if v is not None}
     out: dict[str, Any] = {k: body[k] for k in _SHARED if k in body}
-    names = dict(PARAM_NAMES)
+    names = dict(_PARAM_NAMES)
     if "prompt" not in body:
         raise invalid("'prompt' is required", "prompt")
     out["prompt"] = _prompt(body["prompt"], encode, bos_text)
@@ -105,7 +105,7 @@ def to_completion(body: Any, encode: Encode, bos_text: str | None = None,
     n_probs = body.get(probs_name, 0)
     if not _is_int(n_probs) or n_probs < 0:
         raise invalid(f"'{probs_name}' must be an integer of at least 0", probs_name)
-    n_probs = min(n_probs, max_probs)  # (llama-server's post-sampling lists can be shorter too)
+    n_probs = min(n_probs, max_probs, MAX_TOP_LOGPROBS)  # (llama-server's post-sampling lists can be shorter too)
     if n_probs:
         out["logprobs"], names["logprobs"] = n_probs, probs_name
     if "n_cmpl" in body or "n" in body:
@@ -224,7 +224,7 @@ def _logit_bias(value: Any, encode: Encode) -> dict[str, float]:
     return out
 
 
-def renamed(error: ApiError, names: dict[str, str] = PARAM_NAMES) -> ApiError:
+def renamed(error: ApiError, names: dict[str, str]) -> ApiError:
     """A completion parser's 400 named by this request's fields (NativeRequest.names)."""
     name = names.get(error.param or "")
     if name is None or name == error.param:
@@ -287,10 +287,21 @@ class NativeBuilder:
             out["timings"] = render_timings(timings)
         if self.native.n_probs and not streamed:
             if word is not None:  # as llama-server: none for the tokens that made the stop string
-                while entries and len(self.tokenizer.decode(token_ids[:len(entries) - 1])) >= len(text):
-                    entries = entries[:-1]
+                entries = entries[:self._covering(token_ids[:len(entries)], len(text))]
             out["completion_probabilities"] = self.probabilities(entries)
         return self.select(out)
+
+    def _covering(self, token_ids: list[int], length: int) -> int:
+        """The fewest of `token_ids` whose text holds `length` characters (by bisection: the text
+        of a prefix only grows; a character whose bytes are cut counts once it is whole)."""
+        lo, hi = 0, len(token_ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self.tokenizer.decode(token_ids[:mid]).rstrip("\ufffd")) >= length:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def select(self, out: dict[str, Any]) -> dict[str, Any]:
         """`response_fields`: the fields named, a path `a/b` lifting a nested one; those missing left out."""

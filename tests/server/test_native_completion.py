@@ -155,6 +155,17 @@ async def test_no_probabilities_for_the_stop_strings_tokens() -> None:
     assert [p["token"] for p in body["completion_probabilities"]] == ["H", "e", "l", "l"]
 
 
+async def test_no_probabilities_for_the_stop_strings_tokens_after_a_character_of_several_tokens() -> None:
+    engine = FakeEngine()
+    ids = tuple(tok("a\U0001F600!?"))  # the emoji is 4 byte tokens; the stop string "!?"
+    engine.script = lambda request: [StreamEvent(
+        text="a\U0001F600", token_ids=ids, logprobs=tuple(TokenLogprob(t, -0.5, ()) for t in ids),
+        finish_reason="stop", completion_tokens=len(ids))]
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/completion", json={"prompt": "Hi", "n_probs": 1, "stop": ["!?"]})
+    assert [p["id"] for p in r.json()["completion_probabilities"]] == tok("a\U0001F600")
+
+
 async def test_the_stream() -> None:
     async with client_for(make_app(engine_with("abc"))) as c:
         r = await c.post("/completion", json={"prompt": "Hi", "stream": True, "n_probs": 1})
@@ -209,6 +220,9 @@ async def test_errors_name_llama_cpp_fields() -> None:
     assert (sampler.status_code, sampler.json()["error"]["param"]) == (400, "typical_p")
     assert no_json.status_code == 400
     assert (alias.status_code, alias.json()["error"]["param"]) == (400, "max_tokens")  # the field given
+    for body, param in (({"max_tokens": -5}, "max_tokens"), ({"logprobs": -1}, "logprobs")):  # refused before parsing
+        r = await client_for(make_app(engine)).post("/completion", json={"prompt": "a", **body})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, param)
     assert engine.requests == []  # nothing reached the engine
 
 
