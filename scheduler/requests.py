@@ -317,8 +317,8 @@ class RequestState:
         """SlotInfo's fields, as EngineStats.slots holds them."""
         if self._slot_params is None:
             self._slot_params = SlotInfo.params_of(self.request.sampling)
-        return (self.slot if self.slot is not None else -1, self.seq, self.request.request_id, self.num_prompt,
-                self.num_prefilled, self.num_reused, self.num_generated, self.limit, self._slot_params)
+        return (self.slot if self.slot is not None else -1, self.seq, self.num_prompt, self.num_prefilled,
+                self.num_reused, self.num_generated, self.limit, self._slot_params)
 
     def timing(self, finish_reason: str, now: float) -> RequestTiming:
         return RequestTiming(

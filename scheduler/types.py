@@ -148,8 +148,7 @@ class SlotInfo(NamedTuple):
     """A busy slot, as llama-server's `GET /slots` shows it (EngineStats.slot_infos)."""
 
     slot: int
-    task: int  # the engine's number of the request in it
-    request_id: str
+    task: int  # the engine's number of the request in it (not its id, which /slots must not show)
     prompt_tokens: int
     prompt_done: int  # of them, prefilled or reused
     prompt_cached: int  # of them, reused from the prompt cache

@@ -47,8 +47,7 @@ from server.config import ServerConfig
 from server.errors import ApiError, error_response, invalid, json_response
 from server.generation import Generation, collect, sse_frames, unavailable
 from server.metrics import Metrics
-from server.openai_api import (MAX_TOP_LOGPROBS, ChatRenderer, CompletionRenderer, Fields, ParsedRequest, parse_chat,
-                               parse_completion)
+from server.openai_api import ChatRenderer, CompletionRenderer, Fields, ParsedRequest, parse_chat, parse_completion
 from server.prompts import ModelLimits, PreparedPrompt, bos_eos_text, prepare
 from server.prompts import count as count_prompt
 from server.prompts import render as render_prompt
@@ -348,14 +347,14 @@ async def native_completion(request: Request) -> Response:
     entered = time.perf_counter()
     state = request.app.state
     config: ServerConfig = state.config
-    engine, _ = state.holder.require_ready()
+    engine, ready = state.holder.require_ready()
     tokenizer = engine.tokenizer
     body = await _json_body(request)
     response_id = "cmpl-" + uuid.uuid4().hex
     native = None
     try:
         native = llama_api.to_completion(body, tokenizer.encode, bos_eos_text(tokenizer)[0],
-                                         int(engine.info().get("max_top_logprobs", MAX_TOP_LOGPROBS)))
+                                         ready.limits.max_top_logprobs)
         parsed = parse_completion(native.body, config.max_choices)
         gen = await _submit(request, parsed, response_id, entered)
     except ApiError as e:  # named as llama.cpp's fields name it
@@ -523,7 +522,7 @@ async def slots(request: Request) -> Response:
     busy = {info.slot: info for info in stats.slot_infos()}
     if "fail_on_no_slot" in request.query_params and len(busy) >= stats.num_slots:  # any value, as llama-server
         raise unavailable("no slot available")
-    speculative = bool(engine.info().get("draft_max"))
+    speculative = bool(ready.info.get("draft_max"))
     out = []
     for slot in range(stats.num_slots):
         entry: dict[str, Any] = {"id": slot, "n_ctx": ready.limits.max_context, "speculative": speculative,

@@ -42,7 +42,7 @@ from typing import Any, AsyncIterator, Callable
 
 from server.errors import ApiError, invalid
 from server.generation import Generation, abnormal_end, matched_stop, sse_frame
-from server.openai_api import MAX_TOP_LOGPROBS, ParsedRequest, render_timings
+from server.openai_api import MAX_TOP_LOGPROBS, ParsedRequest, render_timings, token_logprob
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,8 @@ _SHARED = ("model", "temperature", "top_k", "top_p", "min_p", "stream", "seed", 
 _OFF = {"typical_p": (1.0, "at least 1"), "tfs_z": (1.0, "at least 1"), "mirostat": (0, "0"),
         "dynatemp_range": (0.0, "0 or less"), "xtc_probability": (0.0, "0 or less"),
         "dry_multiplier": (0.0, "0 or less"), "top_n_sigma": (-1.0, "0 or less"), "t_max_predict_ms": (0, "0 or less")}
-# the completion parser's field names -> this API's, for the `param` and message of a 400
 Encode = Callable[[str, bool | None, bool], list[int]]  # (text, add_bos, parse_special) -> ids
+# the completion parser's field names -> this API's, for the `param` and message of a 400
 _PARAM_NAMES = {"max_tokens": "n_predict", "logprobs": "n_probs", "repetition_penalty": "repeat_penalty",
                 "n": "n_cmpl"}
 _MIN_BIAS, _MAX_BIAS = -100.0, 100.0  # the completion parser's range; `false` bans with the lowest
@@ -241,9 +241,7 @@ class NativeBuilder:
         self.eog_ids = (*tokenizer.eog_ids, *parsed.stop_token_ids)
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        raw = self.tokenizer.token_bytes(token_id)
-        return {"id": token_id, "token": raw.decode("utf-8", "ignore"), "bytes": list(raw),
-                "logprob": logprob if math.isfinite(logprob) else -1e30}
+        return {"id": token_id, **token_logprob(self.tokenizer.token_bytes, token_id, logprob)}
 
     def probabilities(self, entries: Any) -> list[dict[str, Any]]:
         """llama-server's `completion_probabilities`: each token with its `n_probs` most likely."""

@@ -552,6 +552,13 @@ def vllm_prompt_logprobs(token_text: Callable[[int], str], tokens: tuple[int, ..
     return out
 
 
+def token_logprob(token_bytes: Callable[[int], bytes], token_id: int, logprob: float) -> dict[str, Any]:
+    """A token's logprob object (chat's `logprobs.content` entries, the Responses API's, and with
+    its id llama-server's `completion_probabilities`): its text, logprob and bytes."""
+    raw = token_bytes(token_id)
+    return {"token": raw.decode("utf-8", "replace"), "logprob": _finite(logprob), "bytes": list(raw)}
+
+
 def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) and logprob > MIN_LOGPROB else MIN_LOGPROB
 
@@ -718,8 +725,7 @@ class ChatRenderer(Renderer):
     chunk_object_name = "chat.completion.chunk"
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        raw = self.token_bytes(token_id)
-        return {"token": raw.decode("utf-8", "replace"), "logprob": _finite(logprob), "bytes": list(raw)}
+        return token_logprob(self.token_bytes, token_id, logprob)
 
     def _logprobs(self, entries: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
         if not self.is_logprobs:

@@ -158,7 +158,8 @@ def test_waiting_request_is_counted(make_engine, fake_model_cls):
         assert (stats.requests_running, stats.slots_busy) == (1, 1)
         # /slots: the running request's slot, prompt, limit and settings; not the waiting one
         [info] = stats.slot_infos()
-        assert (info.slot, info.request_id, info.prompt_tokens, info.prompt_done, info.limit) == (0, "first", 1, 1, 3)
+        # (the first request: its limit is 3, the waiting one's 2)
+        assert (info.slot, info.prompt_tokens, info.prompt_done, info.limit) == (0, 1, 1, 3)
         assert dict(zip(SLOT_PARAMS, info.params))["temperature"] == req("a").sampling.temperature
         gate.set()
         return await collect(first), await collect(second)
