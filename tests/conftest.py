@@ -10,6 +10,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import atexit
 import contextlib
 import pathlib
+import random
 import shutil
 import socket
 import subprocess
@@ -64,8 +65,22 @@ def tiny_tp_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for servers and coordinators the tests start)."""
-    with socket.socket() as s:
+    """A TCP port free on 127.0.0.1 now (for servers and coordinators the tests start), drawn below
+    the kernel's ephemeral range: a port the kernel handed out could be handed out again, as the
+    local end of an outgoing connection (a coordinator client's), before the server binds it."""
+    try:
+        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.randrange(10000, max(low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # nothing free below the range: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
