@@ -1,4 +1,4 @@
-"""Token sampling over per-slot arrays: penalties, logprobs, truncation, one seeded draw per slot.
+"""Token sampling over per-slot arrays: penalties, logprobs, truncations, one seeded draw per slot.
 
 `model.runner` packs each slot's `SamplingParams` with `pack_sampling` (host, numpy) when a
 request is installed, keeps the `SamplingArrays` on the device, and calls `sample` inside its
@@ -13,6 +13,12 @@ invariance; the scheduler's tests and reproducible seeds rely on it).
 Constrained decoding (scheduler/grammar.py) passes each row's allowed tokens as a bitmask
 (`allowed`, [B, W] int32, W = ceil(V / 32)): the tokens outside it get -inf after the penalties,
 so the draw, the greedy argmax and the logprobs all see the constrained distribution.
+
+The chain, llama.cpp's order but for the temperature: the logit bias, the repetition and
+presence/frequency penalties and the allowed tokens (every row; the logprobs are of these
+logits); then, for sampled rows, top-n-sigma, the temperature (or llama.cpp's dynamic
+temperature), top-k, locally typical, top-p, min-p, XTC and the draw. llama.cpp applies the
+temperature last; here, as in vLLM, the truncations see the tempered distribution.
 
 Dimension letters: B slots, V vocabulary, N logit-bias entries per slot, L top logprobs, W mask
 words.
@@ -39,6 +45,12 @@ class SamplingArrays(NamedTuple):
     repetition_penalty: jax.Array  # [B] f32; 1 = off
     presence_penalty: jax.Array  # [B] f32
     frequency_penalty: jax.Array  # [B] f32
+    typical_p: jax.Array  # [B] f32; 1 = off
+    top_n_sigma: jax.Array  # [B] f32; <= 0 = off
+    xtc_probability: jax.Array  # [B] f32; 0 = off
+    xtc_threshold: jax.Array  # [B] f32; > 0.5 = off
+    dynatemp_range: jax.Array  # [B] f32; 0 = off
+    dynatemp_exponent: jax.Array  # [B] f32
     seed: jax.Array  # [B, 2] uint32: threefry key data (high word, low word of the 64-bit seed)
     bias_ids: jax.Array  # [B, N] int32; -1 = unused entry
     bias_values: jax.Array  # [B, N] f32
@@ -70,6 +82,12 @@ def pack_sampling(
     repetition = np.ones((num_slots,), np.float32)
     presence = np.zeros((num_slots,), np.float32)
     frequency = np.zeros((num_slots,), np.float32)
+    typical_p = np.ones((num_slots,), np.float32)
+    top_n_sigma = np.zeros((num_slots,), np.float32)
+    xtc_probability = np.zeros((num_slots,), np.float32)
+    xtc_threshold = np.ones((num_slots,), np.float32)
+    dynatemp_range = np.zeros((num_slots,), np.float32)
+    dynatemp_exponent = np.ones((num_slots,), np.float32)
     seed = np.zeros((num_slots, 2), np.uint32)
     bias_ids = np.full((num_slots, max_bias), -1, np.int32)
     bias_values = np.zeros((num_slots, max_bias), np.float32)
@@ -90,6 +108,9 @@ def pack_sampling(
         repetition[b] = p.repetition_penalty
         presence[b] = p.presence_penalty
         frequency[b] = p.frequency_penalty
+        typical_p[b], top_n_sigma[b] = p.typical_p, p.top_n_sigma
+        xtc_probability[b], xtc_threshold[b] = p.xtc_probability, p.xtc_threshold
+        dynatemp_range[b], dynatemp_exponent[b] = p.dynatemp_range, p.dynatemp_exponent
         top_logprobs[b] = p.top_logprobs
         s = p.seed
         if s is None:
@@ -108,6 +129,12 @@ def pack_sampling(
         repetition_penalty=repetition,
         presence_penalty=presence,
         frequency_penalty=frequency,
+        typical_p=typical_p,
+        top_n_sigma=top_n_sigma,
+        xtc_probability=xtc_probability,
+        xtc_threshold=xtc_threshold,
+        dynatemp_range=dynatemp_range,
+        dynatemp_exponent=dynatemp_exponent,
         seed=seed,
         bias_ids=bias_ids,
         bias_values=bias_values,
@@ -126,6 +153,7 @@ def for_rows(arrays: SamplingArrays, rows: jax.Array) -> SamplingArrays:
         temperature=jnp.where(rows, arrays.temperature, 0.0),
         top_k=jnp.where(rows, arrays.top_k, 0),
         top_p=jnp.where(rows, arrays.top_p, 1.0),
+        typical_p=jnp.where(rows, arrays.typical_p, 1.0),
         top_logprobs=jnp.where(rows, arrays.top_logprobs, 0),
     )
 
@@ -167,30 +195,107 @@ def apply_allowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:  # [B, V]
     return jnp.where(keep, logits, -jnp.inf)
 
 
-def _top_k_top_p(
+def _typical_set(
+    ordered: jax.Array,  # [B, V] f32, descending
+    in_k: jax.Array,  # [B, V] bool: within the row's top-k
+    typical_p: jax.Array,  # [B] f32
+) -> jax.Array:  # [B, V] bool, in `ordered`'s order
+    """Locally typical sampling's set (llama.cpp's `typical`): over the top-k's renormalised
+    probabilities, the tokens whose surprise (-log p) is nearest the entropy, taken in that
+    order while the mass before them is at most `typical_p`."""
+    num_rows = ordered.shape[0]
+    logp = jax.nn.log_softmax(jnp.where(in_k, ordered, -jnp.inf), axis=-1)
+    p = jnp.exp(logp)
+    entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1, keepdims=True)
+    shifted = jnp.where(p > 0, jnp.abs(-logp - entropy), jnp.inf)
+    typical_order = jnp.argsort(shifted, axis=-1, stable=True)
+    typical_probs = jnp.take_along_axis(p, typical_order, axis=-1)
+    before = jnp.cumsum(typical_probs, axis=-1) - typical_probs
+    keep = (before <= typical_p[:, None]) | (typical_p[:, None] >= 1.0)
+    return jnp.zeros(ordered.shape, jnp.bool_).at[jnp.arange(num_rows)[:, None], typical_order].set(keep)
+
+
+def _truncate(
     scaled: jax.Array,  # [B, V] f32, temperature applied
     top_k: jax.Array,  # [B] int32
     top_p: jax.Array,  # [B] f32
-    is_active: jax.Array,  # [B] bool: the row wants top_k or top_p
+    typical_p: jax.Array,  # [B] f32
+    is_active: jax.Array,  # [B] bool: the row wants top_k, typical_p or top_p
+    cond,
 ) -> jax.Array:  # [B, V]
-    """Masks tokens outside each row's top-k, then outside its top-p nucleus (one full sort).
+    """Masks tokens outside each row's top-k, then outside its locally typical set, then outside
+    its top-p nucleus, each on the mass the one before left (one full sort; a second sort, by
+    surprise, and an argsort only in steps where some row asks for typical_p).
 
     Rows that do not ask for it come back bit-identical, so a row's result does not depend on
     whether a neighbour made this branch run.
     """
-    vocab = scaled.shape[-1]
+    num_rows, vocab = scaled.shape
     ranks = jnp.arange(vocab)[None, :]
-    ordered = -jnp.sort(-scaled, axis=-1)  # [B, V] descending
     k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)[:, None]
     in_k = ranks < k
-    probs = jax.nn.softmax(jnp.where(in_k, ordered, -jnp.inf), axis=-1)
+    uses_typical = is_active & (typical_p < 1.0)
+
+    def plain(x):
+        return -jnp.sort(-x, axis=-1), jnp.ones(x.shape, jnp.bool_), jnp.broadcast_to(ranks, x.shape)
+
+    def typical(x):
+        order = jnp.argsort(-x, axis=-1, stable=True)
+        ordered = jnp.take_along_axis(x, order, axis=-1)
+        return ordered, _typical_set(ordered, in_k, typical_p), order
+
+    ordered, in_typical, order = cond(jnp.any(uses_typical), typical, plain, scaled)  # [B, V] descending
+    kept = in_k & in_typical
+    probs = jax.nn.softmax(jnp.where(kept, ordered, -jnp.inf), axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     # top_p == 1 keeps everything: a cumulative sum rounding up to 1 must not cut the tail.
     in_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-    num_keep = jnp.maximum(jnp.sum(in_k & in_p, axis=-1), 1)  # [B]; a prefix of the order
+    keep = kept & in_p
+    # Without typical_p the kept tokens are a prefix of the order: mask below its last value.
+    num_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)  # [B]
     threshold = jnp.take_along_axis(ordered, (num_keep - 1)[:, None], axis=-1)  # [B, 1]
-    masked = jnp.where(scaled < threshold, -jnp.inf, scaled)
+    by_threshold = jnp.where(scaled < threshold, -jnp.inf, scaled)
+    removed = jnp.zeros(scaled.shape, jnp.bool_).at[jnp.arange(num_rows)[:, None], order].set(~keep)
+    by_set = jnp.where(removed, -jnp.inf, scaled)
+    masked = jnp.where(uses_typical[:, None], by_set, by_threshold)
     return jnp.where(is_active[:, None], masked, scaled)
+
+
+def _top_n_sigma(logits: jax.Array, n: jax.Array) -> jax.Array:  # [B, V] f32, [B] f32
+    """llama.cpp's top-n-sigma: -inf below the largest logit less n standard deviations of the
+    row's finite logits (the same mask at any temperature); rows with n <= 0 unchanged."""
+    finite = jnp.isfinite(logits)
+    count = jnp.maximum(jnp.sum(finite, axis=-1, keepdims=True), 1)
+    mean = jnp.sum(jnp.where(finite, logits, 0.0), axis=-1, keepdims=True) / count
+    std = jnp.sqrt(jnp.sum(jnp.where(finite, jnp.square(logits - mean), 0.0), axis=-1, keepdims=True) / count)
+    floor = jnp.max(logits, axis=-1, keepdims=True) - n[:, None] * std
+    return jnp.where((n[:, None] > 0) & (logits < floor), -jnp.inf, logits)
+
+
+def _dynamic_temperature(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:  # [B, V] -> [B]
+    """Each row's temperature; with `dynatemp_range` r > 0 (llama.cpp's dynamic temperature),
+    max(T - r, 0) + 2r' * (H / log n) ** exponent, between max(T - r, 0) and T + r by the
+    normalised entropy of the row's distribution over its n finite logits."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    p = jnp.exp(logp)
+    entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
+    count = jnp.sum(jnp.isfinite(logits), axis=-1)
+    normalised = jnp.where(count > 1, entropy / jnp.log(jnp.maximum(count, 2).astype(jnp.float32)), 0.0)
+    low = jnp.maximum(arrays.temperature - arrays.dynatemp_range, 0.0)
+    high = arrays.temperature + arrays.dynatemp_range
+    dynamic = low + (high - low) * jnp.power(jnp.clip(normalised, 0.0, 1.0), arrays.dynatemp_exponent)
+    return jnp.where(arrays.dynatemp_range > 0, jnp.maximum(dynamic, 1e-6), arrays.temperature)
+
+
+def _exclude_top_choices(scaled: jax.Array, arrays: SamplingArrays, chance: jax.Array) -> jax.Array:
+    """llama.cpp's XTC: where the row's draw `chance` ([B], uniform in [0, 1)) is below
+    `xtc_probability` and two or more tokens have probability >= `xtc_threshold` (at most 0.5),
+    all of those but the least likely become -inf."""
+    threshold = arrays.xtc_threshold[:, None]
+    above = jax.nn.softmax(scaled, axis=-1) >= threshold
+    lowest = jnp.min(jnp.where(above, scaled, jnp.inf), axis=-1, keepdims=True)
+    on = (chance < arrays.xtc_probability) & (arrays.xtc_threshold <= 0.5) & (jnp.sum(above, axis=-1) >= 2)
+    return jnp.where(on[:, None] & above & (scaled > lowest), -jnp.inf, scaled)
 
 
 def sample(
@@ -235,25 +340,25 @@ def sample(
     is_greedy = arrays.temperature <= 0
 
     def draw(_: None) -> jax.Array:
-        temperature = jnp.where(is_greedy, 1.0, arrays.temperature)
-        scaled = logits / temperature[:, None]
-        wants_sort = ~is_greedy & ((arrays.top_k > 0) | (arrays.top_p < 1.0))
+        truncated = _top_n_sigma(logits, arrays.top_n_sigma)
+        temperature = jnp.where(is_greedy, 1.0, _dynamic_temperature(truncated, arrays))
+        scaled = truncated / temperature[:, None]
+        wants_sort = ~is_greedy & ((arrays.top_k > 0) | (arrays.top_p < 1.0) | (arrays.typical_p < 1.0))
         # The full-vocabulary sort (V up to 262k, every step) runs only when a row needs it.
         scaled = cond(
             jnp.any(wants_sort),
-            lambda x: _top_k_top_p(x, arrays.top_k, arrays.top_p, wants_sort),
+            lambda x: _truncate(x, arrays.top_k, arrays.top_p, arrays.typical_p, wants_sort, cond),
             lambda x: x,
             scaled,
         )
         # min_p in logit space: p < min_p * p_max  <=>  logit < max_logit + log(min_p).
         floor = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(arrays.min_p)[:, None]
         scaled = jnp.where(scaled < floor, -jnp.inf, scaled)
-
-        def row_draw(seed: jax.Array, index: jax.Array, row: jax.Array) -> jax.Array:
-            key = jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"), index)
-            return jax.random.categorical(key, row)
-
-        sampled = jax.vmap(row_draw)(arrays.seed, step_index, scaled).astype(jnp.int32)
+        keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"),
+                                                               index))(arrays.seed, step_index)
+        chance = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys)
+        scaled = _exclude_top_choices(scaled, arrays, chance)
+        sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
         return jnp.where(is_greedy, greedy_tokens, sampled)
 
     # An all-greedy batch skips the random draw over the vocabulary altogether.

@@ -15,6 +15,7 @@ the input of its decode in step n+1.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Protocol
 
 import numpy as np
@@ -38,6 +39,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # over prompt + generated tokens (vLLM semantics)
     presence_penalty: float = 0.0  # over generated tokens (OpenAI semantics)
     frequency_penalty: float = 0.0  # over generated tokens
+    # llama.cpp's samplers (model/sampling.py gives their order here)
+    typical_p: float = 1.0  # locally typical sampling's mass; 1 = off
+    top_n_sigma: float = 0.0  # keep logits within n standard deviations of the largest; <= 0 = off
+    xtc_probability: float = 0.0  # exclude top choices: the chance a step applies it; 0 = off
+    xtc_threshold: float = 0.1  # ... to the tokens of at least this probability; > 0.5 = off
+    dynatemp_range: float = 0.0  # dynamic temperature in temperature +- range by entropy; 0 = off
+    dynatemp_exponent: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     seed: int | None = None  # None: the runner draws one
     top_logprobs: int = 0  # how many alternatives per token to return (0..max_top_logprobs)
@@ -64,6 +72,18 @@ class SamplingParams:
             raise ValueError("presence_penalty must be in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             raise ValueError("frequency_penalty must be in [-2, 2]")
+        if not 0 < self.typical_p <= 1:
+            raise ValueError("typical_p must be in (0, 1]")
+        if not math.isfinite(self.top_n_sigma):
+            raise ValueError("top_n_sigma must be finite")
+        if not 0 <= self.xtc_probability <= 1:
+            raise ValueError("xtc_probability must be in [0, 1]")
+        if not 0 <= self.xtc_threshold <= 1:
+            raise ValueError("xtc_threshold must be in [0, 1]")
+        if not 0 <= self.dynatemp_range < math.inf:
+            raise ValueError("dynatemp_range must be >= 0")
+        if not 0 <= self.dynatemp_exponent < math.inf:
+            raise ValueError("dynatemp_exponent must be >= 0")
         if self.top_logprobs < 0:
             raise ValueError("top_logprobs must be >= 0")
         if self.min_tokens < 0:

@@ -161,7 +161,8 @@ class SlotInfo(NamedTuple):
         return tuple(getattr(sampling, name) for name in SLOT_PARAMS)
 
 
-SLOT_PARAMS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+SLOT_PARAMS = ("temperature", "dynatemp_range", "dynatemp_exponent", "top_k", "top_p", "min_p", "typical_p",
+               "top_n_sigma", "xtc_probability", "xtc_threshold", "repetition_penalty", "presence_penalty",
                "frequency_penalty", "seed")
 
 

@@ -52,6 +52,7 @@ from server.prompts import ModelLimits, PreparedPrompt, bos_eos_text, prepare
 from server.prompts import count as count_prompt
 from server.prompts import render as render_prompt
 from server.replies import ReplyFormat
+from server.samplers import llama_params, sampling_settings
 
 if TYPE_CHECKING:
     from scheduler.engine import Engine
@@ -490,17 +491,7 @@ async def props(request: Request) -> Response:
     template = config.chat_template or ready.chat_template
     bos, eos = bos_eos_text(engine.tokenizer)
     defaults = parse_chat({"messages": [{"role": "user", "content": ""}]}, 1).sampling  # a request's defaults
-    params = {
-        "n_predict": -1,  # up to the context
-        "temperature": defaults.temperature,
-        "top_k": defaults.top_k,
-        "top_p": defaults.top_p,
-        "min_p": defaults.min_p,
-        "repeat_penalty": defaults.repetition_penalty,
-        "presence_penalty": defaults.presence_penalty,
-        "frequency_penalty": defaults.frequency_penalty,
-        "seed": -1,
-    }
+    params = {"n_predict": -1, **sampling_settings(defaults)}  # n_predict -1: up to the context
     return json_response({
         "default_generation_settings": {"n_ctx": ready.limits.max_context, "params": params},
         "total_slots": engine.stats().num_slots,
@@ -529,9 +520,7 @@ async def slots(request: Request) -> Response:
                                  "is_processing": slot in busy}
         info = busy.get(slot)
         if info is not None:
-            params = dict(zip(SLOT_PARAMS, info.params))
-            params["repeat_penalty"] = params.pop("repetition_penalty")
-            params["seed"] = -1 if params["seed"] is None else params["seed"]
+            params = llama_params(dict(zip(SLOT_PARAMS, info.params)))
             entry.update({
                 # (not the request's id: a Responses API id in it would open the stored response)
                 "id_task": info.task,

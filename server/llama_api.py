@@ -13,8 +13,9 @@ llama-server's come from its command line. Where the samplers differ: `repeat_pe
 every prompt and output token (vLLM's semantics; `repeat_last_n` 0 turns the penalties off,
 another window is not kept), and the presence and frequency penalties count the output only
 (OpenAI's). Refused (400) where set to anything but their neutral value: the samplers this
-server does not have (`typical_p`, `tfs_z`, `mirostat`, `dynatemp_range`, `xtc_probability`,
-`dry_multiplier`, `top_n_sigma`), `t_max_predict_ms`, `post_sampling_probs` and `lora`.
+server does not have (`tfs_z`, `mirostat`, `dry_multiplier`), `t_max_predict_ms`, `post_sampling_probs` and
+`lora`. `typical_p`, `top_n_sigma`, `xtc_probability`, `xtc_threshold`, `dynatemp_range` and
+`dynatemp_exponent` are served (server/samplers.py; the values llama.cpp reads as off are off).
 Accepted and ignored: `samplers` (the order is this server's), `id_slot` (the engine places
 requests), `n_keep` (no context shift), `min_keep`, `timings_per_token`, `return_progress`.
 
@@ -43,6 +44,7 @@ from typing import Any, AsyncIterator, Callable
 from server.errors import ApiError, invalid
 from server.generation import Generation, abnormal_end, matched_stop, sse_frame
 from server.openai_api import MAX_TOP_LOGPROBS, ParsedRequest, render_timings, token_logprob
+from server.samplers import sampling_settings
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +52,15 @@ log = logging.getLogger(__name__)
 _SHARED = ("model", "temperature", "top_k", "top_p", "min_p", "stream", "seed", "presence_penalty",
            "frequency_penalty", "ignore_eos", "cache_prompt", "cache_salt", "grammar", "json_schema",
            "response_format", "stop_token_ids", "min_tokens", "speculative.n_max")
+# llama.cpp's samplers the completion parser takes too (server/samplers.py), with the range
+# llama.cpp reads as off or saturated folded into the parser's: typical_p >= 1 is off, a
+# negative dynatemp_range or xtc_probability off, an xtc_probability over 1 always
+_CLAMPED = {"typical_p": (-math.inf, 1.0), "dynatemp_range": (0.0, math.inf), "xtc_probability": (0.0, 1.0),
+            "xtc_threshold": (-math.inf, 1.0), "top_n_sigma": (-math.inf, math.inf),
+            "dynatemp_exponent": (-math.inf, math.inf)}
 # samplers and switches this server does not have, with the value that leaves them off
-_OFF = {"typical_p": (1.0, "at least 1"), "tfs_z": (1.0, "at least 1"), "mirostat": (0, "0"),
-        "dynatemp_range": (0.0, "0 or less"), "xtc_probability": (0.0, "0 or less"),
-        "dry_multiplier": (0.0, "0 or less"), "top_n_sigma": (-1.0, "0 or less"), "t_max_predict_ms": (0, "0 or less")}
+_OFF = {"tfs_z": (1.0, "at least 1"), "mirostat": (0, "0"), "dry_multiplier": (0.0, "0 or less"),
+        "t_max_predict_ms": (0, "0 or less")}
 Encode = Callable[[str, bool | None, bool], list[int]]  # (text, add_bos, parse_special) -> ids
 # the completion parser's field names -> this API's, for the `param` and message of a 400
 _PARAM_NAMES = {"max_tokens": "n_predict", "logprobs": "n_probs", "repetition_penalty": "repeat_penalty",
@@ -126,11 +133,16 @@ def to_completion(body: Any, encode: Encode, bos_text: str | None = None,
     out["stop"] = [s for s in stop if s]  # llama.cpp skips empty ones
     if "logit_bias" in body:
         out["logit_bias"] = _logit_bias(body["logit_bias"], encode)
+    for name, (low, high) in _CLAMPED.items():
+        if name in body:  # (a value not a number goes on to the parser's 400)
+            value = body[name]
+            out[name] = min(max(value, low), high) if isinstance(value, (int, float)) and not isinstance(
+                value, bool) else value
     for name, (neutral, what) in _OFF.items():
         value = body.get(name, neutral)
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise invalid(f"'{name}' must be a number", name)
-        off = value >= neutral if name in ("typical_p", "tfs_z") else value <= max(neutral, 0)
+        off = value >= neutral if name == "tfs_z" else value <= max(neutral, 0)
         if not off:
             raise invalid(f"'{name}' is not supported by this server (its sampler or switch is not "
                           f"there): leave it out or set it to {what}", name)
@@ -258,10 +270,8 @@ class NativeBuilder:
 
     def settings(self) -> dict[str, Any]:
         s, p = self.parsed.sampling, self.parsed
-        return {"n_predict": -1 if p.max_tokens is None else p.max_tokens, "seed": -1 if s.seed is None else s.seed,
-                "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
-                "repeat_penalty": s.repetition_penalty, "presence_penalty": s.presence_penalty,
-                "frequency_penalty": s.frequency_penalty, "stop": list(p.stop), "ignore_eos": p.ignore_eos,
+        return {"n_predict": -1 if p.max_tokens is None else p.max_tokens, **sampling_settings(s),
+                "stop": list(p.stop), "ignore_eos": p.ignore_eos,
                 "n_probs": self.native.n_probs, "logit_bias": [{"token": t, "bias": b} for t, b in s.logit_bias],
                 "stream": p.stream, "cache_prompt": p.cache_prompt}
 

@@ -22,6 +22,7 @@ from scheduler.types import Constraint, Timings, TokenLogprob
 from server.constraints import parse_constraint
 from server.errors import invalid
 from server.reasoning import CHOICES as REASONING_FORMATS
+from server.samplers import parse_llama_samplers
 from server.tool_calls import ToolCall
 
 MAX_N = 16
@@ -234,6 +235,7 @@ def _parse_common(fields: Fields, max_tokens_names: tuple[str, ...], top_logprob
         repetition_penalty=fields.number("repetition_penalty", 1.0, 0.0, math.inf, lo_open=True),
         presence_penalty=fields.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=fields.number("frequency_penalty", 0.0, -2.0, 2.0),
+        **parse_llama_samplers(fields),
         logit_bias=_parse_logit_bias(fields.raw("logit_bias")),
         seed=None if seed in (None, -1) else seed,  # -1: random, as llama-server
         top_logprobs=top_logprobs,

@@ -50,6 +50,18 @@ def test_seeded_sampling_reproducible_under_concurrency(smol_runner, prompt_ids)
     assert other[0] != alone[0]  # the seed matters (10 sampled tokens colliding is ~impossible)
 
 
+def test_llama_cpp_samplers_reproducible_under_concurrency(smol_runner, prompt_ids):
+    """A request with llama.cpp's samplers (typical, top-n-sigma, XTC with its own draws, dynamic
+    temperature) gets the same tokens alone as beside seven requests that use none of them."""
+    seeded = SamplingParams(temperature=1.0, typical_p=0.9, top_n_sigma=2.5, xtc_probability=0.5, xtc_threshold=0.05,
+                            dynatemp_range=0.4, seed=77)
+    alone = generate(smol_runner, [prompt_ids[2]], 10, sampling=seeded, slots=[3])
+    crowd = generate(smol_runner, [prompt_ids[2]] + prompt_ids[3:], 10, sampling=seeded)
+    assert crowd[0] == alone[0]
+    plain = generate(smol_runner, [prompt_ids[2]], 10, sampling=SamplingParams(temperature=1.0, seed=77), slots=[3])
+    assert plain[0] != alone[0]  # the samplers change what is drawn
+
+
 def test_nothing_compiles_after_warmup(smol_runner, prompt_ids):
     compiles = []
 

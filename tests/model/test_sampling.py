@@ -141,6 +141,89 @@ def test_truncation_masks(params, expected):
     assert _draw_sets(PROBS, params) == expected
 
 
+# PROBS' entropy is 1.142 nats; the surprises' distances from it are 0.449, 0.062, 0.755, 1.853,
+# so locally typical sampling takes tokens 1, 0, 2, 3 in that order.
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        (SamplingParams(typical_p=0.2), {1}),  # mass before token 0 (in that order) is 0.3 > 0.2
+        (SamplingParams(typical_p=0.5), {0, 1}),
+        (SamplingParams(typical_p=0.85), {0, 1, 2}),  # mass before token 3 is 0.95
+        (SamplingParams(typical_p=0.99), {0, 1, 2, 3}),
+        # top_k=2 leaves [0.625, 0.375], entropy 0.662: token 0's surprise is nearer
+        (SamplingParams(top_k=2, typical_p=0.5), {0}),
+        # typical 0.5 leaves {0, 1} -> [0.625, 0.375]; then top_p 0.6 keeps token 0 alone
+        (SamplingParams(typical_p=0.5, top_p=0.6), {0}),
+        (SamplingParams(typical_p=0.2, top_p=0.6), {1}),
+    ],
+)
+def test_locally_typical_sampling(params, expected):
+    assert _draw_sets(PROBS, params) == expected
+
+
+@pytest.mark.parametrize("n, kept", [(0.5, 2), (0.9, 3), (3.0, 4), (0.0, 4), (-1.0, 4)])
+def test_top_n_sigma_at_any_temperature(n, kept):
+    # logits [2, 1.5, 1, -3] (and [-inf] beside them, not counted): mean 0.375, standard
+    # deviation sqrt(3.922) = 1.980, so n = 0.5 keeps logits >= 1.01 and n = 0.9 those >= 0.218
+    logits = np.array([[2.0, 1.5, 1.0, -3.0, -np.inf]], np.float32)
+    for temperature in (1.0, 0.5, 2.0):
+        out = np.asarray(sampling._top_n_sigma(jnp.asarray(logits / temperature), jnp.asarray([n], jnp.float32)))
+        assert np.isfinite(out[0]).sum() == kept
+        np.testing.assert_array_equal(out[0, :kept], logits[0, :kept] / temperature)
+    if n == 0.5:
+        probs = np.exp(logits[0, :4]) / np.exp(logits[0, :4]).sum()
+        assert _draw_sets(probs.tolist(), SamplingParams(temperature=0.5, top_n_sigma=n)) == {0, 1}
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        # tokens 0, 1 and 2 have p >= 0.1: all but the least likely of them (2) go
+        (SamplingParams(xtc_probability=1.0, xtc_threshold=0.1), {2, 3}),
+        (SamplingParams(xtc_probability=1.0, xtc_threshold=0.2), {1, 2, 3}),
+        (SamplingParams(xtc_probability=1.0, xtc_threshold=0.4), {0, 1, 2, 3}),  # one token above: none go
+        (SamplingParams(xtc_probability=1.0, xtc_threshold=0.6), {0, 1, 2, 3}),  # above 0.5: off
+        (SamplingParams(xtc_probability=0.0, xtc_threshold=0.1), {0, 1, 2, 3}),
+        # after top_k=2 ([0.625, 0.375]) only token 1 is left
+        (SamplingParams(top_k=2, xtc_probability=1.0, xtc_threshold=0.3), {1}),
+    ],
+)
+def test_exclude_top_choices(params, expected):
+    assert _draw_sets(PROBS, params) == expected
+
+
+def test_exclude_top_choices_applies_with_its_probability():
+    # Applied, the draw is token 2 or 3; not applied, one of them with probability 0.2: in all
+    # 0.5 * 1 + 0.5 * 0.2 = 0.6 at xtc_probability 0.5.
+    rows = [SamplingParams(xtc_probability=0.5, xtc_threshold=0.1, seed=i) for i in range(1024)]
+    tokens, *_ = _run(np.tile(np.log(np.asarray(PROBS, np.float32)), (1024, 1)), rows)
+    assert 0.55 < np.isin(tokens, [2, 3]).mean() < 0.65
+
+
+def test_dynamic_temperature_follows_the_entropy():
+    def temperatures(logits, params):
+        arrays = sampling.pack_sampling(params, 0)
+        return np.asarray(sampling._dynamic_temperature(jnp.asarray(logits, jnp.float32), arrays))
+
+    flat = np.zeros((1, 8), np.float32)  # normalised entropy 1: the top of the range
+    one = np.array([[0.0] + [-np.inf] * 7], np.float32)  # one finite token: entropy 0, the bottom
+    assert temperatures(flat, [SamplingParams(temperature=1.0, dynatemp_range=0.5)]) == pytest.approx([1.5])
+    assert temperatures(one, [SamplingParams(temperature=1.0, dynatemp_range=0.5)]) == pytest.approx([0.5])
+    assert temperatures(flat, [SamplingParams(temperature=0.7)]) == pytest.approx([0.7])  # off
+    peaked = np.array([[3.0, 1.0, 0.0, 0.0, -1.0, -2.0, -np.inf, -np.inf]], np.float32)
+    p = np.exp(peaked[0, :6] - peaked[0, :6].max())
+    p /= p.sum()
+    normalised = -(p * np.log(p)).sum() / np.log(6)
+    for exponent in (1.0, 2.0):
+        want = 0.2 + (1.8 - 0.2) * normalised**exponent  # temperature 1 +- 0.8
+        got = temperatures(peaked, [SamplingParams(temperature=1.0, dynatemp_range=0.8, dynatemp_exponent=exponent)])
+        assert got == pytest.approx([want], rel=1e-5)
+    # a range past the temperature stops at 0 and still samples (near greedy on a peaked row)
+    cold = SamplingParams(temperature=0.3, dynatemp_range=1.0)
+    assert temperatures(one, [cold]) == pytest.approx([1e-6])
+    assert _draw_sets([0.9, 0.05, 0.05], SamplingParams(temperature=0.1, dynatemp_range=0.1), 256) == {0}
+
+
 def test_top_k_then_top_p_on_renormalised_mass():
     # top_k=2 leaves [0.5, 0.3] -> [0.625, 0.375]; top_p=0.6 keeps only token 0.
     assert _draw_sets(PROBS, SamplingParams(top_k=2, top_p=0.6)) == {0}
@@ -162,7 +245,8 @@ def test_seeded_draws_reproducible_and_independent_of_neighbours_and_batch():
         SamplingParams(temperature=0),
         SamplingParams(temperature=0.7, top_k=5, seed=7),
         None,
-        SamplingParams(temperature=1.3, seed=9, repetition_penalty=1.3),
+        SamplingParams(temperature=1.3, seed=9, repetition_penalty=1.3, typical_p=0.9, xtc_probability=0.5,
+                       top_n_sigma=1.5, dynatemp_range=0.5),
     ]
     alone = []
     for step in range(6):
@@ -243,6 +327,9 @@ def test_without_conditionals_the_same_outputs(num_top):
         [SamplingParams(temperature=0)] * 4,
         [SamplingParams(temperature=0, top_logprobs=3)] + [SamplingParams(temperature=0)] * 3,
         [SamplingParams(temperature=0.8, seed=6), SamplingParams(temperature=0)] * 2,  # sampled, none truncated
+        [SamplingParams(temperature=0.9, typical_p=0.6, seed=7), SamplingParams(temperature=1.1, seed=8, top_p=0.8),
+         SamplingParams(temperature=0.7, seed=9, xtc_probability=1.0, xtc_threshold=0.05, top_n_sigma=2.0),
+         SamplingParams(temperature=1.0, seed=10, dynatemp_range=0.6, dynatemp_exponent=1.5, top_k=6, typical_p=0.8)],
     )
     fns = {skip: jax.jit(functools.partial(sampling.sample, num_top=num_top, skip_unused=skip)) for skip in (True, False)}
     for params in batches:

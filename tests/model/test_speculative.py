@@ -234,7 +234,9 @@ def test_several_speculative_steps_per_dispatch(smollm2, spec_runners, spec_ids)
     SamplingParams(temperature=1.2, seed=2),
     SamplingParams(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.5),
     SamplingParams(temperature=0.0, frequency_penalty=1.0),
-], ids=["t0.7-seed1", "t1.2-seed1", "t1.2-seed2", "presence", "frequency"])
+    SamplingParams(temperature=0.8, seed=3, typical_p=0.9, xtc_probability=0.5, xtc_threshold=0.2, top_n_sigma=3.0,
+                   dynatemp_range=0.3),
+], ids=["t0.7-seed1", "t1.2-seed1", "t1.2-seed2", "presence", "frequency", "llama-samplers"])
 def test_sampled_and_penalized_requests_alone_get_a_plain_decodes_tokens(spec_runners, spec_ids, sp):
     """Alone (7 drafts a step), on the list the prompt repeats: seeded sampled requests get a
     plain decode's tokens with the same seed, penalized greedy ones a plain decode's, and drafts

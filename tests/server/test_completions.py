@@ -72,6 +72,13 @@ async def test_sampling_fields_reach_the_engine(client: httpx.AsyncClient, engin
         "user": "u1",
         "cache_prompt": False,
         "cache_salt": "team-a",
+        # llama.cpp's samplers, as llama-server takes them on its OpenAI endpoints
+        "typical_p": 0.9,
+        "top_n_sigma": 1.5,
+        "xtc_probability": 0.25,
+        "xtc_threshold": 0.2,
+        "dynatemp_range": 0.3,
+        "dynatemp_exponent": 1.5,
     }
     r = await client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
@@ -80,6 +87,8 @@ async def test_sampling_fields_reach_the_engine(client: httpx.AsyncClient, engin
     assert (s.temperature, s.top_p, s.top_k, s.min_p) == (0.0, 0.5, 7, 0.1)
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.seed) == (0.5, -0.5, 1.1, 5)
     assert s.logit_bias == ((4, 2.5), (10, -100.0))
+    assert (s.typical_p, s.top_n_sigma, s.xtc_probability, s.xtc_threshold) == (0.9, 1.5, 0.25, 0.2)
+    assert (s.dynatemp_range, s.dynatemp_exponent) == (0.3, 1.5)
     assert request.ignore_eos and request.stop_token_ids == (7,)
     assert not request.cache_prompt and request.cache_salt == "team-a"
 

@@ -12,6 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 
+from model.step_types import SamplingParams
+from scheduler.types import SlotInfo
 from server import metrics
 from server.app import EngineHolder, create_app
 from server.config import ServerConfig
@@ -217,17 +219,21 @@ async def test_slots_as_llama_server_has_them(engine: FakeEngine) -> None:
         app.state.holder.mark_ready()
         idle = (await c.get("/slots")).json()
         assert (await c.get("/slots?fail_on_no_slot=1")).status_code == 200  # one is idle
-        engine.busy_slots = ((1, 7, 10, 6, 2, 3, 20, (0.7, 40, 0.9, 0.05, 1.1, 0.0, 0.5, None)),)
+        params = SlotInfo.params_of(SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05,
+                                                   repetition_penalty=1.1, frequency_penalty=0.5, xtc_probability=0.5))
+        engine.busy_slots = ((1, 7, 10, 6, 2, 3, 20, params),)
         busy = (await c.get("/slots")).json()
-        engine.busy_slots += ((0, 9, 4, 4, 0, 1, 8, (1.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0, 5)),)
+        engine.busy_slots += ((0, 9, 4, 4, 0, 1, 8, SlotInfo.params_of(SamplingParams(seed=5))),)
         full = await c.get("/slots?fail_on_no_slot")
     assert idle == [{"id": i, "n_ctx": 64, "speculative": False, "is_processing": False} for i in range(2)]
     assert busy[0] == idle[0]
     assert busy[1] == {
         "id": 1, "n_ctx": 64, "speculative": False, "is_processing": True, "id_task": 7,
         "n_prompt_tokens": 10, "n_prompt_tokens_processed": 4, "n_prompt_tokens_cache": 2,
-        "params": {"temperature": 0.7, "top_k": 40, "top_p": 0.9, "min_p": 0.05, "repeat_penalty": 1.1,
-                   "presence_penalty": 0.0, "frequency_penalty": 0.5, "seed": -1, "n_predict": 20},
+        "params": {"temperature": 0.7, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "top_k": 40, "top_p": 0.9,
+                   "min_p": 0.05, "typical_p": 1.0, "top_n_sigma": 0.0, "xtc_probability": 0.5, "xtc_threshold": 0.1,
+                   "repeat_penalty": 1.1, "presence_penalty": 0.0, "frequency_penalty": 0.5, "seed": -1,
+                   "n_predict": 20},
         "next_token": [{"has_next_token": True, "n_remain": 17, "n_decoded": 3}]}
     assert full.status_code == 503 and "no slot available" in full.json()["error"]["message"]
 

@@ -25,7 +25,7 @@ def test_fields_become_a_completion_request() -> None:
                             "mirostat": 0, "dry_multiplier": 0.0, "return_tokens": True}, ENCODE)
     assert native.body == {"prompt": "Hi", "max_tokens": 7, "logprobs": 3, "repetition_penalty": 1.1,
                            "temperature": 0.5, "top_k": 40, "min_p": 0.05, "stop": ["\n"], "n": 2, "seed": 4,
-                           "cache_prompt": False}
+                           "cache_prompt": False, "typical_p": 1.0}
     assert native.n_probs == 3 and native.return_tokens
 
 
@@ -41,6 +41,11 @@ def test_fields_become_a_completion_request() -> None:
     ({"prompt": "x", "seed": 4294967294}, {"seed": 4294967294}),
     ({"prompt": "x", "n_probs": 50}, {"logprobs": 20}),  # held to the most the engine gives
     ({"prompt": "x", "post_sampling_probs": False}, {}),
+    # llama.cpp's samplers pass on, what it reads as off or saturated folded into this server's ranges
+    ({"prompt": "x", "typical_p": 1.5, "dynatemp_range": -1, "xtc_probability": 2, "xtc_threshold": 0.9,
+      "top_n_sigma": -1, "dynatemp_exponent": 2},
+     {"typical_p": 1.0, "dynatemp_range": 0.0, "xtc_probability": 1.0, "xtc_threshold": 0.9, "top_n_sigma": -1,
+      "dynatemp_exponent": 2}),
 ])
 def test_llama_cpp_forms(body: dict, expected: dict) -> None:
     assert to_completion(body, ENCODE).body == {"prompt": "x", "stop": [], **expected}
@@ -77,11 +82,9 @@ def test_logit_bias_forms() -> None:
     ({"prompt": "x", "n_probs": -1}, "n_probs"),
     ({"prompt": "x", "n_probs": "3"}, "n_probs"),
     ({"prompt": "x", "stop": [1]}, "stop"),
-    ({"prompt": "x", "typical_p": 0.9}, "typical_p"),
     ({"prompt": "x", "mirostat": 2}, "mirostat"),
     ({"prompt": "x", "dry_multiplier": 0.8}, "dry_multiplier"),
-    ({"prompt": "x", "xtc_probability": 0.5}, "xtc_probability"),
-    ({"prompt": "x", "top_n_sigma": 1.0}, "top_n_sigma"),
+    ({"prompt": "x", "tfs_z": 0.9}, "tfs_z"),
     ({"prompt": "x", "t_max_predict_ms": 100}, "t_max_predict_ms"),
     ({"prompt": "x", "post_sampling_probs": True}, "post_sampling_probs"),
     ({"prompt": "x", "lora": [{"id": 0, "scale": 1.0}]}, "lora"),
@@ -211,7 +214,7 @@ async def test_errors_name_llama_cpp_fields() -> None:
     async with client_for(make_app(engine)) as c:
         bad = await c.post("/completion", json={"prompt": "a", "n_predict": "many"})
         penalty = await c.post("/completion", json={"prompt": "a", "repeat_penalty": 0})
-        sampler = await c.post("/completion", json={"prompt": "a", "typical_p": 0.5})
+        sampler = await c.post("/completion", json={"prompt": "a", "typical_p": 0})
         no_json = await c.post("/completion", content=b"{", headers={"content-type": "application/json"})
         alias = await c.post("/completion", json={"prompt": "a", "max_tokens": "many"})
     assert (bad.status_code, bad.json()["error"]["param"]) == (400, "n_predict")
