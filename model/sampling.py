@@ -340,8 +340,13 @@ def sample(
     is_greedy = arrays.temperature <= 0
 
     def draw(_: None) -> jax.Array:
-        truncated = _top_n_sigma(logits, arrays.top_n_sigma)
-        temperature = jnp.where(is_greedy, 1.0, _dynamic_temperature(truncated, arrays))
+        # llama.cpp's samplers run only in steps where some row asks for them (rows that do not
+        # come back unchanged), so a plain sampled decode does not pay for them
+        sigma = arrays.top_n_sigma
+        truncated = cond(jnp.any(~is_greedy & (sigma > 0)), lambda x: _top_n_sigma(x, sigma), lambda x: x, logits)
+        temperature = cond(jnp.any(~is_greedy & (arrays.dynatemp_range > 0)), lambda x: _dynamic_temperature(x, arrays),
+                           lambda _: arrays.temperature, truncated)
+        temperature = jnp.where(is_greedy, 1.0, temperature)
         scaled = truncated / temperature[:, None]
         wants_sort = ~is_greedy & ((arrays.top_k > 0) | (arrays.top_p < 1.0) | (arrays.typical_p < 1.0))
         # The full-vocabulary sort (V up to 262k, every step) runs only when a row needs it.
@@ -356,8 +361,9 @@ def sample(
         scaled = jnp.where(scaled < floor, -jnp.inf, scaled)
         keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"),
                                                                index))(arrays.seed, step_index)
-        chance = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys)
-        scaled = _exclude_top_choices(scaled, arrays, chance)
+        uses_xtc = ~is_greedy & (arrays.xtc_probability > 0) & (arrays.xtc_threshold <= 0.5)
+        scaled = cond(jnp.any(uses_xtc), lambda x: _exclude_top_choices(x, arrays, jax.vmap(
+            lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys)), lambda x: x, scaled)
         sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
         return jnp.where(is_greedy, greedy_tokens, sampled)
 
