@@ -153,7 +153,7 @@ def trace_prefill(args, t: int, m, runner, out) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"prefill{t}_hlo.txt").write_text(prog.as_text())
     rest = jnp.asarray(prefill_args(0, np.arange(t) % 1000, args.position, t, True, runner._samp_words,
-                                    runner._free_row))
+                                    runner._free_row, runner._no_tokens))
 
     def call(cache, state):
         cache, state, _, o = prog(runner.params, cache, state, rest)

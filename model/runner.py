@@ -48,9 +48,11 @@ class SlotState:
     prompt_mask: jax.Array  # [B, V] bool: token appears in the prompt (repetition penalty)
     counts: jax.Array  # [B, V] int32: generated-token counts (presence/frequency penalties)
     step_index: jax.Array  # [B] int32: tokens generated so far (RNG stream position)
-    # [B, S] int32: the prompt token prefilled at each cache position (stale past the prompt), so
-    # that a request reusing a cached prompt prefix gets that prefix's prompt mask
+    # [B, S] int32: the token at each cache position (stale past the slot's last), so that a
+    # request reusing a cached prompt prefix gets that prefix's prompt mask, and for DRY and the
+    # speculative decode's drafts
     history: jax.Array
+    breakers: jax.Array  # [B, W] int32 bitmask: the slot's request's DRY breaker tokens
 
     @staticmethod
     def create(num_slots: int, vocab: int, max_context: int) -> "SlotState":
@@ -61,18 +63,19 @@ class SlotState:
             counts=jnp.zeros((num_slots, vocab), jnp.int32),
             step_index=jnp.zeros((num_slots,), jnp.int32),
             history=jnp.zeros((num_slots, max_context), jnp.int32),
+            breakers=jnp.zeros((num_slots, mask_words(vocab)), jnp.int32),
         )
 
 
 def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, params, cache, st: SlotState, samp, active,
-                 allowed=None, *, unroll: bool = False, few_rows: bool = False, record: bool = False):
+                 allowed=None, *, unroll: bool = False, few_rows: bool = False):
     """One decode step of the busy slots (`active` [B]). `allowed` ([B, W] int32 bitmask, or
-    None): the tokens each row may sample (constrained decoding; all bits set where free).
-    `record`: each input token goes into the slot's history at its position (the speculative
+    None): the tokens each row may sample (constrained decoding; all bits set where free). Each
+    input token goes into the slot's history at its position (DRY reads it, and the speculative
     decode's drafts are looked up there)."""
     positions = jnp.where(active, st.positions, -1)
     logits, cache = forward.decode(cfg, kern, params, cache, st.tokens, positions, attend, unroll, few_rows)
-    st, out = _sample_decode(num_top, st, samp, active, allowed, logits, record=record)
+    st, out = _sample_decode(num_top, st, samp, active, allowed, logits)
     return cache, st, out
 
 
@@ -86,17 +89,16 @@ def _decode_logits(cfg: ModelConfig, kern: Kernels, attend: int, params, cache, 
     return cache, logits
 
 
-def _sample_decode(num_top: int, st: SlotState, samp, active, allowed, logits, *, record: bool = False):
+def _sample_decode(num_top: int, st: SlotState, samp, active, allowed, logits):
     """A decode step's sampling and slot-state update over its logits (`_decode_step`'s second
     half; alone, a deferred decode's second program)."""
     samp = sampling.for_rows(samp, active)  # inactive rows' outputs are discarded: no draw, sort or top-k for them
+    rows = jnp.arange(active.shape[0], dtype=jnp.int32)
+    dry = sampling.DryContext(st.history, rows, st.positions, st.tokens, st.breakers)
     tok, lp, top_ids, top_lps = sampling.sample(logits, samp, st.prompt_mask, st.counts, st.step_index, num_top,
-                                                allowed=allowed)
+                                                allowed=allowed, dry=dry)
     inc = active.astype(jnp.int32)
-    history = st.history
-    if record:
-        history = history.at[jnp.arange(active.shape[0]), jnp.where(active, st.positions, history.shape[1])].set(
-            st.tokens, mode="drop")
+    history = st.history.at[rows, jnp.where(active, st.positions, st.history.shape[1])].set(st.tokens, mode="drop")
     st = SlotState(
         tokens=jnp.where(active, tok, st.tokens),
         positions=st.positions + inc,
@@ -104,6 +106,7 @@ def _sample_decode(num_top: int, st: SlotState, samp, active, allowed, logits, *
         counts=sampling.update_counts(st.counts, tok, active),
         step_index=st.step_index + inc,
         history=history,
+        breakers=st.breakers,
     )
     return st, _pack_outputs(tok, active, lp, top_ids, top_lps)
 
@@ -143,8 +146,11 @@ def _spec_decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int
     before = speculative.precedes(layout) & valid[:, None]  # [q, r]: draft q comes before row r
     row_counts = st.counts[slot].at[jnp.broadcast_to(jnp.arange(r)[None, :], (r, r)),
                                     jnp.broadcast_to(inputs[:, None], (r, r))].add(before.astype(st.counts.dtype))
+    # (a DRY slot checks no drafts, `model.pending._draft_cap`: its rows' tokens so far are its
+    # slot's history and its row's input)
+    dry = sampling.DryContext(st.history, slot, row_pos, inputs, st.breakers)
     tok, lp, top_ids, top_lps = sampling.sample(logits, row_samp, st.prompt_mask[slot], row_counts,
-                                                st.step_index[slot] + off, num_top)
+                                                st.step_index[slot] + off, num_top, dry=dry)
     emitted = speculative.accept(layout, valid, inputs, tok)
     b = st.tokens.shape[0]
     n = jnp.zeros((b,), jnp.int32).at[slot].add(emitted.astype(jnp.int32))  # tokens each slot emits
@@ -156,6 +162,7 @@ def _spec_decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int
         counts=st.counts.at[jnp.where(emitted, slot, b), tok].add(1, mode="drop"),
         step_index=st.step_index + n,
         history=st.history.at[jnp.where(emitted, slot, b), row_pos].set(inputs, mode="drop"),
+        breakers=st.breakers,
     )
     flag = emitted.astype(jnp.int32) + 2 * (valid & (off >= 1)).astype(jnp.int32)
     return cache, st, _pack_outputs(tok, flag, lp, top_ids, top_lps)
@@ -187,13 +194,13 @@ def _pack_outputs(tok, flag, lp, top_ids, top_lps):
 
 
 def _multi_decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, num_steps: int, params, cache, st: SlotState, samp, active,
-                       *, unroll: bool = False, few_rows: bool = False, record: bool = False):
+                       *, unroll: bool = False, few_rows: bool = False):
     """num_steps decode steps in one program; outputs stacked on a leading [num_steps] axis."""
 
     def one(carry, _):
         cache, st = carry
         cache, st, out = _decode_step(cfg, kern, num_top, attend, params, cache, st, samp, active, unroll=unroll,
-                                      few_rows=few_rows, record=record)
+                                      few_rows=few_rows)
         return (cache, st), out
 
     (cache, st), outs = jax.lax.scan(one, (cache, st), None, length=num_steps)
@@ -204,13 +211,15 @@ PREFILL_HEAD = 5  # prefill_args' scalars
 
 
 def prefill_args(slot: int, tokens: np.ndarray, start: int, num_valid: int, is_last: bool,
-                 samp_words: np.ndarray, allowed: np.ndarray, reused: int = 0) -> np.ndarray:
+                 samp_words: np.ndarray, allowed: np.ndarray, breakers: np.ndarray, reused: int = 0) -> np.ndarray:
     """`_prefill_step`'s host arguments as one int32 vector, one transfer (model/transfer.py):
     slot, start, num_valid, is_last, reused (`PrefillChunk.reused`), every slot's sampling
     settings as `transfer.pack_words` gives them, the tokens the chunk's sample may take ([W]
-    bitmask, all bits set where free), then the chunk's (padded) tokens."""
+    bitmask, all bits set where free), the request's DRY breaker tokens ([W] bitmask, read at
+    its first chunk), then the chunk's (padded) tokens."""
     head = np.asarray([slot, start, num_valid, int(is_last), reused], np.int32)
-    return np.concatenate([head, samp_words, np.asarray(allowed, np.int32), np.asarray(tokens, np.int32)])
+    return np.concatenate([head, samp_words, np.asarray(allowed, np.int32), np.asarray(breakers, np.int32),
+                           np.asarray(tokens, np.int32)])
 
 
 COPY_LAYERS = 4  # layers per iteration of `_copy_prefix`'s loop (bench/prefix_copy.py measured 1, 4, 8, all)
@@ -236,7 +245,7 @@ def _copy_prefix(span: int, layers: int, params, cache: KVCache, st: SlotState, 
         return jax.lax.fori_loop(0, -(-num_layers // group), body, buf)
 
     rows = jax.lax.dynamic_slice(st.history, (src, zero), (1, span))
-    history = jax.lax.dynamic_update_slice(st.history, rows, (dst, zero))
+    history = jax.lax.dynamic_update_slice(st.history, rows, (dst, zero))  # (the breakers: set by dst's prefill)
     return KVCache(move(cache.k), move(cache.v)), dataclasses.replace(st, history=history)
 
 
@@ -252,8 +261,10 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
     vocab, s = st.prompt_mask.shape[1], st.history.shape[1]
     slot, start, num_valid, is_last, reused = args[0], args[1], args[2], args[3] != 0, args[4]
     samp = transfer.unpack_words(args[PREFILL_HEAD:PREFILL_HEAD + words], samp_layout)
-    allowed = args[PREFILL_HEAD + words:PREFILL_HEAD + words + mask_words(vocab)]
-    tokens = args[PREFILL_HEAD + words + mask_words(vocab):]
+    w = mask_words(vocab)
+    allowed = args[PREFILL_HEAD + words:PREFILL_HEAD + words + w]
+    breakers = args[PREFILL_HEAD + words + w:PREFILL_HEAD + words + 2 * w]
+    tokens = args[PREFILL_HEAD + words + 2 * w:]
     if score:
         tokens, next_token = tokens[:-1], tokens[-1]
     t = tokens.shape[0]
@@ -263,6 +274,7 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
     row_mask = jnp.where(fresh, jnp.zeros((vocab,), jnp.bool_).at[kept].set(True, mode="drop"), st.prompt_mask[slot])
     row_counts = jnp.where(fresh, 0, st.counts[slot])
     row_step = jnp.where(fresh, 0, st.step_index[slot])
+    row_breakers = jnp.where(fresh, breakers, st.breakers[slot])
     valid = jnp.arange(t) < num_valid
     ids = jnp.where(valid, tokens, vocab)  # padding: dropped
     row_mask = row_mask.at[ids].set(True, mode="drop")
@@ -272,9 +284,12 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
     logits = forward.last_logits(cfg, kern, params, x, num_valid)
     row_samp = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), samp)
     # no conditionals: on the GPU this program's would run on the host and block the call
+    last = start + num_valid - 1
+    dry = sampling.DryContext(row_history[None], jnp.zeros((1,), jnp.int32), last[None],
+                              jax.lax.dynamic_slice_in_dim(tokens, num_valid - 1, 1), row_breakers[None])
     tok, lp, top_ids, top_lps = sampling.sample(
         logits[None], row_samp, row_mask[None], row_counts[None], row_step[None], num_top, skip_unused=False,
-        allowed=allowed[None],
+        allowed=allowed[None], dry=dry,
     )
     tok = tok[0]
     row_counts = jnp.where(is_last, row_counts.at[tok].add(1), row_counts)
@@ -285,6 +300,7 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
         counts=st.counts.at[slot].set(row_counts),
         step_index=st.step_index.at[slot].set(row_step + is_last.astype(jnp.int32)),
         history=st.history.at[slot].set(row_history),
+        breakers=st.breakers.at[slot].set(row_breakers),
     )
     out = jnp.concatenate([slot[None], _pack_outputs(tok, is_last, lp[0], top_ids[0], top_lps[0])])
     if score:
@@ -366,6 +382,8 @@ class ModelRunner:
         # (kept on the device: no transfer), and each prefill chunk carries its slot's row.
         self._mask_words = mask_words(cfg.vocab_size)
         self._free_row = np.full((self._mask_words,), -1, np.int32)
+        self._no_tokens = np.zeros((self._mask_words,), np.int32)
+        self._breaker_rows = [self._no_tokens] * self.num_slots  # each slot's request's DRY breakers
         self._free_rows = jax.device_put(np.full((self.num_slots, self._mask_words), -1, np.int32),
                                          None if mesh is None else sharding.replicated(mesh))
         # StepPlan.deferred (EngineConfig.constrained_overlap): one device only
@@ -441,21 +459,20 @@ class ModelRunner:
             fn = (functools.partial(_multi_spec_decode_step, *args, num_steps, unroll=self._unroll_decode)
                   if num_steps > 1 else functools.partial(_spec_decode_step, *args, unroll=self._unroll_decode))
             return self._jit("decode", fn)
-        record = self._spec is not None
         if kind == "logits":
             fn = functools.partial(_decode_logits, self.cfg, self.kernels, attend, unroll=self._unroll_decode,
                                    few_rows=few_rows)
             return jax.jit(fn, donate_argnums=(1,))  # the cache
         if kind == "sample":
-            return jax.jit(functools.partial(_sample_decode, self.max_top_logprobs, record=record),
+            return jax.jit(functools.partial(_sample_decode, self.max_top_logprobs),
                            donate_argnums=(0,))  # the slot state
         if kind == "decode" and num_steps > 1:
             fn = functools.partial(_multi_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend, num_steps,
-                                   unroll=self._unroll_decode, few_rows=few_rows, record=record)
+                                   unroll=self._unroll_decode, few_rows=few_rows)
             return self._jit(kind, fn)
         if kind == "decode":
             fn = functools.partial(_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend,
-                                   unroll=self._unroll_decode, few_rows=few_rows, record=record)
+                                   unroll=self._unroll_decode, few_rows=few_rows)
         elif kind == "copy":
             fn = functools.partial(_copy_prefix, attend, COPY_LAYERS)
         else:  # "prefill", "score"
@@ -495,7 +512,7 @@ class ModelRunner:
         if kind == "copy":
             return (self.params, self._cache, self._state, jnp.zeros((2,), jnp.int32))
         extra = 1 if kind == "score" else 0  # the token after the chunk
-        args = jnp.zeros((PREFILL_HEAD + self._samp_words.size + self._mask_words + size + extra,), jnp.int32)
+        args = jnp.zeros((PREFILL_HEAD + self._samp_words.size + 2 * self._mask_words + size + extra,), jnp.int32)
         return (self.params, self._cache, self._state, args)
 
     def warmup(self) -> None:
@@ -594,6 +611,8 @@ class ModelRunner:
                 if sp.seed is None:
                     sp = dataclasses.replace(sp, seed=int(self._rng.integers(0, 2**63)))
                 self._slot_params[setup.slot] = sp
+                self._breaker_rows[setup.slot] = (sampling.token_bits(sp.dry_breaker_ids, self.vocab_size)
+                                                  if sp.uses_dry else self._no_tokens)
             self._pack_sampling()
         decode_out = None
         steps = plan.num_decode_steps
@@ -703,6 +722,6 @@ class ModelRunner:
         self._cache, self._state, self._samp, out = self._program(kind, size, attend)(
             self.params, self._cache, self._state,
             prefill_args(chunk.slot, padded, chunk.start_pos, n, chunk.is_last, self._samp_words,
-                         self._free_row if allowed is None else allowed, chunk.reused),
+                         self._free_row if allowed is None else allowed, self._breaker_rows[chunk.slot], chunk.reused),
         )
         return _start_copies(out)

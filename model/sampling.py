@@ -15,8 +15,8 @@ Constrained decoding (scheduler/grammar.py) passes each row's allowed tokens as 
 so the draw, the greedy argmax and the logprobs all see the constrained distribution.
 
 The chain, llama.cpp's order but for the temperature: the logit bias, the repetition and
-presence/frequency penalties and the allowed tokens (every row; the logprobs are of these
-logits); then, for sampled rows, top-n-sigma, the temperature (or llama.cpp's dynamic
+presence/frequency penalties, DRY and the allowed tokens (every row; the logprobs are of
+these logits); then, for sampled rows, top-n-sigma, the temperature (or llama.cpp's dynamic
 temperature), top-k, locally typical, top-p, min-p, XTC and the draw. llama.cpp applies the
 temperature last; here, as in vLLM, the truncations see the tempered distribution.
 
@@ -35,6 +35,23 @@ import numpy as np
 from model.step_types import SamplingParams
 
 
+_WHOLE_CONTEXT = 2**30  # dry_last_n for SamplingParams.dry_penalty_last_n -1
+DRY_MAX_MATCH = 128  # repeats are measured up to this many tokens (dry_base ** 126: the penalty has long saturated)
+_DRY_BLOCK = 16  # the match lengths grow this many tokens an iteration
+
+
+class DryContext(NamedTuple):
+    """What DRY reads besides the logits: each sampled row's tokens so far, as rows of the slot
+    state's history (its input token, at `last`, is written in here: the state may not hold it
+    yet) and the slot's breaker tokens."""
+
+    history: jax.Array  # [H, S] int32: the slots' tokens by position
+    rows: jax.Array  # [R] int32: each sampled row's history row
+    last: jax.Array  # [R] int32: the position of the row's input token (its logits predict the next)
+    inputs: jax.Array  # [R] int32: the row's input token
+    breakers: jax.Array  # [H, W] int32 bitmask (bit t % 32 of word t // 32): the slots' breaker tokens
+
+
 class SamplingArrays(NamedTuple):
     """Per-slot sampling settings (a pytree of arrays; numpy from `pack_sampling`)."""
 
@@ -51,6 +68,10 @@ class SamplingArrays(NamedTuple):
     xtc_threshold: jax.Array  # [B] f32; > 0.5 = off
     dynatemp_range: jax.Array  # [B] f32; 0 = off
     dynatemp_exponent: jax.Array  # [B] f32
+    dry_multiplier: jax.Array  # [B] f32; 0 = off
+    dry_base: jax.Array  # [B] f32
+    dry_allowed_length: jax.Array  # [B] int32
+    dry_last_n: jax.Array  # [B] int32: the window of positions DRY looks at (the whole context: 2**30)
     seed: jax.Array  # [B, 2] uint32: threefry key data (high word, low word of the 64-bit seed)
     bias_ids: jax.Array  # [B, N] int32; -1 = unused entry
     bias_values: jax.Array  # [B, N] f32
@@ -88,6 +109,10 @@ def pack_sampling(
     xtc_threshold = np.ones((num_slots,), np.float32)
     dynatemp_range = np.zeros((num_slots,), np.float32)
     dynatemp_exponent = np.ones((num_slots,), np.float32)
+    dry_multiplier = np.zeros((num_slots,), np.float32)
+    dry_base = np.ones((num_slots,), np.float32)
+    dry_allowed_length = np.zeros((num_slots,), np.int32)
+    dry_last_n = np.zeros((num_slots,), np.int32)
     seed = np.zeros((num_slots, 2), np.uint32)
     bias_ids = np.full((num_slots, max_bias), -1, np.int32)
     bias_values = np.zeros((num_slots, max_bias), np.float32)
@@ -111,6 +136,9 @@ def pack_sampling(
         typical_p[b], top_n_sigma[b] = p.typical_p, p.top_n_sigma
         xtc_probability[b], xtc_threshold[b] = p.xtc_probability, p.xtc_threshold
         dynatemp_range[b], dynatemp_exponent[b] = p.dynatemp_range, p.dynatemp_exponent
+        if p.uses_dry:
+            dry_multiplier[b], dry_base[b], dry_allowed_length[b] = p.dry_multiplier, p.dry_base, p.dry_allowed_length
+            dry_last_n[b] = _WHOLE_CONTEXT if p.dry_penalty_last_n < 0 else min(p.dry_penalty_last_n, _WHOLE_CONTEXT)
         top_logprobs[b] = p.top_logprobs
         s = p.seed
         if s is None:
@@ -135,6 +163,10 @@ def pack_sampling(
         xtc_threshold=xtc_threshold,
         dynatemp_range=dynatemp_range,
         dynatemp_exponent=dynatemp_exponent,
+        dry_multiplier=dry_multiplier,
+        dry_base=dry_base,
+        dry_allowed_length=dry_allowed_length,
+        dry_last_n=dry_last_n,
         seed=seed,
         bias_ids=bias_ids,
         bias_values=bias_values,
@@ -142,6 +174,13 @@ def pack_sampling(
         min_tokens=min_tokens,
         top_logprobs=top_logprobs,
     )
+
+
+def token_bits(ids: Sequence[int], vocab: int) -> np.ndarray:
+    """The [W] int32 bitmask (bit t % 32 of word t // 32) of the tokens `ids`."""
+    bits = np.zeros((-(-vocab // 32) * 32,), bool)
+    bits[np.asarray(ids, np.int64)] = True
+    return np.packbits(bits.reshape(-1, 32)[:, ::-1], axis=1).view(">u4").astype(np.uint32).view(np.int32).reshape(-1)
 
 
 def for_rows(arrays: SamplingArrays, rows: jax.Array) -> SamplingArrays:
@@ -154,6 +193,7 @@ def for_rows(arrays: SamplingArrays, rows: jax.Array) -> SamplingArrays:
         top_k=jnp.where(rows, arrays.top_k, 0),
         top_p=jnp.where(rows, arrays.top_p, 1.0),
         typical_p=jnp.where(rows, arrays.typical_p, 1.0),
+        dry_multiplier=jnp.where(rows, arrays.dry_multiplier, 0.0),
         top_logprobs=jnp.where(rows, arrays.top_logprobs, 0),
     )
 
@@ -187,12 +227,66 @@ def apply_penalties(
     return logits - arrays.frequency_penalty[:, None] * output_counts.astype(logits.dtype)
 
 
+def _bits(words: jax.Array, vocab: int) -> jax.Array:  # [B, W] int32 -> [B, V] bool
+    """Bit t % 32 of word t // 32 for each token t."""
+    bits = jnp.right_shift(words[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    return bits.reshape(words.shape[0], -1)[:, :vocab] != 0
+
+
 def apply_allowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:  # [B, V] f32, [B, W] int32
     """-inf for every token whose bit is clear (bit t % 32 of word t // 32 for token t)."""
+    return jnp.where(_bits(allowed, logits.shape[1]), logits, -jnp.inf)
+
+
+def apply_dry(logits: jax.Array, arrays: SamplingArrays, ctx: DryContext) -> jax.Array:  # [R, V] f32
+    """llama.cpp's DRY penalty, for rows with `dry_multiplier` > 0 (others unchanged).
+
+    Over the row's window (its last `dry_last_n` positions up to `last`): the repeat limit is
+    the number of tokens after the window's last breaker token (all of them without one). For
+    each earlier position j, the match length is how many tokens before and at j equal those
+    before and at `last`, one for one, within the window and the limit (at most DRY_MAX_MATCH).
+    The token after j, unless a breaker itself, would extend a repeat of that length; at
+    lengths of at least `dry_allowed_length` it loses multiplier * base ** (length - allowed) of
+    its logit (the exponent held where base ** exponent nears float32's largest value), the
+    longest of its repeats counted.
+    """
     num_rows, vocab = logits.shape
-    bits = jnp.right_shift(allowed[:, :, None], jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
-    keep = bits.reshape(num_rows, -1)[:, :vocab] != 0
-    return jnp.where(keep, logits, -jnp.inf)
+    size = ctx.history.shape[1]
+    history = ctx.history[ctx.rows].at[jnp.arange(num_rows), ctx.last].set(ctx.inputs, mode="drop")  # [R, S]
+    breakers = ctx.breakers[ctx.rows]  # [R, W]
+    last = ctx.last[:, None]
+    pos = jnp.arange(size)[None, :]
+    low = jnp.maximum(last + 1 - arrays.dry_last_n[:, None], 0)
+    in_window = (pos >= low) & (pos <= last)
+    word = jnp.take_along_axis(breakers, history // 32, axis=1)
+    is_breaker = (jnp.right_shift(word, history % 32) & 1) != 0  # [R, S]
+    last_breaker = jnp.max(jnp.where(in_window & is_breaker, pos, -1), axis=1, keepdims=True)
+    limit = jnp.where(last_breaker >= 0, last - last_breaker, last - low + 1)  # [R, 1]
+    padded = jnp.pad(history, ((0, 0), (DRY_MAX_MATCH, 0)), constant_values=-1)
+
+    def block(i, carry):  # match lengths up to (i + 1) * _DRY_BLOCK
+        alive, length = carry
+        for t in range(_DRY_BLOCK):
+            k = i * _DRY_BLOCK + t
+            before = jax.lax.dynamic_slice_in_dim(padded, DRY_MAX_MATCH - k, size, axis=1)  # token at j - k
+            at_end = jnp.take_along_axis(history, jnp.maximum(last - k, 0), axis=1)  # token at last - k
+            alive = alive & (before == at_end) & (pos - k >= low) & (k < limit)
+            length = length + alive.astype(jnp.int32)
+        return alive, length
+
+    starts = in_window & (pos < last)  # j: an earlier position, its next token within the window
+    _, length = jax.lax.fori_loop(0, DRY_MAX_MATCH // _DRY_BLOCK, block, (starts, jnp.zeros(history.shape, jnp.int32)))
+    allowed_length = arrays.dry_allowed_length[:, None]
+    following = jnp.roll(history, -1, axis=1)  # the token after each position
+    counted = jnp.where(starts & (length >= allowed_length), length, -1)
+    longest = jnp.full((num_rows, vocab), -1, jnp.int32).at[jnp.arange(num_rows)[:, None], following].max(
+        counted, mode="drop")
+    base = arrays.dry_base[:, None]
+    most = jnp.where(base > 1.000001, jnp.floor(88.7228391 / jnp.log(jnp.maximum(base, 1.000001))), jnp.inf)
+    exponent = jnp.minimum((longest - allowed_length).astype(jnp.float32), most)
+    penalty = arrays.dry_multiplier[:, None] * jnp.power(base, exponent)
+    applies = (longest >= 0) & ~_bits(breakers, vocab) & (arrays.dry_multiplier[:, None] > 0)
+    return jnp.where(applies, logits - penalty, logits)
 
 
 def _typical_set(
@@ -307,6 +401,7 @@ def sample(
     num_top: int,  # static: number of top alternatives returned
     skip_unused: bool = True,  # static: conditionals skip what no row needs (see below)
     allowed: jax.Array | None = None,  # [B, W] int32: each row's allowed tokens (None: all)
+    dry: DryContext | None = None,  # the rows' tokens so far, for DRY (None: no row uses it)
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Returns (tokens [B] int32, logprob [B] f32, top_ids [B, L] int32, top_logprobs [B, L] f32).
     Only rows whose `arrays.top_logprobs` is > 0 get alternatives (the others get the padding,
@@ -333,6 +428,8 @@ def sample(
         return true_fn(operand)
 
     logits = apply_penalties(logits.astype(jnp.float32), arrays, prompt_mask, output_counts, step_index)
+    if dry is not None:  # (the match lengths run only in steps where some row asks for DRY)
+        logits = cond(jnp.any(arrays.dry_multiplier > 0), lambda x: apply_dry(x, arrays, dry), lambda x: x, logits)
     if allowed is not None:
         logits = apply_allowed(logits, allowed)
     logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V]

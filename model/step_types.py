@@ -46,6 +46,16 @@ class SamplingParams:
     xtc_threshold: float = 0.1  # ... to the tokens of at least this probability; > 0.5 = off
     dynatemp_range: float = 0.0  # dynamic temperature in temperature +- range by entropy; 0 = off
     dynatemp_exponent: float = 1.0
+    # llama.cpp's DRY ("don't repeat yourself"): a token that would extend a repeat of at least
+    # dry_allowed_length tokens of the last dry_penalty_last_n (-1: the whole context) loses
+    # dry_multiplier * dry_base ** (length - dry_allowed_length) of its logit; a repeat does not
+    # reach back past a token whose text holds one of the breakers. 0 = off.
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")
+    dry_breaker_ids: tuple[int, ...] = ()  # the breakers' tokens (the engine fills them in)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     seed: int | None = None  # None: the runner draws one
     top_logprobs: int = 0  # how many alternatives per token to return (0..max_top_logprobs)
@@ -84,6 +94,14 @@ class SamplingParams:
             raise ValueError("dynatemp_range must be >= 0")
         if not 0 <= self.dynatemp_exponent < math.inf:
             raise ValueError("dynatemp_exponent must be >= 0")
+        if not 0 <= self.dry_multiplier < math.inf:
+            raise ValueError("dry_multiplier must be >= 0")
+        if not 1 <= self.dry_base < math.inf:
+            raise ValueError("dry_base must be >= 1")
+        if self.dry_allowed_length < 0:
+            raise ValueError("dry_allowed_length must be >= 0")
+        if self.dry_penalty_last_n < -1:
+            raise ValueError("dry_penalty_last_n must be >= -1")
         if self.top_logprobs < 0:
             raise ValueError("top_logprobs must be >= 0")
         if self.min_tokens < 0:
@@ -96,6 +114,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def uses_dry(self) -> bool:
+        return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,7 @@ import codecs
 import heapq
 import logging
 import os
+import re
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -187,6 +188,7 @@ class Tokenizer:
         self._eog_ids, self._eot_id = self._detect_eog(attrs, {k: valid(v) for k, v in extra_ids.items()})
         self._attrs = attrs
         self._piece_cache: list[bytes | None] = [None] * num
+        self._joined: tuple[bytes, np.ndarray, np.ndarray] | None = None  # tokens_containing's
 
         specials = [i for i in range(num) if attrs[i] & _ATTR_SPECIAL]
         self._specials_all = self._group_specials(specials)
@@ -348,6 +350,25 @@ class Tokenizer:
 
     def token_to_id(self, piece: str) -> int | None:
         return self._token_to_id.get(piece)
+
+    def tokens_containing(self, texts: Iterable[str]) -> tuple[int, ...]:
+        """The tokens whose bytes hold any of `texts` (UTF-8) within them, in order (DRY's sequence
+        breakers). The first call joins every token's bytes into one string, kept for the next."""
+        if self._joined is None:
+            pieces = [self.token_bytes(i) for i in range(len(self._tokens))]
+            ends = np.cumsum([len(p) for p in pieces])
+            self._joined = (b"".join(pieces), ends - [len(p) for p in pieces], ends)
+        joined, starts, ends = self._joined
+        found: set[int] = set()
+        for text in texts:
+            needle = text.encode("utf-8")
+            if not needle:
+                continue
+            at = np.asarray([m.start() for m in re.finditer(b"(?=" + re.escape(needle) + b")", joined)], np.int64)
+            if at.size:
+                token = np.searchsorted(starts, at, side="right") - 1
+                found.update(token[at + len(needle) <= ends[token]].tolist())
+        return tuple(sorted(found))
 
     def is_special(self, token_id: int) -> bool:
         """True for control and unknown tokens: the ones `decode(skip_special=True)` drops."""

@@ -60,6 +60,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import gc
 import itertools
 import logging
@@ -79,7 +80,7 @@ from scheduler.planning import StepPlanner, PlannedRows
 from scheduler.prompt_cache import PromptCache
 from scheduler.request_stream import RequestStream, _Cancel, _hand_over
 from scheduler.requests import (
-    Detokenizer, Observer, RequestState, RequestTiming, notify, validate_request, with_min_tokens_bans)
+    Detokenizer, Observer, RequestState, RequestTiming, notify, validate_request, with_dry_breakers, with_min_tokens_bans)
 from scheduler.types import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -134,6 +135,8 @@ class Engine(StepPlanner):
         detokenizer_factory: Callable[[Any], Detokenizer] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # DRY's breaker tokens by breaker texts (the default ones are the same for most requests)
+        self._breaker_ids = functools.lru_cache(maxsize=32)(lambda texts: tokenizer.tokens_containing(texts))
         self.config = config
         self._factory = model_factory
         self._model_name = model_name
@@ -207,7 +210,7 @@ class Engine(StepPlanner):
         `tag` is kept as the stream's `tag`."""
         loop = loop if loop is not None else asyncio.get_running_loop()
         self._check_available()
-        request = with_min_tokens_bans(request, self.tokenizer.eog_ids)
+        request = with_dry_breakers(with_min_tokens_bans(request, self.tokenizer.eog_ids), self._breaker_ids)
         self._validate(request)
         if not self._capacity.acquire(blocking=False):
             self._rejected += 1

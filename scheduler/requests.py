@@ -33,6 +33,17 @@ def with_min_tokens_bans(request: GenerationRequest, eog_ids: frozenset[int]) ->
     return dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, min_tokens_ids=tuple(sorted(stops))))
 
 
+def with_dry_breakers(request: GenerationRequest, breaker_ids: Callable[[tuple[str, ...]], tuple[int, ...]]
+                      ) -> GenerationRequest:
+    """The request with its DRY sequence breakers' tokens (SamplingParams.dry_breaker_ids, from
+    `breaker_ids`: `Tokenizer.tokens_containing`, cached) where it uses DRY."""
+    sampling = request.sampling
+    if not sampling.uses_dry:
+        return request
+    ids = breaker_ids(tuple(sampling.dry_sequence_breakers))
+    return dataclasses.replace(request, sampling=dataclasses.replace(sampling, dry_breaker_ids=ids))
+
+
 def validate_request(
     request: GenerationRequest, *, vocab_size: int, max_context: int, max_top_logprobs: int, max_logit_bias: int,
     scores_prompts: bool = False,

@@ -9,7 +9,7 @@ piece of a stop string that might still match.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -154,16 +154,17 @@ class SlotInfo(NamedTuple):
     prompt_cached: int  # of them, reused from the prompt cache
     generated: int
     limit: int  # the most it may generate (max_tokens, or the context left)
-    params: tuple[float | int | None, ...]  # its sampling settings, SLOT_PARAMS' values
+    params: tuple[Any, ...]  # its sampling settings, SLOT_PARAMS' values
 
     @staticmethod
-    def params_of(sampling: SamplingParams) -> tuple[float | int | None, ...]:
+    def params_of(sampling: SamplingParams) -> tuple[Any, ...]:
         return tuple(getattr(sampling, name) for name in SLOT_PARAMS)
 
 
 SLOT_PARAMS = ("temperature", "dynatemp_range", "dynatemp_exponent", "top_k", "top_p", "min_p", "typical_p",
                "top_n_sigma", "xtc_probability", "xtc_threshold", "repetition_penalty", "presence_penalty",
-               "frequency_penalty", "seed")
+               "frequency_penalty", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+               "dry_sequence_breakers", "seed")
 
 
 @dataclasses.dataclass(frozen=True)

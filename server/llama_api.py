@@ -13,9 +13,10 @@ llama-server's come from its command line. Where the samplers differ: `repeat_pe
 every prompt and output token (vLLM's semantics; `repeat_last_n` 0 turns the penalties off,
 another window is not kept), and the presence and frequency penalties count the output only
 (OpenAI's). Refused (400) where set to anything but their neutral value: the samplers this
-server does not have (`tfs_z`, `mirostat`, `dry_multiplier`), `t_max_predict_ms`, `post_sampling_probs` and
-`lora`. `typical_p`, `top_n_sigma`, `xtc_probability`, `xtc_threshold`, `dynatemp_range` and
-`dynatemp_exponent` are served (server/samplers.py; the values llama.cpp reads as off are off).
+server does not have (`tfs_z`, `mirostat`), `t_max_predict_ms`, `post_sampling_probs` and
+`lora`. `typical_p`, `top_n_sigma`, `xtc_probability`, `xtc_threshold`, `dynatemp_range`,
+`dynatemp_exponent` and DRY's `dry_*` are served (server/samplers.py; the values llama.cpp reads
+as off are off).
 Accepted and ignored: `samplers` (the order is this server's), `id_slot` (the engine places
 requests), `n_keep` (no context shift), `min_keep`, `timings_per_token`, `return_progress`.
 
@@ -57,10 +58,11 @@ _SHARED = ("model", "temperature", "top_k", "top_p", "min_p", "stream", "seed", 
 # negative dynatemp_range or xtc_probability off, an xtc_probability over 1 always
 _CLAMPED = {"typical_p": (-math.inf, 1.0), "dynatemp_range": (0.0, math.inf), "xtc_probability": (0.0, 1.0),
             "xtc_threshold": (-math.inf, 1.0), "top_n_sigma": (-math.inf, math.inf),
-            "dynatemp_exponent": (-math.inf, math.inf)}
+            "dynatemp_exponent": (-math.inf, math.inf), "dry_multiplier": (0.0, math.inf),
+            "dry_base": (-math.inf, math.inf), "dry_allowed_length": (-math.inf, math.inf),
+            "dry_penalty_last_n": (-math.inf, math.inf)}
 # samplers and switches this server does not have, with the value that leaves them off
-_OFF = {"tfs_z": (1.0, "at least 1"), "mirostat": (0, "0"), "dry_multiplier": (0.0, "0 or less"),
-        "t_max_predict_ms": (0, "0 or less")}
+_OFF = {"tfs_z": (1.0, "at least 1"), "mirostat": (0, "0"), "t_max_predict_ms": (0, "0 or less")}
 Encode = Callable[[str, bool | None, bool], list[int]]  # (text, add_bos, parse_special) -> ids
 # the completion parser's field names -> this API's, for the `param` and message of a 400
 _PARAM_NAMES = {"max_tokens": "n_predict", "logprobs": "n_probs", "repetition_penalty": "repeat_penalty",
@@ -138,6 +140,12 @@ def to_completion(body: Any, encode: Encode, bos_text: str | None = None,
             value = body[name]
             out[name] = min(max(value, low), high) if isinstance(value, (int, float)) and not isinstance(
                 value, bool) else value
+    if "dry_sequence_breakers" in body:
+        out["dry_sequence_breakers"] = body["dry_sequence_breakers"]
+    base = out.get("dry_base")
+    if isinstance(base, (int, float)) and not isinstance(base, bool) and base < 1:  # llama.cpp's DRY off
+        out.pop("dry_multiplier", None)
+        out.pop("dry_base")
     for name, (neutral, what) in _OFF.items():
         value = body.get(name, neutral)
         if not isinstance(value, (int, float)) or isinstance(value, bool):

@@ -10,12 +10,29 @@ from typing import Any
 
 from model.step_types import SamplingParams
 from scheduler.types import SLOT_PARAMS
+from server.errors import invalid
 
 
-def parse_llama_samplers(fields: Any) -> dict[str, float]:
+MAX_BREAKERS = 32  # DRY's sequence breakers a request may name
+MAX_BREAKER_CHARS = 64
+
+
+def parse_llama_samplers(fields: Any) -> dict[str, Any]:
     """`SamplingParams`' llama.cpp samplers from a request's `fields` (server.openai_api.Fields),
     each off by default; a value out of range is a 400 naming the field."""
+    breakers = fields.raw("dry_sequence_breakers")
+    if breakers is None:
+        breakers = SamplingParams.dry_sequence_breakers
+    elif not (isinstance(breakers, list) and len(breakers) <= MAX_BREAKERS and all(
+            isinstance(b, str) and 0 < len(b) <= MAX_BREAKER_CHARS for b in breakers)):
+        raise invalid(f"'dry_sequence_breakers' must be an array of at most {MAX_BREAKERS} non-empty strings of at "
+                      f"most {MAX_BREAKER_CHARS} characters", fields.prefix + "dry_sequence_breakers")
     return dict(
+        dry_multiplier=fields.number("dry_multiplier", 0.0, 0.0, math.inf),
+        dry_base=fields.number("dry_base", 1.75, 1.0, math.inf),
+        dry_allowed_length=fields.integer("dry_allowed_length", 2, 0),
+        dry_penalty_last_n=fields.integer("dry_penalty_last_n", -1, -1),  # -1: the whole context
+        dry_sequence_breakers=tuple(breakers),
         typical_p=fields.number("typical_p", 1.0, 0.0, 1.0, lo_open=True),
         top_n_sigma=fields.number("top_n_sigma", 0.0, -math.inf, math.inf),  # <= 0: off (llama.cpp's -1)
         xtc_probability=fields.number("xtc_probability", 0.0, 0.0, 1.0),
@@ -30,6 +47,7 @@ def llama_params(values: dict[str, Any]) -> dict[str, Any]:
     out = dict(values)
     out["repeat_penalty"] = out.pop("repetition_penalty")
     out["seed"] = -1 if out["seed"] is None else out["seed"]
+    out["dry_sequence_breakers"] = list(out["dry_sequence_breakers"])
     return out
 
 

@@ -423,3 +423,32 @@ def test_scored_chunks_pool_the_normed_hidden_states_a_whole_prefill_gives(smoll
         got = rows[start:start + s.hidden_tokens]
         np.testing.assert_allclose(s.hidden_sum, got.sum(axis=0), atol=2e-3 * scale * len(got) ** 0.5)
         np.testing.assert_allclose(s.hidden_last, got[-1], atol=2e-3 * scale)
+
+
+def test_dry_keeps_greedy_tokens_from_extending_repeats(smollm2, smol_runner, prompt_ids):
+    """DRY with a multiplier far above any logit gap: no greedy token, the prefill's first or a
+    decoded one, extends a repeat of 2 or more tokens of its prompt and output (llama.cpp's rule,
+    as tests/model/test_sampling.py writes it plainly), unless a breaker; without DRY the same
+    prompts do repeat; and a DRY request gets the same tokens beside seven others."""
+    from tests.model.test_sampling import _dry_reference
+
+    tok = smollm2.tokenizer
+    breakers = tok.tokens_containing(SamplingParams.dry_sequence_breakers)
+    dry = SamplingParams(temperature=0, dry_multiplier=1000.0, dry_breaker_ids=breakers)
+    prompts = [tok.encode("one two three four five one two three four five one two three four five one two"),
+               tok.encode("The cat sat on the mat. The cat sat on the mat. The cat sat on the mat. The cat")]
+
+    def penalised(prompt: list[int], out: list[int]) -> int:
+        seq, count = list(prompt), 0
+        zeros = np.zeros((tok.vocab_size,), np.float32)
+        for t in out:
+            count += _dry_reference(seq, zeros, dry, set(breakers))[t] < 0
+            seq.append(t)
+        return count
+
+    plain = generate(smol_runner, prompts, 12)
+    got = generate(smol_runner, prompts, 12, sampling=dry)
+    assert all(penalised(p, o) > 0 for p, o in zip(prompts, plain))  # these prompts do make it repeat
+    assert all(penalised(p, o) == 0 for p, o in zip(prompts, got))
+    crowd = generate(smol_runner, prompts + prompt_ids[:6], 12, sampling=dry)
+    assert crowd[:2] == got

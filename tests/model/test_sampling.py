@@ -380,3 +380,88 @@ def test_min_tokens_bans_its_tokens_until_that_many_were_generated():
     assert 3 not in draws and len(set(draws)) > 1
     with pytest.raises(ValueError, match="min_tokens bans"):
         sampling.pack_sampling([SamplingParams(logit_bias=((1, 1.0),), min_tokens=1, min_tokens_ids=(2, 3))], 2)
+
+
+def _dry_reference(tokens: list[int], logits: np.ndarray, p: SamplingParams, breakers: set[int]) -> np.ndarray:
+    """llama.cpp's DRY (llama_sampler_dry_apply) over the whole sequence `tokens`, written plainly:
+    the longest common suffix in place of its Z-algorithm."""
+    out = logits.astype(np.float64).copy()
+    window = len(tokens) if p.dry_penalty_last_n < 0 else min(len(tokens), p.dry_penalty_last_n)
+    allowed = p.dry_allowed_length
+    if p.dry_multiplier == 0 or window <= allowed:
+        return out
+    recent = tokens[len(tokens) - window:]
+    limit = window
+    for i in range(window):
+        if recent[-1 - i] in breakers:
+            limit = i
+            break
+    if limit < allowed:
+        return out
+    longest: dict[int, int] = {}
+    for j in range(window - 1):
+        length = 0
+        while length <= j and length < limit and recent[j - length] == recent[-1 - length]:
+            length += 1
+        if length >= allowed:
+            longest[recent[j + 1]] = max(longest.get(recent[j + 1], -1), length)
+    most = int(88.7228391 / np.log(p.dry_base)) if p.dry_base > 1.000001 else 0
+    for token, length in longest.items():
+        if token not in breakers:
+            exponent = length - allowed
+            exponent = min(exponent, most) if most > 0 else exponent
+            out[token] -= p.dry_multiplier * p.dry_base**exponent
+    return out
+
+
+def _dry(histories: list[list[int]], params: list[SamplingParams], breakers: list[set[int]], vocab: int,
+         size: int = 96) -> np.ndarray:
+    rows = len(histories)
+    history = np.full((rows, size), 7, np.int32)  # stale tokens past each row's last
+    for r, h in enumerate(histories):
+        history[r, :len(h) - 1] = h[:-1]  # the input token comes through `inputs`
+    ctx = sampling.DryContext(
+        history=jnp.asarray(history), rows=jnp.arange(rows, dtype=jnp.int32),
+        last=jnp.asarray([len(h) - 1 for h in histories], jnp.int32), inputs=jnp.asarray([h[-1] for h in histories]),
+        breakers=jnp.asarray(np.stack([sampling.token_bits(sorted(b), vocab) for b in breakers])))
+    logits = np.random.default_rng(0).normal(size=(rows, vocab)).astype(np.float32)
+    arrays = sampling.pack_sampling(params, 0)
+    return logits, np.asarray(jax.jit(sampling.apply_dry)(jnp.asarray(logits), arrays, ctx))
+
+
+def test_dry_matches_llama_cpps_rule():
+    """Random sequences over a few tokens (many repeats), with breakers, windows, allowed lengths
+    and bases, side by side in one batch, against the plain rule above."""
+    rng = np.random.default_rng(3)
+    vocab = 12
+    cases = []
+    for i in range(24):
+        n = int(rng.integers(2, 90))
+        tokens = rng.integers(0, 5 if i % 2 else 3, n).tolist()
+        p = SamplingParams(dry_multiplier=float(rng.choice([0.0, 0.8, 1.5])), dry_base=float(rng.choice([1.0, 1.75, 3.0])),
+                           dry_allowed_length=int(rng.integers(0, 4)), dry_penalty_last_n=int(rng.choice([-1, 5, 30, 200])))
+        breakers = {int(t) for t in rng.choice(np.arange(vocab), int(rng.integers(0, 3)), replace=False)}
+        cases.append((tokens, p, breakers))
+    logits, got = _dry([c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases], vocab)
+    for r, (tokens, p, breakers) in enumerate(cases):
+        want = _dry_reference(tokens, logits[r], p, breakers if p.dry_multiplier else set())
+        np.testing.assert_allclose(got[r], want, rtol=1e-5, err_msg=f"case {r}: {tokens} {p} {breakers}")
+    assert (got != logits).any(axis=1).sum() >= 8  # most rows were penalised
+
+
+def test_dry_hand_computed():
+    # ... 1 2 3 | 9 | 1 2 3 -> 1 2 3 was followed by 9: a repeat of 3, 9 loses 0.8 * 1.75 ** 1; 2 3 was
+    # also followed by 4 at the start (2 3 4): 4 loses 0.8 * 1.75 ** 0; a breaker (5) is never penalised
+    tokens = [2, 3, 4, 1, 2, 3, 9, 1, 2, 3]
+    p = SamplingParams(dry_multiplier=0.8)
+    logits, got = _dry([tokens], [p], [set()], 12)
+    delta = logits[0] - got[0]
+    assert delta[9] == pytest.approx(0.8 * 1.75) and delta[4] == pytest.approx(0.8)
+    assert np.count_nonzero(delta) == 2
+    # a breaker in the last tokens limits the repeat: after 5, only "3" (1 token) matches: none
+    logits, got = _dry([tokens[:-1] + [5, 3]], [p], [{5}], 12)
+    np.testing.assert_array_equal(got, logits)
+    # a long repeat's penalty holds at float32's range instead of overflowing
+    long = [1, 2] * 60
+    logits, got = _dry([long], [SamplingParams(dry_multiplier=1.0, dry_base=100.0)], [set()], 12, size=160)
+    assert np.isfinite(got).all() and got[0, 1] < -1e30

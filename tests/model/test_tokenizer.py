@@ -383,3 +383,18 @@ def test_add_eos_token_is_read_where_the_file_has_an_eos() -> None:
     assert _tiny_bpe("qwen2", eos_token_id=258, add_eos_token=True).add_eos
     assert not _tiny_bpe("qwen2", eos_token_id=258).add_eos
     assert not _tiny_bpe("qwen2", add_eos_token=True).add_eos
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_tokens_containing_holds_every_token_with_the_text(name: str, request: pytest.FixtureRequest) -> None:
+    """DRY's breakers: the tokens whose bytes contain a text, the same as testing each token,
+    with a text split over two tokens matching neither."""
+    tok: Tokenizer = request.getfixturevalue(name)
+    texts = ("\n", ":", '"', "*")
+    got = tok.tokens_containing(texts)
+    want = tuple(i for i in range(tok.vocab_size) if any(t.encode() in tok.token_bytes(i) for t in texts))
+    assert got == want and len(got) > 50
+    assert tok.tokens_containing(()) == () and tok.tokens_containing([""]) == ()
+    pair = tok.token_bytes(got[0])[-1:] + tok.token_bytes(got[1])[:1]  # across the boundary of two tokens
+    assert tok.tokens_containing([pair.decode("utf-8", "replace")]) == tuple(
+        i for i in range(tok.vocab_size) if pair.decode("utf-8", "replace").encode() in tok.token_bytes(i))

@@ -79,6 +79,11 @@ async def test_sampling_fields_reach_the_engine(client: httpx.AsyncClient, engin
         "xtc_threshold": 0.2,
         "dynatemp_range": 0.3,
         "dynatemp_exponent": 1.5,
+        "dry_multiplier": 0.8,
+        "dry_base": 2,
+        "dry_allowed_length": 3,
+        "dry_penalty_last_n": 256,
+        "dry_sequence_breakers": ["\n", "###"],
     }
     r = await client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
@@ -89,6 +94,8 @@ async def test_sampling_fields_reach_the_engine(client: httpx.AsyncClient, engin
     assert s.logit_bias == ((4, 2.5), (10, -100.0))
     assert (s.typical_p, s.top_n_sigma, s.xtc_probability, s.xtc_threshold) == (0.9, 1.5, 0.25, 0.2)
     assert (s.dynatemp_range, s.dynatemp_exponent) == (0.3, 1.5)
+    assert (s.dry_multiplier, s.dry_base, s.dry_allowed_length, s.dry_penalty_last_n) == (0.8, 2.0, 3, 256)
+    assert s.dry_sequence_breakers == ("\n", "###") and s.uses_dry
     assert request.ignore_eos and request.stop_token_ids == (7,)
     assert not request.cache_prompt and request.cache_salt == "team-a"
 

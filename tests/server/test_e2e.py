@@ -383,3 +383,20 @@ def test_embeddings_are_the_same_alone_and_in_a_batch_and_follow_the_pooling(ser
     np.testing.assert_allclose(raw[0]["embedding"] / np.linalg.norm(raw[0]["embedding"]), vectors[0], rtol=1e-5,
                                atol=1e-6)
     assert np.abs(vectors[0] - vectors[1]).max() > 1e-2
+
+
+def test_dry_breaks_a_repeat_over_http(server, client):
+    """llama.cpp's DRY through the server (the engine finds the breakers' tokens): a greedy
+    completion that goes on repeating its prompt's sentence without it stops doing so with it,
+    and /completion with the same fields gives the same text."""
+    prompt = "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat. The cat"
+    kwargs = dict(model="m", prompt=prompt, max_tokens=8, temperature=0)
+    plain = client.completions.create(**kwargs).choices[0].text
+    assert plain.startswith(" sat on the mat")
+    dry = client.completions.create(**kwargs, extra_body={"dry_multiplier": 1000.0}).choices[0].text
+    assert dry and not dry.startswith(" sat on")
+    native = httpx.post(server + "/completion", json={"prompt": prompt, "n_predict": 8, "temperature": 0,
+                                                      "dry_multiplier": 1000.0}, timeout=120).json()
+    assert native["content"] == dry
+    assert native["generation_settings"]["dry_multiplier"] == 1000.0
+    assert native["generation_settings"]["dry_sequence_breakers"] == ["\n", ":", '"', "*"]

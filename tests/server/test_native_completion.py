@@ -22,7 +22,7 @@ def test_fields_become_a_completion_request() -> None:
     native = to_completion({"prompt": "Hi", "n_predict": 7, "n_probs": 3, "repeat_penalty": 1.1, "temperature": 0.5,
                             "top_k": 40, "min_p": 0.05, "stop": "\n", "n_cmpl": 2, "seed": 4, "cache_prompt": False,
                             "samplers": ["top_k", "temperature"], "id_slot": 1, "n_keep": -1, "typical_p": 1.0,
-                            "mirostat": 0, "dry_multiplier": 0.0, "return_tokens": True}, ENCODE)
+                            "mirostat": 0, "tfs_z": 1.0, "return_tokens": True}, ENCODE)
     assert native.body == {"prompt": "Hi", "max_tokens": 7, "logprobs": 3, "repetition_penalty": 1.1,
                            "temperature": 0.5, "top_k": 40, "min_p": 0.05, "stop": ["\n"], "n": 2, "seed": 4,
                            "cache_prompt": False, "typical_p": 1.0}
@@ -46,6 +46,12 @@ def test_fields_become_a_completion_request() -> None:
       "top_n_sigma": -1, "dynatemp_exponent": 2},
      {"typical_p": 1.0, "dynatemp_range": 0.0, "xtc_probability": 1.0, "xtc_threshold": 0.9, "top_n_sigma": -1,
       "dynatemp_exponent": 2}),
+    ({"prompt": "x", "dry_multiplier": 0.8, "dry_base": 2, "dry_allowed_length": 3, "dry_penalty_last_n": 64,
+      "dry_sequence_breakers": ["\n"]},
+     {"dry_multiplier": 0.8, "dry_base": 2, "dry_allowed_length": 3, "dry_penalty_last_n": 64,
+      "dry_sequence_breakers": ["\n"]}),
+    ({"prompt": "x", "dry_multiplier": -1}, {"dry_multiplier": 0.0}),
+    ({"prompt": "x", "dry_multiplier": 0.8, "dry_base": 0.5}, {}),  # a base below 1: llama.cpp's DRY is off
 ])
 def test_llama_cpp_forms(body: dict, expected: dict) -> None:
     assert to_completion(body, ENCODE).body == {"prompt": "x", "stop": [], **expected}
@@ -83,7 +89,6 @@ def test_logit_bias_forms() -> None:
     ({"prompt": "x", "n_probs": "3"}, "n_probs"),
     ({"prompt": "x", "stop": [1]}, "stop"),
     ({"prompt": "x", "mirostat": 2}, "mirostat"),
-    ({"prompt": "x", "dry_multiplier": 0.8}, "dry_multiplier"),
     ({"prompt": "x", "tfs_z": 0.9}, "tfs_z"),
     ({"prompt": "x", "t_max_predict_ms": 100}, "t_max_predict_ms"),
     ({"prompt": "x", "post_sampling_probs": True}, "post_sampling_probs"),
