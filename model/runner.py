@@ -53,6 +53,7 @@ class SlotState:
     # speculative decode's drafts
     history: jax.Array
     breakers: jax.Array  # [B, W] int32 bitmask: the slot's request's DRY breaker tokens
+    mu: jax.Array  # [B] f32: the slot's request's mirostat target surprise (2 tau at its start)
 
     @staticmethod
     def create(num_slots: int, vocab: int, max_context: int) -> "SlotState":
@@ -64,6 +65,7 @@ class SlotState:
             step_index=jnp.zeros((num_slots,), jnp.int32),
             history=jnp.zeros((num_slots, max_context), jnp.int32),
             breakers=jnp.zeros((num_slots, mask_words(vocab)), jnp.int32),
+            mu=jnp.zeros((num_slots,), jnp.float32),
         )
 
 
@@ -95,8 +97,8 @@ def _sample_decode(num_top: int, st: SlotState, samp, active, allowed, logits):
     samp = sampling.for_rows(samp, active)  # inactive rows' outputs are discarded: no draw, sort or top-k for them
     rows = jnp.arange(active.shape[0], dtype=jnp.int32)
     dry = sampling.DryContext(st.history, rows, st.positions, st.tokens, st.breakers)
-    tok, lp, top_ids, top_lps = sampling.sample(logits, samp, st.prompt_mask, st.counts, st.step_index, num_top,
-                                                allowed=allowed, dry=dry)
+    tok, lp, top_ids, top_lps, mu = sampling.sample_stateful(logits, samp, st.prompt_mask, st.counts, st.step_index,
+                                                             num_top, st.mu, allowed=allowed, dry=dry)
     inc = active.astype(jnp.int32)
     history = st.history.at[rows, jnp.where(active, st.positions, st.history.shape[1])].set(st.tokens, mode="drop")
     st = SlotState(
@@ -107,6 +109,7 @@ def _sample_decode(num_top: int, st: SlotState, samp, active, allowed, logits):
         step_index=st.step_index + inc,
         history=history,
         breakers=st.breakers,
+        mu=jnp.where(active, mu, st.mu),
     )
     return st, _pack_outputs(tok, active, lp, top_ids, top_lps)
 
@@ -146,11 +149,11 @@ def _spec_decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int
     before = speculative.precedes(layout) & valid[:, None]  # [q, r]: draft q comes before row r
     row_counts = st.counts[slot].at[jnp.broadcast_to(jnp.arange(r)[None, :], (r, r)),
                                     jnp.broadcast_to(inputs[:, None], (r, r))].add(before.astype(st.counts.dtype))
-    # (a DRY slot checks no drafts, `model.pending._draft_cap`: its rows' tokens so far are its
-    # slot's history and its row's input)
+    # (a DRY or mirostat slot checks no drafts, `model.pending._draft_cap`: its rows' tokens so far
+    # are its slot's history and its row's input, its target surprise the slot's)
     dry = sampling.DryContext(st.history, slot, row_pos, inputs, st.breakers)
-    tok, lp, top_ids, top_lps = sampling.sample(logits, row_samp, st.prompt_mask[slot], row_counts,
-                                                st.step_index[slot] + off, num_top, dry=dry)
+    tok, lp, top_ids, top_lps, mu = sampling.sample_stateful(logits, row_samp, st.prompt_mask[slot], row_counts,
+                                                             st.step_index[slot] + off, num_top, st.mu[slot], dry=dry)
     emitted = speculative.accept(layout, valid, inputs, tok)
     b = st.tokens.shape[0]
     n = jnp.zeros((b,), jnp.int32).at[slot].add(emitted.astype(jnp.int32))  # tokens each slot emits
@@ -163,6 +166,7 @@ def _spec_decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int
         step_index=st.step_index + n,
         history=st.history.at[jnp.where(emitted, slot, b), row_pos].set(inputs, mode="drop"),
         breakers=st.breakers,
+        mu=st.mu.at[jnp.where(last, slot, b)].set(mu, mode="drop"),
     )
     flag = emitted.astype(jnp.int32) + 2 * (valid & (off >= 1)).astype(jnp.int32)
     return cache, st, _pack_outputs(tok, flag, lp, top_ids, top_lps)
@@ -275,6 +279,7 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
     row_counts = jnp.where(fresh, 0, st.counts[slot])
     row_step = jnp.where(fresh, 0, st.step_index[slot])
     row_breakers = jnp.where(fresh, breakers, st.breakers[slot])
+    row_mu = jnp.where(fresh, 2 * samp.mirostat_tau[slot], st.mu[slot])
     valid = jnp.arange(t) < num_valid
     ids = jnp.where(valid, tokens, vocab)  # padding: dropped
     row_mask = row_mask.at[ids].set(True, mode="drop")
@@ -287,9 +292,9 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
     last = start + num_valid - 1
     dry = sampling.DryContext(row_history[None], jnp.zeros((1,), jnp.int32), last[None],
                               jax.lax.dynamic_slice_in_dim(tokens, num_valid - 1, 1), row_breakers[None])
-    tok, lp, top_ids, top_lps = sampling.sample(
-        logits[None], row_samp, row_mask[None], row_counts[None], row_step[None], num_top, skip_unused=False,
-        allowed=allowed[None], dry=dry,
+    tok, lp, top_ids, top_lps, mu = sampling.sample_stateful(
+        logits[None], row_samp, row_mask[None], row_counts[None], row_step[None], num_top, row_mu[None],
+        skip_unused=False, allowed=allowed[None], dry=dry,
     )
     tok = tok[0]
     row_counts = jnp.where(is_last, row_counts.at[tok].add(1), row_counts)
@@ -301,6 +306,7 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
         step_index=st.step_index.at[slot].set(row_step + is_last.astype(jnp.int32)),
         history=st.history.at[slot].set(row_history),
         breakers=st.breakers.at[slot].set(row_breakers),
+        mu=st.mu.at[slot].set(jnp.where(is_last, mu[0], row_mu)),
     )
     out = jnp.concatenate([slot[None], _pack_outputs(tok, is_last, lp[0], top_ids[0], top_lps[0])])
     if score:

@@ -17,7 +17,8 @@ so the draw, the greedy argmax and the logprobs all see the constrained distribu
 The chain, llama.cpp's order but for the temperature: the logit bias, the repetition and
 presence/frequency penalties, DRY and the allowed tokens (every row; the logprobs are of
 these logits); then, for sampled rows, top-n-sigma, the temperature (or llama.cpp's dynamic
-temperature), top-k, locally typical, top-p, min-p, XTC and the draw. llama.cpp applies the
+temperature), top-k, locally typical, top-p, min-p, XTC and the draw; or, for mirostat rows, the
+temperature and mirostat (`sample_stateful`: the target surprise is each slot's state). llama.cpp applies the
 temperature last; here, as in vLLM, the truncations see the tempered distribution.
 
 Dimension letters: B slots, V vocabulary, N logit-bias entries per slot, L top logprobs, W mask
@@ -72,6 +73,9 @@ class SamplingArrays(NamedTuple):
     dry_base: jax.Array  # [B] f32
     dry_allowed_length: jax.Array  # [B] int32
     dry_last_n: jax.Array  # [B] int32: the window of positions DRY looks at (the whole context: 2**30)
+    mirostat: jax.Array  # [B] int32: 0 = off, 1 or 2 = llama.cpp's mirostat version
+    mirostat_tau: jax.Array  # [B] f32
+    mirostat_eta: jax.Array  # [B] f32
     seed: jax.Array  # [B, 2] uint32: threefry key data (high word, low word of the 64-bit seed)
     bias_ids: jax.Array  # [B, N] int32; -1 = unused entry
     bias_values: jax.Array  # [B, N] f32
@@ -113,6 +117,9 @@ def pack_sampling(
     dry_base = np.ones((num_slots,), np.float32)
     dry_allowed_length = np.zeros((num_slots,), np.int32)
     dry_last_n = np.zeros((num_slots,), np.int32)
+    mirostat = np.zeros((num_slots,), np.int32)
+    mirostat_tau = np.zeros((num_slots,), np.float32)
+    mirostat_eta = np.zeros((num_slots,), np.float32)
     seed = np.zeros((num_slots, 2), np.uint32)
     bias_ids = np.full((num_slots, max_bias), -1, np.int32)
     bias_values = np.zeros((num_slots, max_bias), np.float32)
@@ -136,6 +143,7 @@ def pack_sampling(
         typical_p[b], top_n_sigma[b] = p.typical_p, p.top_n_sigma
         xtc_probability[b], xtc_threshold[b] = p.xtc_probability, p.xtc_threshold
         dynatemp_range[b], dynatemp_exponent[b] = p.dynatemp_range, p.dynatemp_exponent
+        mirostat[b], mirostat_tau[b], mirostat_eta[b] = p.mirostat, p.mirostat_tau, p.mirostat_eta
         if p.uses_dry:
             dry_multiplier[b], dry_base[b], dry_allowed_length[b] = p.dry_multiplier, p.dry_base, p.dry_allowed_length
             dry_last_n[b] = _WHOLE_CONTEXT if p.dry_penalty_last_n < 0 else min(p.dry_penalty_last_n, _WHOLE_CONTEXT)
@@ -167,6 +175,9 @@ def pack_sampling(
         dry_base=dry_base,
         dry_allowed_length=dry_allowed_length,
         dry_last_n=dry_last_n,
+        mirostat=mirostat,
+        mirostat_tau=mirostat_tau,
+        mirostat_eta=mirostat_eta,
         seed=seed,
         bias_ids=bias_ids,
         bias_values=bias_values,
@@ -194,6 +205,7 @@ def for_rows(arrays: SamplingArrays, rows: jax.Array) -> SamplingArrays:
         top_p=jnp.where(rows, arrays.top_p, 1.0),
         typical_p=jnp.where(rows, arrays.typical_p, 1.0),
         dry_multiplier=jnp.where(rows, arrays.dry_multiplier, 0.0),
+        mirostat=jnp.where(rows, arrays.mirostat, 0),
         top_logprobs=jnp.where(rows, arrays.top_logprobs, 0),
     )
 
@@ -392,6 +404,36 @@ def _exclude_top_choices(scaled: jax.Array, arrays: SamplingArrays, chance: jax.
     return jnp.where(on[:, None] & above & (scaled > lowest), -jnp.inf, scaled)
 
 
+_MIROSTAT_M = 100  # mirostat 1: the most likely tokens its Zipf exponent is estimated from (llama.cpp's m)
+
+
+def _mirostat_keep(tempered: jax.Array, arrays: SamplingArrays, mu: jax.Array, cond) -> jax.Array:  # [B, V] bool
+    """llama.cpp's mirostat truncation of each row's tempered logits, by the row's target
+    surprise `mu` ([B], bits). Version 2 keeps the tokens of surprise -log2 p at most mu (the
+    most likely always). Version 1 estimates the distribution's Zipf exponent s from its 100
+    most likely tokens and keeps the top k = (e 2^mu / (1 - V^-e))^(1/s), e = s - 1. The
+    version 1 sort runs only in steps where some row asks for it."""
+    num_rows, vocab = tempered.shape
+    logp = jax.nn.log_softmax(tempered, axis=-1)
+    keep_v2 = (-logp / jnp.log(2.0) <= mu[:, None]) | (tempered >= jnp.max(tempered, axis=-1, keepdims=True))
+
+    def version_1(x):
+        ordered = -jnp.sort(-x, axis=-1)
+        i = jnp.arange(vocab - 1, dtype=jnp.float32)[None, :]
+        t = jnp.log((i + 2) / (i + 1))
+        b = ordered[:, :-1] - ordered[:, 1:]  # log(p_i / p_(i+1))
+        counted = (i < _MIROSTAT_M - 1) & jnp.isfinite(b)
+        s_hat = jnp.sum(jnp.where(counted, t * b, 0.0), axis=-1) / jnp.sum(jnp.where(counted, t * t, 0.0), axis=-1)
+        e = s_hat - 1
+        ratio = jnp.where(jnp.abs(e) < 1e-6, 1 / jnp.log(float(vocab)), e / (1 - jnp.power(float(vocab), -e)))
+        k = jnp.power(ratio * jnp.power(2.0, mu), 1 / s_hat)
+        k = jnp.clip(jnp.nan_to_num(k, nan=1.0, posinf=float(vocab)), 1, vocab).astype(jnp.int32)
+        return x >= jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
+
+    keep_v1 = cond(jnp.any(arrays.mirostat == 1), version_1, lambda x: jnp.ones(x.shape, jnp.bool_), tempered)
+    return jnp.where((arrays.mirostat == 1)[:, None], keep_v1, keep_v2)
+
+
 def sample(
     logits: jax.Array,  # [B, V]
     arrays: SamplingArrays,
@@ -403,7 +445,27 @@ def sample(
     allowed: jax.Array | None = None,  # [B, W] int32: each row's allowed tokens (None: all)
     dry: DryContext | None = None,  # the rows' tokens so far, for DRY (None: no row uses it)
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Returns (tokens [B] int32, logprob [B] f32, top_ids [B, L] int32, top_logprobs [B, L] f32).
+    """`sample_stateful` for rows without mirostat (their target surprise starts at 2 tau each
+    call): (tokens, logprob, top_ids, top_logprobs)."""
+    mu = 2 * arrays.mirostat_tau
+    return sample_stateful(logits, arrays, prompt_mask, output_counts, step_index, num_top, mu, skip_unused, allowed,
+                           dry)[:4]
+
+
+def sample_stateful(
+    logits: jax.Array,  # [B, V]
+    arrays: SamplingArrays,
+    prompt_mask: jax.Array,  # [B, V] bool: token occurs in the prompt
+    output_counts: jax.Array,  # [B, V] int32: times each token was generated
+    step_index: jax.Array,  # [B] int32: index of the token being sampled within its request
+    num_top: int,  # static: number of top alternatives returned
+    mu: jax.Array,  # [B] f32: each row's mirostat target surprise (SlotState.mu)
+    skip_unused: bool = True,  # static: conditionals skip what no row needs (see below)
+    allowed: jax.Array | None = None,  # [B, W] int32: each row's allowed tokens (None: all)
+    dry: DryContext | None = None,  # the rows' tokens so far, for DRY (None: no row uses it)
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Returns (tokens [B] int32, logprob [B] f32, top_ids [B, L] int32, top_logprobs [B, L] f32,
+    mu [B] f32: the target surprise after this token, changed in sampled mirostat rows only).
     Only rows whose `arrays.top_logprobs` is > 0 get alternatives (the others get the padding,
     id 0 and -inf), and the top-k runs only in steps where some row asked (always with
     `skip_unused=False`).
@@ -436,7 +498,7 @@ def sample(
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = arrays.temperature <= 0
 
-    def draw(_: None) -> jax.Array:
+    def draw(_: None) -> tuple[jax.Array, jax.Array]:
         # llama.cpp's samplers run only in steps where some row asks for them (rows that do not
         # come back unchanged), so a plain sampled decode does not pay for them
         sigma = arrays.top_n_sigma
@@ -461,11 +523,24 @@ def sample(
         uses_xtc = ~is_greedy & (arrays.xtc_probability > 0) & (arrays.xtc_threshold <= 0.5)
         scaled = cond(jnp.any(uses_xtc), lambda x: _exclude_top_choices(x, arrays, jax.vmap(
             lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys)), lambda x: x, scaled)
+        # mirostat rows: the temperature, then mirostat in place of the truncations above (llama.cpp's chain)
+        uses_mirostat = ~is_greedy & (arrays.mirostat > 0)
+
+        def mirostat(x):
+            tempered = logits / jnp.where(is_greedy, 1.0, arrays.temperature)[:, None]
+            kept = jnp.where(_mirostat_keep(tempered, arrays, mu, cond), tempered, -jnp.inf)
+            return jnp.where(uses_mirostat[:, None], kept, x)
+
+        scaled = cond(jnp.any(uses_mirostat), mirostat, lambda x: x, scaled)
         sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-        return jnp.where(is_greedy, greedy_tokens, sampled)
+        # mu moves by eta times the error of the drawn token's surprise (under the kept tokens) from tau
+        drawn = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), sampled[:, None], axis=-1)[:, 0]
+        error = -drawn / jnp.log(2.0) - arrays.mirostat_tau
+        new_mu = jnp.where(uses_mirostat, mu - arrays.mirostat_eta * error, mu)
+        return jnp.where(is_greedy, greedy_tokens, sampled), new_mu
 
     # An all-greedy batch skips the random draw over the vocabulary altogether.
-    tokens = cond(~jnp.all(is_greedy), draw, lambda _: greedy_tokens, None)
+    tokens, mu = cond(~jnp.all(is_greedy), draw, lambda _: (greedy_tokens, mu), None)
     token_logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     num_rows, vocab = logits.shape
     top_logprobs = jnp.full((num_rows, num_top), -jnp.inf, jnp.float32)
@@ -485,7 +560,7 @@ def sample(
         )
         top_logprobs = top_logprobs.at[:, :k].set(jnp.where(wants[:, None], values, -jnp.inf))
         top_ids = top_ids.at[:, :k].set(jnp.where(wants[:, None], ids.astype(jnp.int32), 0))
-    return tokens, token_logprob, top_ids, top_logprobs
+    return tokens, token_logprob, top_ids, top_logprobs, mu
 
 
 def update_counts(

@@ -56,6 +56,11 @@ class SamplingParams:
     dry_penalty_last_n: int = -1
     dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")
     dry_breaker_ids: tuple[int, ...] = ()  # the breakers' tokens (the engine fills them in)
+    # llama.cpp's mirostat (1 or 2; 0 = off): in place of the truncations, keeps the tokens that
+    # steer the text's surprise towards mirostat_tau bits a token, learning at mirostat_eta
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     seed: int | None = None  # None: the runner draws one
     top_logprobs: int = 0  # how many alternatives per token to return (0..max_top_logprobs)
@@ -102,6 +107,10 @@ class SamplingParams:
             raise ValueError("dry_allowed_length must be >= 0")
         if self.dry_penalty_last_n < -1:
             raise ValueError("dry_penalty_last_n must be >= -1")
+        if self.mirostat not in (0, 1, 2):
+            raise ValueError("mirostat must be 0, 1 or 2")
+        if not 0 <= self.mirostat_tau < math.inf or not 0 <= self.mirostat_eta < math.inf:
+            raise ValueError("mirostat_tau and mirostat_eta must be >= 0")
         if self.top_logprobs < 0:
             raise ValueError("top_logprobs must be >= 0")
         if self.min_tokens < 0:

@@ -13,10 +13,11 @@ llama-server's come from its command line. Where the samplers differ: `repeat_pe
 every prompt and output token (vLLM's semantics; `repeat_last_n` 0 turns the penalties off,
 another window is not kept), and the presence and frequency penalties count the output only
 (OpenAI's). Refused (400) where set to anything but their neutral value: the samplers this
-server does not have (`tfs_z`, `mirostat`), `t_max_predict_ms`, `post_sampling_probs` and
-`lora`. `typical_p`, `top_n_sigma`, `xtc_probability`, `xtc_threshold`, `dynatemp_range`,
-`dynatemp_exponent` and DRY's `dry_*` are served (server/samplers.py; the values llama.cpp reads
-as off are off).
+server does not have (`tfs_z`, gone from llama.cpp too), `t_max_predict_ms`,
+`post_sampling_probs` and `lora`. `typical_p`, `top_n_sigma`, `xtc_probability`,
+`xtc_threshold`, `dynatemp_range`, `dynatemp_exponent`, DRY's `dry_*` and `mirostat`,
+`mirostat_tau`, `mirostat_eta` are served (server/samplers.py; the values llama.cpp reads as off
+are off).
 Accepted and ignored: `samplers` (the order is this server's), `id_slot` (the engine places
 requests), `n_keep` (no context shift), `min_keep`, `timings_per_token`, `return_progress`.
 
@@ -53,16 +54,17 @@ log = logging.getLogger(__name__)
 _SHARED = ("model", "temperature", "top_k", "top_p", "min_p", "stream", "seed", "presence_penalty",
            "frequency_penalty", "ignore_eos", "cache_prompt", "cache_salt", "grammar", "json_schema",
            "response_format", "stop_token_ids", "min_tokens", "speculative.n_max")
-# llama.cpp's samplers the completion parser takes too (server/samplers.py), with the range
-# llama.cpp reads as off or saturated folded into the parser's: typical_p >= 1 is off, a
-# negative dynatemp_range or xtc_probability off, an xtc_probability over 1 always
+# llama.cpp's samplers the completion parser takes too (server/samplers.py), passed as they are
+_SAMPLERS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent",
+             "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
+             "mirostat", "mirostat_tau", "mirostat_eta")
+# ... but for the values llama.cpp reads as off or saturated, folded into the parser's ranges:
+# typical_p >= 1 is off, a negative dynatemp_range or xtc_probability or dry_multiplier off, an
+# xtc_probability over 1 always
 _CLAMPED = {"typical_p": (-math.inf, 1.0), "dynatemp_range": (0.0, math.inf), "xtc_probability": (0.0, 1.0),
-            "xtc_threshold": (-math.inf, 1.0), "top_n_sigma": (-math.inf, math.inf),
-            "dynatemp_exponent": (-math.inf, math.inf), "dry_multiplier": (0.0, math.inf),
-            "dry_base": (-math.inf, math.inf), "dry_allowed_length": (-math.inf, math.inf),
-            "dry_penalty_last_n": (-math.inf, math.inf)}
+            "xtc_threshold": (-math.inf, 1.0), "dry_multiplier": (0.0, math.inf)}
 # samplers and switches this server does not have, with the value that leaves them off
-_OFF = {"tfs_z": (1.0, "at least 1"), "mirostat": (0, "0"), "t_max_predict_ms": (0, "0 or less")}
+_OFF = {"tfs_z": (1.0, "at least 1"), "t_max_predict_ms": (0, "0 or less")}
 Encode = Callable[[str, bool | None, bool], list[int]]  # (text, add_bos, parse_special) -> ids
 # the completion parser's field names -> this API's, for the `param` and message of a 400
 _PARAM_NAMES = {"max_tokens": "n_predict", "logprobs": "n_probs", "repetition_penalty": "repeat_penalty",
@@ -135,13 +137,11 @@ def to_completion(body: Any, encode: Encode, bos_text: str | None = None,
     out["stop"] = [s for s in stop if s]  # llama.cpp skips empty ones
     if "logit_bias" in body:
         out["logit_bias"] = _logit_bias(body["logit_bias"], encode)
+    out.update((name, body[name]) for name in _SAMPLERS if name in body)
     for name, (low, high) in _CLAMPED.items():
-        if name in body:  # (a value not a number goes on to the parser's 400)
-            value = body[name]
-            out[name] = min(max(value, low), high) if isinstance(value, (int, float)) and not isinstance(
-                value, bool) else value
-    if "dry_sequence_breakers" in body:
-        out["dry_sequence_breakers"] = body["dry_sequence_breakers"]
+        value = out.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):  # (others: the parser's 400)
+            out[name] = min(max(value, low), high)
     base = out.get("dry_base")
     if isinstance(base, (int, float)) and not isinstance(base, bool) and base < 1:  # llama.cpp's DRY off
         out.pop("dry_multiplier", None)

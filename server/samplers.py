@@ -33,6 +33,9 @@ def parse_llama_samplers(fields: Any) -> dict[str, Any]:
         dry_allowed_length=fields.integer("dry_allowed_length", 2, 0),
         dry_penalty_last_n=fields.integer("dry_penalty_last_n", -1, -1),  # -1: the whole context
         dry_sequence_breakers=tuple(breakers),
+        mirostat=fields.integer("mirostat", 0, 0, 2),
+        mirostat_tau=fields.number("mirostat_tau", 5.0, 0.0, math.inf),
+        mirostat_eta=fields.number("mirostat_eta", 0.1, 0.0, math.inf),
         typical_p=fields.number("typical_p", 1.0, 0.0, 1.0, lo_open=True),
         top_n_sigma=fields.number("top_n_sigma", 0.0, -math.inf, math.inf),  # <= 0: off (llama.cpp's -1)
         xtc_probability=fields.number("xtc_probability", 0.0, 0.0, 1.0),

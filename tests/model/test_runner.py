@@ -60,6 +60,12 @@ def test_llama_cpp_samplers_reproducible_under_concurrency(smol_runner, prompt_i
     assert crowd[0] == alone[0]
     plain = generate(smol_runner, [prompt_ids[2]], 10, sampling=SamplingParams(temperature=1.0, seed=77), slots=[3])
     assert plain[0] != alone[0]  # the samplers change what is drawn
+    # mirostat, its target surprise carried in the slot from the prefill's token through the decodes
+    for version in (1, 2):
+        miro = SamplingParams(temperature=1.0, mirostat=version, mirostat_tau=3.0, mirostat_eta=0.5, seed=77)
+        alone = generate(smol_runner, [prompt_ids[2]], 10, sampling=miro, slots=[3])
+        assert generate(smol_runner, [prompt_ids[2]] + prompt_ids[3:], 10, sampling=miro)[0] == alone[0]
+        assert alone[0] != plain[0]
 
 
 def test_nothing_compiles_after_warmup(smol_runner, prompt_ids):

@@ -465,3 +465,57 @@ def test_dry_hand_computed():
     long = [1, 2] * 60
     logits, got = _dry([long], [SamplingParams(dry_multiplier=1.0, dry_base=100.0)], [set()], 12, size=160)
     assert np.isfinite(got).all() and got[0, 1] < -1e30
+
+
+def _stateful(logits, params, mu, step_index=None):
+    logits = np.asarray(logits, np.float32)
+    b, v = logits.shape
+    arrays = sampling.pack_sampling(params, 0)
+    steps = np.zeros((b,), np.int32) if step_index is None else np.asarray(step_index, np.int32)
+    out = jax.jit(sampling.sample_stateful, static_argnames=("num_top",))(
+        logits, arrays, np.zeros((b, v), bool), np.zeros((b, v), np.int32), steps, 0, np.asarray(mu, np.float32))
+    return np.asarray(out[0]), np.asarray(out[4])
+
+
+# PROBS' surprises in bits: 1.0, 1.74, 2.74, 4.32
+@pytest.mark.parametrize("mu, expected", [(2.0, {0, 1}), (3.0, {0, 1, 2}), (0.5, {0}), (5.0, {0, 1, 2, 3})])
+def test_mirostat_2_keeps_the_tokens_within_the_target_surprise(mu, expected):
+    n = 512
+    params = [SamplingParams(mirostat=2, mirostat_tau=3.0, mirostat_eta=0.1, seed=i, top_k=1) for i in range(n)]
+    tokens, new_mu = _stateful(np.tile(np.log(np.asarray(PROBS, np.float32)), (n, 1)), params, [mu] * n)
+    assert set(tokens.tolist()) == expected  # (top_k is not applied: mirostat takes the truncations' place)
+    kept = np.asarray([PROBS[t] for t in sorted(expected)])
+    p = {t: PROBS[t] / kept.sum() for t in expected}
+    want = [mu - 0.1 * (-np.log2(p[t]) - 3.0) for t in tokens]
+    np.testing.assert_allclose(new_mu, want, rtol=1e-5)
+
+
+def test_mirostat_1_keeps_the_top_k_its_zipf_estimate_gives():
+    vocab = 300
+    logits = -1.3 * np.log(np.arange(1, vocab + 1, dtype=np.float64))  # Zipf, exponent 1.3
+    logits[150:] -= 2.0  # not quite Zipf past the first 100: the estimate reads the first 100
+    for mu in (3.0, 6.0, 9.0):
+        ordered = np.sort(logits)[::-1]
+        i = np.arange(99)
+        t, b = np.log((i + 2) / (i + 1)), ordered[i] - ordered[i + 1]
+        s_hat = (t * b).sum() / (t * t).sum()
+        e = s_hat - 1
+        k = max(int((e * 2**mu / (1 - vocab ** -e)) ** (1 / s_hat)), 1)
+        n = 256
+        params = [SamplingParams(mirostat=1, temperature=1.0, seed=j) for j in range(n)]
+        tokens, _ = _stateful(np.tile(logits, (n, 1)), params, [mu] * n)
+        assert tokens.max() < k  # tokens are ranked as their ids
+        assert 1 < k < vocab and (k <= 3 or tokens.max() >= k // 3)
+
+
+def test_mirostat_rows_leave_the_others_alone():
+    """A mirostat row beside others: theirs are the draws (and mu) they get without it."""
+    logits = np.random.default_rng(5).normal(size=(3, 40)).astype(np.float32) * 2
+    others = [SamplingParams(temperature=0.8, top_p=0.9, seed=1), SamplingParams(temperature=0)]
+    miro = SamplingParams(mirostat=2, mirostat_tau=4.0, seed=2)
+    alone, mu_alone = _stateful(logits[1:], others, [7.0, 7.0], step_index=[3, 3])
+    both, mu_both = _stateful(logits, [miro] + others, [8.0, 7.0, 7.0], step_index=[3, 3, 3])
+    np.testing.assert_array_equal(both[1:], alone)
+    np.testing.assert_array_equal(mu_both[1:], [7.0, 7.0])
+    np.testing.assert_array_equal(mu_alone, [7.0, 7.0])
+    assert mu_both[0] != 8.0

@@ -234,7 +234,8 @@ async def test_slots_as_llama_server_has_them(engine: FakeEngine) -> None:
                    "min_p": 0.05, "typical_p": 1.0, "top_n_sigma": 0.0, "xtc_probability": 0.5, "xtc_threshold": 0.1,
                    "repeat_penalty": 1.1, "presence_penalty": 0.0, "frequency_penalty": 0.5, "dry_multiplier": 0.0,
                    "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
-                   "dry_sequence_breakers": ["\n", ":", "\"", "*"], "seed": -1, "n_predict": 20},
+                   "dry_sequence_breakers": ["\n", ":", "\"", "*"], "mirostat": 0, "mirostat_tau": 5.0,
+                   "mirostat_eta": 0.1, "seed": -1, "n_predict": 20},
         "next_token": [{"has_next_token": True, "n_remain": 17, "n_decoded": 3}]}
     assert full.status_code == 503 and "no slot available" in full.json()["error"]["message"]
 

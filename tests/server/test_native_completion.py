@@ -25,7 +25,7 @@ def test_fields_become_a_completion_request() -> None:
                             "mirostat": 0, "tfs_z": 1.0, "return_tokens": True}, ENCODE)
     assert native.body == {"prompt": "Hi", "max_tokens": 7, "logprobs": 3, "repetition_penalty": 1.1,
                            "temperature": 0.5, "top_k": 40, "min_p": 0.05, "stop": ["\n"], "n": 2, "seed": 4,
-                           "cache_prompt": False, "typical_p": 1.0}
+                           "cache_prompt": False, "typical_p": 1.0, "mirostat": 0}
     assert native.n_probs == 3 and native.return_tokens
 
 
@@ -52,6 +52,8 @@ def test_fields_become_a_completion_request() -> None:
       "dry_sequence_breakers": ["\n"]}),
     ({"prompt": "x", "dry_multiplier": -1}, {"dry_multiplier": 0.0}),
     ({"prompt": "x", "dry_multiplier": 0.8, "dry_base": 0.5}, {}),  # a base below 1: llama.cpp's DRY is off
+    ({"prompt": "x", "mirostat": 2, "mirostat_tau": 4, "mirostat_eta": 0.2},
+     {"mirostat": 2, "mirostat_tau": 4, "mirostat_eta": 0.2}),
 ])
 def test_llama_cpp_forms(body: dict, expected: dict) -> None:
     assert to_completion(body, ENCODE).body == {"prompt": "x", "stop": [], **expected}
@@ -88,7 +90,6 @@ def test_logit_bias_forms() -> None:
     ({"prompt": "x", "n_probs": -1}, "n_probs"),
     ({"prompt": "x", "n_probs": "3"}, "n_probs"),
     ({"prompt": "x", "stop": [1]}, "stop"),
-    ({"prompt": "x", "mirostat": 2}, "mirostat"),
     ({"prompt": "x", "tfs_z": 0.9}, "tfs_z"),
     ({"prompt": "x", "t_max_predict_ms": 100}, "t_max_predict_ms"),
     ({"prompt": "x", "post_sampling_probs": True}, "post_sampling_probs"),
