@@ -134,7 +134,7 @@ def pack_sampling(
             raise ValueError(f"slot {b}: {len(p.logit_bias)} logit_bias entries and {len(bans)} min_tokens bans "
                              f"exceed the maximum {max_bias}")
         temperature[b] = p.temperature
-        top_k[b] = p.top_k
+        top_k[b] = min(p.top_k, _WHOLE_CONTEXT)  # (past any vocabulary: all of it)
         top_p[b] = p.top_p
         min_p[b] = p.min_p
         repetition[b] = p.repetition_penalty
@@ -145,7 +145,8 @@ def pack_sampling(
         dynatemp_range[b], dynatemp_exponent[b] = p.dynatemp_range, p.dynatemp_exponent
         mirostat[b], mirostat_tau[b], mirostat_eta[b] = p.mirostat, p.mirostat_tau, p.mirostat_eta
         if p.uses_dry:
-            dry_multiplier[b], dry_base[b], dry_allowed_length[b] = p.dry_multiplier, p.dry_base, p.dry_allowed_length
+            dry_multiplier[b], dry_base[b] = p.dry_multiplier, p.dry_base
+            dry_allowed_length[b] = min(p.dry_allowed_length, _WHOLE_CONTEXT)
             dry_last_n[b] = _WHOLE_CONTEXT if p.dry_penalty_last_n < 0 else min(p.dry_penalty_last_n, _WHOLE_CONTEXT)
         top_logprobs[b] = p.top_logprobs
         s = p.seed
@@ -396,12 +397,14 @@ def _dynamic_temperature(logits: jax.Array, arrays: SamplingArrays) -> jax.Array
 def _exclude_top_choices(scaled: jax.Array, arrays: SamplingArrays, chance: jax.Array) -> jax.Array:
     """llama.cpp's XTC: where the row's draw `chance` ([B], uniform in [0, 1)) is below
     `xtc_probability` and two or more tokens have probability >= `xtc_threshold` (at most 0.5),
-    all of those but the least likely become -inf."""
+    all of those but the least likely (the lowest id of a tie) become -inf."""
     threshold = arrays.xtc_threshold[:, None]
-    above = jax.nn.softmax(scaled, axis=-1) >= threshold
-    lowest = jnp.min(jnp.where(above, scaled, jnp.inf), axis=-1, keepdims=True)
+    # (the tokens earlier samplers removed have probability 0: never above, even a threshold of 0)
+    above = (jax.nn.softmax(scaled, axis=-1) >= threshold) & jnp.isfinite(scaled)
+    kept = jnp.argmin(jnp.where(above, scaled, jnp.inf), axis=-1)  # the least likely (one of a tie)
     on = (chance < arrays.xtc_probability) & (arrays.xtc_threshold <= 0.5) & (jnp.sum(above, axis=-1) >= 2)
-    return jnp.where(on[:, None] & above & (scaled > lowest), -jnp.inf, scaled)
+    removed = above & (jnp.arange(scaled.shape[1])[None, :] != kept[:, None])
+    return jnp.where(on[:, None] & removed, -jnp.inf, scaled)
 
 
 _MIROSTAT_M = 100  # mirostat 1: the most likely tokens its Zipf exponent is estimated from (llama.cpp's m)
@@ -536,7 +539,7 @@ def sample_stateful(
         # mu moves by eta times the error of the drawn token's surprise (under the kept tokens) from tau
         drawn = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), sampled[:, None], axis=-1)[:, 0]
         error = -drawn / jnp.log(2.0) - arrays.mirostat_tau
-        new_mu = jnp.where(uses_mirostat, mu - arrays.mirostat_eta * error, mu)
+        new_mu = jnp.where(uses_mirostat & jnp.isfinite(error), mu - arrays.mirostat_eta * error, mu)
         return jnp.where(is_greedy, greedy_tokens, sampled), new_mu
 
     # An all-greedy batch skips the random draw over the vocabulary altogether.

@@ -43,6 +43,7 @@ import math
 import re
 from typing import Any, AsyncIterator, Callable
 
+from server import samplers
 from server.errors import ApiError, invalid
 from server.generation import Generation, abnormal_end, matched_stop, sse_frame
 from server.openai_api import MAX_TOP_LOGPROBS, ParsedRequest, render_timings, token_logprob
@@ -54,11 +55,8 @@ log = logging.getLogger(__name__)
 _SHARED = ("model", "temperature", "top_k", "top_p", "min_p", "stream", "seed", "presence_penalty",
            "frequency_penalty", "ignore_eos", "cache_prompt", "cache_salt", "grammar", "json_schema",
            "response_format", "stop_token_ids", "min_tokens", "speculative.n_max")
-# llama.cpp's samplers the completion parser takes too (server/samplers.py), passed as they are
-_SAMPLERS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent",
-             "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
-             "mirostat", "mirostat_tau", "mirostat_eta")
-# ... but for the values llama.cpp reads as off or saturated, folded into the parser's ranges:
+# llama.cpp's samplers (server/samplers.py's FIELDS) the completion parser takes too, passed as
+# they are but for the values llama.cpp reads as off or saturated, folded into the parser's ranges:
 # typical_p >= 1 is off, a negative dynatemp_range or xtc_probability or dry_multiplier off, an
 # xtc_probability over 1 always
 _CLAMPED = {"typical_p": (-math.inf, 1.0), "dynatemp_range": (0.0, math.inf), "xtc_probability": (0.0, 1.0),
@@ -137,15 +135,14 @@ def to_completion(body: Any, encode: Encode, bos_text: str | None = None,
     out["stop"] = [s for s in stop if s]  # llama.cpp skips empty ones
     if "logit_bias" in body:
         out["logit_bias"] = _logit_bias(body["logit_bias"], encode)
-    out.update((name, body[name]) for name in _SAMPLERS if name in body)
+    out.update((name, body[name]) for name in samplers.FIELDS if name in body)
     for name, (low, high) in _CLAMPED.items():
         value = out.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):  # (others: the parser's 400)
             out[name] = min(max(value, low), high)
     base = out.get("dry_base")
-    if isinstance(base, (int, float)) and not isinstance(base, bool) and base < 1:  # llama.cpp's DRY off
-        out.pop("dry_multiplier", None)
-        out.pop("dry_base")
+    if isinstance(base, (int, float)) and not isinstance(base, bool) and base < 1:
+        out.pop("dry_base")  # llama-server's: the default base in its place
     for name, (neutral, what) in _OFF.items():
         value = body.get(name, neutral)
         if not isinstance(value, (int, float)) or isinstance(value, bool):

@@ -226,7 +226,7 @@ def _parse_common(fields: Fields, max_tokens_names: tuple[str, ...], top_logprob
             break
     fields.string("user")  # accepted for compatibility, type-checked, unused
     seed = fields.integer("seed", None, -1, MAX_SEED - 1)
-    top_k = fields.integer("top_k", 0, -1)
+    top_k = fields.integer("top_k", 0, -1, 2**30)
     sampling = SamplingParams(
         temperature=fields.number("temperature", 1.0, 0.0, 2.0),
         top_k=max(top_k, 0),  # -1 (vLLM) and 0 (llama.cpp) both mean off

@@ -44,6 +44,7 @@ import uuid
 from typing import Any, AsyncIterator, Callable
 
 from scheduler.types import TokenLogprob
+from server import samplers
 from server.errors import SERVER_ERROR, ApiError, invalid
 from server.generation import Generation, reply_parts, typed_sse_frame
 from server.openai_api import ChatRenderer, MAX_TOP_LOGPROBS
@@ -58,7 +59,7 @@ PASSED_THROUGH = (
     "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "stop", "stop_token_ids",
     "ignore_eos", "cache_prompt", "cache_salt", "chat_template_kwargs", "reasoning_format", "json_schema",
     "grammar", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "guided_whitespace_pattern", "speculative.n_max", "min_tokens",
+    "guided_whitespace_pattern", "speculative.n_max", "min_tokens", *samplers.FIELDS,
 )
 # Chat fields a Responses request names otherwise, for the `param` and message of a 400 (the
 # more specific first).

@@ -15,6 +15,13 @@ from server.errors import invalid
 
 MAX_BREAKERS = 32  # DRY's sequence breakers a request may name
 MAX_BREAKER_CHARS = 64
+# the fields below, by name (the other APIs pass them on to the chat parser)
+FIELDS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent",
+          "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
+          "mirostat", "mirostat_tau", "mirostat_eta")
+# upper bounds that keep every value finite in float32 arithmetic, far past any useful setting
+_MOST = 1e4
+_MOST_LENGTH = 2**30
 
 
 def parse_llama_samplers(fields: Any) -> dict[str, Any]:
@@ -28,20 +35,20 @@ def parse_llama_samplers(fields: Any) -> dict[str, Any]:
         raise invalid(f"'dry_sequence_breakers' must be an array of at most {MAX_BREAKERS} non-empty strings of at "
                       f"most {MAX_BREAKER_CHARS} characters", fields.prefix + "dry_sequence_breakers")
     return dict(
-        dry_multiplier=fields.number("dry_multiplier", 0.0, 0.0, math.inf),
-        dry_base=fields.number("dry_base", 1.75, 1.0, math.inf),
-        dry_allowed_length=fields.integer("dry_allowed_length", 2, 0),
+        dry_multiplier=fields.number("dry_multiplier", 0.0, 0.0, _MOST),
+        dry_base=fields.number("dry_base", 1.75, 1.0, _MOST),
+        dry_allowed_length=fields.integer("dry_allowed_length", 2, 0, _MOST_LENGTH),
         dry_penalty_last_n=fields.integer("dry_penalty_last_n", -1, -1),  # -1: the whole context
         dry_sequence_breakers=tuple(breakers),
         mirostat=fields.integer("mirostat", 0, 0, 2),
-        mirostat_tau=fields.number("mirostat_tau", 5.0, 0.0, math.inf),
-        mirostat_eta=fields.number("mirostat_eta", 0.1, 0.0, math.inf),
+        mirostat_tau=fields.number("mirostat_tau", 5.0, 0.0, _MOST),
+        mirostat_eta=fields.number("mirostat_eta", 0.1, 0.0, _MOST),
         typical_p=fields.number("typical_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_n_sigma=fields.number("top_n_sigma", 0.0, -math.inf, math.inf),  # <= 0: off (llama.cpp's -1)
+        top_n_sigma=fields.number("top_n_sigma", 0.0, -math.inf, _MOST),  # <= 0: off (llama.cpp's -1)
         xtc_probability=fields.number("xtc_probability", 0.0, 0.0, 1.0),
         xtc_threshold=fields.number("xtc_threshold", 0.1, 0.0, 1.0),  # > 0.5: off
-        dynatemp_range=fields.number("dynatemp_range", 0.0, 0.0, math.inf),
-        dynatemp_exponent=fields.number("dynatemp_exponent", 1.0, 0.0, math.inf),
+        dynatemp_range=fields.number("dynatemp_range", 0.0, 0.0, _MOST),
+        dynatemp_exponent=fields.number("dynatemp_exponent", 1.0, 0.0, _MOST),
     )
 
 

@@ -458,3 +458,27 @@ def test_dry_keeps_greedy_tokens_from_extending_repeats(smollm2, smol_runner, pr
     assert all(penalised(p, o) == 0 for p, o in zip(prompts, got))
     crowd = generate(smol_runner, prompts + prompt_ids[:6], 12, sampling=dry)
     assert crowd[:2] == got
+
+
+def test_mirostat_target_surprise_follows_each_token(smollm2, smol_runner, prompt_ids):
+    """Mirostat 2's target surprise in the slot after a two-chunk prompt and its decodes is the
+    recursion over the tokens drawn (mu starts at 2 tau, keeps the tokens of surprise at most
+    mu, moves by eta times the drawn token's error), replayed on the host from the logits that
+    chose them (model.offline.teacher_forced_logits): the first chunk did not move it, and each
+    token moved it once."""
+    chunk = smol_runner.prefill_chunks[-1]
+    prompt = ((prompt_ids[7] + prompt_ids[2]) * 40)[:chunk + 40]
+    tau, eta = 3.0, 0.3
+    miro = SamplingParams(temperature=1.0, mirostat=2, mirostat_tau=tau, mirostat_eta=eta, seed=11)
+    (out,) = generate(smol_runner, [prompt], 12, sampling=miro, slots=[6])
+    got = float(np.asarray(smol_runner._state.mu)[6])
+    (logits,) = teacher_forced_logits(smollm2.config, smollm2.kernels, smollm2.params, [(prompt, out)],
+                                      max_context=smol_runner.max_context)
+    mu = 2 * tau
+    for row, token in zip(logits.astype(np.float64), out):
+        logp = row - np.logaddexp.reduce(row)
+        keep = (-logp / np.log(2) <= mu) | (row == row.max())
+        assert keep[token]
+        kept = logp[keep]
+        mu -= eta * (-(logp[token] - np.logaddexp.reduce(kept)) / np.log(2) - tau)
+    assert mu != 2 * tau and got == pytest.approx(mu, rel=2e-3, abs=2e-3)

@@ -186,10 +186,19 @@ def test_top_n_sigma_at_any_temperature(n, kept):
         (SamplingParams(xtc_probability=0.0, xtc_threshold=0.1), {0, 1, 2, 3}),
         # after top_k=2 ([0.625, 0.375]) only token 1 is left
         (SamplingParams(top_k=2, xtc_probability=1.0, xtc_threshold=0.3), {1}),
+        # a threshold of 0 takes in what is left, never the tokens top-k removed
+        (SamplingParams(top_k=3, xtc_probability=1.0, xtc_threshold=0.0), {2}),
+        # with min_tokens' bans on 0 and 1 (-inf): of {2, 3}, 3
+        (SamplingParams(xtc_probability=1.0, xtc_threshold=0.0, min_tokens=5, min_tokens_ids=(0, 1)), {3}),
     ],
 )
 def test_exclude_top_choices(params, expected):
     assert _draw_sets(PROBS, params) == expected
+
+
+def test_exclude_top_choices_keeps_one_of_a_tie():
+    # 0.45, 0.45, 0.1 at threshold 0.2: one of the tied pair goes, the higher id (llama.cpp removes all but one)
+    assert _draw_sets([0.45, 0.45, 0.1], SamplingParams(xtc_probability=1.0, xtc_threshold=0.2)) == {0, 2}
 
 
 def test_exclude_top_choices_applies_with_its_probability():
@@ -313,9 +322,9 @@ def test_update_counts():
 @pytest.mark.parametrize("num_top", [0, NUM_TOP])
 def test_without_conditionals_the_same_outputs(num_top):
     """`skip_unused=False` (the prefill step's: no conditionals for XLA to run on the host) gives
-    exactly the outputs of the conditional form, for greedy, sampled, truncated and
-    logprob-asking rows side by side, and for an all-greedy batch; its program has no
-    conditional."""
+    exactly the outputs of the conditional form, for greedy, sampled, truncated, llama.cpp's
+    samplers (DRY and mirostat with their state) and logprob-asking rows side by side, and for an
+    all-greedy batch; its program has no conditional."""
     rng = np.random.default_rng(7)
     logits = rng.standard_normal((4, 64)).astype(np.float32) * 3
     mask, counts = rng.random((4, 64)) < 0.1, rng.integers(0, 3, (4, 64)).astype(np.int32)
@@ -331,7 +340,17 @@ def test_without_conditionals_the_same_outputs(num_top):
          SamplingParams(temperature=0.7, seed=9, xtc_probability=1.0, xtc_threshold=0.05, top_n_sigma=2.0),
          SamplingParams(temperature=1.0, seed=10, dynatemp_range=0.6, dynatemp_exponent=1.5, top_k=6, typical_p=0.8)],
     )
-    fns = {skip: jax.jit(functools.partial(sampling.sample, num_top=num_top, skip_unused=skip)) for skip in (True, False)}
+    batches += (
+        [SamplingParams(temperature=0.9, seed=11, mirostat=2, mirostat_tau=2.0), SamplingParams(temperature=0),
+         SamplingParams(temperature=1.0, seed=12, mirostat=1), SamplingParams(temperature=0, dry_multiplier=0.8)],
+        [SamplingParams(temperature=0.7, seed=13, dry_multiplier=1.5, dry_allowed_length=1)] + [SamplingParams()] * 3,
+    )
+    history = rng.integers(0, 6, (4, 40)).astype(np.int32)  # a small alphabet: repeats for DRY
+    dry = sampling.DryContext(*map(jnp.asarray, (history, np.arange(4, dtype=np.int32), np.array([30, 39, 12, 25]),
+                                                  history[:, 0], np.stack([sampling.token_bits([2], 64)] * 4))))
+    mu = np.array([4.0, 1.0, 6.0, 3.0], np.float32)
+    fns = {skip: jax.jit(lambda *a, skip=skip: sampling.sample_stateful(*a, num_top=num_top, mu=mu, skip_unused=skip,
+                                                                        dry=dry)) for skip in (True, False)}
     for params in batches:
         args = (logits, sampling.pack_sampling(params, 2), mask, counts, steps)
         with_conds, without = (tuple(np.asarray(x) for x in fns[skip](*args)) for skip in (True, False))

@@ -27,7 +27,8 @@ HI = [{"role": "user", "content": "Weather?"}]
 def test_blocks_become_chat_messages() -> None:
     chat = to_chat({"max_tokens": 9, "system": [{"type": "text", "text": "Be brief."}], "stop_sequences": ["\n\n"],
                     "tools": TOOLS, "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
-                    "thinking": {"type": "enabled", "budget_tokens": 1024}, "top_k": 4, "messages": [
+                    "thinking": {"type": "enabled", "budget_tokens": 1024}, "top_k": 4, "xtc_probability": 0.5,
+                    "messages": [
         {"role": "user", "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": "in Paris?"}]},
         {"role": "assistant", "content": [{"type": "thinking", "thinking": "Look.", "signature": "s"},
                                           {"type": "text", "text": "Checking."},
@@ -45,6 +46,7 @@ def test_blocks_become_chat_messages() -> None:
         {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: no such city"},
         {"role": "user", "content": "Thanks."}]
     assert chat["max_completion_tokens"] == 9 and chat["stop"] == ["\n\n"] and chat["top_k"] == 4
+    assert chat["xtc_probability"] == 0.5  # llama.cpp's samplers pass on
     assert chat["tools"] == [{"type": "function", "function": {"name": "get_weather", "description": "d",
                                                                "parameters": TOOLS[0]["input_schema"]}}]
     assert chat["tool_choice"] == "required" and chat["parallel_tool_calls"] is False

@@ -51,7 +51,7 @@ def test_fields_become_a_completion_request() -> None:
      {"dry_multiplier": 0.8, "dry_base": 2, "dry_allowed_length": 3, "dry_penalty_last_n": 64,
       "dry_sequence_breakers": ["\n"]}),
     ({"prompt": "x", "dry_multiplier": -1}, {"dry_multiplier": 0.0}),
-    ({"prompt": "x", "dry_multiplier": 0.8, "dry_base": 0.5}, {}),  # a base below 1: llama.cpp's DRY is off
+    ({"prompt": "x", "dry_multiplier": 0.8, "dry_base": 0.5}, {"dry_multiplier": 0.8}),  # llama-server's: the default base
     ({"prompt": "x", "mirostat": 2, "mirostat_tau": 4, "mirostat_eta": 0.2},
      {"mirostat": 2, "mirostat_tau": 4, "mirostat_eta": 0.2}),
 ])

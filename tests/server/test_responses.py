@@ -69,7 +69,8 @@ def test_input_items_become_chat_messages() -> None:
         {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "rain"}]},
     ]
     r = to_chat({"input": items, "instructions": "Be brief.", "max_output_tokens": 7, "tools": TOOLS,
-                 "tool_choice": {"type": "function", "name": "get_weather"}, "top_k": 5, "min_tokens": 2}, ResponseStore())
+                 "tool_choice": {"type": "function", "name": "get_weather"}, "top_k": 5, "min_tokens": 2,
+                 "dry_multiplier": 0.8, "mirostat": 2, "typical_p": 0.9}, ResponseStore())
     calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "get_weather", "arguments": a}}
              for i, a in ((1, '{"city": "Paris"}'), (2, '{"city": "Lyon"}'))]
     assert r.chat_body["messages"] == [
@@ -82,6 +83,8 @@ def test_input_items_become_chat_messages() -> None:
     ]
     assert r.history == tuple(r.chat_body["messages"][1:])  # instructions are not part of the conversation
     assert r.chat_body["max_completion_tokens"] == 7 and r.chat_body["top_k"] == 5 and r.chat_body["min_tokens"] == 2
+    # llama.cpp's samplers pass on as the chat endpoint takes them
+    assert (r.chat_body["dry_multiplier"], r.chat_body["mirostat"], r.chat_body["typical_p"]) == (0.8, 2, 0.9)
     assert r.chat_body["tools"] == [{"type": "function", "function": {k: TOOLS[0][k] for k in ("name", "description", "parameters")}}]
     assert r.chat_body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert r.echo["tools"] == TOOLS and r.echo["instructions"] == "Be brief." and r.store
@@ -390,13 +393,16 @@ async def test_the_sdk_raises_a_400() -> None:
 
 def test_the_passed_fields_are_chat_fields() -> None:
     """Every field passed through is one the chat parser reads (a typo would pass nothing)."""
-    from server import openai_api, constraints
+    from server import openai_api, constraints, samplers
     import inspect
 
     source = inspect.getsource(openai_api) + inspect.getsource(constraints)
+    read = samplers.parse_llama_samplers(openai_api.Fields({}))  # the samplers' fields, by the names read
     for name in responses_api.PASSED_THROUGH:
         guided = name.removeprefix("guided_")
-        assert f'"{name}"' in source or guided in constraints._VLLM_KINDS or guided == "whitespace_pattern", name
+        assert (f'"{name}"' in source or name in read or guided in constraints._VLLM_KINDS
+                or guided == "whitespace_pattern"), name
+    assert set(read) == set(samplers.FIELDS)
 
 
 async def test_output_items_sent_back_as_input_continue_the_conversation() -> None:
