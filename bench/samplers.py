@@ -35,6 +35,7 @@ CASES = (
     ("top_n_sigma 1.5", dict(temperature=0.8, top_n_sigma=1.5), True),
     ("xtc 0.5 / 0.1", dict(temperature=0.8, xtc_probability=0.5, xtc_threshold=0.1), True),
     ("dynatemp 0.5", dict(temperature=0.8, dynatemp_range=0.5), True),
+    ("penalties, last 64", dict(temperature=0.8, repetition_penalty=1.1, penalty_last_n=64), True),
     ("dry 0.8", dict(temperature=0.8, dry_multiplier=0.8), True),
     ("mirostat 2", dict(temperature=0.8, mirostat=2), True),
     ("mirostat 1", dict(temperature=0.8, mirostat=1), True),
@@ -55,13 +56,13 @@ def time_case(fields: dict, with_dry: bool, rows: int, vocab: int, context: int,
     arrays = jax.device_put(sampling.pack_sampling(params, 4))
     history = jnp.asarray(rng.integers(0, 64, (rows, context)).astype(np.int32))  # a small alphabet: repeats
     last = jnp.full((rows,), context - 2, jnp.int32)
-    dry = sampling.DryContext(history, jnp.arange(rows, dtype=jnp.int32), last, history[:, -2],
+    dry = sampling.TokenHistory(history, jnp.arange(rows, dtype=jnp.int32), last, history[:, -2],
                               jnp.asarray(np.stack([sampling.token_bits((1, 2, 3), vocab)] * rows)))
     mask, counts = jnp.zeros((rows, vocab), bool), jnp.zeros((rows, vocab), jnp.int32)
 
     @jax.jit
     def step(logits, arrays, index, mu):
-        return sampling.sample_stateful(logits, arrays, mask, counts, index, 0, mu, dry=dry if with_dry else None)
+        return sampling.sample_stateful(logits, arrays, mask, counts, index, 0, mu, history=dry if with_dry else None)
 
     mu = 2 * arrays.mirostat_tau
     index = jnp.zeros((rows,), jnp.int32)

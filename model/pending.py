@@ -161,9 +161,10 @@ DRAFT_PROBE_STEPS = 8
 
 def _draft_cap(sp: SamplingParams | None, draft_max: int) -> int:
     """The most drafts a request checks per step: the engine's draft_max, or the request's own
-    below it; none with DRY or mirostat (a draft row's tokens so far would be its slot's and the
-    drafts before it, which the step does not assemble; its target surprise, the one after them)."""
-    if sp is None or sp.uses_dry or sp.mirostat:
+    below it; none with DRY, a penalty window or mirostat (a draft row's tokens so far would be
+    its slot's and the drafts before it, which the step does not assemble; its target surprise,
+    the one after them)."""
+    if sp is None or sp.uses_dry or sp.uses_penalty_window or sp.mirostat:
         return 0
     return draft_max if sp.draft_max is None else min(draft_max, sp.draft_max)
 

@@ -96,9 +96,9 @@ def _sample_decode(num_top: int, st: SlotState, samp, active, allowed, logits):
     half; alone, a deferred decode's second program)."""
     samp = sampling.for_rows(samp, active)  # inactive rows' outputs are discarded: no draw, sort or top-k for them
     rows = jnp.arange(active.shape[0], dtype=jnp.int32)
-    dry = sampling.DryContext(st.history, rows, st.positions, st.tokens, st.breakers)
+    recent = sampling.TokenHistory(st.history, rows, st.positions, st.tokens, st.breakers)
     tok, lp, top_ids, top_lps, mu = sampling.sample_stateful(logits, samp, st.prompt_mask, st.counts, st.step_index,
-                                                             num_top, st.mu, allowed=allowed, dry=dry)
+                                                             num_top, st.mu, allowed=allowed, history=recent)
     inc = active.astype(jnp.int32)
     history = st.history.at[rows, jnp.where(active, st.positions, st.history.shape[1])].set(st.tokens, mode="drop")
     st = SlotState(
@@ -151,9 +151,9 @@ def _spec_decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int
                                     jnp.broadcast_to(inputs[:, None], (r, r))].add(before.astype(st.counts.dtype))
     # (a DRY or mirostat slot checks no drafts, `model.pending._draft_cap`: its rows' tokens so far
     # are its slot's history and its row's input, its target surprise the slot's)
-    dry = sampling.DryContext(st.history, slot, row_pos, inputs, st.breakers)
+    recent = sampling.TokenHistory(st.history, slot, row_pos, inputs, st.breakers)
     tok, lp, top_ids, top_lps, mu = sampling.sample_stateful(logits, row_samp, st.prompt_mask[slot], row_counts,
-                                                             st.step_index[slot] + off, num_top, st.mu[slot], dry=dry)
+                                                             st.step_index[slot] + off, num_top, st.mu[slot], history=recent)
     emitted = speculative.accept(layout, valid, inputs, tok)
     b = st.tokens.shape[0]
     n = jnp.zeros((b,), jnp.int32).at[slot].add(emitted.astype(jnp.int32))  # tokens each slot emits
@@ -290,11 +290,11 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
     row_samp = jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), samp)
     # no conditionals: on the GPU this program's would run on the host and block the call
     last = start + num_valid - 1
-    dry = sampling.DryContext(row_history[None], jnp.zeros((1,), jnp.int32), last[None],
+    recent = sampling.TokenHistory(row_history[None], jnp.zeros((1,), jnp.int32), last[None],
                               jax.lax.dynamic_slice_in_dim(tokens, num_valid - 1, 1), row_breakers[None])
     tok, lp, top_ids, top_lps, mu = sampling.sample_stateful(
         logits[None], row_samp, row_mask[None], row_counts[None], row_step[None], num_top, row_mu[None],
-        skip_unused=False, allowed=allowed[None], dry=dry,
+        skip_unused=False, allowed=allowed[None], history=recent,
     )
     tok = tok[0]
     row_counts = jnp.where(is_last, row_counts.at[tok].add(1), row_counts)

@@ -15,7 +15,8 @@ Constrained decoding (scheduler/grammar.py) passes each row's allowed tokens as 
 so the draw, the greedy argmax and the logprobs all see the constrained distribution.
 
 The chain, llama.cpp's order but for the temperature: the logit bias, the repetition and
-presence/frequency penalties, DRY and the allowed tokens (every row; the logprobs are of
+presence/frequency penalties (OpenAI's and vLLM's counts, or llama.cpp's over a window of
+recent tokens), DRY and the allowed tokens (every row; the logprobs are of
 these logits); then, for sampled rows, top-n-sigma, the temperature (or llama.cpp's dynamic
 temperature), top-k, locally typical, top-p, min-p, XTC and the draw; or, for mirostat rows, the
 temperature and mirostat (`sample_stateful`: the target surprise is each slot's state). llama.cpp applies the
@@ -41,10 +42,10 @@ DRY_MAX_MATCH = 128  # repeats are measured up to this many tokens (dry_base ** 
 _DRY_BLOCK = 16  # the match lengths grow this many tokens an iteration
 
 
-class DryContext(NamedTuple):
-    """What DRY reads besides the logits: each sampled row's tokens so far, as rows of the slot
-    state's history (its input token, at `last`, is written in here: the state may not hold it
-    yet) and the slot's breaker tokens."""
+class TokenHistory(NamedTuple):
+    """Each sampled row's tokens so far, for DRY and the windowed penalties: rows of the slot
+    state's history (the row's input token, at `last`, is written in here: the state may not
+    hold it yet), and the slots' DRY breaker tokens."""
 
     history: jax.Array  # [H, S] int32: the slots' tokens by position
     rows: jax.Array  # [R] int32: each sampled row's history row
@@ -63,6 +64,7 @@ class SamplingArrays(NamedTuple):
     repetition_penalty: jax.Array  # [B] f32; 1 = off
     presence_penalty: jax.Array  # [B] f32
     frequency_penalty: jax.Array  # [B] f32
+    penalty_last_n: jax.Array  # [B] int32: llama.cpp's penalty window (the whole context: 2**30); 0 = OpenAI's
     typical_p: jax.Array  # [B] f32; 1 = off
     top_n_sigma: jax.Array  # [B] f32; <= 0 = off
     xtc_probability: jax.Array  # [B] f32; 0 = off
@@ -107,6 +109,7 @@ def pack_sampling(
     repetition = np.ones((num_slots,), np.float32)
     presence = np.zeros((num_slots,), np.float32)
     frequency = np.zeros((num_slots,), np.float32)
+    penalty_last_n = np.zeros((num_slots,), np.int32)
     typical_p = np.ones((num_slots,), np.float32)
     top_n_sigma = np.zeros((num_slots,), np.float32)
     xtc_probability = np.zeros((num_slots,), np.float32)
@@ -140,6 +143,10 @@ def pack_sampling(
         repetition[b] = p.repetition_penalty
         presence[b] = p.presence_penalty
         frequency[b] = p.frequency_penalty
+        if p.penalty_last_n == 0:  # llama.cpp's: no penalties
+            repetition[b], presence[b], frequency[b] = 1.0, 0.0, 0.0
+        elif p.uses_penalty_window:
+            penalty_last_n[b] = _WHOLE_CONTEXT if p.penalty_last_n < 0 else min(p.penalty_last_n, _WHOLE_CONTEXT)
         typical_p[b], top_n_sigma[b] = p.typical_p, p.top_n_sigma
         xtc_probability[b], xtc_threshold[b] = p.xtc_probability, p.xtc_threshold
         dynatemp_range[b], dynatemp_exponent[b] = p.dynatemp_range, p.dynatemp_exponent
@@ -166,6 +173,7 @@ def pack_sampling(
         repetition_penalty=repetition,
         presence_penalty=presence,
         frequency_penalty=frequency,
+        penalty_last_n=penalty_last_n,
         typical_p=typical_p,
         top_n_sigma=top_n_sigma,
         xtc_probability=xtc_probability,
@@ -206,6 +214,7 @@ def for_rows(arrays: SamplingArrays, rows: jax.Array) -> SamplingArrays:
         top_p=jnp.where(rows, arrays.top_p, 1.0),
         typical_p=jnp.where(rows, arrays.typical_p, 1.0),
         dry_multiplier=jnp.where(rows, arrays.dry_multiplier, 0.0),
+        penalty_last_n=jnp.where(rows, arrays.penalty_last_n, 0),
         mirostat=jnp.where(rows, arrays.mirostat, 0),
         top_logprobs=jnp.where(rows, arrays.top_logprobs, 0),
     )
@@ -251,7 +260,31 @@ def apply_allowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:  # [B, V]
     return jnp.where(_bits(allowed, logits.shape[1]), logits, -jnp.inf)
 
 
-def apply_dry(logits: jax.Array, arrays: SamplingArrays, ctx: DryContext) -> jax.Array:  # [R, V] f32
+def _rows_so_far(ctx: TokenHistory) -> jax.Array:  # [R, S] int32
+    """Each row's history row with its input token at `last` (stale past it)."""
+    return ctx.history[ctx.rows].at[jnp.arange(ctx.rows.shape[0]), ctx.last].set(ctx.inputs, mode="drop")
+
+
+def apply_window_penalties(logits: jax.Array, arrays: SamplingArrays, ctx: TokenHistory) -> jax.Array:  # [R, V]
+    """llama.cpp's penalties, for rows with a `penalty_last_n` window (others unchanged): over
+    the counts c of each token in the row's last `penalty_last_n` tokens of prompt and output, a
+    seen token's logit is divided by the repetition penalty (multiplied where not positive), then
+    loses c * frequency_penalty + presence_penalty."""
+    num_rows, vocab = logits.shape
+    tokens = _rows_so_far(ctx)
+    pos = jnp.arange(tokens.shape[1])[None, :]
+    last = ctx.last[:, None]
+    in_window = (pos <= last) & (pos > last - arrays.penalty_last_n[:, None])
+    counts = jnp.zeros((num_rows, vocab), jnp.int32).at[jnp.arange(num_rows)[:, None], tokens].add(
+        in_window.astype(jnp.int32), mode="drop")
+    seen = counts > 0
+    rep = arrays.repetition_penalty[:, None]
+    out = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    out = out - arrays.frequency_penalty[:, None] * counts - arrays.presence_penalty[:, None] * seen
+    return jnp.where((arrays.penalty_last_n > 0)[:, None], out, logits)
+
+
+def apply_dry(logits: jax.Array, arrays: SamplingArrays, ctx: TokenHistory) -> jax.Array:  # [R, V] f32
     """llama.cpp's DRY penalty, for rows with `dry_multiplier` > 0 (others unchanged).
 
     Over the row's window (its last `dry_last_n` positions up to `last`): the repeat limit is
@@ -265,7 +298,7 @@ def apply_dry(logits: jax.Array, arrays: SamplingArrays, ctx: DryContext) -> jax
     """
     num_rows, vocab = logits.shape
     size = ctx.history.shape[1]
-    history = ctx.history[ctx.rows].at[jnp.arange(num_rows), ctx.last].set(ctx.inputs, mode="drop")  # [R, S]
+    history = _rows_so_far(ctx)
     breakers = ctx.breakers[ctx.rows]  # [R, W]
     last = ctx.last[:, None]
     pos = jnp.arange(size)[None, :]
@@ -446,13 +479,13 @@ def sample(
     num_top: int,  # static: number of top alternatives returned
     skip_unused: bool = True,  # static: conditionals skip what no row needs (see below)
     allowed: jax.Array | None = None,  # [B, W] int32: each row's allowed tokens (None: all)
-    dry: DryContext | None = None,  # the rows' tokens so far, for DRY (None: no row uses it)
+    history: TokenHistory | None = None,  # the rows' tokens so far (None: no row uses DRY or a penalty window)
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """`sample_stateful` for rows without mirostat (their target surprise starts at 2 tau each
     call): (tokens, logprob, top_ids, top_logprobs)."""
     mu = 2 * arrays.mirostat_tau
     return sample_stateful(logits, arrays, prompt_mask, output_counts, step_index, num_top, mu, skip_unused, allowed,
-                           dry)[:4]
+                           history)[:4]
 
 
 def sample_stateful(
@@ -465,7 +498,7 @@ def sample_stateful(
     mu: jax.Array,  # [B] f32: each row's mirostat target surprise (SlotState.mu)
     skip_unused: bool = True,  # static: conditionals skip what no row needs (see below)
     allowed: jax.Array | None = None,  # [B, W] int32: each row's allowed tokens (None: all)
-    dry: DryContext | None = None,  # the rows' tokens so far, for DRY (None: no row uses it)
+    history: TokenHistory | None = None,  # the rows' tokens so far (None: no row uses DRY or a penalty window)
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Returns (tokens [B] int32, logprob [B] f32, top_ids [B, L] int32, top_logprobs [B, L] f32,
     mu [B] f32: the target surprise after this token, changed in sampled mirostat rows only).
@@ -492,9 +525,14 @@ def sample_stateful(
         # not ask are masked to the padding after.
         return true_fn(operand)
 
-    logits = apply_penalties(logits.astype(jnp.float32), arrays, prompt_mask, output_counts, step_index)
-    if dry is not None:  # (the match lengths run only in steps where some row asks for DRY)
-        logits = cond(jnp.any(arrays.dry_multiplier > 0), lambda x: apply_dry(x, arrays, dry), lambda x: x, logits)
+    windowed = arrays.penalty_last_n > 0  # llama.cpp's penalties, in place of the others (below)
+    logits = apply_penalties(logits.astype(jnp.float32), arrays._replace(
+        repetition_penalty=jnp.where(windowed, 1.0, arrays.repetition_penalty),
+        presence_penalty=jnp.where(windowed, 0.0, arrays.presence_penalty),
+        frequency_penalty=jnp.where(windowed, 0.0, arrays.frequency_penalty)), prompt_mask, output_counts, step_index)
+    if history is not None:  # (the window's counts and DRY's match lengths run only in steps where some row asks)
+        logits = cond(jnp.any(windowed), lambda x: apply_window_penalties(x, arrays, history), lambda x: x, logits)
+        logits = cond(jnp.any(arrays.dry_multiplier > 0), lambda x: apply_dry(x, arrays, history), lambda x: x, logits)
     if allowed is not None:
         logits = apply_allowed(logits, allowed)
     logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V]

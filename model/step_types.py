@@ -39,6 +39,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # over prompt + generated tokens (vLLM semantics)
     presence_penalty: float = 0.0  # over generated tokens (OpenAI semantics)
     frequency_penalty: float = 0.0  # over generated tokens
+    # None: the three penalties above as described (OpenAI's and vLLM's); else llama.cpp's: all
+    # three over the last penalty_last_n tokens of prompt and output (-1: all of them; 0: none)
+    penalty_last_n: int | None = None
     # llama.cpp's samplers (model/sampling.py gives their order here)
     typical_p: float = 1.0  # locally typical sampling's mass; 1 = off
     top_n_sigma: float = 0.0  # keep logits within n standard deviations of the largest; <= 0 = off
@@ -87,6 +90,8 @@ class SamplingParams:
             raise ValueError("presence_penalty must be in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             raise ValueError("frequency_penalty must be in [-2, 2]")
+        if self.penalty_last_n is not None and self.penalty_last_n < -1:
+            raise ValueError("penalty_last_n must be >= -1")
         if not 0 < self.typical_p <= 1:
             raise ValueError("typical_p must be in (0, 1]")
         if not math.isfinite(self.top_n_sigma):
@@ -123,6 +128,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def uses_penalty_window(self) -> bool:
+        """llama.cpp's penalties over a window of recent tokens, with some penalty on."""
+        penalised = self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+        return self.penalty_last_n not in (None, 0) and penalised
 
     @property
     def uses_dry(self) -> bool:

@@ -163,7 +163,7 @@ class SlotInfo(NamedTuple):
 
 SLOT_PARAMS = ("temperature", "dynatemp_range", "dynatemp_exponent", "top_k", "top_p", "min_p", "typical_p",
                "top_n_sigma", "xtc_probability", "xtc_threshold", "repetition_penalty", "presence_penalty",
-               "frequency_penalty", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+               "frequency_penalty", "penalty_last_n", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
                "dry_sequence_breakers", "mirostat", "mirostat_tau", "mirostat_eta", "seed")
 
 

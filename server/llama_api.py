@@ -9,10 +9,10 @@ strings, one prompt), `n_predict` (also `max_tokens`; -1 up to the context), `n_
 bans), and the fields both APIs share (`temperature`, `top_k`, `top_p`, `min_p`, `stop`,
 `seed`, `stream`, `presence_penalty`, `frequency_penalty`, `ignore_eos`, `cache_prompt`,
 `grammar`, `json_schema`, ...). A request's defaults are this server's (`GET /props`), as a
-llama-server's come from its command line. Where the samplers differ: `repeat_penalty` weighs
-every prompt and output token (vLLM's semantics; `repeat_last_n` 0 turns the penalties off,
-another window is not kept), and the presence and frequency penalties count the output only
-(OpenAI's). Refused (400) where set to anything but their neutral value: the samplers this
+llama-server's come from its command line. The penalties are llama.cpp's: `repeat_penalty`,
+`presence_penalty` and `frequency_penalty` count the last `repeat_last_n` tokens (64; -1: all;
+0: no penalties) of prompt and output alike. The temperature applies before the truncations
+(vLLM's order). Refused (400) where set to anything but their neutral value: the samplers this
 server does not have (`tfs_z`, gone from llama.cpp too), `t_max_predict_ms`,
 `post_sampling_probs` and `lora`. `typical_p`, `top_n_sigma`, `xtc_probability`,
 `xtc_threshold`, `dynatemp_range`, `dynatemp_exponent`, DRY's `dry_*` and `mirostat`,
@@ -67,6 +67,8 @@ Encode = Callable[[str, bool | None, bool], list[int]]  # (text, add_bos, parse_
 # the completion parser's field names -> this API's, for the `param` and message of a 400
 _PARAM_NAMES = {"max_tokens": "n_predict", "logprobs": "n_probs", "repetition_penalty": "repeat_penalty",
                 "n": "n_cmpl"}
+_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+_REPEAT_LAST_N = 64  # llama-server's default window for its penalties
 _MIN_BIAS, _MAX_BIAS = -100.0, 100.0  # the completion parser's range; `false` bans with the lowest
 _RANDOM_SEED = 0xFFFFFFFF  # llama-server's -1 (random) as its responses give it back
 
@@ -122,12 +124,8 @@ def to_completion(body: Any, encode: Encode, bos_text: str | None = None,
         out["n"] = body[names["n"]]
     if "repeat_penalty" in body:
         out["repetition_penalty"] = body["repeat_penalty"]
-    last_n = body.get("repeat_last_n", -1)
-    if not _is_int(last_n):
-        raise invalid("'repeat_last_n' must be an integer", "repeat_last_n")
-    if last_n == 0:  # llama.cpp's: no penalties at all
-        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
-            out.pop(name, None)
+    if "repeat_last_n" not in body and any(name in out for name in _PENALTIES):
+        out["repeat_last_n"] = _REPEAT_LAST_N  # llama-server's window
     stop = body.get("stop", [])
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):

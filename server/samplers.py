@@ -16,7 +16,7 @@ from server.errors import invalid
 MAX_BREAKERS = 32  # DRY's sequence breakers a request may name
 MAX_BREAKER_CHARS = 64
 # the fields below, by name (the other APIs pass them on to the chat parser)
-FIELDS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent",
+FIELDS = ("repeat_last_n", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent",
           "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
           "mirostat", "mirostat_tau", "mirostat_eta")
 # upper bounds that keep every value finite in float32 arithmetic, far past any useful setting
@@ -35,6 +35,8 @@ def parse_llama_samplers(fields: Any) -> dict[str, Any]:
         raise invalid(f"'dry_sequence_breakers' must be an array of at most {MAX_BREAKERS} non-empty strings of at "
                       f"most {MAX_BREAKER_CHARS} characters", fields.prefix + "dry_sequence_breakers")
     return dict(
+        # llama.cpp's window for the three penalties (absent: OpenAI's and vLLM's counts)
+        penalty_last_n=fields.integer("repeat_last_n", None, -1, _MOST_LENGTH),
         dry_multiplier=fields.number("dry_multiplier", 0.0, 0.0, _MOST),
         dry_base=fields.number("dry_base", 1.75, 1.0, _MOST),
         dry_allowed_length=fields.integer("dry_allowed_length", 2, 0, _MOST_LENGTH),
@@ -56,6 +58,7 @@ def llama_params(values: dict[str, Any]) -> dict[str, Any]:
     """SLOT_PARAMS' values by llama-server's names (`repeat_penalty`; seed -1: random)."""
     out = dict(values)
     out["repeat_penalty"] = out.pop("repetition_penalty")
+    out["repeat_last_n"] = out.pop("penalty_last_n")
     out["seed"] = -1 if out["seed"] is None else out["seed"]
     out["dry_sequence_breakers"] = list(out["dry_sequence_breakers"])
     return out

@@ -482,3 +482,25 @@ def test_mirostat_target_surprise_follows_each_token(smollm2, smol_runner, promp
         kept = logp[keep]
         mu -= eta * (-(logp[token] - np.logaddexp.reduce(kept)) / np.log(2) - tau)
     assert mu != 2 * tau and got == pytest.approx(mu, rel=2e-3, abs=2e-3)
+
+
+def test_llama_cpp_penalty_window_picks_what_the_window_gives(smollm2, smol_runner, prompt_ids):
+    """llama.cpp's penalties over the last 16 tokens of prompt and output: each greedy token is
+    the argmax of the model's logits (model.offline.teacher_forced_logits) with the penalties of
+    the 16 tokens before it applied on the host (a near tie aside), and differs from OpenAI's
+    counting over the same prompt; beside seven other requests the same tokens."""
+    sp = SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.5,
+                        penalty_last_n=16)
+    prompt = prompt_ids[4] * 3
+    (out,) = generate(smol_runner, [prompt], 16, sampling=sp, slots=[2])
+    (logits,) = teacher_forced_logits(smollm2.config, smollm2.kernels, smollm2.params, [(prompt, out)],
+                                      max_context=smol_runner.max_context)
+    seq = list(prompt)
+    for row, token in zip(logits.astype(np.float64), out):
+        counts = np.bincount(seq[-16:], minlength=row.shape[0])
+        seen = counts > 0
+        row = np.where(seen, np.where(row > 0, row / 1.5, row * 1.5), row) - 0.5 * counts - 0.5 * seen
+        assert row[token] >= row.max() - 1e-3
+        seq.append(token)
+    assert generate(smol_runner, [prompt], 16, sampling=dataclasses.replace(sp, penalty_last_n=None))[0] != out
+    assert generate(smol_runner, [prompt] + prompt_ids[1:], 16, sampling=sp)[0] == out

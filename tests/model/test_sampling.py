@@ -3,6 +3,7 @@ the other rows and of the batch size, logprobs = log_softmax of the penalised lo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -346,11 +347,11 @@ def test_without_conditionals_the_same_outputs(num_top):
         [SamplingParams(temperature=0.7, seed=13, dry_multiplier=1.5, dry_allowed_length=1)] + [SamplingParams()] * 3,
     )
     history = rng.integers(0, 6, (4, 40)).astype(np.int32)  # a small alphabet: repeats for DRY
-    dry = sampling.DryContext(*map(jnp.asarray, (history, np.arange(4, dtype=np.int32), np.array([30, 39, 12, 25]),
+    dry = sampling.TokenHistory(*map(jnp.asarray, (history, np.arange(4, dtype=np.int32), np.array([30, 39, 12, 25]),
                                                   history[:, 0], np.stack([sampling.token_bits([2], 64)] * 4))))
     mu = np.array([4.0, 1.0, 6.0, 3.0], np.float32)
     fns = {skip: jax.jit(lambda *a, skip=skip: sampling.sample_stateful(*a, num_top=num_top, mu=mu, skip_unused=skip,
-                                                                        dry=dry)) for skip in (True, False)}
+                                                                        history=dry)) for skip in (True, False)}
     for params in batches:
         args = (logits, sampling.pack_sampling(params, 2), mask, counts, steps)
         with_conds, without = (tuple(np.asarray(x) for x in fns[skip](*args)) for skip in (True, False))
@@ -439,7 +440,7 @@ def _dry(histories: list[list[int]], params: list[SamplingParams], breakers: lis
     history = np.full((rows, size), 7, np.int32)  # stale tokens past each row's last
     for r, h in enumerate(histories):
         history[r, :len(h) - 1] = h[:-1]  # the input token comes through `inputs`
-    ctx = sampling.DryContext(
+    ctx = sampling.TokenHistory(
         history=jnp.asarray(history), rows=jnp.arange(rows, dtype=jnp.int32),
         last=jnp.asarray([len(h) - 1 for h in histories], jnp.int32), inputs=jnp.asarray([h[-1] for h in histories]),
         breakers=jnp.asarray(np.stack([sampling.token_bits(sorted(b), vocab) for b in breakers])))
@@ -538,3 +539,44 @@ def test_mirostat_rows_leave_the_others_alone():
     np.testing.assert_array_equal(mu_both[1:], [7.0, 7.0])
     np.testing.assert_array_equal(mu_alone, [7.0, 7.0])
     assert mu_both[0] != 8.0
+
+
+def _history(histories: list[list[int]], size: int = 64) -> "sampling.TokenHistory":
+    rows = len(histories)
+    history = np.full((rows, size), 7, np.int32)  # stale tokens past each row's last
+    for r, h in enumerate(histories):
+        history[r, :len(h) - 1] = h[:-1]
+    return sampling.TokenHistory(
+        history=jnp.asarray(history), rows=jnp.arange(rows, dtype=jnp.int32),
+        last=jnp.asarray([len(h) - 1 for h in histories], jnp.int32), inputs=jnp.asarray([h[-1] for h in histories]),
+        breakers=jnp.zeros((rows, 1), jnp.int32))
+
+
+def test_window_penalties_hand_computed():
+    """llama.cpp's penalties over the last n tokens (prompt and output alike), beside a row with
+    OpenAI's counts and one with penalty_last_n 0 (no penalties), in one call."""
+    logits = np.tile(np.asarray([[1.0, -1.0, 2.0, 0.5, 0.0, 3.0]], np.float32), (3, 1))
+    tokens = [5, 1, 3, 3, 0]  # the last 3: 3, 3, 0
+    window = SamplingParams(temperature=0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25,
+                            penalty_last_n=3, top_logprobs=6)
+    openai = dataclasses.replace(window, penalty_last_n=None)
+    off = dataclasses.replace(window, penalty_last_n=0)
+    arrays = sampling.pack_sampling([window, openai, off], 0)
+    prompt_mask = np.zeros((3, 6), bool)
+    prompt_mask[:, [5, 1]] = True
+    counts = np.zeros((3, 6), np.int32)
+    counts[:, 3], counts[:, 0] = 2, 1  # the output: 3, 3, 0
+    out = jax.jit(sampling.sample, static_argnames=("num_top",))(
+        logits, arrays, prompt_mask, counts, np.zeros((3,), np.int32), 6,
+        history=_history([tokens] * 3))
+    # window: 3 twice (0.5 / 2 - 0.5 - 0.5 = -0.75), 0 once (1 / 2 - 0.25 - 0.5 = -0.25); 5 and 1 are outside
+    # openai: repetition over {5, 1, 3, 0} (prompt or output), presence and frequency over the output
+    #         [0.5 - 0.5 - 0.25, -2, 2, 0.25 - 0.5 - 0.5, 0, 1.5]
+    want = np.array([[-0.25, -1.0, 2.0, -0.75, 0.0, 3.0],
+                     [-0.25, -2.0, 2.0, -0.75, 0.0, 1.5],
+                     [1.0, -1.0, 2.0, 0.5, 0.0, 3.0]])
+    lp = np.asarray(out[3])
+    order = np.asarray(out[2])
+    for r in range(3):
+        np.testing.assert_allclose(lp[r][np.argsort(order[r])], _log_softmax(want[r:r + 1])[0], rtol=1e-5, atol=1e-6)
+    assert arrays.penalty_last_n.tolist() == [3, 0, 0] and arrays.repetition_penalty.tolist() == [2.0, 2.0, 1.0]

@@ -339,14 +339,16 @@ def test_a_request_whose_drafts_do_not_pay_stops_speculating(spec_runners, spec_
     assert spec_steps == steps
 
 
-def test_dry_and_mirostat_requests_check_no_drafts_and_get_a_plain_decodes_tokens(smollm2, spec_runners, spec_ids):
-    """DRY reads each row's tokens so far, which a draft row's are not assembled for, and
-    mirostat the target surprise the tokens before left: such a request's slot gets no draft
-    rows, and its tokens are a plain decode's."""
+def test_dry_mirostat_and_window_requests_check_no_drafts_and_get_a_plain_decodes_tokens(smollm2, spec_runners,
+                                                                                          spec_ids):
+    """DRY and llama.cpp's penalty window read each row's tokens so far, which a draft row's are
+    not assembled for, and mirostat the target surprise the tokens before left: such a request's
+    slot gets no draft rows, and its tokens are a plain decode's."""
     plain, spec = spec_runners
     breakers = smollm2.tokenizer.tokens_containing(SamplingParams.dry_sequence_breakers)
     for sp in (SamplingParams(temperature=0.0, dry_multiplier=2.0, dry_breaker_ids=breakers),
-               SamplingParams(temperature=1.5, mirostat=2, mirostat_tau=1.0, seed=5)):
+               SamplingParams(temperature=1.5, mirostat=2, mirostat_tau=1.0, seed=5),
+               SamplingParams(temperature=0.0, frequency_penalty=1.0, penalty_last_n=8)):
         before = spec.drafts_run
         got = generate(spec, [spec_ids[0]], 20, slots=[4], sampling=sp)
         assert got == generate(plain, [spec_ids[0]], 20, slots=[4], sampling=sp)

@@ -85,6 +85,7 @@ async def test_sampling_fields_reach_the_engine(client: httpx.AsyncClient, engin
         "dry_penalty_last_n": 256,
         "dry_sequence_breakers": ["\n", "###"],
         "mirostat": 2,
+        "repeat_last_n": 128,
         "mirostat_tau": 4.0,
         "mirostat_eta": 0.2,
     }
@@ -100,6 +101,7 @@ async def test_sampling_fields_reach_the_engine(client: httpx.AsyncClient, engin
     assert (s.dry_multiplier, s.dry_base, s.dry_allowed_length, s.dry_penalty_last_n) == (0.8, 2.0, 3, 256)
     assert s.dry_sequence_breakers == ("\n", "###") and s.uses_dry
     assert (s.mirostat, s.mirostat_tau, s.mirostat_eta) == (2, 4.0, 0.2)
+    assert s.penalty_last_n == 128 and s.uses_penalty_window
     assert request.ignore_eos and request.stop_token_ids == (7,)
     assert not request.cache_prompt and request.cache_salt == "team-a"
 

@@ -62,6 +62,8 @@ BAD_INPUTS: list[tuple[str, Any, str | None]] = [
     ("/v1/completions", {"prompt": "x", "dry_sequence_breakers": [""]}, "dry_sequence_breakers"),
     ("/v1/completions", {"prompt": "x", "dry_sequence_breakers": ["a"] * 33}, "dry_sequence_breakers"),
     ("/v1/completions", {"prompt": "x", "mirostat": 3}, "mirostat"),
+    ("/v1/completions", {"prompt": "x", "repeat_last_n": -2}, "repeat_last_n"),
+    ("/completion", {"prompt": "x", "repeat_last_n": False}, "repeat_last_n"),
     ("/v1/completions", {"prompt": "x", "dry_allowed_length": 3000000000}, "dry_allowed_length"),
     ("/v1/completions", {"prompt": "x", "top_k": 3000000000}, "top_k"),
     ("/v1/completions", {"prompt": "x", "dynatemp_range": 1e39}, "dynatemp_range"),

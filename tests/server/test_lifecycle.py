@@ -232,7 +232,7 @@ async def test_slots_as_llama_server_has_them(engine: FakeEngine) -> None:
         "n_prompt_tokens": 10, "n_prompt_tokens_processed": 4, "n_prompt_tokens_cache": 2,
         "params": {"temperature": 0.7, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "top_k": 40, "top_p": 0.9,
                    "min_p": 0.05, "typical_p": 1.0, "top_n_sigma": 0.0, "xtc_probability": 0.5, "xtc_threshold": 0.1,
-                   "repeat_penalty": 1.1, "presence_penalty": 0.0, "frequency_penalty": 0.5, "dry_multiplier": 0.0,
+                   "repeat_penalty": 1.1, "presence_penalty": 0.0, "frequency_penalty": 0.5, "repeat_last_n": None, "dry_multiplier": 0.0,
                    "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
                    "dry_sequence_breakers": ["\n", ":", "\"", "*"], "mirostat": 0, "mirostat_tau": 5.0,
                    "mirostat_eta": 0.1, "seed": -1, "n_predict": 20},

@@ -25,7 +25,7 @@ def test_fields_become_a_completion_request() -> None:
                             "mirostat": 0, "tfs_z": 1.0, "return_tokens": True}, ENCODE)
     assert native.body == {"prompt": "Hi", "max_tokens": 7, "logprobs": 3, "repetition_penalty": 1.1,
                            "temperature": 0.5, "top_k": 40, "min_p": 0.05, "stop": ["\n"], "n": 2, "seed": 4,
-                           "cache_prompt": False, "typical_p": 1.0, "mirostat": 0}
+                           "cache_prompt": False, "typical_p": 1.0, "mirostat": 0, "repeat_last_n": 64}
     assert native.n_probs == 3 and native.return_tokens
 
 
@@ -35,8 +35,12 @@ def test_fields_become_a_completion_request() -> None:
     ({"prompt": "x", "temperature": -1}, {"temperature": 0.0}),  # llama.cpp's greedy
     ({"prompt": "x", "logprobs": 2}, {"logprobs": 2}),
     ({"prompt": "x", "stop": ["", "a"]}, {"stop": ["a"]}),
-    ({"prompt": "x", "repeat_penalty": 1.2, "presence_penalty": 0.5, "repeat_last_n": 0}, {}),
-    ({"prompt": "x", "repeat_penalty": 1.2, "repeat_last_n": 64}, {"repetition_penalty": 1.2}),
+    # llama.cpp's penalties: over the last repeat_last_n tokens, 64 unless given (0: none)
+    ({"prompt": "x", "repeat_penalty": 1.2, "presence_penalty": 0.5, "repeat_last_n": 0},
+     {"repetition_penalty": 1.2, "presence_penalty": 0.5, "repeat_last_n": 0}),
+    ({"prompt": "x", "repeat_penalty": 1.2}, {"repetition_penalty": 1.2, "repeat_last_n": 64}),
+    ({"prompt": "x", "frequency_penalty": 0.2, "repeat_last_n": -1}, {"frequency_penalty": 0.2, "repeat_last_n": -1}),
+    ({"prompt": "x", "repeat_last_n": 32}, {"repeat_last_n": 32}),
     ({"prompt": "x", "seed": 4294967295}, {}),  # llama-server's -1 as it reports it back
     ({"prompt": "x", "seed": 4294967294}, {"seed": 4294967294}),
     ({"prompt": "x", "n_probs": 50}, {"logprobs": 20}),  # held to the most the engine gives
@@ -99,7 +103,6 @@ def test_logit_bias_forms() -> None:
     ({"prompt": "x", "logit_bias": [[-3, 1]]}, "logit_bias"),
     ({"prompt": "x", "logit_bias": [[5, 10 ** 400]]}, "logit_bias"),
     ({"prompt": "x", "logit_bias": [[5, True]]}, "logit_bias"),
-    ({"prompt": "x", "repeat_last_n": False}, "repeat_last_n"),
     ({"prompt": "x", "post_sampling_probs": 0}, "post_sampling_probs"),
     ({"prompt": "x", "return_tokens": 1}, "return_tokens"),
     ({"prompt": "x", "logprobs": -2}, "logprobs"),

@@ -397,7 +397,14 @@ def test_the_passed_fields_are_chat_fields() -> None:
     import inspect
 
     source = inspect.getsource(openai_api) + inspect.getsource(constraints)
-    read = samplers.parse_llama_samplers(openai_api.Fields({}))  # the samplers' fields, by the names read
+    read: set[str] = set()  # the fields the samplers' parser reads
+
+    class Seen(dict):
+        def get(self, key, default=None):
+            read.add(key)
+            return super().get(key, default)
+
+    samplers.parse_llama_samplers(openai_api.Fields(Seen()))
     for name in responses_api.PASSED_THROUGH:
         guided = name.removeprefix("guided_")
         assert (f'"{name}"' in source or name in read or guided in constraints._VLLM_KINDS
