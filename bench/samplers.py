@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
 
-# (name, SamplingParams fields, whether the DRY context is passed)
+# (name, SamplingParams fields, whether the token history (DRY's, the penalty windows') is passed)
 CASES = (
     ("greedy", dict(temperature=0.0), False),
     ("greedy, dry context", dict(temperature=0.0), True),
@@ -56,13 +56,13 @@ def time_case(fields: dict, with_dry: bool, rows: int, vocab: int, context: int,
     arrays = jax.device_put(sampling.pack_sampling(params, 4))
     history = jnp.asarray(rng.integers(0, 64, (rows, context)).astype(np.int32))  # a small alphabet: repeats
     last = jnp.full((rows,), context - 2, jnp.int32)
-    dry = sampling.TokenHistory(history, jnp.arange(rows, dtype=jnp.int32), last, history[:, -2],
+    recent = sampling.TokenHistory(history, jnp.arange(rows, dtype=jnp.int32), last, history[:, -2],
                               jnp.asarray(np.stack([sampling.token_bits((1, 2, 3), vocab)] * rows)))
     mask, counts = jnp.zeros((rows, vocab), bool), jnp.zeros((rows, vocab), jnp.int32)
 
     @jax.jit
     def step(logits, arrays, index, mu):
-        return sampling.sample_stateful(logits, arrays, mask, counts, index, 0, mu, history=dry if with_dry else None)
+        return sampling.sample_stateful(logits, arrays, mask, counts, index, 0, mu, history=recent if with_dry else None)
 
     mu = 2 * arrays.mirostat_tau
     index = jnp.zeros((rows,), jnp.int32)

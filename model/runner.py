@@ -49,8 +49,8 @@ class SlotState:
     counts: jax.Array  # [B, V] int32: generated-token counts (presence/frequency penalties)
     step_index: jax.Array  # [B] int32: tokens generated so far (RNG stream position)
     # [B, S] int32: the token at each cache position (stale past the slot's last), so that a
-    # request reusing a cached prompt prefix gets that prefix's prompt mask, and for DRY and the
-    # speculative decode's drafts
+    # request reusing a cached prompt prefix gets that prefix's prompt mask, and for DRY, the
+    # penalty windows and the speculative decode's drafts
     history: jax.Array
     breakers: jax.Array  # [B, W] int32 bitmask: the slot's request's DRY breaker tokens
     mu: jax.Array  # [B] f32: the slot's request's mirostat target surprise (2 tau at its start)
@@ -73,8 +73,8 @@ def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, par
                  allowed=None, *, unroll: bool = False, few_rows: bool = False):
     """One decode step of the busy slots (`active` [B]). `allowed` ([B, W] int32 bitmask, or
     None): the tokens each row may sample (constrained decoding; all bits set where free). Each
-    input token goes into the slot's history at its position (DRY reads it, and the speculative
-    decode's drafts are looked up there)."""
+    input token goes into the slot's history at its position (DRY and the penalty windows read
+    it, and the speculative decode's drafts are looked up there)."""
     positions = jnp.where(active, st.positions, -1)
     logits, cache = forward.decode(cfg, kern, params, cache, st.tokens, positions, attend, unroll, few_rows)
     st, out = _sample_decode(num_top, st, samp, active, allowed, logits)
@@ -149,11 +149,12 @@ def _spec_decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int
     before = speculative.precedes(layout) & valid[:, None]  # [q, r]: draft q comes before row r
     row_counts = st.counts[slot].at[jnp.broadcast_to(jnp.arange(r)[None, :], (r, r)),
                                     jnp.broadcast_to(inputs[:, None], (r, r))].add(before.astype(st.counts.dtype))
-    # (a DRY or mirostat slot checks no drafts, `model.pending._draft_cap`: its rows' tokens so far
-    # are its slot's history and its row's input, its target surprise the slot's)
+    # (a slot with DRY, a penalty window or mirostat checks no drafts, `model.pending._draft_cap`:
+    # its rows' tokens so far are its slot's history and its row's input, its target surprise the slot's)
     recent = sampling.TokenHistory(st.history, slot, row_pos, inputs, st.breakers)
     tok, lp, top_ids, top_lps, mu = sampling.sample_stateful(logits, row_samp, st.prompt_mask[slot], row_counts,
-                                                             st.step_index[slot] + off, num_top, st.mu[slot], history=recent)
+                                                             st.step_index[slot] + off, num_top, st.mu[slot],
+                                                             history=recent)
     emitted = speculative.accept(layout, valid, inputs, tok)
     b = st.tokens.shape[0]
     n = jnp.zeros((b,), jnp.int32).at[slot].add(emitted.astype(jnp.int32))  # tokens each slot emits
@@ -291,7 +292,7 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
     # no conditionals: on the GPU this program's would run on the host and block the call
     last = start + num_valid - 1
     recent = sampling.TokenHistory(row_history[None], jnp.zeros((1,), jnp.int32), last[None],
-                              jax.lax.dynamic_slice_in_dim(tokens, num_valid - 1, 1), row_breakers[None])
+                                   jax.lax.dynamic_slice_in_dim(tokens, num_valid - 1, 1), row_breakers[None])
     tok, lp, top_ids, top_lps, mu = sampling.sample_stateful(
         logits[None], row_samp, row_mask[None], row_counts[None], row_step[None], num_top, row_mu[None],
         skip_unused=False, allowed=allowed[None], history=recent,

@@ -37,7 +37,7 @@ import numpy as np
 from model.step_types import SamplingParams
 
 
-_WHOLE_CONTEXT = 2**30  # dry_last_n for SamplingParams.dry_penalty_last_n -1
+_WHOLE_CONTEXT = 2**30  # the windows (dry_last_n, penalty_last_n) of a -1 setting: the whole context
 DRY_MAX_MATCH = 128  # repeats are measured up to this many tokens (dry_base ** 126: the penalty has long saturated)
 _DRY_BLOCK = 16  # the match lengths grow this many tokens an iteration
 
@@ -479,7 +479,7 @@ def sample(
     num_top: int,  # static: number of top alternatives returned
     skip_unused: bool = True,  # static: conditionals skip what no row needs (see below)
     allowed: jax.Array | None = None,  # [B, W] int32: each row's allowed tokens (None: all)
-    history: TokenHistory | None = None,  # the rows' tokens so far (None: no row uses DRY or a penalty window)
+    history: TokenHistory | None = None,  # the rows' tokens so far (None: see `sample_stateful`)
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """`sample_stateful` for rows without mirostat (their target surprise starts at 2 tau each
     call): (tokens, logprob, top_ids, top_logprobs)."""
@@ -498,10 +498,12 @@ def sample_stateful(
     mu: jax.Array,  # [B] f32: each row's mirostat target surprise (SlotState.mu)
     skip_unused: bool = True,  # static: conditionals skip what no row needs (see below)
     allowed: jax.Array | None = None,  # [B, W] int32: each row's allowed tokens (None: all)
-    history: TokenHistory | None = None,  # the rows' tokens so far (None: no row uses DRY or a penalty window)
+    history: TokenHistory | None = None,  # the rows' tokens so far, for DRY and the penalty windows
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Returns (tokens [B] int32, logprob [B] f32, top_ids [B, L] int32, top_logprobs [B, L] f32,
     mu [B] f32: the target surprise after this token, changed in sampled mirostat rows only).
+    Without `history`, DRY and a penalty window are skipped (a window row gets no penalties):
+    the runner always passes it.
     Only rows whose `arrays.top_logprobs` is > 0 get alternatives (the others get the padding,
     id 0 and -inf), and the top-k runs only in steps where some row asked (always with
     `skip_unused=False`).

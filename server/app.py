@@ -491,7 +491,9 @@ async def props(request: Request) -> Response:
     template = config.chat_template or ready.chat_template
     bos, eos = bos_eos_text(engine.tokenizer)
     defaults = parse_chat({"messages": [{"role": "user", "content": ""}]}, 1).sampling  # a request's defaults
-    params = {"n_predict": -1, **sampling_settings(defaults)}  # n_predict -1: up to the context
+    # n_predict -1: up to the context; repeat_last_n: /completion's window (the OpenAI endpoints
+    # count their penalties as OpenAI does unless a request names one)
+    params = {"n_predict": -1, **sampling_settings(defaults), "repeat_last_n": llama_api.REPEAT_LAST_N}
     return json_response({
         "default_generation_settings": {"n_ctx": ready.limits.max_context, "params": params},
         "total_slots": engine.stats().num_slots,

@@ -68,7 +68,7 @@ Encode = Callable[[str, bool | None, bool], list[int]]  # (text, add_bos, parse_
 _PARAM_NAMES = {"max_tokens": "n_predict", "logprobs": "n_probs", "repetition_penalty": "repeat_penalty",
                 "n": "n_cmpl"}
 _PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
-_REPEAT_LAST_N = 64  # llama-server's default window for its penalties
+REPEAT_LAST_N = 64  # llama-server's default window for its penalties
 _MIN_BIAS, _MAX_BIAS = -100.0, 100.0  # the completion parser's range; `false` bans with the lowest
 _RANDOM_SEED = 0xFFFFFFFF  # llama-server's -1 (random) as its responses give it back
 
@@ -125,7 +125,7 @@ def to_completion(body: Any, encode: Encode, bos_text: str | None = None,
     if "repeat_penalty" in body:
         out["repetition_penalty"] = body["repeat_penalty"]
     if "repeat_last_n" not in body and any(name in out for name in _PENALTIES):
-        out["repeat_last_n"] = _REPEAT_LAST_N  # llama-server's window
+        out["repeat_last_n"] = REPEAT_LAST_N  # llama-server's window
     stop = body.get("stop", [])
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
@@ -153,8 +153,8 @@ def to_completion(body: Any, encode: Encode, bos_text: str | None = None,
         if not isinstance(body.get(name, False), bool):
             raise invalid(f"'{name}' must be a boolean", name)
     if body.get("post_sampling_probs", False):
-        raise invalid("'post_sampling_probs' is not supported: the probabilities given are the model's, "
-                      "before the samplers", "post_sampling_probs")
+        raise invalid("'post_sampling_probs' is not supported: the probabilities given are those after the logit "
+                      "bias and penalties, before the temperature and truncations", "post_sampling_probs")
     if body.get("lora", []) != []:
         raise invalid("'lora' is not supported: this server serves its GGUF's weights alone", "lora")
     fields = body.get("response_fields", [])
@@ -273,7 +273,10 @@ class NativeBuilder:
 
     def settings(self) -> dict[str, Any]:
         s, p = self.parsed.sampling, self.parsed
-        return {"n_predict": -1 if p.max_tokens is None else p.max_tokens, **sampling_settings(s),
+        settings = sampling_settings(s)
+        if settings["repeat_last_n"] is None:  # (no penalty on: the window llama-server would report)
+            settings["repeat_last_n"] = REPEAT_LAST_N
+        return {"n_predict": -1 if p.max_tokens is None else p.max_tokens, **settings,
                 "stop": list(p.stop), "ignore_eos": p.ignore_eos,
                 "n_probs": self.native.n_probs, "logit_bias": [{"token": t, "bias": b} for t, b in s.logit_bias],
                 "stream": p.stream, "cache_prompt": p.cache_prompt}

@@ -345,6 +345,7 @@ def test_without_conditionals_the_same_outputs(num_top):
         [SamplingParams(temperature=0.9, seed=11, mirostat=2, mirostat_tau=2.0), SamplingParams(temperature=0),
          SamplingParams(temperature=1.0, seed=12, mirostat=1), SamplingParams(temperature=0, dry_multiplier=0.8)],
         [SamplingParams(temperature=0.7, seed=13, dry_multiplier=1.5, dry_allowed_length=1)] + [SamplingParams()] * 3,
+        [SamplingParams(temperature=0, frequency_penalty=0.5, penalty_last_n=8), SamplingParams(temperature=0)] * 2,
     )
     history = rng.integers(0, 6, (4, 40)).astype(np.int32)  # a small alphabet: repeats for DRY
     dry = sampling.TokenHistory(*map(jnp.asarray, (history, np.arange(4, dtype=np.int32), np.array([30, 39, 12, 25]),
@@ -541,9 +542,9 @@ def test_mirostat_rows_leave_the_others_alone():
     assert mu_both[0] != 8.0
 
 
-def _history(histories: list[list[int]], size: int = 64) -> "sampling.TokenHistory":
+def _history(histories: list[list[int]], size: int = 64, stale: int = 4) -> "sampling.TokenHistory":
     rows = len(histories)
-    history = np.full((rows, size), 7, np.int32)  # stale tokens past each row's last
+    history = np.full((rows, size), stale, np.int32)  # stale tokens past each row's last (in the vocabulary)
     for r, h in enumerate(histories):
         history[r, :len(h) - 1] = h[:-1]
     return sampling.TokenHistory(
@@ -553,30 +554,33 @@ def _history(histories: list[list[int]], size: int = 64) -> "sampling.TokenHisto
 
 
 def test_window_penalties_hand_computed():
-    """llama.cpp's penalties over the last n tokens (prompt and output alike), beside a row with
-    OpenAI's counts and one with penalty_last_n 0 (no penalties), in one call."""
-    logits = np.tile(np.asarray([[1.0, -1.0, 2.0, 0.5, 0.0, 3.0]], np.float32), (3, 1))
-    tokens = [5, 1, 3, 3, 0]  # the last 3: 3, 3, 0
+    """llama.cpp's penalties over the last n tokens (prompt and output alike; a negative logit
+    multiplied), over all of them (-1), beside a row with OpenAI's counts and one with
+    penalty_last_n 0 (no penalties), in one call; the stale history past a row's last token is
+    a token of the vocabulary (4), never counted."""
+    logits = np.tile(np.asarray([[1.0, -1.0, 2.0, 0.5, 0.0, 3.0]], np.float32), (4, 1))
+    tokens = [5, 2, 1, 3, 3, 0]  # the last 4: 1, 3, 3, 0
     window = SamplingParams(temperature=0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25,
-                            penalty_last_n=3, top_logprobs=6)
+                            penalty_last_n=4, top_logprobs=6)
+    whole = dataclasses.replace(window, penalty_last_n=-1)
     openai = dataclasses.replace(window, penalty_last_n=None)
     off = dataclasses.replace(window, penalty_last_n=0)
-    arrays = sampling.pack_sampling([window, openai, off], 0)
-    prompt_mask = np.zeros((3, 6), bool)
-    prompt_mask[:, [5, 1]] = True
-    counts = np.zeros((3, 6), np.int32)
+    arrays = sampling.pack_sampling([window, whole, openai, off], 0)
+    prompt_mask = np.zeros((4, 6), bool)
+    prompt_mask[:, [5, 2, 1]] = True
+    counts = np.zeros((4, 6), np.int32)
     counts[:, 3], counts[:, 0] = 2, 1  # the output: 3, 3, 0
     out = jax.jit(sampling.sample, static_argnames=("num_top",))(
-        logits, arrays, prompt_mask, counts, np.zeros((3,), np.int32), 6,
-        history=_history([tokens] * 3))
-    # window: 3 twice (0.5 / 2 - 0.5 - 0.5 = -0.75), 0 once (1 / 2 - 0.25 - 0.5 = -0.25); 5 and 1 are outside
-    # openai: repetition over {5, 1, 3, 0} (prompt or output), presence and frequency over the output
-    #         [0.5 - 0.5 - 0.25, -2, 2, 0.25 - 0.5 - 0.5, 0, 1.5]
-    want = np.array([[-0.25, -1.0, 2.0, -0.75, 0.0, 3.0],
-                     [-0.25, -2.0, 2.0, -0.75, 0.0, 1.5],
+        logits, arrays, prompt_mask, counts, np.zeros((4,), np.int32), 6, history=_history([tokens] * 4))
+    # window: 1 once (-1 * 2 - 0.25 - 0.5 = -2.75), 3 twice (0.5 / 2 - 0.5 - 0.5 = -0.75), 0 once
+    #         (1 / 2 - 0.25 - 0.5 = -0.25); 5 and 2 are outside
+    # whole:  the same, and 5 (3 / 2 - 0.75 = 0.75), 2 (2 / 2 - 0.75 = 0.25)
+    # openai: repetition over {5, 2, 1, 3, 0} (prompt or output), presence and frequency over the output
+    want = np.array([[-0.25, -2.75, 2.0, -0.75, 0.0, 3.0],
+                     [-0.25, -2.75, 0.25, -0.75, 0.0, 0.75],
+                     [-0.25, -2.0, 1.0, -0.75, 0.0, 1.5],
                      [1.0, -1.0, 2.0, 0.5, 0.0, 3.0]])
-    lp = np.asarray(out[3])
-    order = np.asarray(out[2])
-    for r in range(3):
+    lp, order = np.asarray(out[3]), np.asarray(out[2])
+    for r in range(4):
         np.testing.assert_allclose(lp[r][np.argsort(order[r])], _log_softmax(want[r:r + 1])[0], rtol=1e-5, atol=1e-6)
-    assert arrays.penalty_last_n.tolist() == [3, 0, 0] and arrays.repetition_penalty.tolist() == [2.0, 2.0, 1.0]
+    assert arrays.penalty_last_n.tolist() == [4, 2**30, 0, 0] and arrays.repetition_penalty.tolist() == [2, 2, 2, 1]

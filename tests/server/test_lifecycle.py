@@ -204,6 +204,8 @@ async def test_props_as_llama_server_has_them(engine: FakeEngine) -> None:
         body = (await c.get("/props")).json()
     assert body["default_generation_settings"]["n_ctx"] == engine.max_context == 64
     assert body["default_generation_settings"]["params"]["temperature"] == 1.0  # OpenAI's default, as parsed
+    params = body["default_generation_settings"]["params"]
+    assert (params["repeat_last_n"], params["mirostat"], params["dry_multiplier"]) == (64, 0, 0.0)  # /completion's
     assert body["total_slots"] == 2 and body["model_path"] == MODEL_NAME
     assert body["chat_template"] == engine.tokenizer.chat_template
     assert (body["bos_token"], body["eos_token"]) == ("<s>", "</s>")
