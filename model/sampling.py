@@ -16,10 +16,10 @@ so the draw, the greedy argmax and the logprobs all see the constrained distribu
 
 The chain, llama.cpp's order but for the temperature: the logit bias, the repetition and
 presence/frequency penalties (OpenAI's and vLLM's counts, or llama.cpp's over a window of
-recent tokens), DRY and the allowed tokens (every row; the logprobs are of
-these logits); then, for sampled rows, top-n-sigma, the temperature (or llama.cpp's dynamic
-temperature), top-k, locally typical, top-p, min-p, XTC and the draw; or, for mirostat rows, the
-temperature and mirostat (`sample_stateful`: the target surprise is each slot's state). llama.cpp applies the
+recent tokens), DRY and the allowed tokens (every row; the logprobs are of these logits); then,
+for sampled rows, top-n-sigma, the temperature (or llama.cpp's dynamic temperature), top-k,
+locally typical, top-p, min-p, XTC and the draw; or, for mirostat rows, the temperature and
+mirostat (`sample_stateful`: the target surprise is each slot's state). llama.cpp applies the
 temperature last; here, as in vLLM, the truncations see the tempered distribution.
 
 Dimension letters: B slots, V vocabulary, N logit-bias entries per slot, L top logprobs, W mask
@@ -414,8 +414,8 @@ def _top_n_sigma(logits: jax.Array, n: jax.Array) -> jax.Array:  # [B, V] f32, [
 
 def _dynamic_temperature(logits: jax.Array, arrays: SamplingArrays) -> jax.Array:  # [B, V] -> [B]
     """Each row's temperature; with `dynatemp_range` r > 0 (llama.cpp's dynamic temperature),
-    max(T - r, 0) + 2r' * (H / log n) ** exponent, between max(T - r, 0) and T + r by the
-    normalised entropy of the row's distribution over its n finite logits."""
+    low + (high - low) * (H / log n) ** exponent, low = max(T - r, 0) and high = T + r, by the
+    normalised entropy H / log n of the row's distribution over its n finite logits."""
     logp = jax.nn.log_softmax(logits, axis=-1)
     p = jnp.exp(logp)
     entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
@@ -576,10 +576,14 @@ def sample_stateful(
 
         scaled = cond(jnp.any(uses_mirostat), mirostat, lambda x: x, scaled)
         sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-        # mu moves by eta times the error of the drawn token's surprise (under the kept tokens) from tau
-        drawn = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), sampled[:, None], axis=-1)[:, 0]
-        error = -drawn / jnp.log(2.0) - arrays.mirostat_tau
-        new_mu = jnp.where(uses_mirostat & jnp.isfinite(error), mu - arrays.mirostat_eta * error, mu)
+
+        def moved(operand):  # mu moves by eta times the drawn token's surprise (under the kept tokens) less tau
+            x, token = operand
+            drawn = jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), token[:, None], axis=-1)[:, 0]
+            error = -drawn / jnp.log(2.0) - arrays.mirostat_tau
+            return jnp.where(uses_mirostat & jnp.isfinite(error), mu - arrays.mirostat_eta * error, mu)
+
+        new_mu = cond(jnp.any(uses_mirostat), moved, lambda _: mu, (scaled, sampled))
         return jnp.where(is_greedy, greedy_tokens, sampled), new_mu
 
     # An all-greedy batch skips the random draw over the vocabulary altogether.
