@@ -16,9 +16,9 @@ from server.errors import invalid
 MAX_BREAKERS = 32  # DRY's sequence breakers a request may name
 MAX_BREAKER_CHARS = 64
 # the fields below, by name (the other APIs pass them on to the chat parser)
-FIELDS = ("repeat_last_n", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range", "dynatemp_exponent",
-          "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
-          "mirostat", "mirostat_tau", "mirostat_eta")
+FIELDS = ("repeat_last_n", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
+          "dynatemp_exponent", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+          "dry_sequence_breakers", "mirostat", "mirostat_tau", "mirostat_eta")
 # upper bounds that keep every value finite in float32 arithmetic, far past any useful setting
 _MOST = 1e4
 _MOST_LENGTH = 2**30
