@@ -371,33 +371,33 @@ def _truncate(
     whether a neighbour made this branch run.
     """
     num_rows, vocab = scaled.shape
-    ranks = jnp.arange(vocab)[None, :]
     k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)[:, None]
-    in_k = ranks < k
+    in_k = jnp.arange(vocab)[None, :] < k
     uses_typical = is_active & (typical_p < 1.0)
 
-    def plain(x):
-        return -jnp.sort(-x, axis=-1), jnp.ones(x.shape, jnp.bool_), jnp.broadcast_to(ranks, x.shape)
+    def nucleus(ordered, kept):  # of the kept tokens (in descending order), those top-p keeps
+        probs = jax.nn.softmax(jnp.where(kept, ordered, -jnp.inf), axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        # top_p == 1 keeps everything: a cumulative sum rounding up to 1 must not cut the tail.
+        return kept & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
 
-    def typical(x):
+    def below_last_kept(x, ordered, keep):  # keep a prefix of the order: mask below its last value
+        num_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)  # [B]
+        threshold = jnp.take_along_axis(ordered, (num_keep - 1)[:, None], axis=-1)  # [B, 1]
+        return jnp.where(x < threshold, -jnp.inf, x)
+
+    def plain(x):
+        ordered = -jnp.sort(-x, axis=-1)
+        return below_last_kept(x, ordered, nucleus(ordered, in_k))
+
+    def typical(x):  # the typical set is no prefix of the order: its mask goes back through the argsort
         order = jnp.argsort(-x, axis=-1, stable=True)
         ordered = jnp.take_along_axis(x, order, axis=-1)
-        return ordered, _typical_set(ordered, in_k, typical_p), order
+        keep = nucleus(ordered, in_k & _typical_set(ordered, in_k, typical_p))
+        removed = jnp.zeros(x.shape, jnp.bool_).at[jnp.arange(num_rows)[:, None], order].set(~keep)
+        return jnp.where(uses_typical[:, None], jnp.where(removed, -jnp.inf, x), below_last_kept(x, ordered, keep))
 
-    ordered, in_typical, order = cond(jnp.any(uses_typical), typical, plain, scaled)  # [B, V] descending
-    kept = in_k & in_typical
-    probs = jax.nn.softmax(jnp.where(kept, ordered, -jnp.inf), axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    # top_p == 1 keeps everything: a cumulative sum rounding up to 1 must not cut the tail.
-    in_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-    keep = kept & in_p
-    # Without typical_p the kept tokens are a prefix of the order: mask below its last value.
-    num_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)  # [B]
-    threshold = jnp.take_along_axis(ordered, (num_keep - 1)[:, None], axis=-1)  # [B, 1]
-    by_threshold = jnp.where(scaled < threshold, -jnp.inf, scaled)
-    removed = jnp.zeros(scaled.shape, jnp.bool_).at[jnp.arange(num_rows)[:, None], order].set(~keep)
-    by_set = jnp.where(removed, -jnp.inf, scaled)
-    masked = jnp.where(uses_typical[:, None], by_set, by_threshold)
+    masked = cond(jnp.any(uses_typical), typical, plain, scaled)
     return jnp.where(is_active[:, None], masked, scaled)
 
 
