@@ -435,17 +435,22 @@ def _dry_reference(tokens: list[int], logits: np.ndarray, p: SamplingParams, bre
     return out
 
 
-def _dry(histories: list[list[int]], params: list[SamplingParams], breakers: list[set[int]], vocab: int,
-         size: int = 96) -> np.ndarray:
+def _history(histories: list[list[int]], size: int = 64, stale: int = 4) -> "sampling.TokenHistory":
     rows = len(histories)
-    history = np.full((rows, size), 7, np.int32)  # stale tokens past each row's last
+    history = np.full((rows, size), stale, np.int32)  # stale tokens past each row's last (in the vocabulary)
     for r, h in enumerate(histories):
         history[r, :len(h) - 1] = h[:-1]  # the input token comes through `inputs`
-    ctx = sampling.TokenHistory(
+    return sampling.TokenHistory(
         history=jnp.asarray(history), rows=jnp.arange(rows, dtype=jnp.int32),
         last=jnp.asarray([len(h) - 1 for h in histories], jnp.int32), inputs=jnp.asarray([h[-1] for h in histories]),
-        breakers=jnp.asarray(np.stack([sampling.token_bits(sorted(b), vocab) for b in breakers])))
-    logits = np.random.default_rng(0).normal(size=(rows, vocab)).astype(np.float32)
+        breakers=jnp.zeros((rows, 1), jnp.int32))
+
+
+def _dry(histories: list[list[int]], params: list[SamplingParams], breakers: list[set[int]], vocab: int,
+         size: int = 96) -> np.ndarray:
+    bits = jnp.asarray(np.stack([sampling.token_bits(sorted(b), vocab) for b in breakers]))
+    ctx = _history(histories, size, stale=7)._replace(breakers=bits)
+    logits = np.random.default_rng(0).normal(size=(len(histories), vocab)).astype(np.float32)
     arrays = sampling.pack_sampling(params, 0)
     return logits, np.asarray(jax.jit(sampling.apply_dry)(jnp.asarray(logits), arrays, ctx))
 
@@ -540,17 +545,6 @@ def test_mirostat_rows_leave_the_others_alone():
     np.testing.assert_array_equal(mu_both[1:], [7.0, 7.0])
     np.testing.assert_array_equal(mu_alone, [7.0, 7.0])
     assert mu_both[0] != 8.0
-
-
-def _history(histories: list[list[int]], size: int = 64, stale: int = 4) -> "sampling.TokenHistory":
-    rows = len(histories)
-    history = np.full((rows, size), stale, np.int32)  # stale tokens past each row's last (in the vocabulary)
-    for r, h in enumerate(histories):
-        history[r, :len(h) - 1] = h[:-1]
-    return sampling.TokenHistory(
-        history=jnp.asarray(history), rows=jnp.arange(rows, dtype=jnp.int32),
-        last=jnp.asarray([len(h) - 1 for h in histories], jnp.int32), inputs=jnp.asarray([h[-1] for h in histories]),
-        breakers=jnp.zeros((rows, 1), jnp.int32))
 
 
 def test_window_penalties_hand_computed():
