@@ -39,7 +39,6 @@ from model.step_types import SamplingParams
 
 _WHOLE_CONTEXT = 2**30  # the windows (dry_last_n, penalty_last_n) of a -1 setting: the whole context
 DRY_MAX_MATCH = 128  # repeats are measured up to this many tokens (dry_base ** 126: the penalty has long saturated)
-_DRY_BLOCK = 16  # the match lengths grow this many tokens an iteration
 
 
 class TokenHistory(NamedTuple):
@@ -308,20 +307,19 @@ def apply_dry(logits: jax.Array, arrays: SamplingArrays, ctx: TokenHistory) -> j
     is_breaker = (jnp.right_shift(word, history % 32) & 1) != 0  # [R, S]
     last_breaker = jnp.max(jnp.where(in_window & is_breaker, pos, -1), axis=1, keepdims=True)
     limit = jnp.where(last_breaker >= 0, last - last_breaker, last - low + 1)  # [R, 1]
-    padded = jnp.pad(history, ((0, 0), (DRY_MAX_MATCH, 0)), constant_values=-1)
-
-    def block(i, carry):  # match lengths up to (i + 1) * _DRY_BLOCK
-        alive, length = carry
-        for t in range(_DRY_BLOCK):
-            k = i * _DRY_BLOCK + t
-            before = jax.lax.dynamic_slice_in_dim(padded, DRY_MAX_MATCH - k, size, axis=1)  # token at j - k
-            at_end = jnp.take_along_axis(history, jnp.maximum(last - k, 0), axis=1)  # token at last - k
-            alive = alive & (before == at_end) & (pos - k >= low) & (k < limit)
-            length = length + alive.astype(jnp.int32)
-        return alive, length
-
     starts = in_window & (pos < last)  # j: an earlier position, its next token within the window
-    _, length = jax.lax.fori_loop(0, DRY_MAX_MATCH // _DRY_BLOCK, block, (starts, jnp.zeros(history.shape, jnp.int32)))
+    # Offsets k = 0..DRY_MAX_MATCH-1 at once ([R, S, K], one fused gather; no loop: on the GPU a
+    # loop inside the step's conditional cannot go into its CUDA graph, and the decode step
+    # waited on the host for it, 4.2 ms a step against 2.4 on an H100): the token at j - k
+    # against the one at last - k, while both stay within the window and the limit.
+    k = jnp.arange(DRY_MAX_MATCH)
+    padded = jnp.pad(history, ((0, 0), (DRY_MAX_MATCH, 0)), constant_values=-1)
+    before = jnp.take(padded, DRY_MAX_MATCH + jnp.arange(size)[:, None] - k[None, :], axis=1)  # token at j - k
+    at_end = jnp.take_along_axis(history, jnp.maximum(last - k[None, :], 0), axis=1)  # [R, K]: token at last - k
+    alive = ((before == at_end[:, None, :]) & (pos[:, :, None] - k >= low[:, :, None])
+             & (k < limit[:, :, None]) & starts[:, :, None])
+    # the match length: how many offsets from 0 on match, one after the other
+    length = jnp.where(jnp.all(alive, axis=2), DRY_MAX_MATCH, jnp.argmin(alive, axis=2)).astype(jnp.int32)
     allowed_length = arrays.dry_allowed_length[:, None]
     following = jnp.roll(history, -1, axis=1)  # the token after each position
     counted = jnp.where(starts & (length >= allowed_length), length, -1)

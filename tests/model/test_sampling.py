@@ -362,6 +362,29 @@ def test_without_conditionals_the_same_outputs(num_top):
     assert "conditional(" not in fns[False].lower(*args).compile().as_text()
 
 
+def test_no_loop_in_the_gpu_lowering():
+    """The sampler, lowered for CUDA (here, without a GPU), has no loop: its work runs under the
+    decode step's conditionals, and on the GPU a loop inside a conditional kept that conditional
+    out of the step's CUDA graph, so the host waited for the device at every step (a DRY loop did
+    that: 4.2 ms a 7B decode step against 2.4 without it, on an H100)."""
+    from jax import export
+
+    rows, vocab, size = 4, 64, 40
+    dry = sampling.TokenHistory(jnp.zeros((rows, size), jnp.int32), jnp.arange(rows, dtype=jnp.int32),
+                                jnp.full((rows,), 5, jnp.int32), jnp.zeros((rows,), jnp.int32),
+                                jnp.zeros((rows, vocab // 32), jnp.int32))
+
+    def fn(logits, arrays, mask, counts, steps, mu, allowed):
+        return sampling.sample_stateful(logits, arrays, mask, counts, steps, NUM_TOP, mu, allowed=allowed, history=dry)
+
+    args = (jnp.zeros((rows, vocab)), sampling.pack_sampling([SamplingParams()] * rows, 2),
+            jnp.zeros((rows, vocab), bool), jnp.zeros((rows, vocab), jnp.int32), jnp.zeros((rows,), jnp.int32),
+            jnp.zeros((rows,)), jnp.full((rows, vocab // 32), -1, jnp.int32))
+    text = export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+    assert "stablehlo.case" in text  # the conditionals are there
+    assert "stablehlo.while" not in text
+
+
 def test_allowed_tokens_follow_llguidances_bit_layout():
     """Token t is bit t % 32 of word t // 32 (bit 31 set makes the word negative as int32); the
     others get -inf, and a row with every bit set is untouched."""
