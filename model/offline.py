@@ -6,7 +6,7 @@ llama.cpp agreement test and bench/agreement.py use."""
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,16 +20,18 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def generate(runner, prompts: list[list[int]], num_tokens: int, slots: list[int] | None = None,
-             sampling: SamplingParams = GREEDY, stop_ids: frozenset[int] = frozenset(),
+             sampling: SamplingParams | Sequence[SamplingParams] = GREEDY, stop_ids: frozenset[int] = frozenset(),
              reused: list[int] | None = None, copies: tuple[PrefixCopy, ...] = ()) -> list[list[int]]:
     """Generates up to `num_tokens` tokens for each prompt, each in its own slot, all at once.
     `reused[i]`: prompt i's first tokens already in its slot's cache (`PrefillChunk.reused`, a
-    multiple of the largest chunk), which are not prefilled again; `copies` put them there first."""
+    multiple of the largest chunk), which are not prefilled again; `copies` put them there first.
+    `sampling`: every prompt's, or one per prompt."""
     slots = slots if slots is not None else list(range(len(prompts)))
     reused = reused if reused is not None else [0] * len(prompts)
     chunk = runner.prefill_chunks[-1]
     out: list[list[int]] = [[] for _ in prompts]
-    setups = tuple(SlotSetup(s, sampling) for s in slots)
+    each = [sampling] * len(slots) if isinstance(sampling, SamplingParams) else list(sampling)
+    setups = tuple(SlotSetup(s, sp) for s, sp in zip(slots, each, strict=True))
     prefills = []
     for s, ids, kept in zip(slots, prompts, reused):
         if kept % chunk or not 0 <= kept < len(ids):

@@ -70,14 +70,15 @@ class SlotState:
 
 
 def _decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, params, cache, st: SlotState, samp, active,
-                 allowed=None, *, unroll: bool = False, few_rows: bool = False):
+                 allowed=None, *, unroll: bool = False, few_rows: bool = False, llama_samplers: bool = True):
     """One decode step of the busy slots (`active` [B]). `allowed` ([B, W] int32 bitmask, or
     None): the tokens each row may sample (constrained decoding; all bits set where free). Each
     input token goes into the slot's history at its position (DRY and the penalty windows read
-    it, and the speculative decode's drafts are looked up there)."""
+    it, and the speculative decode's drafts are looked up there). `llama_samplers`: as
+    `sampling.sample_stateful`'s (False: `ModelRunner`'s lean decode)."""
     positions = jnp.where(active, st.positions, -1)
     logits, cache = forward.decode(cfg, kern, params, cache, st.tokens, positions, attend, unroll, few_rows)
-    st, out = _sample_decode(num_top, st, samp, active, allowed, logits)
+    st, out = _sample_decode(num_top, st, samp, active, allowed, logits, llama_samplers=llama_samplers)
     return cache, st, out
 
 
@@ -91,14 +92,15 @@ def _decode_logits(cfg: ModelConfig, kern: Kernels, attend: int, params, cache, 
     return cache, logits
 
 
-def _sample_decode(num_top: int, st: SlotState, samp, active, allowed, logits):
+def _sample_decode(num_top: int, st: SlotState, samp, active, allowed, logits, *, llama_samplers: bool = True):
     """A decode step's sampling and slot-state update over its logits (`_decode_step`'s second
     half; alone, a deferred decode's second program)."""
     samp = sampling.for_rows(samp, active)  # inactive rows' outputs are discarded: no draw, sort or top-k for them
     rows = jnp.arange(active.shape[0], dtype=jnp.int32)
     recent = sampling.TokenHistory(st.history, rows, st.positions, st.tokens, st.breakers)
     tok, lp, top_ids, top_lps, mu = sampling.sample_stateful(logits, samp, st.prompt_mask, st.counts, st.step_index,
-                                                             num_top, st.mu, allowed=allowed, history=recent)
+                                                             num_top, st.mu, allowed=allowed, history=recent,
+                                                             llama_samplers=llama_samplers)
     inc = active.astype(jnp.int32)
     history = st.history.at[rows, jnp.where(active, st.positions, st.history.shape[1])].set(st.tokens, mode="drop")
     st = SlotState(
@@ -199,13 +201,13 @@ def _pack_outputs(tok, flag, lp, top_ids, top_lps):
 
 
 def _multi_decode_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, num_steps: int, params, cache, st: SlotState, samp, active,
-                       *, unroll: bool = False, few_rows: bool = False):
+                       *, unroll: bool = False, few_rows: bool = False, llama_samplers: bool = True):
     """num_steps decode steps in one program; outputs stacked on a leading [num_steps] axis."""
 
     def one(carry, _):
         cache, st = carry
         cache, st, out = _decode_step(cfg, kern, num_top, attend, params, cache, st, samp, active, unroll=unroll,
-                                      few_rows=few_rows)
+                                      few_rows=few_rows, llama_samplers=llama_samplers)
         return (cache, st), out
 
     (cache, st), outs = jax.lax.scan(one, (cache, st), None, length=num_steps)
@@ -395,6 +397,12 @@ class ModelRunner:
                                          None if mesh is None else sharding.replicated(mesh))
         # StepPlan.deferred (EngineConfig.constrained_overlap): one device only
         self.defers_allowed = mesh is None and engine_cfg.overlaps_constrained(jax.default_backend())
+        # The lean decode: where the deferred decode's two programs are built, the fused decode
+        # program samples without llama.cpp's less common samplers (`sampling.sample_stateful`'s
+        # llama_samplers: their conditionals slowed every GPU step), and a step with a slot that
+        # asks for them runs those two programs instead (`_decode_apart`).
+        self._lean_decode = self.defers_allowed
+        self._llama_rows = np.zeros((self.num_slots,), bool)  # SamplingParams.uses_llama_samplers by slot
         # Speculative decode (model/speculative.py): requests verify drafts of their next tokens
         # in the rows idle slots leave.
         self._spec = None
@@ -475,11 +483,11 @@ class ModelRunner:
                            donate_argnums=(0,))  # the slot state
         if kind == "decode" and num_steps > 1:
             fn = functools.partial(_multi_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend, num_steps,
-                                   unroll=self._unroll_decode, few_rows=few_rows)
+                                   unroll=self._unroll_decode, few_rows=few_rows, llama_samplers=not self._lean_decode)
             return self._jit(kind, fn)
         if kind == "decode":
             fn = functools.partial(_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend,
-                                   unroll=self._unroll_decode, few_rows=few_rows)
+                                   unroll=self._unroll_decode, few_rows=few_rows, llama_samplers=not self._lean_decode)
         elif kind == "copy":
             fn = functools.partial(_copy_prefix, attend, COPY_LAYERS)
         else:  # "prefill", "score"
@@ -620,6 +628,7 @@ class ModelRunner:
                 self._slot_params[setup.slot] = sp
                 self._breaker_rows[setup.slot] = (sampling.token_bits(sp.dry_breaker_ids, self.vocab_size)
                                                   if sp.uses_dry else self._no_tokens)
+                self._llama_rows[setup.slot] = sp.uses_llama_samplers
             self._pack_sampling()
         decode_out = None
         steps = plan.num_decode_steps
@@ -659,11 +668,14 @@ class ModelRunner:
             active[list(plan.decode_slots)] = True
             attend = self._bucket(int(self._positions[active].max()) + steps)
             few_rows = len(plan.decode_slots) <= self._few_rows_limit(attend, steps)
-            args = [self.params, self._cache, self._state, self._samp, self._active_mask(plan.decode_slots)]
-            if steps == 1:
-                args.append(self._free_rows if not allowed else self._device_rows(allowed))
-            program = self._program("decode", self.num_slots, attend, steps, few_rows)
-            self._cache, self._state, decode_out = program(*args)
+            if self._lean_decode and self._llama_rows[active].any():
+                decode_out = self._decode_apart(plan.decode_slots, steps, attend, allowed)
+            else:
+                args = [self.params, self._cache, self._state, self._samp, self._active_mask(plan.decode_slots)]
+                if steps == 1:
+                    args.append(self._free_rows if not allowed else self._device_rows(allowed))
+                program = self._program("decode", self.num_slots, attend, steps, few_rows)
+                self._cache, self._state, decode_out = program(*args)
             _start_copies(decode_out)
             self._positions[active] += steps
         for copy in plan.copies:  # after the decode, whose tokens need not wait for them
@@ -682,6 +694,21 @@ class ModelRunner:
             return _DeferredPending(self, logits, allowed, plan, prefill_outs)
         return _Pending(self.num_slots, self.max_top_logprobs, decode_out, prefill_outs,
                         steps if decode_out is not None else 1, plan.decode_slots, plan.prefills)
+
+    def _decode_apart(self, slots: tuple[int, ...], steps: int, attend: int, allowed: dict[int, np.ndarray]):
+        """Decode steps of `slots` where one asks for llama.cpp's samplers that the lean decode
+        program leaves out: the deferred decode's two programs (forward pass, then the full
+        sampler) back to back, `steps` times; returns the outputs as the fused program's."""
+        few_rows = len(slots) <= self._few_rows_limit(attend, 1)
+        mask = self._active_mask(slots)
+        rows = self._free_rows if not allowed else self._device_rows(allowed)
+        outs = []
+        for _ in range(steps):
+            self._cache, logits = self._program("logits", self.num_slots, attend, 1, few_rows)(
+                self.params, self._cache, self._state, mask)
+            self._state, out = self._program("sample", self.num_slots, 0)(self._state, self._samp, mask, rows, logits)
+            outs.append(out)
+        return outs[0] if steps == 1 else jnp.stack(outs)
 
     def _allowed_rows(self, pairs: Iterable[tuple[int, np.ndarray]]) -> dict[int, np.ndarray]:
         """(slot, allowed-token row) pairs by slot, each row checked for its width."""

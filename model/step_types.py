@@ -139,6 +139,17 @@ class SamplingParams:
     def uses_dry(self) -> bool:
         return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
 
+    @property
+    def uses_llama_samplers(self) -> bool:
+        """Some of llama.cpp's samplers beyond the common ones (temperature, top-k, top-p, min-p,
+        the OpenAI penalties, logit bias): a penalty window or DRY, or in a sampled row typical_p,
+        top-n-sigma, XTC, the dynamic temperature or mirostat; what `model.sampling`'s
+        `llama_samplers=False` leaves out (the rows its conditionals would change)."""
+        sampled = self.temperature > 0
+        return self.uses_penalty_window or self.uses_dry or sampled and (
+            self.typical_p < 1 or self.top_n_sigma > 0 or (self.xtc_probability > 0 and self.xtc_threshold <= 0.5)
+            or self.dynatemp_range > 0 or self.mirostat != 0)
+
 
 @dataclasses.dataclass(frozen=True)
 class SlotSetup:

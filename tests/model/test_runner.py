@@ -90,21 +90,23 @@ def test_several_decode_steps_per_dispatch_match_single_steps(smollm2, prompt_id
     from model.step_types import PrefillChunk, SlotSetup, StepPlan
     from tests.model.conftest import SMOL_ENGINE
 
+    # (a lean runner: with a DRY slot, its several steps run as the forward pass and sampler apart)
     cfg = dataclasses.replace(SMOL_ENGINE, num_slots=2, context_buckets=(1024, 4096), decode_steps_per_dispatch=4,
-                              prompt_logprobs=False)
+                              prompt_logprobs=False, constrained_overlap="on")
     runner = smollm2.make_runner(cfg)
     runner.warmup()
-    assert runner.decode_steps == (1, 4)
-    single = generate(runner, prompt_ids[:2], 9)
-    setups = tuple(SlotSetup(s, SamplingParams(temperature=0.0)) for s in range(2))
-    prefills = tuple(PrefillChunk(s, np.asarray(ids, np.int32), 0, True) for s, ids in enumerate(prompt_ids[:2]))
-    first = runner.dispatch(StepPlan(setups=setups, prefills=prefills)).results()
-    assert len(first) == 1
-    outs = runner.dispatch(StepPlan(decode_slots=(0, 1), num_decode_steps=4)).results()
-    outs += runner.dispatch(StepPlan(decode_slots=(0, 1), num_decode_steps=4)).results()
-    assert len(outs) == 8
-    multi = [[int(first[0].tokens[s])] + [int(o.tokens[s]) for o in outs] for s in range(2)]
-    assert multi == single
+    assert runner.decode_steps == (1, 4) and runner._lean_decode
+    for params in ([SamplingParams(temperature=0.0)] * 2, [LLAMA_SAMPLERS[0], SamplingParams(temperature=0.0)]):
+        single = generate(runner, prompt_ids[:2], 9, sampling=params)
+        setups = tuple(SlotSetup(s, sp) for s, sp in enumerate(params))
+        prefills = tuple(PrefillChunk(s, np.asarray(ids, np.int32), 0, True) for s, ids in enumerate(prompt_ids[:2]))
+        first = runner.dispatch(StepPlan(setups=setups, prefills=prefills)).results()
+        assert len(first) == 1
+        outs = runner.dispatch(StepPlan(decode_slots=(0, 1), num_decode_steps=4)).results()
+        outs += runner.dispatch(StepPlan(decode_slots=(0, 1), num_decode_steps=4)).results()
+        assert len(outs) == 8
+        multi = [[int(first[0].tokens[s])] + [int(o.tokens[s]) for o in outs] for s in range(2)]
+        assert multi == single
 
 
 def test_unrolled_decode_layers_match_the_scanned_loop(smollm2, prompt_ids):
@@ -307,18 +309,27 @@ def test_allowed_tokens_hold_a_constrained_slot_and_leave_the_others_alone(smol_
             assert np.exp(o.top_logprobs[0][:5]).sum() <= 1.0 + 1e-5
 
 
-def test_a_deferred_decode_samples_what_the_one_program_decode_does(smollm2, smol_runner, prompt_ids):
-    """StepPlan.deferred (EngineConfig.constrained_overlap): the forward pass at dispatch, the
-    sampling at `supply`, with a prompt chunk of another slot dispatched between them, gives the
-    tokens and logprobs of the same steps with the rows known at dispatch."""
+@pytest.fixture(scope="module")
+def lean_runner(smollm2):
+    """A runner that builds the deferred decode's programs (EngineConfig.constrained_overlap on,
+    a GPU's default), so its fused decode program is the lean one."""
     from model.config import EngineConfig
-    from model.step_types import mask_words
-    from model.step_types import PrefillChunk, SlotSetup, StepPlan
 
     runner = smollm2.make_runner(EngineConfig(num_slots=8, max_context=1024, context_buckets=(1024,),
                                               prefill_chunks=(64,), constrained_overlap="on", prompt_logprobs=False))
     assert runner.defers_allowed
     runner.warmup()
+    return runner
+
+
+def test_a_deferred_decode_samples_what_the_one_program_decode_does(smol_runner, lean_runner, prompt_ids):
+    """StepPlan.deferred (EngineConfig.constrained_overlap): the forward pass at dispatch, the
+    sampling at `supply`, with a prompt chunk of another slot dispatched between them, gives the
+    tokens and logprobs of the same steps with the rows known at dispatch."""
+    from model.step_types import mask_words
+    from model.step_types import PrefillChunk, SlotSetup, StepPlan
+
+    runner = lean_runner
     vocab = runner.vocab_size
     rng = np.random.default_rng(1)
     row = np.zeros((mask_words(vocab),), np.uint32)
@@ -350,6 +361,35 @@ def test_a_deferred_decode_samples_what_the_one_program_decode_does(smollm2, smo
         np.testing.assert_allclose(a.logprobs[a.valid], b.logprobs[b.valid], atol=1e-4)
     assert all(grammar_ok for grammar_ok in (int(o.tokens[0]) in set(np.flatnonzero(
         np.unpackbits(row.view(np.uint8), bitorder="little"))) for o in split))
+
+
+# llama.cpp's samplers that the lean decode program leaves out, each beside plain greedy and sampled rows
+LLAMA_SAMPLERS = (
+    SamplingParams(temperature=0, dry_multiplier=1.5, dry_allowed_length=1),
+    SamplingParams(temperature=1.0, typical_p=0.9, xtc_probability=0.5, xtc_threshold=0.05, dynatemp_range=0.4,
+                   top_n_sigma=2.5, seed=5),
+    SamplingParams(temperature=1.0, mirostat=2, mirostat_tau=3.0, mirostat_eta=0.5, seed=6),
+    SamplingParams(temperature=0, repetition_penalty=1.3, penalty_last_n=16),
+)
+
+
+def test_the_lean_decode_runs_llama_cpp_samplers_in_two_programs(smol_runner, lean_runner, prompt_ids):
+    """Where the deferred decode's programs are built, the fused decode program leaves llama.cpp's
+    less common samplers out, and a step with a slot that asks for one runs the forward pass and
+    the full sampler as two programs: every slot's tokens are those of a runner whose fused
+    program has them all; a step without them runs the fused program."""
+    assert lean_runner._lean_decode and not smol_runner._lean_decode
+    plain = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.9, seed=3)]
+    with unittest.mock.patch.object(lean_runner, "_decode_apart", wraps=lean_runner._decode_apart) as apart:
+        assert generate(lean_runner, prompt_ids[:2], 6, sampling=plain) == generate(smol_runner, prompt_ids[:2], 6,
+                                                                                    sampling=plain)
+        assert apart.call_count == 0
+        for sp in LLAMA_SAMPLERS:
+            assert sp.uses_llama_samplers
+            mixed = [sp, *plain]
+            assert (generate(lean_runner, prompt_ids[:3], 10, sampling=mixed)
+                    == generate(smol_runner, prompt_ids[:3], 10, sampling=mixed)), sp
+        assert apart.call_count == 9 * len(LLAMA_SAMPLERS)
 
 
 def _scored(runner, prompt: list[int], slot: int, sampling: SamplingParams = SamplingParams(temperature=0.0)):
