@@ -31,7 +31,7 @@ class _Pending:
                  decode_slots: tuple[int, ...] = (), prefills: tuple[PrefillChunk, ...] = ()) -> None:
         self._num_slots, self._num_top = num_slots, num_top
         self._decode_out, self._prefill_outs = decode_out, prefill_outs
-        self._num_steps = num_steps  # > 1: decode_out is stacked [num_steps, ...]
+        self._num_steps = num_steps  # > 1: decode_out is stacked [num_steps, ...] (or a list of num_steps)
         self._decode_slots, self._prefills = decode_slots, prefills  # the plan's, for parts()
         self._results: list[StepOutput] | None = None
 

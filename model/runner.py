@@ -257,13 +257,14 @@ def _copy_prefix(span: int, layers: int, params, cache: KVCache, st: SlotState, 
 
 
 def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, samp_layout: transfer.WordsLayout,
-                  params, cache, st: SlotState, args, *, score: bool = False):
+                  params, cache, st: SlotState, args, *, score: bool = False, llama_samplers: bool = True):
     """One prompt chunk (`prefill_args`); returns (cache, state, the sampling arrays it unpacked
     for the decode programs after it, its outputs). `score` (a scored chunk, PrefillChunk.score):
     `args` ends with the prompt's token after the chunk (-1: none), and the outputs go on with
     the length of `forward.pooled_hidden`'s two vectors (2E), their f32 bits, then each row's
     `forward.token_scores` of the token after it (`_pack_outputs`' columns: the token, its
-    rank, its logprob, the top ids and logprobs), row by row."""
+    rank, its logprob, the top ids and logprobs), row by row. `llama_samplers`: as
+    `sampling.sample_stateful`'s (False: `ModelRunner`'s lean sampling)."""
     words = transfer.words_size(samp_layout)
     vocab, s = st.prompt_mask.shape[1], st.history.shape[1]
     slot, start, num_valid, is_last, reused = args[0], args[1], args[2], args[3] != 0, args[4]
@@ -297,7 +298,7 @@ def _prefill_step(cfg: ModelConfig, kern: Kernels, num_top: int, attend: int, sa
                                    jax.lax.dynamic_slice_in_dim(tokens, num_valid - 1, 1), row_breakers[None])
     tok, lp, top_ids, top_lps, mu = sampling.sample_stateful(
         logits[None], row_samp, row_mask[None], row_counts[None], row_step[None], num_top, row_mu[None],
-        skip_unused=False, allowed=allowed[None], history=recent,
+        skip_unused=False, allowed=allowed[None], history=recent, llama_samplers=llama_samplers,
     )
     tok = tok[0]
     row_counts = jnp.where(is_last, row_counts.at[tok].add(1), row_counts)
@@ -377,6 +378,7 @@ class ModelRunner:
         host = transfer.host_outputs(mesh) if engine_cfg.host_outputs else None
         # (a decode program's outputs placed there made its steps 26-30% slower on the H200)
         self._out_shardings = {"prefill": self._step_out_shardings(mesh, 4, host),
+                               "prefill_full": self._step_out_shardings(mesh, 4, host),
                                "score": self._step_out_shardings(mesh, 4, host),
                                "decode": self._step_out_shardings(mesh, 3, None),
                                "copy": self._step_out_shardings(mesh, 2, None)}
@@ -397,11 +399,14 @@ class ModelRunner:
                                          None if mesh is None else sharding.replicated(mesh))
         # StepPlan.deferred (EngineConfig.constrained_overlap): one device only
         self.defers_allowed = mesh is None and engine_cfg.overlaps_constrained(jax.default_backend())
-        # The lean decode: where the deferred decode's two programs are built, the fused decode
+        # Lean sampling: where the deferred decode's two programs are built, the fused decode
         # program samples without llama.cpp's less common samplers (`sampling.sample_stateful`'s
         # llama_samplers: their conditionals slowed every GPU step), and a step with a slot that
-        # asks for them runs those two programs instead (`_decode_apart`).
-        self._lean_decode = self.defers_allowed
+        # asks for them runs those two programs instead (`_decode_apart`). The plain prefill
+        # programs sample the first token without them too (decode ran slower after prefills
+        # that ran them); a prompt's last chunk that needs them ends in the full sampler's
+        # program of the smallest chunk size ("prefill_full", `_dispatch_prefill`).
+        self._lean = self.defers_allowed
         self._llama_rows = np.zeros((self.num_slots,), bool)  # SamplingParams.uses_llama_samplers by slot
         # Speculative decode (model/speculative.py): requests verify drafts of their next tokens
         # in the rows idle slots leave.
@@ -483,16 +488,17 @@ class ModelRunner:
                            donate_argnums=(0,))  # the slot state
         if kind == "decode" and num_steps > 1:
             fn = functools.partial(_multi_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend, num_steps,
-                                   unroll=self._unroll_decode, few_rows=few_rows, llama_samplers=not self._lean_decode)
+                                   unroll=self._unroll_decode, few_rows=few_rows, llama_samplers=not self._lean)
             return self._jit(kind, fn)
         if kind == "decode":
             fn = functools.partial(_decode_step, self.cfg, self.kernels, self.max_top_logprobs, attend,
-                                   unroll=self._unroll_decode, few_rows=few_rows, llama_samplers=not self._lean_decode)
+                                   unroll=self._unroll_decode, few_rows=few_rows, llama_samplers=not self._lean)
         elif kind == "copy":
             fn = functools.partial(_copy_prefix, attend, COPY_LAYERS)
-        else:  # "prefill", "score"
+        else:  # "prefill", "prefill_full", "score" (scored chunks are rare: always the full sampler)
             fn = functools.partial(_prefill_step, self.cfg, self.kernels, self.max_top_logprobs, attend,
-                                   self._samp_layout, score=kind == "score")
+                                   self._samp_layout, score=kind == "score",
+                                   llama_samplers=kind != "prefill" or not self._lean)
         return self._jit(kind, fn)
 
     @staticmethod
@@ -539,6 +545,8 @@ class ModelRunner:
         targets += [("prefill", t, 1) for t in self.prefill_chunks]
         if self.scores_prompts:
             targets += [("score", t, 1) for t in self.prefill_chunks]
+        if self._lean:
+            targets += [("prefill_full", self.prefill_chunks[0], 1)]
         jobs = [(kind, size, steps, attend, False) for kind, size, steps in targets for attend in self.context_buckets]
         jobs += [("copy", attend, 1, attend, False) for attend in self.context_buckets]
         jobs += [("decode", self.num_slots, steps, attend, True) for steps in self.decode_steps
@@ -586,7 +594,8 @@ class ModelRunner:
     def _compiler_options(self, kind: str) -> dict[str, str] | None:
         """XLA options of a program of `kind`: none but, on a GPU with
         EngineConfig.prefill_cuda_graphs off, no command buffers for the prefill programs."""
-        if kind in ("prefill", "score") and not self.engine_cfg.prefill_cuda_graphs and jax.default_backend() == "gpu":
+        if (kind in ("prefill", "prefill_full", "score") and not self.engine_cfg.prefill_cuda_graphs
+                and jax.default_backend() == "gpu"):
             return {"xla_gpu_enable_command_buffer": ""}
         return None
 
@@ -668,7 +677,7 @@ class ModelRunner:
             active[list(plan.decode_slots)] = True
             attend = self._bucket(int(self._positions[active].max()) + steps)
             few_rows = len(plan.decode_slots) <= self._few_rows_limit(attend, steps)
-            if self._lean_decode and self._llama_rows[active].any():
+            if self._lean and self._llama_rows[active].any():
                 decode_out = self._decode_apart(plan.decode_slots, steps, attend, allowed)
             else:
                 args = [self.params, self._cache, self._state, self._samp, self._active_mask(plan.decode_slots)]
@@ -698,7 +707,9 @@ class ModelRunner:
     def _decode_apart(self, slots: tuple[int, ...], steps: int, attend: int, allowed: dict[int, np.ndarray]):
         """Decode steps of `slots` where one asks for llama.cpp's samplers that the lean decode
         program leaves out: the deferred decode's two programs (forward pass, then the full
-        sampler) back to back, `steps` times; returns the outputs as the fused program's."""
+        sampler) back to back, `steps` times; returns the outputs as the fused program's (several
+        steps' as a list, which `_Pending` indexes as it does the fused program's stacked ones:
+        stacking them here would compile a program after warm-up)."""
         few_rows = len(slots) <= self._few_rows_limit(attend, 1)
         mask = self._active_mask(slots)
         rows = self._free_rows if not allowed else self._device_rows(allowed)
@@ -708,7 +719,7 @@ class ModelRunner:
                 self.params, self._cache, self._state, mask)
             self._state, out = self._program("sample", self.num_slots, 0)(self._state, self._samp, mask, rows, logits)
             outs.append(out)
-        return outs[0] if steps == 1 else jnp.stack(outs)
+        return outs[0] if steps == 1 else outs
 
     def _allowed_rows(self, pairs: Iterable[tuple[int, np.ndarray]]) -> dict[int, np.ndarray]:
         """(slot, allowed-token row) pairs by slot, each row checked for its width."""
@@ -744,6 +755,17 @@ class ModelRunner:
         if chunk.score and not self.scores_prompts:
             raise ValueError("a scored prompt chunk for a runner built without prompt scoring (EngineConfig.prompt_logprobs)")
         kind = "score" if chunk.score else "prefill"
+        if kind == "prefill" and chunk.is_last and self._lean and self._llama_rows[chunk.slot]:
+            # the first token needs llama.cpp's samplers, which the plain programs leave out: the
+            # prompt's last tokens go through the full sampler's program of the smallest chunk
+            # size, those before them (then in the same step) through the plain one
+            small = self.prefill_chunks[0]
+            if n > small:
+                self._dispatch_prefill(dataclasses.replace(chunk, tokens=chunk.tokens[:n - small], is_last=False))
+                chunk = dataclasses.replace(chunk, tokens=chunk.tokens[n - small:],
+                                            start_pos=chunk.start_pos + n - small)
+                n = small
+            kind = "prefill_full"
         size = self._chunk_size(n)
         padded = np.zeros((size + chunk.score,), np.int32)
         padded[:n] = chunk.tokens

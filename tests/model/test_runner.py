@@ -86,20 +86,24 @@ def test_nothing_compiles_after_warmup(smol_runner, prompt_ids):
     assert compiles == []
 
 
-def test_several_decode_steps_per_dispatch_match_single_steps(smollm2, prompt_ids):
+def test_several_decode_steps_per_dispatch_match_single_steps(smollm2, smol_runner, prompt_ids):
     from model.step_types import PrefillChunk, SlotSetup, StepPlan
     from tests.model.conftest import SMOL_ENGINE
 
-    # (a lean runner: with a DRY slot, its several steps run as the forward pass and sampler apart)
+    # (a lean runner: with a DRY slot, its several steps run as the forward pass and sampler apart,
+    # and its prompt of more than the smallest chunk ends in that chunk size's full-sampler program)
     cfg = dataclasses.replace(SMOL_ENGINE, num_slots=2, context_buckets=(1024, 4096), decode_steps_per_dispatch=4,
                               prompt_logprobs=False, constrained_overlap="on")
     runner = smollm2.make_runner(cfg)
     runner.warmup()
-    assert runner.decode_steps == (1, 4) and runner._lean_decode
+    assert runner.decode_steps == (1, 4) and runner._lean
+    prompts = [prompt_ids[7] * 6, prompt_ids[1]]
+    assert len(prompts[0]) > runner.prefill_chunks[0]
     for params in ([SamplingParams(temperature=0.0)] * 2, [LLAMA_SAMPLERS[0], SamplingParams(temperature=0.0)]):
-        single = generate(runner, prompt_ids[:2], 9, sampling=params)
+        single = generate(runner, prompts, 9, sampling=params)
+        assert single == generate(smol_runner, prompts, 9, sampling=params)
         setups = tuple(SlotSetup(s, sp) for s, sp in enumerate(params))
-        prefills = tuple(PrefillChunk(s, np.asarray(ids, np.int32), 0, True) for s, ids in enumerate(prompt_ids[:2]))
+        prefills = tuple(PrefillChunk(s, np.asarray(ids, np.int32), 0, True) for s, ids in enumerate(prompts))
         first = runner.dispatch(StepPlan(setups=setups, prefills=prefills)).results()
         assert len(first) == 1
         outs = runner.dispatch(StepPlan(decode_slots=(0, 1), num_decode_steps=4)).results()
@@ -373,22 +377,27 @@ LLAMA_SAMPLERS = (
 )
 
 
-def test_the_lean_decode_runs_llama_cpp_samplers_in_two_programs(smol_runner, lean_runner, prompt_ids):
-    """Where the deferred decode's programs are built, the fused decode program leaves llama.cpp's
-    less common samplers out, and a step with a slot that asks for one runs the forward pass and
-    the full sampler as two programs: every slot's tokens are those of a runner whose fused
-    program has them all; a step without them runs the fused program."""
-    assert lean_runner._lean_decode and not smol_runner._lean_decode
+def test_lean_sampling_runs_llama_cpp_samplers_in_programs_of_their_own(smol_runner, lean_runner, prompt_ids):
+    """Where the deferred decode's programs are built, the fused decode and plain prefill
+    programs leave llama.cpp's less common samplers out: a step with a slot that asks for one
+    runs the forward pass and the full sampler as two programs, and such a request's last
+    prompt chunk runs the full sampler's prefill program. Every slot's tokens are those of a
+    runner whose programs have them all; requests without them run the plain programs."""
+    assert lean_runner._lean and not smol_runner._lean
     plain = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.9, seed=3)]
-    with unittest.mock.patch.object(lean_runner, "_decode_apart", wraps=lean_runner._decode_apart) as apart:
+    with (unittest.mock.patch.object(lean_runner, "_decode_apart", wraps=lean_runner._decode_apart) as apart,
+          unittest.mock.patch.object(lean_runner, "_program", wraps=lean_runner._program) as programs):
         assert generate(lean_runner, prompt_ids[:2], 6, sampling=plain) == generate(smol_runner, prompt_ids[:2], 6,
                                                                                     sampling=plain)
         assert apart.call_count == 0
+        assert {c.args[0] for c in programs.call_args_list} == {"prefill", "decode"}
         for sp in LLAMA_SAMPLERS:
             assert sp.uses_llama_samplers
             mixed = [sp, *plain]
+            programs.reset_mock()
             assert (generate(lean_runner, prompt_ids[:3], 10, sampling=mixed)
                     == generate(smol_runner, prompt_ids[:3], 10, sampling=mixed)), sp
+            assert [c.args[0] for c in programs.call_args_list].count("prefill_full") == 1
         assert apart.call_count == 9 * len(LLAMA_SAMPLERS)
 
 
