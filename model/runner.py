@@ -585,10 +585,12 @@ class ModelRunner:
         # (tracing and lowering hold it) and for the cores, so they exceed the work done
         lowering, compiling = (sum(times[i] for _, _, times in built) for i in (0, 1))
         log.info(
-            "compiled %d step programs (decode[%d] x steps %s, prefill%s, prefix copies%s%s; context buckets %s) in "
+            "compiled %d step programs (decode[%d] x steps %s, prefill%s, prefix copies%s%s%s; context buckets %s) in "
             "%.1f s on %d thread(s); per-program wall times summed: tracing and lowering %.1f s, XLA compiling %.1f s",
             len(self._compiled), self.num_slots, list(self.decode_steps), list(self.prefill_chunks),
-            "" if self._spec is None else ", speculative decode", ", scored prompt chunks" if self.scores_prompts else "", list(self.context_buckets), time.perf_counter() - t_all, workers, lowering, compiling,
+            "" if self._spec is None else ", speculative decode", ", scored prompt chunks" if self.scores_prompts else "",
+            f", the full sampler's prefill[{self.prefill_chunks[0]}]" if self._lean else "", list(self.context_buckets),
+            time.perf_counter() - t_all, workers, lowering, compiling,
         )
 
     def _compiler_options(self, kind: str) -> dict[str, str] | None:

@@ -362,6 +362,40 @@ def test_without_conditionals_the_same_outputs(num_top):
     assert "conditional(" not in fns[False].lower(*args).compile().as_text()
 
 
+def test_without_llama_samplers_the_same_outputs_for_rows_that_ask_for_none():
+    """`llama_samplers=False` (the GPU's lean programs) gives exactly the full sampler's outputs
+    for rows whose settings `SamplingParams.uses_llama_samplers` calls plain, their llama.cpp
+    fields set where they change nothing (greedy rows, a threshold above 0.5, a window without a
+    penalty, DRY over no tokens) beside plain sampled ones; and any one of those samplers, asked
+    for by a sampled row, makes the property true."""
+    neutral = (
+        SamplingParams(temperature=0, typical_p=0.5, top_n_sigma=1.0, dynatemp_range=0.5, mirostat=2,
+                       xtc_probability=1.0, xtc_threshold=0.1, top_logprobs=2),
+        SamplingParams(temperature=0.9, seed=1, xtc_probability=1.0, xtc_threshold=0.6, top_n_sigma=-1.0),
+        SamplingParams(temperature=0.8, seed=2, penalty_last_n=8, top_k=5, top_p=0.8, min_p=0.05),
+        SamplingParams(temperature=0.7, seed=3, dry_multiplier=2.0, dry_penalty_last_n=0, repetition_penalty=1.2,
+                       presence_penalty=0.5, logit_bias=((3, 2.0),)),
+    )
+    assert not any(sp.uses_llama_samplers for sp in neutral)
+    for fields in (dict(typical_p=0.9), dict(top_n_sigma=1.0), dict(dynatemp_range=0.3), dict(mirostat=1),
+                   dict(xtc_probability=0.5), dict(dry_multiplier=0.8), dict(repetition_penalty=1.1, penalty_last_n=16)):
+        assert SamplingParams(temperature=0.8, **fields).uses_llama_samplers, fields
+    rng = np.random.default_rng(11)
+    logits = rng.standard_normal((4, 64)).astype(np.float32) * 3
+    mask, counts = rng.random((4, 64)) < 0.1, rng.integers(0, 3, (4, 64)).astype(np.int32)
+    history = rng.integers(0, 6, (4, 40)).astype(np.int32)
+    ctx = sampling.TokenHistory(*map(jnp.asarray, (history, np.arange(4, dtype=np.int32), np.array([30, 39, 12, 25]),
+                                                  history[:, 0], np.zeros((4, 2), np.int32))))
+    mu = np.array([4.0, 1.0, 6.0, 3.0], np.float32)
+    args = (logits, sampling.pack_sampling(list(neutral), 2), mask, counts, np.array([0, 3, 5, 1], np.int32))
+    for skip in (True, False):
+        full, lean = (jax.jit(lambda *a, full=full: sampling.sample_stateful(
+            *a, num_top=NUM_TOP, mu=mu, skip_unused=skip, history=ctx, llama_samplers=full))(*args)
+            for full in (True, False))
+        for a, b in zip(full, lean):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_no_loop_in_the_gpu_lowering():
     """The sampler, lowered for CUDA (here, without a GPU), has no loop: its work runs under the
     decode step's conditionals, and on the GPU a loop inside a conditional kept that conditional
