@@ -684,7 +684,7 @@ class ModelRunner:
             else:
                 args = [self.params, self._cache, self._state, self._samp, self._active_mask(plan.decode_slots)]
                 if steps == 1:
-                    args.append(self._free_rows if not allowed else self._device_rows(allowed))
+                    args.append(self._device_rows(allowed))
                 program = self._program("decode", self.num_slots, attend, steps, few_rows)
                 self._cache, self._state, decode_out = program(*args)
             _start_copies(decode_out)
@@ -714,7 +714,7 @@ class ModelRunner:
         stacking them here would compile a program after warm-up)."""
         few_rows = len(slots) <= self._few_rows_limit(attend, 1)
         mask = self._active_mask(slots)
-        rows = self._free_rows if not allowed else self._device_rows(allowed)
+        rows = self._device_rows(allowed)
         outs = []
         for _ in range(steps):
             self._cache, logits = self._program("logits", self.num_slots, attend, 1, few_rows)(
@@ -744,7 +744,10 @@ class ModelRunner:
         return _start_copies(out)
 
     def _device_rows(self, rows: dict[int, np.ndarray]) -> jax.Array:
-        """A decode step's [B, W] allowed tokens: the constrained slots' rows, every bit elsewhere."""
+        """A decode step's [B, W] allowed tokens: the constrained slots' rows, every bit elsewhere
+        (no rows: the free rows kept on the device, no transfer)."""
+        if not rows:
+            return self._free_rows
         host = np.full((self.num_slots, self._mask_words), -1, np.int32)
         for slot, row in rows.items():
             host[slot] = row

@@ -574,12 +574,7 @@ def sample_stateful(
         scaled = jnp.where(scaled < floor, -jnp.inf, scaled)
         keys = jax.vmap(lambda seed, index: jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"),
                                                                index))(arrays.seed, step_index)
-        if not llama_samplers:
-            sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-            return jnp.where(is_greedy, greedy_tokens, sampled), mu
         uses_xtc = ~is_greedy & (arrays.xtc_probability > 0) & (arrays.xtc_threshold <= 0.5)
-        scaled = cond(jnp.any(uses_xtc), lambda x: _exclude_top_choices(x, arrays, jax.vmap(
-            lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys)), lambda x: x, scaled)
         # mirostat rows: the temperature, then mirostat in place of the truncations above (llama.cpp's chain)
         uses_mirostat = ~is_greedy & (arrays.mirostat > 0)
 
@@ -588,16 +583,18 @@ def sample_stateful(
             kept = jnp.where(_mirostat_keep(tempered, arrays, mu, cond), tempered, -jnp.inf)
             return jnp.where(uses_mirostat[:, None], kept, x)
 
-        scaled = cond(jnp.any(uses_mirostat), mirostat, lambda x: x, scaled)
-        sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-
         def moved(operand):  # mu moves by eta times the drawn token's surprise (under the kept tokens) less tau
             x, token = operand
             drawn = jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), token[:, None], axis=-1)[:, 0]
             error = -drawn / jnp.log(2.0) - arrays.mirostat_tau
             return jnp.where(uses_mirostat & jnp.isfinite(error), mu - arrays.mirostat_eta * error, mu)
 
-        new_mu = cond(jnp.any(uses_mirostat), moved, lambda _: mu, (scaled, sampled))
+        if llama_samplers:
+            scaled = cond(jnp.any(uses_xtc), lambda x: _exclude_top_choices(x, arrays, jax.vmap(
+                lambda key: jax.random.uniform(jax.random.fold_in(key, 1)))(keys)), lambda x: x, scaled)
+            scaled = cond(jnp.any(uses_mirostat), mirostat, lambda x: x, scaled)
+        sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        new_mu = cond(jnp.any(uses_mirostat), moved, lambda _: mu, (scaled, sampled)) if llama_samplers else mu
         return jnp.where(is_greedy, greedy_tokens, sampled), new_mu
 
     # An all-greedy batch skips the random draw over the vocabulary altogether.
