@@ -127,15 +127,9 @@ def make_request(
     cache_prompt: bool = True, prompt_logprobs: int | None = None,
 ) -> GenerationRequest:
     return GenerationRequest(
-        request_id=label,
-        prompt_tokens=prompt,
-        max_tokens=max_tokens,
-        sampling=sampling or SamplingParams(temperature=1.0, seed=seed),
-        stop=stop,
-        ignore_eos=ignore_eos,
-        logprobs=logprobs,
-        cache_prompt=cache_prompt,
-        prompt_logprobs=prompt_logprobs,
+        request_id=label, prompt_tokens=prompt, max_tokens=max_tokens,
+        sampling=sampling or SamplingParams(temperature=1.0, seed=seed), stop=stop, ignore_eos=ignore_eos,
+        logprobs=logprobs, cache_prompt=cache_prompt, prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -183,14 +177,15 @@ async def run_batch(engine, requests: Sequence[GenerationRequest]) -> list[commo
 
 
 async def measure_decode(engine, timings: TimingLog, users: int, prompt_len: int, decode_tokens: int,
-                         rng: np.random.Generator, label: str = "decode",
-                         prompt_logprobs: int | None = None) -> dict[str, Any]:
+                         rng: np.random.Generator, label: str = "decode", prompt_logprobs: int | None = None,
+                         first: SamplingParams | None = None) -> dict[str, Any]:
     """`users` streams decoding together; with `prompt_logprobs` their prompts were prefilled by
-    the scoring programs (PrefillChunk.score), so the decode steps follow those programs."""
+    the scoring programs (PrefillChunk.score), so the decode steps follow those programs; with
+    `first`, the first stream samples with it (the others as the plain runs)."""
     vocab = engine.tokenizer.vocab_size
     reqs = [
         make_request(f"{label}-{users}-{i}", common.random_prompt(rng, prompt_len, vocab), decode_tokens, seed=i,
-                     prompt_logprobs=prompt_logprobs)
+                     prompt_logprobs=prompt_logprobs, sampling=first if i == 0 else None)
         for i in range(users)
     ]
     records = await run_batch(engine, reqs)
@@ -205,6 +200,9 @@ async def measure_decode(engine, timings: TimingLog, users: int, prompt_len: int
     summary["engine_itl_ms_mean"] = common.ms(float(np.mean(itl))) if itl else None
     return summary
 
+
+# one of llama.cpp's samplers, which the lean decode program leaves out (model/runner.py's _decode_apart)
+DRY_SAMPLING = SamplingParams(temperature=1.0, seed=0, dry_multiplier=0.8)
 
 # (name, constraint); neither completes within a run (module docstring)
 CONSTRAINTS = (("cached", Constraint("regex", "[a-z ]*", "bench")),
@@ -352,7 +350,11 @@ async def measure_chat_turn(engine, history_len: int, turn_len: int, repeats: in
 
 
 async def run_suite(engine, timings: TimingLog, args: argparse.Namespace, max_context: int) -> dict[str, Any]:
-    rng, scored_rng = np.random.default_rng(args.seed), np.random.default_rng(args.seed + 1)
+    rng = np.random.default_rng(args.seed)
+    # decode runs after each plain one: prompts through the scoring programs; one DRY stream
+    variants = [(name, kwargs) for name, on, kwargs in (("scored", args.scored_decode, {"prompt_logprobs": 0}),
+                                                        ("dry", args.dry_decode, {"first": DRY_SAMPLING})) if on]
+    rngs = {name: np.random.default_rng(args.seed + i) for i, name in enumerate(("scored", "dry"), 1)}
     await run_batch(engine, [make_request("warmup", common.random_prompt(rng, 64, engine.tokenizer.vocab_size), 8, 0)])
     out: dict[str, Any] = {}
     if args.prefill_len + 1 <= max_context:
@@ -363,10 +365,10 @@ async def run_suite(engine, timings: TimingLog, args: argparse.Namespace, max_co
     for u in users:
         out["decode"][str(u)] = await measure_decode(engine, timings, u, args.prompt_len, args.decode_tokens, rng)
         log.info("decode x%d: %s", u, out["decode"][str(u)])
-        if args.scored_decode:  # alternated with the plain runs, prompts of their own (the others' unchanged)
-            out.setdefault("decode_scored", {})[str(u)] = await measure_decode(
-                engine, timings, u, args.prompt_len, args.decode_tokens, scored_rng, label="scored", prompt_logprobs=0)
-            log.info("decode x%d after scored prompts: %s", u, out["decode_scored"][str(u)])
+        for name, kwargs in variants:  # alternated with the plain runs, prompts of their own (the others' unchanged)
+            out.setdefault(f"decode_{name}", {})[str(u)] = await measure_decode(
+                engine, timings, u, args.prompt_len, args.decode_tokens, rngs[name], label=name, **kwargs)
+            log.info("decode x%d (%s): %s", u, name, out[f"decode_{name}"][str(u)])
     out["join"] = await measure_join(engine, 3, args.join_len, args.repeats, rng, max_context)
     log.info("join: %s", out["join"])
     if args.constrained:
@@ -597,6 +599,7 @@ def main_run(args: argparse.Namespace) -> int:
                      "sampling": "temperature 1.0, seeded; ignore_eos"},
         "decode_tok_s": decode_tok_s,
         "decode_scored_tok_s": decode_rates(suite.get("decode_scored", {})) or None,
+        "decode_dry_tok_s": decode_rates(suite.get("decode_dry", {})) or None,
         "prefill_tok_s": {str(args.prefill_len): suite["prefill"]["tok_s"]} if "prefill" in suite else {},
         "ttft_ms_join3": suite["join"]["ttft_ms_p50"],
         "chat_turn": suite.get("chat_turn"),  # the prompt cache: a chat's next turn, cold and warm
@@ -636,9 +639,9 @@ def print_summary(r: dict[str, Any]) -> None:
     print(f"  start-up s: {r['startup_s']}")
     print(f"  prefill tok/s: {r['prefill_tok_s']}")
     print("  decode tok/s: " + ", ".join(f"{u} users {v}" for u, v in r["decode_tok_s"].items()))
-    if r.get("decode_scored_tok_s"):
-        print("  decode tok/s after scored prompts: " + ", ".join(
-            f"{u} users {v}" for u, v in r["decode_scored_tok_s"].items()))
+    for key, what in (("decode_scored_tok_s", "after scored prompts"), ("decode_dry_tok_s", "with one DRY stream")):
+        if r.get(key):
+            print(f"  decode tok/s {what}: " + ", ".join(f"{u} users {v}" for u, v in r[key].items()))
     print(f"  TTFT of a {r['settings']['join_len']}-token prompt joining 3 streams: {r['ttft_ms_join3']} ms")
     for key, what in (("chat_turn", "a chat's next turn"), ("shared_prompt", "a prompt sharing a busy slot's")):
         chat = r.get(key)
@@ -744,6 +747,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--scored-decode", action="store_true",
                     help="after each decode run, one whose prompts were scored (prompt_logprobs 0): decode "
                          "after the scoring prefill programs, against decode after the plain ones")
+    ap.add_argument("--dry-decode", action="store_true",
+                    help="after each decode run, one whose first stream asks for DRY (llama.cpp's sampler, "
+                         "DRY_SAMPLING): on a GPU those steps run the forward pass and the full sampler apart")
     ap.add_argument("--constrained", action="store_true",
                     help="also measure decode under constrained decoding (details.constrained)")
     ap.add_argument("--trace-constrained", action="store_true",

@@ -81,9 +81,10 @@ def test_the_chat_turn_measure_reuses_the_history_and_agrees_with_the_cold_prefi
     assert len([c for plan in model.plans for c in plan.copies]) == (4 if shared else 0)
 
 
-def test_the_scored_decode_runs_prefill_through_the_scoring_programs():
+def test_the_scored_and_dry_decodes_run_what_they_name():
     """`measure_decode` with prompt_logprobs (--scored-decode): every prompt chunk of its streams
-    is a scored one, and they decode as many tokens as the plain runs."""
+    is a scored one; with `first` (--dry-decode) the first stream alone samples with DRY; each
+    decodes as many tokens as the plain run."""
     import asyncio
 
     import numpy as np
@@ -103,8 +104,13 @@ def test_the_scored_decode_runs_prefill_through_the_scoring_programs():
         runs = {lp: asyncio.run(engine.measure_decode(eng, timings, 3, 12, 5, np.random.default_rng(0),
                                                       label=f"run{lp}", prompt_logprobs=lp))
                 for lp in (None, 0)}
+        dry = asyncio.run(engine.measure_decode(eng, timings, 3, 12, 5, np.random.default_rng(1), label="dry",
+                                                first=engine.DRY_SAMPLING))
     finally:
         eng.shutdown(10)
-    assert runs[None]["tokens"] == runs[0]["tokens"] == 15
+    assert runs[None]["tokens"] == runs[0]["tokens"] == dry["tokens"] == 15
     chunks = [c for plan in model.plans for c in plan.prefills]
-    assert len(chunks) == 12 and [c.score for c in chunks] == [False] * 6 + [True] * 6
+    assert len(chunks) == 18 and [c.score for c in chunks] == [False] * 6 + [True] * 6 + [False] * 6
+    samplers = [s.sampling.uses_llama_samplers for plan in model.plans for s in plan.setups]
+    assert samplers == [False] * 6 + [True, False, False]
+    assert engine.DRY_SAMPLING.uses_llama_samplers

@@ -65,6 +65,9 @@ class ByteTokenizer:
     def strips_leading_space(self, ids) -> bool:
         return False
 
+    def tokens_containing(self, texts) -> tuple[int, ...]:  # DRY's sequence breakers
+        return tuple(t for t in range(256) if any(text.encode() in bytes([t]) for text in texts if text))
+
     def decode(self, ids, skip_special: bool = True) -> str:
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
