@@ -185,7 +185,9 @@ class Tokenizer:
         self._add_eos = bool(add_eos) and self._eos_id is not None  # (embeddings' inputs: the file's special tokens)
         self._add_space_prefix = bool(add_space_prefix) and kind == "llama"
         self._chat_template = chat_template
-        self._eog_ids, self._eot_id = self._detect_eog(attrs, {k: valid(v) for k, v in extra_ids.items()})
+        self._eog_ids, found = self._detect_eog(attrs, {k: valid(v) for k, v in extra_ids.items()})
+        self._eot_id = found.get("eot")
+        self._fim_ids = {k: v for k, v in found.items() if k.startswith("fim_") and v is not None}
         self._attrs = attrs
         self._piece_cache: list[bytes | None] = [None] * num
         self._joined: tuple[bytes, np.ndarray, np.ndarray] | None = None  # tokens_containing's
@@ -252,9 +254,10 @@ class Tokenizer:
             add_eos=bool(get("add_eos_token", False)),
         )
 
-    def _detect_eog(self, attrs: list[int], extra: dict[str, int | None]) -> tuple[frozenset[int], int | None]:
+    def _detect_eog(self, attrs: list[int], extra: dict[str, int | None]) -> tuple[frozenset[int], dict[str, int | None]]:
         """llama.cpp's rules (llama_vocab::impl::load): ids named in the file, else found by text;
-        the tokens found become control; the end-of-generation set is built from them."""
+        the tokens found become control; the end-of-generation set is built from them. Returns
+        it and the tokens found (end of turn, of message, fill-in-the-middle) by name."""
         found = dict(extra)
         for name, texts in _DETECTED_TEXTS.items():
             for text in texts:
@@ -287,7 +290,7 @@ class Tokenizer:
         for text in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):  # gpt-oss: always rendered
             if text in self._token_to_id:
                 attrs[self._token_to_id[text]] = _ATTR_USER_DEFINED
-        return frozenset(eog), found.get("eot")
+        return frozenset(eog), found
 
     def _group_specials(self, ids: list[int]) -> dict[str, tuple[dict[str, int], tuple[int, ...]]]:
         """Special tokens grouped by their first 3 characters: prefix -> (text -> id, the
@@ -315,6 +318,12 @@ class Tokenizer:
     @property
     def eot_id(self) -> int | None:
         return self._eot_id
+
+    @property
+    def fim_ids(self) -> dict[str, int]:
+        """The fill-in-the-middle tokens the vocabulary has, by llama.cpp's names (fim_pre,
+        fim_suf, fim_mid, fim_pad, fim_rep, fim_sep): named in the file, else found by text."""
+        return dict(self._fim_ids)
 
     @property
     def eog_ids(self) -> frozenset[int]:

@@ -136,6 +136,31 @@ def notify(observers: tuple[Observer, ...], timing: RequestTiming) -> None:
             log.exception("engine observer %r failed", observer)
 
 
+class LineRules:
+    """The lines of a request's output, for its code completion stops
+    (`GenerationRequest.min_indent`, `newline_limit_s`): text goes in as it is sent."""
+
+    def __init__(self, min_indent: int) -> None:
+        self.min_indent = min_indent
+        self.seen_newline = False
+        self._lead: int | None = None  # the current line's indentation while only it has come (not the first line)
+
+    def cut(self, text: str) -> int | None:
+        """Where in `text` the text of a line (after the first) indented less than min_indent
+        starts; None where none does. A line of whitespace alone passes."""
+        for i, ch in enumerate(text):
+            if ch == "\n":
+                self.seen_newline, self._lead = True, 0
+            elif self._lead is not None and self.min_indent:
+                if ch in " \t":
+                    self._lead += 1
+                elif self._lead < self.min_indent:
+                    return i
+                else:
+                    self._lead = None
+        return None
+
+
 class StopMatcher:
     """Finds stop strings in streamed text; holds back any tail that may still start one.
 
@@ -210,6 +235,8 @@ class RequestState:
         self._detok = detokenizer
         self._stop = StopMatcher(request.stop)
         self._stop_ids = stop_ids
+        self._lines = (LineRules(request.min_indent)
+                       if request.min_indent or request.newline_limit_s is not None else None)
         self.matcher = matcher  # constrained decoding: the grammar's state, past the accepted tokens
         self._slot_params: tuple | None = None  # slot_info's, made once
         self.submitted_at = submitted_at
@@ -285,6 +312,30 @@ class RequestState:
     ) -> StreamEvent:
         """Takes one generated token; the event's finish_reason is set when it ends the request.
         With max_tokens 0 the token sampled after the prompt is dropped: the request ends."""
+        event = self._take(token, logprob, top_ids, top_logprobs, now)
+        rules = self._lines
+        if rules is None or (event.finish_reason is not None and not event.text):
+            return event
+        had_newline = rules.seen_newline
+        at = rules.cut(event.text)
+        if at is not None:  # a line indented less than min_indent: the output ends before its text
+            return self._ended(event, event.text[:at], FINISH_LENGTH)
+        limit = self.request.newline_limit_s
+        if event.finish_reason is None and had_newline and limit is not None and now - self._first_at > limit:
+            tail, matched = self._finish_text()
+            return self._ended(event, event.text + tail, FINISH_STOP if matched else FINISH_LENGTH)
+        return event
+
+    def _ended(self, event: StreamEvent, text: str, reason: str) -> StreamEvent:
+        """`event` with `text`, as the request's last event (its own reason where it was one)."""
+        if event.finish_reason is not None:
+            return dataclasses.replace(event, text=text)
+        last = self._event("", (), (), reason)
+        return dataclasses.replace(last, text=text, token_ids=event.token_ids, logprobs=event.logprobs,
+                                   prompt_logprobs=event.prompt_logprobs)
+
+    def _take(self, token: int, logprob: float, top_ids: np.ndarray, top_logprobs: np.ndarray,
+              now: float) -> StreamEvent:
         if self.limit == 0:
             self._record_time(now)  # (timings: the prompt's time)
             return self._event("", (), (), FINISH_LENGTH)

@@ -84,6 +84,12 @@ class GenerationRequest:
     # An embedding (one of POOLING_KINDS): the prompt is prefilled whole, as for prompt logprobs,
     # and the final event carries its pooled hidden states (StreamEvent.embedding); max_tokens 0.
     pooling: str | None = None
+    # Code completion's stops (llama-server's n_indent and t_max_predict_ms, for editors' /infill):
+    # a line after the first whose text starts with fewer than `min_indent` spaces or tabs ends
+    # the output before that text; once the output holds a newline, a token that comes more than
+    # `newline_limit_s` after the first ends it. Either ends it as max_tokens would ("length").
+    min_indent: int = 0
+    newline_limit_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:
@@ -98,6 +104,10 @@ class GenerationRequest:
             raise RequestValidationError("prompt_logprobs must be >= 0", "prompt_logprobs")
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise RequestValidationError("timeout must be > 0", "timeout")
+        if self.min_indent < 0:
+            raise RequestValidationError("min_indent must be >= 0", "min_indent")
+        if self.newline_limit_s is not None and not self.newline_limit_s > 0:
+            raise RequestValidationError("newline_limit_s must be > 0", "newline_limit_s")
 
 
 @dataclasses.dataclass(frozen=True)

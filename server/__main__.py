@@ -246,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how /v1/embeddings pools the prompt's normed last hidden states: auto (the GGUF's "
                         "pooling_type where it is mean or last, else last, as vLLM does for a decoder), mean over "
                         "the tokens, or the last token's")
+    p.add_argument("--spm-infill", action="store_true",
+                   help="/infill's (and a /v1/completions suffix's) fill-in-the-middle prompt in the suffix, "
+                        "prefix, middle order that some code models were trained in (default: prefix, suffix, "
+                        "middle)")
     p.add_argument("--compile-cache", type=pathlib.Path, default=None,
                    help="JAX persistent compilation cache directory (default: in the model cache; 'none' disables)")
     p.add_argument("--coordinator", metavar="HOST:PORT",
@@ -320,6 +324,7 @@ def build_configs(args: argparse.Namespace, environ: dict[str, str] | os._Enviro
         tool_call_parser=args.tool_call_parser,
         reasoning_format=args.reasoning_format,
         pooling=args.pooling,
+        spm_infill=args.spm_infill,
         log_level=args.log_level,
     )
     return engine_config, server_config

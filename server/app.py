@@ -11,7 +11,8 @@ key) -> route ->
 `server/openai_api.py` (parse) -> `server/prompts.py` (tokenize, check) ->
 `server/generation.py` (submit, stream or collect). `/v1/responses` (server/responses_api.py)
 and `/v1/messages` (server/messages_api.py) become chat requests, llama-server's `/completion`
-(server/llama_api.py) a completion request, and follow the same path.
+(server/llama_api.py) a completion request, as does its `/infill` (server/infill.py), and
+follow the same path.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from scheduler.gc_pauses import GcSnapshot
 from scheduler.requests import RequestTiming
 from scheduler.types import SLOT_PARAMS, Constraint, EngineStats, GenerationRequest
 from server import embeddings_api, llama_api, messages_api, reasoning, responses_api, tool_calls
+from server import infill as infill_api
 from server.asgi import ApiKeyAuth, BodyLimit, ErrorBoundary, EventStreamResponse, HttpMetricsMiddleware, unless_disconnected
 from server.config import ServerConfig
 from server.errors import ApiError, error_response, invalid, json_response
@@ -225,9 +227,11 @@ async def _json_body(request: Request) -> Any:
     return body
 
 
-async def _submit(request: Request, parsed: ParsedRequest, response_id: str, entered: float) -> Generation:
+async def _submit(request: Request, parsed: ParsedRequest, response_id: str, entered: float,
+                  request_fields: dict[str, Any] | None = None) -> Generation:
     """A parsed request's prompts prepared and its engine requests submitted (the chat and
-    completion endpoints', and the Responses API's as a chat request)."""
+    completion endpoints', and the Responses API's as a chat request); `request_fields`: more
+    of the engine requests' fields."""
     state = request.app.state
     config: ServerConfig = state.config
     engine, ready = state.holder.require_ready()
@@ -235,7 +239,8 @@ async def _submit(request: Request, parsed: ParsedRequest, response_id: str, ent
     if parsed.forces_call:
         parsed = _force_calls(parsed, config, template, engine.tokenizer)
     prompts = prepare(parsed, engine.tokenizer, ready.limits, template, render_chat)
-    gen = Generation(engine, parsed, prompts, response_id, _reply_format(parsed, config, template, prompts))
+    gen = Generation(engine, parsed, prompts, response_id, _reply_format(parsed, config, template, prompts),
+                     request_fields)
     # taken before the submit: the engine's own TTFT clock starts as the request reaches it (in
     # its process or thread), and this handler may run on only later, so an end taken after
     # the submit would count that time twice
@@ -346,18 +351,31 @@ async def create_message(request: Request) -> Response:
 async def native_completion(request: Request) -> Response:
     """llama-server's native completion API (server/llama_api.py), served as a completion request."""
     entered = time.perf_counter()
+    return await _native(request, await _json_body(request), entered)
+
+
+async def infill(request: Request) -> Response:
+    """llama-server's fill-in-the-middle (server/infill.py), served as `/completion` is."""
+    entered = time.perf_counter()
+    state = request.app.state
+    engine, ready = state.holder.require_ready()
+    body = infill_api.to_completion_body(await _json_body(request), engine.tokenizer, ready.limits.max_context,
+                                         state.config.spm_infill)
+    return await _native(request, body, entered)
+
+
+async def _native(request: Request, body: Any, entered: float) -> Response:
     state = request.app.state
     config: ServerConfig = state.config
     engine, ready = state.holder.require_ready()
     tokenizer = engine.tokenizer
-    body = await _json_body(request)
     response_id = "cmpl-" + uuid.uuid4().hex
     native = None
     try:
         native = llama_api.to_completion(body, tokenizer.encode, bos_eos_text(tokenizer)[0],
                                          ready.limits.max_top_logprobs)
         parsed = parse_completion(native.body, config.max_choices)
-        gen = await _submit(request, parsed, response_id, entered)
+        gen = await _submit(request, parsed, response_id, entered, native.request_fields)
     except ApiError as e:  # named as llama.cpp's fields name it
         raise (llama_api.renamed(e, native.names) if native is not None else e) from None
     builder = llama_api.NativeBuilder(parsed, native, parsed.model or config.model_name, tokenizer)
@@ -432,7 +450,13 @@ def _reply_format(parsed: ParsedRequest, config: ServerConfig, template: str | N
 
 
 async def completions(request: Request) -> Response:
-    return await _generate(request, parse_completion)
+    def parse(body: Any, max_choices: int) -> ParsedRequest:  # a suffix: FIM prompts (server/infill.py)
+        engine, ready = request.app.state.holder.require_ready()
+        body = infill_api.completion_with_suffix(body, engine.tokenizer, ready.limits.max_context,
+                                                 request.app.state.config.spm_infill)
+        return parse_completion(body, max_choices)
+
+    return await _generate(request, parse)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -657,6 +681,7 @@ ROUTES = (
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/completions", completions, methods=["POST"]),
     Route("/completion", native_completion, methods=["POST"]),
+    Route("/infill", infill, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/messages", create_message, methods=["POST"]),

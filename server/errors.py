@@ -6,7 +6,8 @@ Handlers raise `ApiError`; `server/app.py` turns it (and Starlette's 404/405) in
 Status codes used:
   400 invalid input (param names the field), 401 bad or missing API key, 404 unknown route,
   405 wrong method, 413 body too large, 429 queue full (Retry-After), 500 a bug or an engine
-  failure during generation, 503 engine loading/failed/stopped, 504 generation deadline passed.
+  failure during generation, 501 the model cannot do what was asked (/infill without
+  fill-in-the-middle tokens), 503 engine loading/failed/stopped, 504 generation deadline passed.
 """
 
 from __future__ import annotations

@@ -64,8 +64,9 @@ def unavailable(message: str) -> ApiError:
 
 class Generation:
     def __init__(self, engine: Engine, parsed: ParsedRequest, prompts: list[PreparedPrompt], response_id: str,
-                 reply_format: ReplyFormat = ReplyFormat()) -> None:
+                 reply_format: ReplyFormat = ReplyFormat(), request_fields: dict[str, Any] | None = None) -> None:
         self._engine = engine
+        self._request_fields = request_fields or {}  # more GenerationRequest fields (llama-server's line stops)
         self._parsed = parsed
         self._prompts = prompts
         self._response_id = response_id
@@ -91,6 +92,7 @@ class Generation:
             constraint=self._parsed.constraint,
             # chat returns the prompt's scores once, beside the choices: its first choice scores it
             prompt_logprobs=self._parsed.scores_prompt if i == 0 or not self._parsed.is_chat else None,
+            **self._request_fields,
         )
 
     async def compile_constraint(self) -> None:

@@ -13,13 +13,17 @@ llama-server's come from its command line. The penalties are llama.cpp's: `repea
 `presence_penalty` and `frequency_penalty` count the last `repeat_last_n` tokens (64; -1: all;
 0: no penalties) of prompt and output alike. The temperature applies before the truncations
 (vLLM's order). Refused (400) where set to anything but their neutral value: the samplers this
-server does not have (`tfs_z`, gone from llama.cpp too), `t_max_predict_ms`,
-`post_sampling_probs` and `lora`. `typical_p`, `top_n_sigma`, `xtc_probability`,
+server does not have (`tfs_z`, gone from llama.cpp too), `post_sampling_probs` and `lora`. `typical_p`, `top_n_sigma`, `xtc_probability`,
 `xtc_threshold`, `dynatemp_range`, `dynatemp_exponent`, DRY's `dry_*` and `mirostat`,
 `mirostat_tau`, `mirostat_eta` are served (server/samplers.py; the values llama.cpp reads as off
 are off).
+Code completion's stops (an editor's, through `/infill`, server/infill.py): `n_indent` ends the
+output before the text of a later line indented less (`stop_type` `limit`), and
+`t_max_predict_ms`, once the output holds a newline, after the first token that comes later
+than that since the first token.
 Accepted and ignored: `samplers` (the order is this server's), `id_slot` (the engine places
-requests), `n_keep` (no context shift), `min_keep`, `timings_per_token`, `return_progress`.
+requests), `n_keep` (no context shift), `min_keep`, `timings_per_token`, `return_progress`,
+`t_max_prompt_ms`.
 
 The response is llama-server's: per prompt an object with `content`, `tokens` (with
 `return_tokens`), `stop`, `model`, `tokens_predicted`, `tokens_evaluated`, `tokens_cached` (the
@@ -62,7 +66,7 @@ _SHARED = ("model", "temperature", "top_k", "top_p", "min_p", "stream", "seed", 
 _CLAMPED = {"typical_p": (-math.inf, 1.0), "dynatemp_range": (0.0, math.inf), "xtc_probability": (0.0, 1.0),
             "xtc_threshold": (-math.inf, 1.0), "dry_multiplier": (0.0, math.inf)}
 # samplers and switches this server does not have, with the value that leaves them off
-_OFF = {"tfs_z": (1.0, "at least 1"), "t_max_predict_ms": (0, "0 or less")}
+_OFF = {"tfs_z": (1.0, "at least 1")}
 Encode = Callable[[str, bool | None, bool], list[int]]  # (text, add_bos, parse_special) -> ids
 # the completion parser's field names -> this API's, for the `param` and message of a 400
 _PARAM_NAMES = {"max_tokens": "n_predict", "logprobs": "n_probs", "repetition_penalty": "repeat_penalty",
@@ -80,6 +84,8 @@ class NativeRequest:
     return_tokens: bool
     response_fields: tuple[str, ...]
     names: dict[str, str]  # a completion field -> the field of this request it came from (errors)
+    # code completion's stops (n_indent, t_max_predict_ms): GenerationRequest's fields
+    request_fields: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _is_int(value: Any) -> bool:
@@ -145,8 +151,7 @@ def to_completion(body: Any, encode: Encode, bos_text: str | None = None,
         value = body.get(name, neutral)
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise invalid(f"'{name}' must be a number", name)
-        off = value >= neutral if name == "tfs_z" else value <= max(neutral, 0)
-        if not off:
+        if value < neutral:
             raise invalid(f"'{name}' is not supported by this server (its sampler or switch is not "
                           f"there): leave it out or set it to {what}", name)
     for name in ("post_sampling_probs", "return_tokens"):
@@ -160,7 +165,25 @@ def to_completion(body: Any, encode: Encode, bos_text: str | None = None,
     fields = body.get("response_fields", [])
     if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
         raise invalid("'response_fields' must be an array of strings", "response_fields")
-    return NativeRequest(out, n_probs, body.get("return_tokens", False), tuple(fields), names)
+    return NativeRequest(out, n_probs, body.get("return_tokens", False), tuple(fields), names, _line_stops(body))
+
+
+def _line_stops(body: dict[str, Any]) -> dict[str, Any]:
+    """`n_indent` (a later line indented less ends the output before its text) and
+    `t_max_predict_ms` (once the output holds a newline, no token after this long; 0 or less:
+    none) as the engine request's fields."""
+    out: dict[str, Any] = {}
+    indent = body.get("n_indent", 0)
+    if not _is_int(indent) or indent < 0:
+        raise invalid("'n_indent' must be an integer of at least 0", "n_indent")
+    if indent:
+        out["min_indent"] = indent
+    limit = body.get("t_max_predict_ms", 0)
+    if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not math.isfinite(limit):
+        raise invalid("'t_max_predict_ms' must be a number", "t_max_predict_ms")
+    if limit > 0:
+        out["newline_limit_s"] = limit / 1e3
+    return out
 
 
 def _prompt(value: Any, encode: Encode, bos_text: str | None) -> Any:

@@ -403,3 +403,23 @@ def test_tokens_containing_holds_every_token_with_the_text(name: str, request: p
             break
     assert tok.tokens_containing([text]) == tuple(j for j in range(tok.vocab_size) if text.encode() in tok.token_bytes(j))
     assert i not in tok.tokens_containing([text]) or text.encode() in tok.token_bytes(i)
+
+
+def test_fim_tokens_are_found_by_text_or_named_by_the_file(smollm2: Tokenizer) -> None:
+    """/infill's tokens: Qwen2.5-Coder's texts found in the vocabulary (and made control, so that
+    decoding skips them), an id the file names winning over the text; SmolLM2 has a repository
+    name's token alone (no prefix, suffix or middle: no /infill)."""
+    from model.tokenizer import _BYTE_TO_CHAR
+
+    fim = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|repo_name|>", "<|file_sep|>", "<|fim_pad|>"]
+    pieces = [_BYTE_TO_CHAR[b] for b in range(256)] + fim + ["<PRE>"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": pieces,
+            "tokenizer.ggml.token_type": [TOKEN_TYPE_NORMAL] * len(pieces), "tokenizer.ggml.merges": []}
+    tok = Tokenizer.from_gguf_metadata(meta)
+    assert tok.fim_ids == {"fim_pre": 256, "fim_suf": 257, "fim_mid": 258, "fim_rep": 259, "fim_sep": 260,
+                           "fim_pad": 261}
+    assert tok.decode([ord("a"), 256, 257, 258]) == "a" and tok.is_special(260)
+    assert {259, 260, 261} <= tok.eog_ids  # llama.cpp's: a repo, file or pad token ends a generation
+    named = Tokenizer.from_gguf_metadata({**meta, "tokenizer.ggml.fim_pre_token_id": 262})
+    assert named.fim_ids["fim_pre"] == 262 and named.fim_ids["fim_suf"] == 257
+    assert smollm2.fim_ids == {"fim_rep": smollm2.token_to_id("<reponame>")}

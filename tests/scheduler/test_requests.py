@@ -1,4 +1,5 @@
-"""StopMatcher: text is released only once no stop string can match across it."""
+"""StopMatcher: text is released only once no stop string can match across it; and the code
+completion stops (GenerationRequest.min_indent, newline_limit_s) on a request's sent text."""
 
 from __future__ import annotations
 
@@ -47,3 +48,51 @@ def test_release_returns_held_text():
     assert matcher.feed("hello ST") == ("hello ", False)
     assert matcher.release() == "ST"
     assert matcher.release() == ""
+
+
+def _state(stop: tuple[str, ...] = (), **fields):
+    """A request's state over the byte tokenizer (token b is byte b), with `fields` of its request."""
+    from scheduler.requests import RequestState
+    from scheduler.types import GenerationRequest
+    from tests.scheduler.conftest import EOS, ByteDetokenizer, ByteTokenizer
+
+    request = GenerationRequest("r", (1, 2), 64, stop=stop, **fields)
+    return RequestState(request, None, 0, detokenizer=ByteDetokenizer(ByteTokenizer()), stop_ids=frozenset({EOS}),
+                        max_context=256, deadline=float("inf"), submitted_at=0.0)
+
+
+def _feed(state, text: str, times: list[float] | None = None) -> tuple[str, str | None, int]:
+    """Each byte of `text` as a token (at `times`, else 0): (text sent, finish reason, tokens taken)."""
+    import numpy as np
+
+    sent, none = [], np.zeros((0,), np.int32)
+    for i, b in enumerate(text.encode()):
+        event = state.accept(b, -0.5, none, none.astype(np.float32), times[i] if times else 0.0)
+        sent.append(event.text)
+        if event.finish_reason is not None:
+            return "".join(sent), event.finish_reason, i + 1
+    return "".join(sent), None, len(text.encode())
+
+
+def test_a_line_indented_less_than_min_indent_ends_the_output_before_its_text():
+    """llama-server's n_indent: the first line is free; a later one whose text starts with fewer
+    spaces or tabs (each counts one) than min_indent ends the output there ("length"); blank
+    lines pass."""
+    assert _feed(_state(min_indent=4), "if x:\n    y = 1\n\n    \t\n\t\t\t\tz\n  w = 2\nmore") == (
+        "if x:\n    y = 1\n\n    \t\n\t\t\t\tz\n  ", "length", 32)
+    assert _feed(_state(min_indent=2), "a\n\tb") == ("a\n\t", "length", 4)
+    assert _feed(_state(min_indent=4), "a\n    b\n        c") == ("a\n    b\n        c", None, 17)
+    assert _feed(_state(), "a\nb") == ("a\nb", None, 3)  # min_indent 0: off
+    # text held back for a stop string ("S") is checked once sent, and cut with its line
+    assert _feed(_state(("ST",), min_indent=2), "a\n  S\nSx") == ("a\n  S\n", "length", 8)
+
+
+def test_after_a_newline_a_late_token_ends_the_output():
+    """llama-server's t_max_predict_ms: once the output holds a newline, the first token that
+    comes later than the limit after the first token ends it ("length"), its text sent with any
+    held back for a stop string; before a newline, none does."""
+    times = [0.0, 0.5, 0.9, 1.5, 1.6]
+    assert _feed(_state(newline_limit_s=1.0), "a\nbcd", times) == ("a\nbc", "length", 4)
+    assert _feed(_state(newline_limit_s=1.0), "abcde", times) == ("abcde", None, 5)
+    assert _feed(_state(("cX",), newline_limit_s=1.0), "a\nbcd", times) == ("a\nbc", "length", 4)
+    assert _feed(_state(("bc",), newline_limit_s=1.0), "a\nbcd", times) == ("a\n", "stop", 4)

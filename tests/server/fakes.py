@@ -55,8 +55,11 @@ class FakeTokenizer:
     eos_id = EOS
     eog_ids = (EOS,)
 
+    add_bos = True
+
     def __init__(self, chat_template: str | None = CHAT_TEMPLATE) -> None:
         self.chat_template = chat_template
+        self.fim_ids: dict[str, int] = {}  # none: /infill answers 501 (a test may give some)
 
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = False) -> list[int]:
         ids = [BOS] if add_bos is None or add_bos else []

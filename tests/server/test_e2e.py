@@ -278,6 +278,16 @@ def test_a_native_completion_equals_the_openai_completion(server, client):
     assert covered.startswith(stopped["content"]) and len(ids) < len(native["completion_probabilities"])
 
 
+def test_infill_on_a_model_without_fim_tokens_is_not_supported(server):
+    """SmolLM2's vocabulary has a repository token but no prefix, suffix or middle: /infill and
+    a completion's suffix are refused before the engine sees them, which serves on."""
+    r = httpx.post(server + "/infill", json={"input_prefix": "def f(", "input_suffix": "):"}, timeout=60)
+    assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error", r.text
+    r = httpx.post(server + "/v1/completions", json={"prompt": "def f(", "suffix": "):"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix", r.text
+    assert _post(server, "/completion", {"prompt": "def f(", "n_predict": 2})["tokens_predicted"] == 2
+
+
 def _post(server: str, route: str, body: dict) -> dict:
     r = httpx.post(server + route, json=body, timeout=300)
     assert r.status_code == 200, r.text
