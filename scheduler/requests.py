@@ -142,22 +142,22 @@ class LineRules:
 
     def __init__(self, min_indent: int) -> None:
         self.min_indent = min_indent
-        self.seen_newline = False
         self._lead: int | None = None  # the current line's indentation while only it has come (not the first line)
 
     def cut(self, text: str) -> int | None:
-        """Where in `text` the text of a line (after the first) indented less than min_indent
-        starts; None where none does. A line of whitespace alone passes."""
+        """Where in `text` a line after the first, indented by fewer than min_indent spaces or
+        tabs, has its first other character (a blank line's newline too, as llama-server's);
+        None where none does."""
         for i, ch in enumerate(text):
-            if ch == "\n":
-                self.seen_newline, self._lead = True, 0
-            elif self._lead is not None and self.min_indent:
+            if self._lead is not None:
                 if ch in " \t":
                     self._lead += 1
-                elif self._lead < self.min_indent:
+                    continue
+                if self._lead < self.min_indent:
                     return i
-                else:
-                    self._lead = None
+                self._lead = None
+            if ch == "\n" and self.min_indent:
+                self._lead = 0
         return None
 
 
@@ -311,18 +311,22 @@ class RequestState:
         now: float,
     ) -> StreamEvent:
         """Takes one generated token; the event's finish_reason is set when it ends the request.
-        With max_tokens 0 the token sampled after the prompt is dropped: the request ends."""
+        With max_tokens 0 the token sampled after the prompt is dropped: the request ends. Code
+        completion's stops (GenerationRequest.min_indent, newline_limit_s) apply to the text
+        as it is sent, as llama-server applies them."""
         event = self._take(token, logprob, top_ids, top_logprobs, now)
         rules = self._lines
         if rules is None or (event.finish_reason is not None and not event.text):
             return event
-        had_newline = rules.seen_newline
         at = rules.cut(event.text)
         if at is not None:  # a line indented less than min_indent: the output ends before its text
             return self._ended(event, event.text[:at], FINISH_LENGTH)
         limit = self.request.newline_limit_s
-        if event.finish_reason is None and had_newline and limit is not None and now - self._first_at > limit:
-            tail, matched = self._finish_text()
+        if event.finish_reason is None and limit is not None and "\n" in event.text and now - self._first_at > limit:
+            tail, matched = self._finish_text()  # (text held back for a stop string, with its lines checked)
+            at = rules.cut(tail)
+            if at is not None:
+                return self._ended(event, event.text + tail[:at], FINISH_LENGTH)
             return self._ended(event, event.text + tail, FINISH_STOP if matched else FINISH_LENGTH)
         return event
 

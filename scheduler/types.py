@@ -85,9 +85,10 @@ class GenerationRequest:
     # and the final event carries its pooled hidden states (StreamEvent.embedding); max_tokens 0.
     pooling: str | None = None
     # Code completion's stops (llama-server's n_indent and t_max_predict_ms, for editors' /infill):
-    # a line after the first whose text starts with fewer than `min_indent` spaces or tabs ends
-    # the output before that text; once the output holds a newline, a token that comes more than
-    # `newline_limit_s` after the first ends it. Either ends it as max_tokens would ("length").
+    # a line after the first indented by fewer than `min_indent` spaces or tabs (a blank line
+    # too) ends the output before its first other character; a token whose text holds a newline
+    # and comes more than `newline_limit_s` after the first token ends it after that text. Either
+    # ends it as max_tokens would ("length"), unless the token ended it anyway (its own reason).
     min_indent: int = 0
     newline_limit_s: float | None = None
 

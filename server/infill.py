@@ -14,10 +14,11 @@ repository format), `<FIM_REP>myproject\\n`, then `<FIM_SEP>{filename}\\n{text}`
 `<FIM_SEP>filename\\n` for the edited file; else each chunk after a `--- snippet ---` line.
 (llama-server puts the extra context before the BOS; here the BOS comes first, as in any prompt.)
 
-What is kept of long inputs, as llama-server keeps it: of a window of min(2,048, context / 2)
-tokens, the prefix keeps its last three quarters at most, the suffix its first quarter less the
+What is kept of long inputs: as llama-server keeps it, of a window (here min(2,048, context / 2)
+tokens) the prefix keeps its last three quarters at most, the suffix its first quarter less the
 prompt and two; the extra context keeps its end (the chunks sent last) in what the context has
-left after the generation's reserve (`n_predict`, else a quarter window).
+left beside the rest and the generation's reserve (`n_predict`, else a quarter window), where
+llama-server keeps the context less the window and twice `n_predict`.
 
 The rest of an `/infill` request is `/completion`'s (server/llama_api.py), as is its response.
 A model without prefix, suffix and middle tokens answers 501 (llama-server's "not supported").
@@ -46,22 +47,27 @@ class FimTokenizer(Protocol):
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = False) -> list[int]: ...
 
 
+def _encode(tokenizer: FimTokenizer, text: str, field: str | None) -> list[int]:
+    try:
+        return tokenizer.encode(text, False, False)
+    except ValueError as e:  # e.g. a byte the vocabulary cannot represent
+        raise invalid(f"cannot tokenize the {field or 'text'}: {e}", field) from None
+
+
 def fim_prompt(tokenizer: FimTokenizer, prefix: str, suffix: str, *, start: Sequence[int] = (),
                extra: Sequence[tuple[str, str]] = (), max_context: int, reserve: int | None,
-               spm: bool = False) -> list[int]:
+               spm: bool = False, fields: tuple[str, str] = ("input_prefix", "input_suffix")) -> list[int]:
     """The token ids of a FIM prompt (the module's layout): `start` the middle's first tokens,
     `extra` (filename, text) pairs, `reserve` the tokens kept for the generation (None: a
-    quarter window). The caller checks that the model has the tokens (`supported`)."""
+    quarter window), `fields` the prefix's and suffix's names in a 400. The caller checks that
+    the model has the tokens (`supported`)."""
     fim = tokenizer.fim_ids
 
     def enc(text: str) -> list[int]:
-        try:
-            return tokenizer.encode(text, False, False)
-        except ValueError as e:  # e.g. a byte the vocabulary cannot represent
-            raise invalid(f"cannot tokenize the infill's text: {e}", None) from None
+        return _encode(tokenizer, text, "input_extra")
 
     window = max(4, min(FIM_WINDOW, max_context // 2))
-    pre, suf = enc(prefix), enc(suffix)
+    pre, suf = _encode(tokenizer, prefix, fields[0]), _encode(tokenizer, suffix, fields[1])
     pre = pre[len(pre) - min(len(pre), 3 * (window // 4)):]
     suf = suf[:max(0, window // 4 - (2 + len(start)))]
     head = [fim["fim_pre"], *pre, *start]
@@ -105,12 +111,13 @@ def _extra(value: Any) -> list[tuple[str, str]]:
 
 
 def _reserve(body: dict[str, Any]) -> int | None:
-    """The generation's tokens as the request limits them (n_predict, else max_tokens): None
-    where it does not (or -1: up to the context), else at least 0."""
-    for name in ("n_predict", "max_tokens"):
-        value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value if value >= 0 else None
+    """The generation's tokens as the request limits them (n_predict, max_tokens or
+    max_completion_tokens, the first given, as /completion reads them): None where it does not
+    (or -1: up to the context), else at least 0."""
+    for name in ("n_predict", "max_tokens", "max_completion_tokens"):
+        if name in body:
+            value = body[name]
+            return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
     return None
 
 
@@ -126,7 +133,7 @@ def to_completion_body(body: Any, tokenizer: FimTokenizer, max_context: int, spm
     body = {k: v for k, v in body.items() if v is not None}
     start = body.get("prompt", "")
     if isinstance(start, str):
-        start = tokenizer.encode(start, False, False) if start else []
+        start = _encode(tokenizer, start, "prompt") if start else []
     elif not (isinstance(start, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in start)):
         raise invalid("an infill's 'prompt' (the middle's start) must be a string or an array of token ids", "prompt")
     elif not all(0 <= t < tokenizer.vocab_size for t in start):
@@ -156,7 +163,7 @@ def completion_with_suffix(body: Any, tokenizer: FimTokenizer, max_context: int,
     one = isinstance(prompts, str)
     if not one and not (isinstance(prompts, list) and prompts and all(isinstance(p, str) for p in prompts)):
         raise invalid("'suffix' needs a text prompt (a string or an array of strings)", "prompt")
-    ids = [fim_prompt(tokenizer, p, suffix, max_context=max_context, reserve=_reserve(body), spm=spm)
-           for p in ([prompts] if one else prompts)]
+    ids = [fim_prompt(tokenizer, p, suffix, max_context=max_context, reserve=_reserve(body), spm=spm,
+                      fields=("prompt", "suffix")) for p in ([prompts] if one else prompts)]
     rest = {k: v for k, v in body.items() if k != "suffix"}
     return {**rest, "prompt": ids[0] if one else ids}

@@ -13,13 +13,13 @@ llama-server's come from its command line. The penalties are llama.cpp's: `repea
 `presence_penalty` and `frequency_penalty` count the last `repeat_last_n` tokens (64; -1: all;
 0: no penalties) of prompt and output alike. The temperature applies before the truncations
 (vLLM's order). Refused (400) where set to anything but their neutral value: the samplers this
-server does not have (`tfs_z`, gone from llama.cpp too), `post_sampling_probs` and `lora`. `typical_p`, `top_n_sigma`, `xtc_probability`,
-`xtc_threshold`, `dynatemp_range`, `dynatemp_exponent`, DRY's `dry_*` and `mirostat`,
-`mirostat_tau`, `mirostat_eta` are served (server/samplers.py; the values llama.cpp reads as off
-are off).
-Code completion's stops (an editor's, through `/infill`, server/infill.py): `n_indent` ends the
-output before the text of a later line indented less (`stop_type` `limit`), and
-`t_max_predict_ms`, once the output holds a newline, after the first token that comes later
+server does not have (`tfs_z`, gone from llama.cpp too), `post_sampling_probs` and `lora`.
+`typical_p`, `top_n_sigma`, `xtc_probability`, `xtc_threshold`, `dynatemp_range`,
+`dynatemp_exponent`, DRY's `dry_*` and `mirostat`, `mirostat_tau`, `mirostat_eta` are served
+(server/samplers.py; the values llama.cpp reads as off are off).
+Code completion's stops (an editor's, through `/infill`, server/infill.py), as llama-server's:
+`n_indent` ends the output before the text of a later line indented by fewer spaces or tabs (a
+blank line too; `stop_type` `limit`), and `t_max_predict_ms` after a newline that comes later
 than that since the first token.
 Accepted and ignored: `samplers` (the order is this server's), `id_slot` (the engine places
 requests), `n_keep` (no context shift), `min_keep`, `timings_per_token`, `return_progress`,
@@ -170,8 +170,8 @@ def to_completion(body: Any, encode: Encode, bos_text: str | None = None,
 
 def _line_stops(body: dict[str, Any]) -> dict[str, Any]:
     """`n_indent` (a later line indented less ends the output before its text) and
-    `t_max_predict_ms` (once the output holds a newline, no token after this long; 0 or less:
-    none) as the engine request's fields."""
+    `t_max_predict_ms` (a newline after this long ends it; 0 or less: none) as the engine
+    request's fields (GenerationRequest.min_indent, newline_limit_s)."""
     out: dict[str, Any] = {}
     indent = body.get("n_indent", 0)
     if not _is_int(indent) or indent < 0:
@@ -179,10 +179,12 @@ def _line_stops(body: dict[str, Any]) -> dict[str, Any]:
     if indent:
         out["min_indent"] = indent
     limit = body.get("t_max_predict_ms", 0)
+    if _is_int(limit):
+        limit = min(limit, 10**12)  # (a float of any larger int overflows; this is 30 years)
     if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not math.isfinite(limit):
         raise invalid("'t_max_predict_ms' must be a number", "t_max_predict_ms")
     if limit > 0:
-        out["newline_limit_s"] = limit / 1e3
+        out["newline_limit_s"] = max(limit / 1e3, 1e-9)
     return out
 
 

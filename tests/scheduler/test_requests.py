@@ -75,24 +75,32 @@ def _feed(state, text: str, times: list[float] | None = None) -> tuple[str, str 
 
 
 def test_a_line_indented_less_than_min_indent_ends_the_output_before_its_text():
-    """llama-server's n_indent: the first line is free; a later one whose text starts with fewer
-    spaces or tabs (each counts one) than min_indent ends the output there ("length"); blank
-    lines pass."""
-    assert _feed(_state(min_indent=4), "if x:\n    y = 1\n\n    \t\n\t\t\t\tz\n  w = 2\nmore") == (
-        "if x:\n    y = 1\n\n    \t\n\t\t\t\tz\n  ", "length", 32)
+    """llama-server's n_indent: the first line is free; a later one whose first character other
+    than a space or tab (each counts one) comes after fewer than min_indent of them ends the
+    output before that character ("length"), a blank line's newline too."""
+    assert _feed(_state(min_indent=4), "if x:\n    y = 1\n    \t\n\t\t\t\tz\n  w = 2\nmore") == (
+        "if x:\n    y = 1\n    \t\n\t\t\t\tz\n  ", "length", 31)
     assert _feed(_state(min_indent=2), "a\n\tb") == ("a\n\t", "length", 4)
     assert _feed(_state(min_indent=4), "a\n    b\n        c") == ("a\n    b\n        c", None, 17)
+    assert _feed(_state(min_indent=1), "a\n b\n\n c") == ("a\n b\n", "length", 6)  # the blank line
+    assert _feed(_state(min_indent=1), "a\r\n b\r\n c") == ("a\r\n b\r\n c", None, 9)
     assert _feed(_state(), "a\nb") == ("a\nb", None, 3)  # min_indent 0: off
     # text held back for a stop string ("S") is checked once sent, and cut with its line
     assert _feed(_state(("ST",), min_indent=2), "a\n  S\nSx") == ("a\n  S\n", "length", 8)
 
 
-def test_after_a_newline_a_late_token_ends_the_output():
-    """llama-server's t_max_predict_ms: once the output holds a newline, the first token that
-    comes later than the limit after the first token ends it ("length"), its text sent with any
-    held back for a stop string; before a newline, none does."""
-    times = [0.0, 0.5, 0.9, 1.5, 1.6]
-    assert _feed(_state(newline_limit_s=1.0), "a\nbcd", times) == ("a\nbc", "length", 4)
-    assert _feed(_state(newline_limit_s=1.0), "abcde", times) == ("abcde", None, 5)
-    assert _feed(_state(("cX",), newline_limit_s=1.0), "a\nbcd", times) == ("a\nbc", "length", 4)
-    assert _feed(_state(("bc",), newline_limit_s=1.0), "a\nbcd", times) == ("a\n", "stop", 4)
+def test_a_newline_after_the_time_limit_ends_the_output():
+    """llama-server's t_max_predict_ms: a token whose text holds a newline and comes later than
+    the limit after the first token ends the output after that text ("length"), with any text
+    held back for a stop string (its lines checked as ever); other late tokens do not."""
+    times = [0.0, 0.5, 0.9, 1.5, 1.6, 1.7]
+    assert _feed(_state(newline_limit_s=1.0), "a\nbc\nd", times) == ("a\nbc\n", "length", 5)
+    assert _feed(_state(newline_limit_s=1.0), "abcdef", times) == ("abcdef", None, 6)
+    assert _feed(_state(newline_limit_s=2.0), "a\nbc\nd", times) == ("a\nbc\nd", None, 6)
+    # "\n" held back as a possible "\nz" goes out with the "d" that follows it
+    assert _feed(_state(("\nz",), newline_limit_s=1.0), "a\nbc\nd", times) == ("a\nbc\nd", "length", 6)
+    # the text held back after it (a possible "ab") is sent too, and checked for its indentation
+    times = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 1.5, 1.6]
+    assert _feed(_state(("\nq", "ab"), newline_limit_s=1.0), "x\n  y\nab", times) == ("x\n  y\na", "length", 7)
+    assert _feed(_state(("\nq", "ab"), min_indent=2, newline_limit_s=1.0), "x\n  y\nab", times) == (
+        "x\n  y\n", "length", 7)

@@ -164,3 +164,29 @@ async def test_an_editors_request_reaches_the_engine_with_its_line_stops() -> No
         assert (sent.min_indent, sent.newline_limit_s, sent.sampling.top_k) == (4, 0.25, 40)
         r = await client.post("/completion", json={"prompt": "a", "n_predict": 2, "t_max_predict_ms": 0})
         assert r.status_code == 200 and (engine.requests[-1].min_indent, engine.requests[-1].newline_limit_s) == (0, None)
+        # limits beyond a float's range, or too small to count, are limits still
+        for limit, seconds in ((10 ** 400, 1e9), (5e-324, 1e-9)):
+            r = await client.post("/completion", json={"prompt": "a", "n_predict": 2, "t_max_predict_ms": limit})
+            assert r.status_code == 200 and engine.requests[-1].newline_limit_s == seconds, r.text
+        for limit in ("1", True, [1]):
+            r = await client.post("/completion", json={"prompt": "a", "t_max_predict_ms": limit})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "t_max_predict_ms", r.text
+
+
+def test_text_the_vocabulary_cannot_hold_is_a_400_naming_its_field() -> None:
+    class NoBytes(FakeTokenizer):
+        def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = False) -> list[int]:
+            if "\u2603" in text:
+                raise ValueError("no token for U+2603")
+            return super().encode(text, add_bos, parse_special)
+
+    t = NoBytes()
+    t.fim_ids = dict(FIM)
+    for body, param in (({"input_prefix": "\u2603"}, "input_prefix"), ({"input_suffix": "\u2603"}, "input_suffix"),
+                        ({"prompt": "\u2603"}, "prompt"), ({"input_extra": [{"text": "\u2603"}]}, "input_extra")):
+        with pytest.raises(ApiError) as e:
+            infill.to_completion_body(body, t, 64, False)
+        assert (e.value.status, e.value.param) == (400, param)
+    with pytest.raises(ApiError) as e:
+        infill.completion_with_suffix({"prompt": "a", "suffix": "\u2603"}, t, 64, False)
+    assert (e.value.status, e.value.param) == (400, "suffix")
