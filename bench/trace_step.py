@@ -181,6 +181,8 @@ def main() -> None:
     add_engine_arguments(ap, numerics="native")  # the server's engine flags (server --help), with these defaults:
     ap.set_defaults(max_context=1024, kv_dtype="bfloat16", decode_steps=1)
     ap.add_argument("--position", type=int, default=200, help="cache length of the active slots")
+    ap.add_argument("--lone-slot", type=int, default=0,
+                    help="the busy slot where one is (the runner places a lone request in any free slot)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=None)
     ap.add_argument("--prefill", type=lambda v: [int(t) for t in v.split(",")], default=[],
@@ -190,6 +192,8 @@ def main() -> None:
     common.add_mosaic_tuning_arguments(ap)
     common.add_attention_config_arguments(ap)
     args = ap.parse_args()
+    if not 0 <= args.lone_slot < args.slots:
+        ap.error(f"--lone-slot must be a slot, 0 to {args.slots - 1}")
     try:
         args.mosaic_tuning = common.apply_mosaic_tuning_arguments(args)
         args.attention_config = common.apply_attention_config_arguments(args)
@@ -247,7 +251,7 @@ def main() -> None:
     weights = params_nbytes(m.params)
     report = {"model": m.name, "weights_bytes": weights, "attend": attend, "slots": args.slots,
               "position": args.position, "decode_steps": args.decode_steps, "few_rows_limit": few_limit,
-              "kv_write_in_attention": runner.kernels.decode_writes_cache,
+              "kv_write_in_attention": runner.kernels.decode_writes_cache, "lone_slot": args.lone_slot,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "mosaic_tuning": args.mosaic_tuning,
               "attention_config": args.attention_config}
     # (busy slots, the program, the report's key): the runner's choice at 1 and all slots busy;
@@ -259,6 +263,8 @@ def main() -> None:
     for n_active, program, key in runs:
         active = np.zeros((args.slots,), bool)
         active[:n_active] = True
+        if n_active == 1:
+            active = np.arange(args.slots) == args.lone_slot
         runner._state.positions = jnp.full((args.slots,), args.position, jnp.int32)
         act = jnp.asarray(active)
 
