@@ -25,7 +25,6 @@ from __future__ import annotations
 import codecs
 import heapq
 import logging
-import os
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
