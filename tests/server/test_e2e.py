@@ -288,6 +288,17 @@ def test_infill_on_a_model_without_fim_tokens_is_not_supported(server):
     assert _post(server, "/completion", {"prompt": "def f(", "n_predict": 2})["tokens_predicted"] == 2
 
 
+def test_a_line_indented_less_than_n_indent_ends_a_native_completion(server):
+    """llama-server's n_indent on the real engine: a grammar holds the reply to three lines, the
+    third indented less than asked; the reply ends before its text, as llama-server ends it."""
+    body = {"prompt": "def f():", "n_predict": 24, "temperature": 0, "grammar": 'root ::= "x = 1\\n  y\\nz = 2\\n"'}
+    whole = _post(server, "/completion", body)
+    assert (whole["content"], whole["stop_type"]) == ("x = 1\n  y\nz = 2\n", "eos")
+    cut = _post(server, "/completion", {**body, "n_indent": 2})
+    assert (cut["content"], cut["stop_type"]) == ("x = 1\n  y\n", "limit")
+    assert cut["tokens_predicted"] < whole["tokens_predicted"]
+
+
 def _post(server: str, route: str, body: dict) -> dict:
     r = httpx.post(server + route, json=body, timeout=300)
     assert r.status_code == 200, r.text

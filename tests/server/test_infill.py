@@ -190,3 +190,20 @@ def test_text_the_vocabulary_cannot_hold_is_a_400_naming_its_field() -> None:
     with pytest.raises(ApiError) as e:
         infill.completion_with_suffix({"prompt": "a", "suffix": "\u2603"}, t, 64, False)
     assert (e.value.status, e.value.param) == (400, "suffix")
+
+
+def test_the_prompt_in_a_real_vocabularys_fim_tokens(tiny_tp_path) -> None:
+    """The tokenizer of a GGUF with Qwen2.5-Coder's special tokens (bench/make_synthetic_gguf.py's
+    tiny-tp): its FIM tokens found, and a prompt with extra files laid out in them, which
+    decodes back to llama-server's text form."""
+    from model.gguf_file import GGUFFile
+    from model.tokenizer import Tokenizer
+
+    t = Tokenizer.from_gguf_metadata(GGUFFile(str(tiny_tp_path)).metadata)
+    assert set(t.fim_ids) == {"fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep"}
+    ids = infill.fim_prompt(t, "def add(a, b):\n    return", "\n\nprint(add(1, 2))\n",
+                            extra=[("util.py", "X = 1\n")], max_context=256, reserve=16)
+    assert t.decode(ids, skip_special=False) == (
+        "<|repo_name|>myproject\n<|file_sep|>util.py\nX = 1\n<|file_sep|>filename\n"
+        "<|fim_prefix|>def add(a, b):\n    return<|fim_suffix|>\n\nprint(add(1, 2))\n<|fim_middle|>")
+    assert ids[-1] == t.fim_ids["fim_mid"] and not t.add_bos
