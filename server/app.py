@@ -451,9 +451,10 @@ def _reply_format(parsed: ParsedRequest, config: ServerConfig, template: str | N
 
 async def completions(request: Request) -> Response:
     def parse(body: Any, max_choices: int) -> ParsedRequest:  # a suffix: FIM prompts (server/infill.py)
-        engine, ready = request.app.state.holder.require_ready()
-        body = infill_api.completion_with_suffix(body, engine.tokenizer, ready.limits.max_context,
-                                                 request.app.state.config.spm_infill)
+        if isinstance(body, dict) and body.get("suffix"):
+            engine, ready = request.app.state.holder.require_ready()
+            body = infill_api.completion_with_suffix(body, engine.tokenizer, ready.limits.max_context,
+                                                     request.app.state.config.spm_infill)
         return parse_completion(body, max_choices)
 
     return await _generate(request, parse)
