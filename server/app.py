@@ -359,8 +359,9 @@ async def infill(request: Request) -> Response:
     entered = time.perf_counter()
     state = request.app.state
     engine, ready = state.holder.require_ready()
-    body = infill_api.to_completion_body(await _json_body(request), engine.tokenizer, ready.limits.max_context,
-                                         state.config.spm_infill)
+    # (off the event loop, as the embeddings' inputs: an editor's request carries other files too)
+    body = await asyncio.to_thread(infill_api.to_completion_body, await _json_body(request), engine.tokenizer,
+                                   ready.limits.max_context, state.config.spm_infill)
     return await _native(request, body, entered)
 
 
