@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Any, Protocol, Sequence
 
 from server.errors import ApiError, invalid
+from server.llama_api import predict_field
 
 FIM_WINDOW = 2048  # llama-server's default batch: the most tokens of prefix and suffix together
 REPO_NAME = "myproject"  # llama-server's name for the repository of the extra files
@@ -42,7 +43,6 @@ class FimTokenizer(Protocol):
     fim_ids: dict[str, int]
     bos_id: int | None
     add_bos: bool
-    vocab_size: int
 
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = False) -> list[int]: ...
 
@@ -60,7 +60,7 @@ def fim_prompt(tokenizer: FimTokenizer, prefix: str, suffix: str, *, start: Sequ
     """The token ids of a FIM prompt (the module's layout): `start` the middle's first tokens,
     `extra` (filename, text) pairs, `reserve` the tokens kept for the generation (None: a
     quarter window), `fields` the prefix's and suffix's names in a 400. The caller checks that
-    the model has the tokens (`supported`)."""
+    the model has the tokens (`missing`)."""
     fim = tokenizer.fim_ids
 
     def enc(text: str) -> list[int]:
@@ -85,8 +85,10 @@ def fim_prompt(tokenizer: FimTokenizer, prefix: str, suffix: str, *, start: Sequ
     return bos + context[len(context) - min(len(context), room):] + core
 
 
-def supported(tokenizer: FimTokenizer) -> bool:
-    return all(name in tokenizer.fim_ids for name in NEEDED)
+def missing(tokenizer: FimTokenizer) -> list[str]:
+    """The FIM tokens a prompt needs that the vocabulary lacks (none: the model can infill)."""
+    fim = tokenizer.fim_ids
+    return [name for name in NEEDED if name not in fim]
 
 
 def _text(body: dict[str, Any], name: str) -> str:
@@ -111,14 +113,11 @@ def _extra(value: Any) -> list[tuple[str, str]]:
 
 
 def _reserve(body: dict[str, Any]) -> int | None:
-    """The generation's tokens as the request limits them (n_predict, max_tokens or
-    max_completion_tokens, the first given, as /completion reads them): None where it does not
-    (or -1: up to the context), else at least 0."""
-    for name in ("n_predict", "max_tokens", "max_completion_tokens"):
-        if name in body:
-            value = body[name]
-            return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-    return None
+    """The generation's tokens as the request limits them (as /completion reads them): None
+    where it does not (or -1: up to the context; a bad value is /completion's 400), else at
+    least 0."""
+    _, value = predict_field(body) or (None, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def to_completion_body(body: Any, tokenizer: FimTokenizer, max_context: int, spm: bool) -> dict[str, Any]:
@@ -126,9 +125,9 @@ def to_completion_body(body: Any, tokenizer: FimTokenizer, max_context: int, spm
     prompt's token ids), or a 400 naming the field, or 501 for a model without FIM tokens."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object", None)
-    if not supported(tokenizer):
-        missing = ", ".join(n for n in NEEDED if n not in tokenizer.fim_ids)
-        raise ApiError(501, f"infill is not supported by this model: its vocabulary has no {missing} token",
+    lacking = missing(tokenizer)
+    if lacking:
+        raise ApiError(501, f"infill is not supported by this model: its vocabulary has no {', '.join(lacking)} token",
                        type="not_supported_error")
     body = {k: v for k, v in body.items() if v is not None}
     start = body.get("prompt", "")
@@ -136,8 +135,7 @@ def to_completion_body(body: Any, tokenizer: FimTokenizer, max_context: int, spm
         start = _encode(tokenizer, start, "prompt") if start else []
     elif not (isinstance(start, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in start)):
         raise invalid("an infill's 'prompt' (the middle's start) must be a string or an array of token ids", "prompt")
-    elif not all(0 <= t < tokenizer.vocab_size for t in start):
-        raise invalid(f"'prompt' holds a token id outside the vocabulary (size {tokenizer.vocab_size})", "prompt")
+    # (ids outside the vocabulary: the completion path's 400, as for any token-id prompt)
     ids = fim_prompt(tokenizer, _text(body, "input_prefix"), _text(body, "input_suffix"), start=start,
                      extra=_extra(body.get("input_extra", [])), max_context=max_context, reserve=_reserve(body),
                      spm=spm)
@@ -154,7 +152,7 @@ def completion_with_suffix(body: Any, tokenizer: FimTokenizer, max_context: int,
         raise invalid("'suffix' must be a string", "suffix")
     if not suffix:
         return {k: v for k, v in body.items() if k != "suffix"}
-    if not supported(tokenizer):
+    if missing(tokenizer):
         raise invalid("'suffix' needs a model with fill-in-the-middle tokens (prefix, suffix, middle); this one "
                       "has none", "suffix")
     if body.get("echo"):

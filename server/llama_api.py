@@ -110,14 +110,13 @@ def to_completion(body: Any, encode: Encode, bos_text: str | None = None,
         out["temperature"] = 0.0  # llama.cpp's greedy (it gave the probabilities as well)
     if body.get("seed") == _RANDOM_SEED and _is_int(body["seed"]):
         out.pop("seed")  # -1 as llama-server reports it back
-    for name in ("n_predict", "max_tokens", "max_completion_tokens"):  # the first given wins
-        if name in body:
-            value = body[name]
-            if _is_int(value) and value < -1:
-                raise invalid(f"'{name}' must be -1 (up to the context) or at least 0, got {value}", name)
-            if value != -1:
-                out["max_tokens"], names["max_tokens"] = value, name
-            break
+    predict = predict_field(body)
+    if predict is not None:
+        name, value = predict
+        if _is_int(value) and value < -1:
+            raise invalid(f"'{name}' must be -1 (up to the context) or at least 0, got {value}", name)
+        if value != -1:
+            out["max_tokens"], names["max_tokens"] = value, name
     probs_name = "n_probs" if "n_probs" in body else "logprobs"
     n_probs = body.get(probs_name, 0)
     if not _is_int(n_probs) or n_probs < 0:
@@ -186,6 +185,13 @@ def _line_stops(body: dict[str, Any]) -> dict[str, Any]:
     if limit > 0:
         out["newline_limit_s"] = max(limit / 1e3, 1e-9)
     return out
+
+
+def predict_field(body: dict[str, Any]) -> tuple[str, Any] | None:
+    """The request's limit on generated tokens as (field, value): the first given of `n_predict`,
+    `max_tokens` and `max_completion_tokens` (unchecked), or None."""
+    return next(((name, body[name]) for name in ("n_predict", "max_tokens", "max_completion_tokens")
+                 if name in body), None)
 
 
 def _prompt(value: Any, encode: Encode, bos_text: str | None) -> Any:
