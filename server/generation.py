@@ -37,7 +37,7 @@ from server.errors import RATE_LIMIT, SERVER_ERROR, TIMEOUT, UNAVAILABLE, ApiErr
 from server.openai_api import ChatRenderer, ChoiceResult, ParsedRequest, Renderer, render_timings
 from server.prompts import PreparedPrompt
 from server.replies import ReplyFormat, ReplyReader, read as read_reply
-from server.tool_calls import ToolCall
+from server.tool_calls import CallArgs, CallStart, ToolCall
 
 if TYPE_CHECKING:
     from scheduler.engine import Engine, RequestStream
@@ -260,7 +260,7 @@ async def sse_frames(gen: Generation, renderer: Renderer, include_usage: bool,
     """The SSE body of a streamed response. Errors after the headers went out become a frame.
     `on_first_token` is called as the first frame holding a token is handed over."""
     try:
-        readers = {} if gen.reply_format.is_plain else {c.index: _StreamedReply(gen.reply_format.reader())
+        readers = {} if gen.reply_format.is_plain else {c.index: _StreamedReply(gen.reply_format.reader(stream_args=True))
                                                         for c in gen.choices}
         # a choice whose echoed prompt has its logprobs starts once they come, with its first event
         scored = renderer.echo_logprobs is not None
@@ -339,11 +339,13 @@ async def collect(gen: Generation) -> list[ChoiceResult]:
     return [results[i] for i in sorted(results)]
 
 
-async def reply_parts(gen: Generation) -> AsyncIterator[tuple[StreamEvent, list[Any], ReplyReader]]:
+async def reply_parts(gen: Generation, stream_args: bool = False
+                      ) -> AsyncIterator[tuple[StreamEvent, list[Any], ReplyReader]]:
     """A one-choice request's events, each with the parts its reply reader makes of it (thoughts,
-    text, calls; with the final event, what the reader held) and the reader. An abnormal end
-    raises its `ApiError` after its parts (which come with the event's finish_reason cleared)."""
-    reader = gen.reply_format.reader()
+    text, calls, `stream_args`: a call's arguments as they arrive; with the final event, what
+    the reader held) and the reader. An abnormal end raises its `ApiError` after its parts (which
+    come with the event's finish_reason cleared)."""
+    reader = gen.reply_format.reader(stream_args)
     async with contextlib.aclosing(gen.events()) as events:
         async for choice, event in events:
             parts = reader.feed(event.text) if event.text else []
@@ -360,13 +362,15 @@ async def reply_parts(gen: Generation) -> AsyncIterator[tuple[StreamEvent, list[
 
 
 class _StreamedReply:
-    """A streamed chat choice's text through its `ReplyReader`: thought, content and whole-call
-    deltas, each token's logprobs sent with the first chunk after it (or with the choice's end)."""
+    """A streamed chat choice's text through its `ReplyReader`: thought, content and call deltas
+    (a call's head, then its arguments as they arrive, or, for a call read whole, all of it in
+    one), each token's logprobs sent with the first chunk after it (or with the choice's end)."""
 
     def __init__(self, reader: ReplyReader) -> None:
         self.reader = reader
         self._logprobs: list[Any] = []
         self._calls_sent = 0  # the next call's index in the choice's tool_calls
+        self._open_index: dict[str, int] = {}  # a streamed call's id -> its index
 
     def chunks(self, renderer: ChatRenderer, index: int, event: StreamEvent) -> list[dict[str, Any]]:
         self._logprobs.extend(event.logprobs)
@@ -376,7 +380,17 @@ class _StreamedReply:
         out = []
         for part in parts:
             logprobs, self._logprobs = tuple(self._logprobs), []
-            if isinstance(part, ToolCall):
+            if isinstance(part, CallStart):
+                self._open_index[part.id] = self._calls_sent
+                head = ToolCall(part.name, "", part.id)
+                out.append(renderer.tool_call_chunk(index, head, self._calls_sent, logprobs))
+                self._calls_sent += 1
+            elif isinstance(part, CallArgs):
+                out.append(renderer.tool_args_chunk(index, self._open_index[part.id], part.text, logprobs))
+            elif isinstance(part, ToolCall):
+                if part.streamed:  # its head and arguments went out already
+                    self._logprobs = list(logprobs)
+                    continue
                 out.append(renderer.tool_call_chunk(index, part, self._calls_sent, logprobs))
                 self._calls_sent += 1
             elif part[0] == "reasoning":

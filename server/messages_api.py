@@ -18,7 +18,7 @@ gives them: `thinking`, `text`, and a `tool_use` per call (its `input` the argum
 `stop_reason` is `end_turn`, `max_tokens`, `stop_sequence` (with the one matched) or
 `tool_use`. Streaming sends Anthropic's events (`message_start`, per block
 `content_block_start` / `content_block_delta` (`text_delta`, `thinking_delta`,
-`input_json_delta`: a call's input in one delta, once read) / `content_block_stop`, then
+`input_json_delta`: a call's input as the chat stream sends its arguments) / `content_block_stop`, then
 `message_delta` and `message_stop`; a failure after the headers an `error` event). Errors are
 Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`.
 """
@@ -32,7 +32,7 @@ from typing import Any, AsyncIterator, Callable
 from server.errors import ApiError, anthropic_error_body, invalid
 from server.generation import Generation, matched_stop, reply_parts, typed_sse_frame
 from server.responses_api import PASSED_THROUGH, new_id, text_of
-from server.tool_calls import ToolCall
+from server.tool_calls import CallArgs, CallStart, ToolCall
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,7 @@ class MessageBuilder:
         self.message_id, self.model, self.stop, self.eog_ids, self.decode = message_id, model, stop, eog_ids, decode
         self.content: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the text or thinking block being written
+        self.calls: dict[str, int] = {}  # an open tool_use block's index, by call id
         self.token_ids: list[int] = []
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
@@ -222,16 +223,9 @@ class MessageBuilder:
                             "content_block": {**block, **({"input": {}} if block["type"] == "tool_use" else {})}})]
 
     def part(self, part: Any) -> list[bytes]:
-        out = self._close() if isinstance(part, ToolCall) or self.open is None or \
-            self.open["type"] != ("thinking" if part[0] == "reasoning" else "text") else []
-        if isinstance(part, ToolCall):
-            block = {"type": "tool_use", "id": "toolu_" + part.id.removeprefix("call_"), "name": part.name,
-                     "input": json.loads(part.arguments)}
-            out += self._start(block)
-            out.append(self.event({"type": "content_block_delta", "index": len(self.content) - 1,
-                                   "delta": {"type": "input_json_delta", "partial_json": part.arguments}}))
-            out.append(self.event({"type": "content_block_stop", "index": len(self.content) - 1}))
-            return out
+        if isinstance(part, (CallStart, CallArgs, ToolCall)):
+            return self._call_part(part)
+        out = self._close() if self.open is None or self.open["type"] != ("thinking" if part[0] == "reasoning" else "text") else []
         kind, text = part
         if self.open is None:
             self.open = {"type": "thinking", "thinking": "", "signature": ""} if kind == "reasoning" else {"type": "text", "text": ""}
@@ -240,6 +234,31 @@ class MessageBuilder:
         self.open[key] += text
         out.append(self.event({"type": "content_block_delta", "index": len(self.content) - 1,
                                "delta": {"type": delta, key: text}}))
+        return out
+
+    def _call_part(self, part: CallStart | CallArgs | ToolCall) -> list[bytes]:
+        """A tool_use block: opened by a streamed call's head (or a whole call), its input as
+        `input_json_delta`s, closed by the call."""
+        out: list[bytes] = []
+        if isinstance(part, CallStart) or isinstance(part, ToolCall) and not part.streamed:
+            out += self._close()
+            block = {"type": "tool_use", "id": "toolu_" + part.id.removeprefix("call_"), "name": part.name, "input": {}}
+            out += self._start(block)
+            self.calls[part.id] = len(self.content) - 1
+        if isinstance(part, CallStart):
+            return out
+        i = self.calls[part.id]
+        text = part.text if isinstance(part, CallArgs) else None if part.streamed else part.arguments
+        if text:
+            out.append(self.event({"type": "content_block_delta", "index": i,
+                                   "delta": {"type": "input_json_delta", "partial_json": text}}))
+        if isinstance(part, ToolCall):
+            try:  # a streamed call cut short (max_tokens) or broken has no input object
+                self.content[i]["input"] = json.loads(part.arguments)
+            except ValueError:
+                pass
+            out.append(self.event({"type": "content_block_stop", "index": i}))
+            del self.calls[part.id]
         return out
 
     def finish(self, finish_reason: str, calls: int, prompt_tokens: int, completion_tokens: int, cached: int) -> list[bytes]:
@@ -255,9 +274,10 @@ class MessageBuilder:
         return out
 
 
-async def _reply(gen: Generation, b: MessageBuilder) -> AsyncIterator[bytes]:
-    """The reply's blocks and their events; an abnormal end raises its `ApiError`."""
-    async for event, parts, reader in reply_parts(gen):
+async def _reply(gen: Generation, b: MessageBuilder, streamed: bool = False) -> AsyncIterator[bytes]:
+    """The reply's blocks and their events (`streamed`: a call's arguments as they arrive); an
+    abnormal end raises its `ApiError`."""
+    async for event, parts, reader in reply_parts(gen, streamed):
         b.token_ids += event.token_ids
         for part in parts:
             for frame in b.part(part):
@@ -280,7 +300,7 @@ async def event_frames(gen: Generation, b: MessageBuilder, prompt_tokens: int,
     start["usage"] = {**b.usage, "input_tokens": prompt_tokens}
     try:
         yield b.event({"type": "message_start", "message": start})
-        async for frame in _reply(gen, b):
+        async for frame in _reply(gen, b, streamed=True):
             if on_first_token is not None:
                 on_first_token()
                 on_first_token = None

@@ -759,8 +759,13 @@ class ChatRenderer(Renderer):
 
     def tool_call_chunk(self, index: int, call: ToolCall, call_index: int,
                         logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
-        """A whole call in one delta (OpenAI's SDKs join a call's deltas by its index)."""
+        """A call's head, or a whole call, in one delta (OpenAI's SDKs join a call's deltas by index)."""
         return self._chunk(self._item(index, {"tool_calls": [call.render(call_index)]}, self._logprobs(logprobs), None))
+
+    def tool_args_chunk(self, index: int, call_index: int, text: str,
+                        logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+        delta = {"tool_calls": [{"index": call_index, "function": {"arguments": text}}]}  # a streamed call's next piece
+        return self._chunk(self._item(index, delta, self._logprobs(logprobs), None))
 
     def finish_chunk(self, index: int, finish_reason: str) -> dict[str, Any]:
         return self._chunk(self._item(index, {}, None, finish_reason))

@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 
 from server.reasoning import ReasoningStream
-from server.tool_calls import ToolCall, ToolCallStream
+from server.tool_calls import CallArgs, CallStart, ToolCall, ToolCallStream
 
-# What the reader hands back: ("reasoning", text), ("content", text), or a whole call.
-Part = tuple[str, str] | ToolCall
+# What the reader hands back: ("reasoning", text), ("content", text), a whole call, or (with
+# `stream_args`) a streamed call's head and arguments before the call that ends it.
+Part = tuple[str, str] | ToolCall | CallStart | CallArgs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +30,11 @@ class ReplyFormat:
     def is_plain(self) -> bool:
         return not self.thoughts and self.tool_parser is None
 
-    def reader(self) -> ReplyReader:
+    def reader(self, stream_args: bool = False) -> ReplyReader:
+        """`stream_args`: a call's arguments go out as they arrive (a streamed response's reader;
+        `ToolCallStream`), rather than in the whole call."""
         thoughts = ReasoningStream(self.opens_thought) if self.thoughts else None
-        calls = ToolCallStream(self.tool_parser, self.parallel_tool_calls) if self.tool_parser else None
+        calls = ToolCallStream(self.tool_parser, self.parallel_tool_calls, stream_args) if self.tool_parser else None
         return ReplyReader(thoughts, calls)
 
 
@@ -51,7 +54,7 @@ class ReplyReader:
     def finish(self) -> list[Part]:
         out = self._read_calls(self._thoughts.finish()) if self._thoughts is not None else []
         if self._calls is not None:
-            out += [p if isinstance(p, ToolCall) else ("content", p) for p in self._calls.finish()]
+            out += [("content", p) if isinstance(p, str) else p for p in self._calls.finish()]
         return out
 
     def _read_calls(self, parts: list[tuple[str, str]]) -> list[Part]:
@@ -62,7 +65,7 @@ class ReplyReader:
             if kind != "content":
                 out.append((kind, text))
                 continue
-            out += [p if isinstance(p, ToolCall) else ("content", p) for p in self._calls.feed(text)]
+            out += [("content", p) if isinstance(p, str) else p for p in self._calls.feed(text)]
         return out
 
 

@@ -23,8 +23,8 @@ events as SSE (`event:` and `data:` lines, each with its `sequence_number`):
 `response.created`, `response.in_progress`, per output item `response.output_item.added` (its
 content empty) / `.done` with its part's events between (`response.content_part.added` /
 `.done` around `response.output_text.delta` / `.done`, or `response.reasoning_text.delta` /
-`.done`; `response.function_call_arguments.delta` / `.done`: a call's arguments come whole,
-once the call is read), then `response.completed` or `response.incomplete`; an error after the
+`.done`; `response.function_call_arguments.delta` / `.done`: a call's arguments as they are
+generated, or whole once the call is read, as the chat stream sends them), then `response.completed` or `response.incomplete`; an error after the
 headers an `error` event and `response.failed`. No `[DONE]`. Logprobs (`top_logprobs`, or
 `include: ["message.output_text.logprobs"]`) are those of the tokens whose text reaches an
 `output_text` (a thought's or a call's tokens have none).
@@ -48,7 +48,7 @@ from server import samplers
 from server.errors import SERVER_ERROR, ApiError, invalid
 from server.generation import Generation, reply_parts, typed_sse_frame
 from server.openai_api import ChatRenderer, MAX_TOP_LOGPROBS
-from server.tool_calls import ToolCall
+from server.tool_calls import CallArgs, CallStart, ToolCall
 
 log = logging.getLogger(__name__)
 
@@ -475,6 +475,7 @@ class _Items:
         self.open: dict[str, Any] | None = None  # the reasoning or message item being written
         self.text: list[str] = []
         self.logprobs: list[dict[str, Any]] = []  # the open message's
+        self.calls: dict[str, tuple[dict[str, Any], int]] = {}  # an open call's item and output index, by call id
 
     def event(self, kind: str, **fields: Any) -> bytes:
         obj = {"type": kind, "sequence_number": self.seq, **fields}
@@ -515,16 +516,27 @@ class _Items:
         out.append(self.event("response.output_item.done", output_index=i, item=item))
         return out
 
-    def call(self, call: ToolCall) -> list[bytes]:
+    def call_start(self, head: CallStart) -> list[bytes]:
+        """A call's item opened (its arguments to come: `call_args`, then `call`)."""
         out = self.close("completed")
-        item = {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
-                "name": call.name, "arguments": "", "status": "in_progress"}
+        item = {"type": "function_call", "id": "fc_" + head.id.removeprefix("call_"), "call_id": head.id,
+                "name": head.name, "arguments": "", "status": "in_progress"}
         out += self._added(item)
-        at = dict(item_id=item["id"], output_index=len(self.b.output) - 1)
-        out.append(self.event("response.function_call_arguments.delta", **at, delta=call.arguments))
-        out.append(self.event("response.function_call_arguments.done", **at, name=call.name, arguments=call.arguments))
+        self.calls[head.id] = item, len(self.b.output) - 1
+        return out
+
+    def call_args(self, call_id: str, text: str) -> list[bytes]:
+        item, i = self.calls[call_id]
+        return [self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=i, delta=text)]
+
+    def call(self, call: ToolCall) -> list[bytes]:
+        """A call's item done (opened and its arguments sent first, unless they went out as streamed)."""
+        out = [] if call.streamed else self.call_start(CallStart(call.id, call.name)) + self.call_args(call.id, call.arguments)
+        item, i = self.calls.pop(call.id)
+        out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                              name=call.name, arguments=call.arguments))
         item.update(arguments=call.arguments, status="completed")
-        out.append(self.event("response.output_item.done", output_index=at["output_index"], item=item))
+        out.append(self.event("response.output_item.done", output_index=i, item=item))
         return out
 
     def text_delta(self, kind: str, text: str, logprobs: list[dict[str, Any]]) -> list[bytes]:
@@ -542,17 +554,21 @@ class _Items:
         return out
 
 
-async def _reply_items(gen: Generation, items: _Items) -> AsyncIterator[bytes]:
+async def _reply_items(gen: Generation, items: _Items, streamed: bool = False) -> AsyncIterator[bytes]:
     """The reply read into output items (thoughts, text, calls, as a chat reply is read) with
     their events, then the response finished; an abnormal end raises its `ApiError`. The
     logprobs of a token go with the text part its text reaches first (those of a thought's or a
     call's tokens go nowhere: output items other than text have no logprobs)."""
     b = items.b
     pending: list[dict[str, Any]] = []  # logprobs of the tokens read since the last part
-    async for event, parts, _ in reply_parts(gen):
+    async for event, parts, _ in reply_parts(gen, streamed):
         pending += b.logprobs(event.logprobs)
         for part in parts:
-            if isinstance(part, ToolCall):
+            if isinstance(part, CallStart):
+                frames = items.call_start(part)
+            elif isinstance(part, CallArgs):
+                frames = items.call_args(part.id, part.text)
+            elif isinstance(part, ToolCall):
                 frames = items.call(part)
             else:
                 kind = "reasoning" if part[0] == "reasoning" else "message"
@@ -591,7 +607,7 @@ async def event_frames(gen: Generation, b: ResponseBuilder, on_done: Callable[[R
     try:
         yield items.event("response.created", response=b.obj())
         yield items.event("response.in_progress", response=b.obj())
-        async for frame in _reply_items(gen, items):
+        async for frame in _reply_items(gen, items, streamed=True):
             if on_first_token is not None:
                 on_first_token()
                 on_first_token = None

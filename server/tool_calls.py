@@ -14,11 +14,18 @@ by the parser for the chat template's call format, `detect` (or `--tool-call-par
 
 `ToolCallStream` reads a choice's text as it streams and hands back content and complete calls;
 a non-streaming response feeds it the whole text (server/replies.py), so both see the same calls
-and content. Text a call might be starting (a prefix of `<tool_call>`, or a reply that opens
-like a JSON call) is held back until it is known. Content on both sides of a call is joined by the whitespace before
-the call; whitespace that only borders calls is dropped. A call whose JSON does not parse (or
-holds NaN or Infinity, which strict JSON readers refuse) comes back as the text it was, so
-nothing else the model wrote is lost.
+and content. With `stream_args` (a streamed response's reader) a hermes call that opens as
+`{"name": ..., "arguments": {` goes out in parts as it is generated: `CallStart` (its id and
+name), `CallArgs` (its arguments' text as `json.dumps` of the parsed object writes it:
+server/json_stream.py), then the call itself, `streamed`. Such a call that breaks once its
+arguments began (cut short, or text that stops being JSON) ends with the arguments sent so
+far, and the text from the break on is content; read whole, the same call is text.
+
+Text a call might be starting (a prefix of `<tool_call>`, or a reply that opens like a JSON
+call) is held back until it is known. Content on both sides of a call is joined by the
+whitespace before the call; whitespace that only borders calls is dropped. A call whose JSON
+does not parse (or holds NaN or Infinity, which strict JSON readers refuse) comes back as the
+text it was, so nothing else the model wrote is lost.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import uuid
 from typing import Any
 
 from scheduler.grammar import JSON_WHITESPACE
+from server.json_stream import ObjectReader
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 CHOICES = ("auto", "none", *PARSERS)  # --tool-call-parser
@@ -57,11 +65,17 @@ def resolve(flag: str, template: str | None) -> str | None:
     return None if flag == "none" else flag
 
 
+def _call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
     name: str
     arguments: str  # a JSON object's text, as OpenAI sends it
-    id: str = dataclasses.field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+    id: str = dataclasses.field(default_factory=_call_id)
+    # its head and arguments went out before it (`CallStart`, `CallArgs`): this ends the call
+    streamed: bool = False
 
     def render(self, index: int | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "type": "function",
@@ -159,18 +173,43 @@ def forced_grammar(parser: str | None, tools: list[dict[str, Any]], name: str | 
     return "\n".join([*lines, f"body: %json {body}", ""])
 
 
-# Items `ToolCallStream` hands back: content text, or a whole call.
-Piece = str | ToolCall
+@dataclasses.dataclass(frozen=True)
+class CallStart:
+    """A streamed call's head (`ToolCallStream`'s `stream_args`): its arguments follow in
+    `CallArgs` pieces, and the call itself, `streamed`, ends it."""
+
+    id: str
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CallArgs:
+    """The next piece of a streamed call's arguments text."""
+
+    id: str
+    text: str
+
+
+# Items `ToolCallStream` hands back: content text, a whole call, or a streamed call's parts.
+Piece = str | ToolCall | CallStart | CallArgs
+ARGUMENT_KEYS = ("arguments", "parameters")  # `call_from`'s
 
 
 class ToolCallStream:
     """One choice's text in, content and calls out, in order (see the module docstring)."""
 
-    def __init__(self, parser: str, parallel: bool = True) -> None:
+    def __init__(self, parser: str, parallel: bool = True, stream_args: bool = False) -> None:
         if parser not in PARSERS:
             raise ValueError(f"unknown tool call parser {parser!r}")
         self.parser = parser
         self.parallel = parallel  # False: the first call only (OpenAI's parallel_tool_calls)
+        # hermes: a call that opens as {"name": ..., "arguments": {...  goes out in parts as its
+        # text arrives (`CallStart`, `CallArgs`, the `streamed` call), see `_stream_body`
+        self.stream_args = stream_args and parser == "hermes"
+        self._reader: ObjectReader | None = None  # the streamed call's JSON so far
+        self._fed = 0  # characters of the call's body given to `_reader`
+        self._open: CallStart | None = None
+        self._args: list[str] = []
         self.num_calls = 0
         self._held = ""  # text not yet handed back
         self._space = ""  # hermes: content's trailing whitespace, sent before more content, dropped at the end
@@ -189,10 +228,12 @@ class ToolCallStream:
                 end = self._held.find(HERMES_CLOSE, max(0, self._scanned - len(HERMES_CLOSE) + 1))
                 if end < 0:
                     self._scanned = len(self._held)
+                    self._stream_body(self._held[: len(self._held) - marker_start(self._held, HERMES_CLOSE)], out)
                     return out
                 body, self._held = self._held[:end], self._held[end + len(HERMES_CLOSE) :]
                 self._in_call = False
-                self._hermes_call(body, closed=True, out=out)
+                self._stream_body(body, out)
+                self._end_call(body, closed=True, out=out)
                 continue
             if self._after_call:
                 self._held = self._held.lstrip()
@@ -208,6 +249,9 @@ class ToolCallStream:
             self._emit(self._held[:start], out)
             self._held = self._held[start + len(HERMES_OPEN) :]
             self._in_call, self._scanned = True, 0
+            streams = self.stream_args and (self.parallel or self.num_calls == 0)
+            self._reader = ObjectReader(ARGUMENT_KEYS) if streams else None
+            self._fed, self._open, self._args = 0, None, []
 
     def finish(self) -> list[Piece]:
         """What is left once the text has ended (an unclosed last call is read as a call)."""
@@ -226,7 +270,8 @@ class ToolCallStream:
             return out
         if self._in_call:
             self._in_call = False
-            self._hermes_call(held, closed=False, out=out)
+            self._stream_body(held, out)
+            self._end_call(held, closed=False, out=out)
         else:
             self._emit(held, out)
         if self._space and self.num_calls == 0:  # a reply with calls loses only whitespace beside them
@@ -245,6 +290,47 @@ class ToolCallStream:
             return []  # held whole until the end: only all of it parsed says whether it is calls
         out, self._held = [self._held] if self._held else [], ""
         return out
+
+    def _stream_body(self, body: str, out: list[Piece]) -> None:
+        """A streamed call's body so far (up to its end or a tag it may be ending in) read on: once
+        the arguments open as an object after a name, the call's head, then its arguments as they
+        come. A body that opens otherwise (or breaks before that) is read whole at its end."""
+        reader = self._reader
+        if reader is None or len(body) <= self._fed:
+            return
+        text = reader.feed(body[self._fed :])
+        self._fed = len(body)
+        if self._open is None:
+            name = reader.members.get("name")
+            if reader.echo_open is None and not reader.error:
+                return
+            if not reader.echo_open or not name:
+                self._reader = None
+                return
+            self._open = CallStart(_call_id(), name)
+            self.num_calls += 1
+            out.append(self._open)
+        if text:
+            self._args.append(text)
+            out.append(CallArgs(self._open.id, text))
+
+    def _end_call(self, body: str, closed: bool, out: list[Piece]) -> None:
+        """A call's body has ended: a streamed call ends with what went out of its arguments (a
+        broken or cut one as far as it was JSON, the text from there on content); any other is
+        read whole."""
+        reader, head, self._reader, self._open = self._reader, self._open, None, None
+        if head is None:
+            self._hermes_call(body, closed, out)
+            return
+        last = reader.end() if reader is not None else ""
+        if last:
+            self._args.append(last)
+            out.append(CallArgs(head.id, last))
+        out.append(ToolCall(head.name, "".join(self._args), head.id, streamed=True))
+        self._after_call = True
+        if reader is not None and reader.error and body[reader.error_at :].strip():
+            self._after_call = False
+            self._emit(body[reader.error_at :], out)
 
     def _hermes_call(self, body: str, closed: bool, out: list[Piece]) -> None:
         try:

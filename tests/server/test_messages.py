@@ -85,10 +85,16 @@ async def test_a_message_with_tool_use() -> None:
     assert prompt_text(engine, 0).startswith("<tools>get_weather;</tools><|system|>Be brief.<|user|>Weather?")
     assert body["usage"]["output_tokens"] == len(("Checking." + CALL).encode())
     events = parse_typed_sse(s.text)
-    assert [e["type"] for e in events][:3] == ["message_start", "content_block_start", "content_block_delta"]
-    assert [e["type"] for e in events][-5:] == ["content_block_start", "content_block_delta", "content_block_stop",
-                                                "message_delta", "message_stop"]
-    assert events[-4]["delta"] == {"type": "input_json_delta", "partial_json": '{"city": "Paris"}'}
+    kinds = [e["type"] for e in events]
+    assert kinds[:3] == ["message_start", "content_block_start", "content_block_delta"]
+    # the tool_use block opens with an empty input, gets its input's JSON in pieces as it is
+    # generated, and closes
+    start = max(i for i, e in enumerate(events) if e["type"] == "content_block_start")
+    assert events[start]["content_block"]["type"] == "tool_use" and events[start]["content_block"]["input"] == {}
+    pieces = [e["delta"]["partial_json"] for e in events[start + 1:-3]]
+    assert len(pieces) > 1 and "".join(pieces) == '{"city": "Paris"}'
+    assert all(e["index"] == 1 and e["delta"]["type"] == "input_json_delta" for e in events[start + 1:-3])
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert events[-2]["delta"]["stop_reason"] == "tool_use"
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import openai
 import pytest
 
@@ -107,6 +106,71 @@ def test_detect_and_resolve() -> None:
         ServerConfig(model_name="m.gguf", tool_call_parser="xml")
 
 
+def joined_calls(deltas: list[dict]) -> dict[int, dict]:
+    """A streamed choice's calls as OpenAI's SDKs join their deltas: by index, the arguments
+    concatenated."""
+    calls: dict[int, dict] = {}
+    for tc in (tc for d in deltas for tc in d.get("tool_calls", [])):
+        call = calls.setdefault(tc["index"], {"function": {"arguments": ""}})
+        call.update({k: v for k, v in tc.items() if k not in ("index", "function")})
+        call["function"]["name"] = call["function"].get("name") or tc["function"].get("name")
+        call["function"]["arguments"] += tc["function"].get("arguments", "")
+    return calls
+
+
+def streamed_pieces(text: str, size: int, parallel: bool = True) -> list:
+    stream = ToolCallStream("hermes", parallel, stream_args=True)
+    out = []
+    for i in range(0, len(text), size):
+        out += stream.feed(text[i : i + size])
+    return out + stream.finish()
+
+
+# What a streamed hermes call gives where its text breaks after its arguments opened: the
+# arguments as far as they were JSON (the call went out in parts already), the rest content.
+STREAMED_BROKEN = {
+    '<tool_call>{"name": "f", "arguments": {"x": 1</tool_call>': (None, [("f", '{"x": 1')]),
+    '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>': ("NaN}}", [("f", '{"x": ')]),
+}
+
+
+@pytest.mark.parametrize("text, content, calls", [case[1:] for case in CASES if case[0] == "hermes"])
+def test_streamed_arguments_in_pieces(text: str, content: str | None, calls: list) -> None:
+    """With `stream_args` a hermes call goes out as its head, its arguments' pieces and the call
+    that ends it; joined, they are the call read whole (unless it broke: STREAMED_BROKEN)."""
+    content, calls = STREAMED_BROKEN.get(text, (content, calls))
+    for size in (1, 2, 5, len(text)):
+        out = streamed_pieces(text, size)
+        assert ("".join(p for p in out if isinstance(p, str)) or None) == content
+        ended = [p for p in out if isinstance(p, ToolCall)]
+        assert [(c.name, c.arguments) for c in ended] == calls
+        for call in ended:
+            if not call.streamed:  # read whole (e.g. arguments given as a string)
+                continue
+            parts = [p for p in out if getattr(p, "id", None) == call.id]
+            assert parts[0] == tool_calls.CallStart(call.id, call.name) and parts[-1] is call
+            assert "".join(p.text for p in parts[1:-1]) == call.arguments
+            assert all(isinstance(p, tool_calls.CallArgs) for p in parts[1:-1])
+
+
+def test_streamed_arguments_go_out_as_they_arrive() -> None:
+    stream = ToolCallStream("hermes", stream_args=True)
+    assert stream.feed('Hi <tool_call>\n{"name": "f", ') == ["Hi"]
+    [head, args] = stream.feed('"arguments": {"code": "print(')
+    assert isinstance(head, tool_calls.CallStart) and head.name == "f"
+    assert args == tool_calls.CallArgs(head.id, '{"code": "print(')
+    assert stream.feed("1)\\n") == [tool_calls.CallArgs(head.id, "1)\\n")]  # an escape written whole
+    assert stream.feed('"}}\n</tool') == [tool_calls.CallArgs(head.id, '"}')]
+    [call] = stream.feed("_call> ")
+    assert call.streamed and call.id == head.id and json.loads(call.arguments) == {"code": "print(1)\n"}
+    assert stream.finish() == [] and stream.num_calls == 1
+
+
+def test_streamed_parallel_false_streams_the_first_call_only() -> None:
+    out = streamed_pieces(CALL + CALL.replace("Paris", "Lyon"), 3, parallel=False)
+    assert [type(p).__name__ for p in out if not isinstance(p, tool_calls.CallArgs)] == ["CallStart", "ToolCall"]
+
+
 def hermes_engine(reply: str) -> FakeEngine:
     engine = FakeEngine(max_context=512)
     engine.tokenizer.chat_template = HERMES_TEMPLATE
@@ -142,14 +206,40 @@ async def test_streamed_tool_calls_match_the_whole_response() -> None:
     chunks = [c for c in parse_sse(r.text) if c != "[DONE]"]
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert "".join(d.get("content", "") for d in deltas) == "Checking."
-    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
-    assert [(tc["index"], tc["function"]["name"], json.loads(tc["function"]["arguments"])) for tc in calls] == [
-        (0, "get_weather", {"city": "Paris"}), (1, "get_weather", {"city": "Lyon"})]
-    assert len({tc["id"] for tc in calls}) == 2
+    calls = joined_calls(deltas)
+    assert [(i, tc["function"]["name"], tc["function"]["arguments"]) for i, tc in calls.items()] == [
+        (0, "get_weather", '{"city": "Paris"}'), (1, "get_weather", '{"city": "Lyon"}')]
+    assert len({tc["id"] for tc in calls.values()}) == 2
+    # each call's head (id, name, empty arguments) came first, then its arguments in pieces
+    pieces = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    heads = [tc for tc in pieces if "id" in tc]
+    assert [tc["function"]["arguments"] for tc in heads] == ["", ""] and len(pieces) > 4
+    assert all(set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"} for tc in pieces
+               if "id" not in tc)
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     # every token's logprob is sent once, in order, though the call's tokens were held back
     sent = [e["token"] for c in chunks if (lp := c["choices"][0]["logprobs"]) for e in lp["content"]]
     assert "".join(sent) == reply
+
+
+@pytest.mark.anyio
+async def test_a_call_cut_by_max_tokens() -> None:
+    """Streamed, a call cut inside its arguments keeps what went out (finish_reason length, as
+    OpenAI's own); the whole response reads the cut call as text."""
+    cut = len('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')  # one token a byte
+    engine = hermes_engine(CALL)
+    async with client_for(make_app(engine)) as c:
+        body = {"messages": HI, "tools": TOOLS, "max_tokens": cut}
+        r = await c.post("/v1/chat/completions", json=body)
+        s = await c.post("/v1/chat/completions", json={**body, "stream": True})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == CALL[:cut]
+    assert "tool_calls" not in choice["message"]
+    chunks = [c for c in parse_sse(s.text) if c != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    [call] = joined_calls(deltas).values()
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
+    assert "".join(d.get("content") or "" for d in deltas) == "" and chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.anyio
