@@ -64,6 +64,11 @@ class ObjectReader:
         self._out: list[str] = []
 
     @property
+    def fed(self) -> int:
+        """Characters fed so far."""
+        return self._fed
+
+    @property
     def echo_done(self) -> bool:
         """The echoed object has closed."""
         return self.echoing and not self._echo_depth

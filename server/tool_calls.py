@@ -14,12 +14,14 @@ by the parser for the chat template's call format, `detect` (or `--tool-call-par
 
 `ToolCallStream` reads a choice's text as it streams and hands back content and complete calls;
 a non-streaming response feeds it the whole text (server/replies.py), so both see the same calls
-and content. With `stream_args` (a streamed response's reader) a hermes call that opens as
-`{"name": ..., "arguments": {` goes out in parts as it is generated: `CallStart` (its id and
-name), `CallArgs` (its arguments' text as `json.dumps` of the parsed object writes it:
-server/json_stream.py), then the call itself, `streamed`. Such a call that breaks once its
+and content. With `stream_args` (a streamed response's reader) a call that opens as
+`{"name": ..., "arguments": {` (or "parameters") goes out in parts as it is generated:
+`CallStart` (its id and name), `CallArgs` (its arguments' text as `json.dumps` of the parsed
+object writes it: server/json_stream.py), then the call itself, `streamed` (in the whole-reply
+forms each object of the reply so, `_CallSequence`). Such a call that breaks once its
 arguments began (cut short, or text that stops being JSON) ends with the arguments sent so
-far, and the text from the break on is content; read whole, the same call is text.
+far, and the text from the break on is content, as is, in the whole-reply forms, a later part
+of the reply that is no call; read whole, those replies are text.
 
 Text a call might be starting (a prefix of `<tool_call>`, or a reply that opens like a JSON
 call) is held back until it is known. Content on both sides of a call is joined by the
@@ -36,7 +38,7 @@ import uuid
 from typing import Any
 
 from scheduler.grammar import JSON_WHITESPACE
-from server.json_stream import ObjectReader
+from server.json_stream import WHITESPACE, ObjectReader
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 CHOICES = ("auto", "none", *PARSERS)  # --tool-call-parser
@@ -195,6 +197,104 @@ Piece = str | ToolCall | CallStart | CallArgs
 ARGUMENT_KEYS = ("arguments", "parameters")  # `call_from`'s
 
 
+class _CallSequence:
+    """`stream_args` in the whole-reply forms (llama3_json: call objects separated by ";";
+    mistral: a JSON array of them): each call object read as it comes, one that opens as
+    {"name": ..., "arguments" (or "parameters"): {  streamed as hermes' are (`CallStart`,
+    `CallArgs`, the call), any other read whole once it closes. `broken` once the text stops
+    being calls, from `rest` on."""
+
+    def __init__(self, parser: str, parallel: bool) -> None:
+        self.array = parser == "mistral"
+        self.separator = "," if self.array else ";"
+        self.parallel = parallel
+        self.state = "open" if self.array else "item"  # open ("["), item, sep, end (after "]")
+        self.num_calls = 0
+        self.broken = False
+        self.rest = ""
+        self._reader: ObjectReader | None = None
+        self._raw = ""  # the object's text so far
+        self._streams: bool | None = None  # the object goes out in parts (None: not known yet)
+        self._head: CallStart | None = None
+        self._args: list[str] = []
+
+    def feed(self, text: str) -> list[Piece]:
+        out: list[Piece] = []
+        i = 0
+        while i < len(text) and not self.broken:
+            if self._reader is not None:
+                i += self._object(text[i:], out)
+                if self.broken:
+                    self.rest += text[i:]
+                continue
+            c = text[i]
+            if c in WHITESPACE:
+                pass
+            elif self.state == "open" and c == "[" or self.state == "sep" and c == self.separator:
+                self.state = "item"
+            elif self.state == "item" and c == "{":
+                self._reader, self._raw, self._streams, self._head, self._args = ObjectReader(ARGUMENT_KEYS), "", None, None, []
+                continue  # the reader takes the "{"
+            elif self.state == "sep" and self.array and c == "]":
+                self.state = "end"
+            else:
+                self.broken, self.rest = True, text[i:]
+            i += 1
+        return out
+
+    def finish(self) -> list[Piece]:
+        """The text has ended: an object still open ends as a call (a streamed one with the
+        arguments sent) or, if it is none, is `rest`."""
+        out: list[Piece] = []
+        if self._reader is not None and not self.broken:
+            self._end_object(out)
+        return out
+
+    def _object(self, piece: str, out: list[Piece]) -> int:
+        """Feeds the open object; returns how much of `piece` it took."""
+        reader = self._reader
+        assert reader is not None
+        base = reader.fed
+        echoed = reader.feed(piece)
+        used = reader.error_at - base if reader.error else len(piece)
+        self._raw += piece[:used]
+        if self._streams is None and (reader.echo_open is not None or reader.done or reader.error):
+            name = reader.members.get("name")
+            self._streams = bool(reader.echo_open and name and (self.parallel or self.num_calls == 0))
+            if self._streams:
+                self._head = CallStart(_call_id(), name)
+                self.num_calls += 1
+                out.append(self._head)
+        if self._head is not None and echoed:
+            self._args.append(echoed)
+            out.append(CallArgs(self._head.id, echoed))
+        if reader.done or reader.error:
+            self._end_object(out)
+            self.broken = self.broken or not reader.done  # the text stopped being JSON inside it
+            self.state = "sep"
+        return used
+
+    def _end_object(self, out: list[Piece]) -> None:
+        reader, head, self._reader = self._reader, self._head, None
+        assert reader is not None
+        if head is not None:
+            last = reader.end()
+            if last:
+                self._args.append(last)
+                out.append(CallArgs(head.id, last))
+            out.append(ToolCall(head.name, "".join(self._args), head.id, streamed=True))
+            return
+        try:
+            call = call_from(json.loads(self._raw)) if reader.done else None
+        except (ValueError, RecursionError):
+            call = None
+        if call is None:  # not a call: the text from this object on
+            self.broken, self.rest = True, self._raw
+        elif self.parallel or self.num_calls == 0:
+            out.append(call)
+            self.num_calls += 1
+
+
 class ToolCallStream:
     """One choice's text in, content and calls out, in order (see the module docstring)."""
 
@@ -203,10 +303,10 @@ class ToolCallStream:
             raise ValueError(f"unknown tool call parser {parser!r}")
         self.parser = parser
         self.parallel = parallel  # False: the first call only (OpenAI's parallel_tool_calls)
-        # hermes: a call that opens as {"name": ..., "arguments": {...  goes out in parts as its
-        # text arrives (`CallStart`, `CallArgs`, the `streamed` call), see `_stream_body`
-        self.stream_args = stream_args and parser == "hermes"
-        self._reader: ObjectReader | None = None  # the streamed call's JSON so far
+        # a call that opens as {"name": ..., "arguments": {...  goes out in parts as its text
+        # arrives (`CallStart`, `CallArgs`, the `streamed` call): `_stream_body`, `_CallSequence`
+        self.stream_args = stream_args
+        self._reader: ObjectReader | None = None  # hermes: the streamed call's JSON so far
         self._fed = 0  # characters of the call's body given to `_reader`
         self._open: CallStart | None = None
         self._args: list[str] = []
@@ -216,7 +316,9 @@ class ToolCallStream:
         self._in_call = False  # hermes: inside <tool_call>
         self._scanned = 0  # hermes: how much of the call's body was searched for its end already
         self._after_call = False  # hermes: the whitespace right after a call is dropped, however it arrives
-        self._whole = None if parser == "hermes" else "undecided"  # JSON forms: "undecided", "text", "json"
+        self._whole = None if parser == "hermes" else "undecided"  # JSON forms: "undecided", "text", "json", "calls"
+        self._sequence: _CallSequence | None = None  # "calls": `stream_args` in a JSON form
+        self._raw = ""  # "calls": the reply's text so far
 
     def feed(self, text: str) -> list[Piece]:
         self._held += text
@@ -257,6 +359,12 @@ class ToolCallStream:
         """What is left once the text has ended (an unclosed last call is read as a call)."""
         out: list[Piece] = []
         held, self._held = self._held, ""
+        if self._whole == "calls":
+            self._held = held
+            out = self._feed_sequence(finish=True)
+            if self._whole == "calls" and self.num_calls == 0 and self._raw:  # no call in it: all of it is text
+                out.append(self._raw)
+            return out
         if self._whole is not None:
             if self._whole == "json":
                 calls = _json_calls(held, ";" if self.parser == "llama3_json" else "")
@@ -286,9 +394,32 @@ class ToolCallStream:
                 return []
             opening = "{" if self.parser == "llama3_json" else "["
             self._whole = "json" if stripped[0] == opening else "text"
+            if self._whole == "json" and self.stream_args:
+                self._whole, self._sequence, self._raw = "calls", _CallSequence(self.parser, self.parallel), ""
+        if self._whole == "calls":
+            return self._feed_sequence()
         if self._whole == "json":
             return []  # held whole until the end: only all of it parsed says whether it is calls
         out, self._held = [self._held] if self._held else [], ""
+        return out
+
+    def _feed_sequence(self, finish: bool = False) -> list[Piece]:
+        """The held text through the call sequence (and, `finish`, its end). Once it breaks, the
+        rest is content: all of the reply where no call went out (as the whole reading makes it),
+        else the text from the break on."""
+        text, self._held = self._held, ""
+        self._raw += text
+        seq = self._sequence
+        assert seq is not None
+        out = seq.feed(text)
+        if finish and not seq.broken:
+            out += seq.finish()
+        if seq.broken:
+            self._whole = "text"
+            rest = self._raw if seq.num_calls == 0 else seq.rest
+            if rest:
+                out.append(rest)
+        self.num_calls = seq.num_calls
         return out
 
     def _stream_body(self, body: str, out: list[Piece]) -> None:

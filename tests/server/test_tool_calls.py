@@ -118,29 +118,39 @@ def joined_calls(deltas: list[dict]) -> dict[int, dict]:
     return calls
 
 
-def streamed_pieces(text: str, size: int, parallel: bool = True) -> list:
-    stream = ToolCallStream("hermes", parallel, stream_args=True)
+def streamed_pieces(text: str, size: int, parallel: bool = True, parser: str = "hermes") -> list:
+    stream = ToolCallStream(parser, parallel, stream_args=True)
     out = []
     for i in range(0, len(text), size):
         out += stream.feed(text[i : i + size])
     return out + stream.finish()
 
 
-# What a streamed hermes call gives where its text breaks after its arguments opened: the
-# arguments as far as they were JSON (the call went out in parts already), the rest content.
+# What a streamed call gives where its text breaks once its arguments opened: the arguments as
+# far as they were JSON (the call went out in parts already), the text from the break on content.
+# In the whole-reply forms a call that went out stays one when a later part is no call.
 STREAMED_BROKEN = {
     '<tool_call>{"name": "f", "arguments": {"x": 1</tool_call>': (None, [("f", '{"x": 1')]),
     '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>': ("NaN}}", [("f", '{"x": ')]),
 }
+STREAMED_ONLY = [
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1}}; junk', "junk", [("f", '{"a": 1}')]),
+    ("mistral", '[{"name": "f", "arguments": {"q": "x"}}, {"name": "Ada"}]', '{"name": "Ada"}]', [("f", '{"q": "x"}')]),
+    ("mistral", '[{"name": "f", "arguments": {"q": "x"', None, [("f", '{"q": "x"')]),  # cut short
+    ("mistral", '[{"name": "f", "arguments": {"q": NaN}}] after', "NaN}}] after", [("f", '{"q": ')]),
+    ("mistral", "[]", "[]", []),
+    ("llama3_json", '{"name": "f", "parameters": "{\\"a\\": 2}"}', None, [("f", '{"a": 2}')]),  # read whole
+]
 
 
-@pytest.mark.parametrize("text, content, calls", [case[1:] for case in CASES if case[0] == "hermes"])
-def test_streamed_arguments_in_pieces(text: str, content: str | None, calls: list) -> None:
-    """With `stream_args` a hermes call goes out as its head, its arguments' pieces and the call
-    that ends it; joined, they are the call read whole (unless it broke: STREAMED_BROKEN)."""
+@pytest.mark.parametrize("parser, text, content, calls", CASES + STREAMED_ONLY)
+def test_streamed_arguments_in_pieces(parser: str, text: str, content: str | None, calls: list) -> None:
+    """With `stream_args` a call that opens as {"name": ..., "arguments": {  goes out as its head,
+    its arguments' pieces and the call that ends it; joined, they are the call read whole
+    (unless its text broke: STREAMED_BROKEN, STREAMED_ONLY)."""
     content, calls = STREAMED_BROKEN.get(text, (content, calls))
     for size in (1, 2, 5, len(text)):
-        out = streamed_pieces(text, size)
+        out = streamed_pieces(text, size, parser=parser)
         assert ("".join(p for p in out if isinstance(p, str)) or None) == content
         ended = [p for p in out if isinstance(p, ToolCall)]
         assert [(c.name, c.arguments) for c in ended] == calls
@@ -166,8 +176,13 @@ def test_streamed_arguments_go_out_as_they_arrive() -> None:
     assert stream.finish() == [] and stream.num_calls == 1
 
 
-def test_streamed_parallel_false_streams_the_first_call_only() -> None:
-    out = streamed_pieces(CALL + CALL.replace("Paris", "Lyon"), 3, parallel=False)
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", CALL + CALL.replace("Paris", "Lyon")),
+    ("mistral", '[{"name": "f", "arguments": {"q": "x"}}, {"name": "g", "arguments": {}}]'),
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}'),
+])
+def test_streamed_parallel_false_streams_the_first_call_only(parser: str, text: str) -> None:
+    out = streamed_pieces(text, 3, parallel=False, parser=parser)
     assert [type(p).__name__ for p in out if not isinstance(p, tool_calls.CallArgs)] == ["CallStart", "ToolCall"]
 
 
