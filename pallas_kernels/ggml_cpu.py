@@ -33,7 +33,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import math
 from typing import Callable
 
 import jax
