@@ -82,7 +82,9 @@ def error_body(message: str, *, type: str, param: str | None = None, code: str |
 
 def json_bytes(body: Any) -> bytes:
     # allow_nan=False: a NaN logprob must never produce invalid JSON for clients.
-    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    # backslashreplace: a lone surrogate (a JSON escape a model wrote in a call's arguments)
+    # goes out as its JSON escape, inside the string it is in, where UTF-8 cannot hold it
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
 
 
 def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -247,7 +247,10 @@ def finish_error(event: StreamEvent) -> ApiError | None:
 
 
 def sse_frame(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode() + b"\n\n"
+    # backslashreplace: a lone surrogate (a JSON escape a model wrote in a call's arguments, which
+    # UTF-8 cannot hold) goes out as its JSON escape, inside the string it is in
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return b"data: " + text.encode("utf-8", "backslashreplace") + b"\n\n"
 
 
 def typed_sse_frame(obj: dict[str, Any]) -> bytes:

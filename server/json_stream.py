@@ -10,7 +10,8 @@ it, piece by piece: ", " and ": " between items, strings escaped as `json.dumps`
 (escapes the model wrote, `\\u00e9` or a surrogate pair, decoded first), numbers as Python
 reads and writes them (`1E2` is `100.0`). So a client that joins the pieces has the text a
 whole parse gives, except where the object repeats a key: a whole parse keeps the last value
-in the first one's place, while the pieces keep both, as written.
+in the first one's place, while the pieces keep both, as written, and of a repeated top-level
+member (`members`, the echoed one) the reader takes the first, which it met first.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ _NUMBER_CHARS = frozenset("0123456789+-.eE")
 _LITERALS = ("true", "false", "null")
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 _HEX = frozenset("0123456789abcdefABCDEF")
+_VALUE_STARTS = frozenset('{["-0123456789tfn')
 
 
 # How `json.dumps(..., ensure_ascii=False)` writes a string's characters: these escaped, every
@@ -62,6 +64,10 @@ class ObjectReader:
         self._escape: str | None = None  # an escape read so far (after the backslash)
         self._high: int | None = None  # a high surrogate waiting for its low half
         self._out: list[str] = []
+        self._pos = 0  # the character being read
+        self._fail_at: int | None = None  # where the text a failing read had not written began
+        # where each pending piece began: a token, an escape, a high surrogate, a comma
+        self._token_at = self._escape_at = self._high_at = self._comma_at = 0
 
     @property
     def fed(self) -> int:
@@ -75,10 +81,13 @@ class ObjectReader:
 
     def feed(self, text: str) -> str:
         for i, c in enumerate(text):
-            if self.error or not self._char(c):
-                if not self.error:
-                    self.error, self.error_at = True, self._fed + i
+            if self.error:
                 break
+            self._pos, self._fail_at = self._fed + i, None
+            if not self._char(c):
+                # from the first character not written: a number, literal or escape that broke
+                # is text that went nowhere yet
+                self.error, self.error_at = True, self._pos if self._fail_at is None else self._fail_at
         self._fed += len(text)
         out, self._out = "".join(self._out), []
         return out
@@ -86,9 +95,8 @@ class ObjectReader:
     def end(self) -> str:
         """The text has ended: a number or literal it ended in is read (it may have been the last
         of a cut-short object), and `feed`'s rest of the echo returned."""
-        start = self._fed - len(self._token)
         if self._token and not self.error and not self._end_token():
-            self.error, self.error_at = True, start
+            self.error, self.error_at = True, self._token_at
         out, self._out = "".join(self._out), []
         return out
 
@@ -122,6 +130,7 @@ class ObjectReader:
             if c == "}" and e == "key_or_close":
                 return self._close("{")
             if c != '"':
+                self._fail_at = None if self._first else self._comma_at  # the comma is not written yet
                 return False
             if not self._first:
                 self._write(", ")
@@ -135,7 +144,7 @@ class ObjectReader:
             return True
         if e == "comma_or_close":
             if c == ",":
-                self._first = False
+                self._first, self._comma_at = False, self._pos
                 self._expect = "key" if self._stack[-1] == "{" else "value"
                 return True
             return c in "}]" and self._close(c.replace("}", "{").replace("]", "["))
@@ -144,6 +153,10 @@ class ObjectReader:
         return self._value_start(c)
 
     def _value_start(self, c: str) -> bool:
+        if c not in _VALUE_STARTS:
+            if self._stack[-1] == "[" and not self._first:
+                self._fail_at = self._comma_at  # the comma is not written yet
+            return False
         if self._stack[-1] == "[" and not self._first:
             self._write(", ")
         if len(self._stack) == 1 and self._key is not None and self._key in self.echo_key and self.echo_open is None:
@@ -158,10 +171,8 @@ class ObjectReader:
         if c == '"':
             self._open_string(is_key=False)
             return True
-        if c in _NUMBER_CHARS or c in "tfn":
-            self._token = c
-            return True
-        return False
+        self._token, self._token_at = c, self._pos
+        return True
 
     def _after_value(self) -> None:
         self._first = False
@@ -184,6 +195,7 @@ class ObjectReader:
 
     def _end_token(self) -> bool:
         token, self._token = self._token, ""
+        self._fail_at = self._token_at
         if token[0] in "tfn":
             if token not in _LITERALS:
                 return False
@@ -197,6 +209,7 @@ class ObjectReader:
                 text = json.dumps(value, allow_nan=False)
             except ValueError:  # beyond float's range, or an int past Python's digit limit
                 return False
+        self._fail_at = None
         self._write(text)
         self._member_done()
         return True
@@ -223,7 +236,7 @@ class ObjectReader:
         if self._high is not None and c != "\\":  # a lone high surrogate, which json keeps as it is
             self._flush_high()
         if c == "\\":
-            self._escape = ""
+            self._escape, self._escape_at = "", self._pos
             return True
         if c == '"':
             return self._string_done()
@@ -234,6 +247,7 @@ class ObjectReader:
 
     def _escape_char(self, c: str) -> bool:
         assert self._escape is not None
+        self._fail_at = self._escape_at if self._high is None else self._high_at
         if self._escape == "":
             if c == "u":
                 self._escape = "u"
@@ -255,7 +269,7 @@ class ObjectReader:
             self._high = None
         elif 0xD800 <= unit <= 0xDBFF:
             self._flush_high()
-            self._high = unit
+            self._high, self._high_at = unit, self._escape_at
         else:
             self._flush_high()
             self._append(chr(unit))
@@ -277,6 +291,6 @@ class ObjectReader:
             self._expect = "colon"
             return True
         if len(self._stack) == 1 and self._key is not None:
-            self.members[self._key] = text
+            self.members.setdefault(self._key, text)  # a repeated member: the first, as the stream saw it
         self._member_done()
         return True

@@ -255,7 +255,7 @@ class MessageBuilder:
         if isinstance(part, ToolCall):
             try:  # a streamed call cut short (max_tokens) or broken has no input object
                 self.content[i]["input"] = json.loads(part.arguments)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested deeper than json reads
                 pass
             out.append(self.event({"type": "content_block_stop", "index": i}))
             del self.calls[part.id]

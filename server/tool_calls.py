@@ -208,7 +208,8 @@ class _CallSequence:
         self.array = parser == "mistral"
         self.separator = "," if self.array else ";"
         self.parallel = parallel
-        self.state = "open" if self.array else "item"  # open ("["), item, sep, end (after "]")
+        # open (before "["), item, sep (after an object), end (after "]": another array may follow)
+        self.state = "open" if self.array else "item"
         self.num_calls = 0
         self.broken = False
         self.rest = ""
@@ -228,11 +229,11 @@ class _CallSequence:
                     self.rest += text[i:]
                 continue
             c = text[i]
-            if c in WHITESPACE:
-                pass
-            elif self.state == "open" and c == "[" or self.state == "sep" and c == self.separator:
+            if c in WHITESPACE or not self.array and c == self.separator and self.state == "sep":
+                pass  # llama3_json: any run of ";" between objects, or none, as `_json_calls` reads them
+            elif self.state in ("open", "end") and c == "[" or self.array and self.state == "sep" and c == ",":
                 self.state = "item"
-            elif self.state == "item" and c == "{":
+            elif c == "{" and (self.state == "item" or not self.array and self.state == "sep"):
                 self._reader, self._raw, self._streams, self._head, self._args = ObjectReader(ARGUMENT_KEYS), "", None, None, []
                 continue  # the reader takes the "{"
             elif self.state == "sep" and self.array and c == "]":

@@ -107,3 +107,20 @@ def test_a_number_at_the_end_is_read_by_end() -> None:
     reader = ObjectReader(("a",))
     assert reader.feed('{"a": {"b": 12') == '{"b": '
     assert reader.end() == "12" and not reader.error and not reader.done
+
+
+@pytest.mark.parametrize("text, written, rest", [
+    ('{"a": {"b": tru}}', '{"b": ', 'tru}}'), ('{"a": {"b": [1, +2]}}', '{"b": [1', ', +2]}}'),
+    ('{"a": {"b": "x\\q"}}', '{"b": "x', '\\q"}}'), ('{"a": {"b": "\\ud83d\\u12G"}}', '{"b": "', '\\ud83d\\u12G"}}'),
+    ('{"a": {"b": 1e400}}', '{"b": ', '1e400}}'), ('{"a": {"b": -Infinity}}', '{"b": ', '-Infinity}}'),
+    ('{"a": {"b": 1} x}', '{"b": 1}', 'x}'), ('{"a": {"b": 1, c}}', '{"b": 1', ', c}}'),
+])
+def test_the_error_is_where_the_text_not_written_began(text: str, written: str, rest: str) -> None:
+    """What was echoed, then the text from `error_at` on: a number, literal or escape that broke
+    is not lost (nor written twice), however the text was cut."""
+    for size in (1, 3, len(text)):
+        reader, echoed = ObjectReader(("a",)), ""
+        for i in range(0, len(text), size):
+            echoed += reader.feed(text[i:i + size])
+        echoed += reader.end()
+        assert reader.error and (echoed, text[reader.error_at:]) == (written, rest), size

@@ -98,6 +98,22 @@ async def test_a_message_with_tool_use() -> None:
     assert events[-2]["delta"]["stop_reason"] == "tool_use"
 
 
+async def test_a_streamed_call_nested_too_deep_for_json_ends_its_block() -> None:
+    """Arguments deeper than Python's json reads stream whole and the block closes (its input,
+    which the stream does not send, left empty), rather than the stream failing."""
+    deep = "[" * 3000 + "]" * 3000
+    engine = engine_with('<tool_call>{"name": "get_weather", "arguments": {"a": ' + deep + "}}</tool_call>",
+                         HERMES_TEMPLATE)
+    engine.max_context = 8192
+    async with client_for(make_app(engine)) as c:
+        s = await c.post("/v1/messages", json={"model": "m", "max_tokens": 10000, "messages": HI, "tools": TOOLS,
+                                               "stream": True})
+    events = parse_typed_sse(s.text)
+    assert [e["type"] for e in events][-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    pieces = "".join(e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta")
+    assert pieces == '{"a": ' + deep + "}"
+
+
 def engine_stopping_at(text: str, ids: tuple[int, ...]) -> FakeEngine:
     """The engine's way with a stop: the text cut before it, the tokens generated whole."""
     engine = FakeEngine()

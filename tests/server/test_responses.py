@@ -241,6 +241,18 @@ async def test_tool_calls_are_function_call_items() -> None:
     assert without_ids(events[-1]["response"]["output"]) == without_ids(out)
 
 
+async def test_a_streamed_call_cut_short_is_an_incomplete_item() -> None:
+    cut = len('Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')  # one token a byte
+    engine = engine_with("Checking." + CALL, HERMES_TEMPLATE)
+    async with client_for(make_app(engine)) as c:
+        s = await c.post("/v1/responses", json={"input": "Weather in Paris?", "tools": TOOLS, "stream": True,
+                                                "max_output_tokens": cut})
+    events = parse_events(s.text)
+    [done] = [e for e in events if e["type"] == "response.output_item.done" and e["item"]["type"] == "function_call"]
+    assert done["item"]["status"] == "incomplete" and done["item"]["arguments"] == '{"city": "Pa'
+    assert events[-1]["type"] == "response.incomplete"
+
+
 async def test_a_thought_is_a_reasoning_item() -> None:
     engine = engine_with("<think>Four.</think>It is 4.", THINKING_TEMPLATE)
     async with client_for(make_app(engine)) as c:

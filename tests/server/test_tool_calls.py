@@ -65,6 +65,10 @@ CASES = [
     ("mistral", '[{"name": "f", "arguments": {"q": "x"}}, {"name": "g", "arguments": {}}]', None,
      [("f", '{"q": "x"}'), ("g", "{}")]),
     ("mistral", "[1, 2] are numbers", "[1, 2] are numbers", []),
+    # separators as `_json_calls` reads them: none, or a run of them
+    ("llama3_json", '{"name": "f", "parameters": {}}{"name": "g", "parameters": {}} ;; {"name": "h", "parameters": {}}',
+     None, [("f", "{}"), ("g", "{}"), ("h", "{}")]),
+    ("mistral", '[{"name": "f", "arguments": {}}] [{"name": "g", "arguments": {}}]', None, [("f", "{}"), ("g", "{}")]),
 ]
 
 
@@ -132,6 +136,10 @@ def streamed_pieces(text: str, size: int, parallel: bool = True, parser: str = "
 STREAMED_BROKEN = {
     '<tool_call>{"name": "f", "arguments": {"x": 1</tool_call>': (None, [("f", '{"x": 1')]),
     '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>': ("NaN}}", [("f", '{"x": ')]),
+    # a literal, a number or an escape that breaks is content whole, from where it began
+    '<tool_call>{"name": "f", "arguments": {"x": [1, tru]}}</tool_call>': ("tru]}}", [("f", '{"x": [1, ')]),
+    '<tool_call>{"name": "f", "arguments": {"x": "a\\qb"}}</tool_call>': ('\\qb"}}', [("f", '{"x": "a')]),
+    '<tool_call>{"name": "f", "arguments": {"x": "\\ud83d\\u12G"}}</tool_call>': ('\\ud83d\\u12G"}}', [("f", '{"x": "')]),
 }
 STREAMED_ONLY = [
     ("llama3_json", '{"name": "f", "parameters": {"a": 1}}; junk', "junk", [("f", '{"a": 1}')]),
@@ -143,7 +151,10 @@ STREAMED_ONLY = [
 ]
 
 
-@pytest.mark.parametrize("parser, text, content, calls", CASES + STREAMED_ONLY)
+STREAMED_BROKEN_CASES = [("hermes", text, None, []) for text in STREAMED_BROKEN if not any(c[1] == text for c in CASES)]
+
+
+@pytest.mark.parametrize("parser, text, content, calls", CASES + STREAMED_ONLY + STREAMED_BROKEN_CASES)
 def test_streamed_arguments_in_pieces(parser: str, text: str, content: str | None, calls: list) -> None:
     """With `stream_args` a call that opens as {"name": ..., "arguments": {  goes out as its head,
     its arguments' pieces and the call that ends it; joined, they are the call read whole
@@ -235,6 +246,21 @@ async def test_streamed_tool_calls_match_the_whole_response() -> None:
     # every token's logprob is sent once, in order, though the call's tokens were held back
     sent = [e["token"] for c in chunks if (lp := c["choices"][0]["logprobs"]) for e in lp["content"]]
     assert "".join(sent) == reply
+
+
+@pytest.mark.anyio
+async def test_a_lone_surrogate_in_the_arguments_goes_out_as_its_escape() -> None:
+    """A JSON escape of half a surrogate pair reads as a string UTF-8 cannot hold: both responses
+    send it as the escape, inside its string."""
+    engine = hermes_engine('<tool_call>{"name": "f", "arguments": {"x": "a\\ud83db"}}</tool_call>')
+    async with client_for(make_app(engine)) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": HI, "tools": TOOLS})
+        s = await c.post("/v1/chat/completions", json={"messages": HI, "tools": TOOLS, "stream": True})
+    assert r.status_code == s.status_code == 200
+    [call] = r.json()["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"x": "a\ud83db"}
+    [streamed] = joined_calls([c["choices"][0]["delta"] for c in parse_sse(s.text) if c != "[DONE]"]).values()
+    assert streamed["function"]["arguments"] == call["function"]["arguments"]
 
 
 @pytest.mark.anyio
