@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
@@ -33,7 +32,7 @@ from scheduler.types import (
     RequestValidationError,
     StreamEvent,
 )
-from server.errors import RATE_LIMIT, SERVER_ERROR, TIMEOUT, UNAVAILABLE, ApiError, error_body, invalid
+from server.errors import RATE_LIMIT, SERVER_ERROR, TIMEOUT, UNAVAILABLE, ApiError, error_body, invalid, json_bytes
 from server.openai_api import ChatRenderer, ChoiceResult, ParsedRequest, Renderer, render_timings
 from server.prompts import PreparedPrompt
 from server.replies import ReplyFormat, ReplyReader, read as read_reply
@@ -247,10 +246,7 @@ def finish_error(event: StreamEvent) -> ApiError | None:
 
 
 def sse_frame(obj: dict[str, Any]) -> bytes:
-    # backslashreplace: a lone surrogate (a JSON escape a model wrote in a call's arguments, which
-    # UTF-8 cannot hold) goes out as its JSON escape, inside the string it is in
-    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    return b"data: " + text.encode("utf-8", "backslashreplace") + b"\n\n"
+    return b"data: " + json_bytes(obj) + b"\n\n"
 
 
 def typed_sse_frame(obj: dict[str, Any]) -> bytes:

@@ -253,10 +253,7 @@ class MessageBuilder:
             out.append(self.event({"type": "content_block_delta", "index": i,
                                    "delta": {"type": "input_json_delta", "partial_json": text}}))
         if isinstance(part, ToolCall):
-            try:  # a streamed call cut short (max_tokens) or broken has no input object
-                self.content[i]["input"] = json.loads(part.arguments)
-            except (ValueError, RecursionError):  # RecursionError: nested deeper than json reads
-                pass
+            self.content[i]["input"] = part.arguments_object() or {}  # {}: a streamed call cut short or broken
             out.append(self.event({"type": "content_block_stop", "index": i}))
             del self.calls[part.id]
         return out

@@ -535,12 +535,8 @@ class _Items:
         item, i = self.calls.pop(call.id)
         out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
                               name=call.name, arguments=call.arguments))
-        try:  # a streamed call cut short (max_tokens) or broken has arguments that are no JSON
-            json.loads(call.arguments)
-            status = "completed"
-        except (ValueError, RecursionError):
-            status = "incomplete"
-        item.update(arguments=call.arguments, status=status)
+        # a streamed call cut short (max_tokens) or broken has arguments that are no JSON object
+        item.update(arguments=call.arguments, status="completed" if call.arguments_object() is not None else "incomplete")
         out.append(self.event("response.output_item.done", output_index=i, item=item))
         return out
 

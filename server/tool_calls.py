@@ -79,6 +79,15 @@ class ToolCall:
     # its head and arguments went out before it (`CallStart`, `CallArgs`): this ends the call
     streamed: bool = False
 
+    def arguments_object(self) -> dict[str, Any] | None:
+        """The arguments parsed; None where they are no JSON object (a streamed call cut short or
+        broken, or nested deeper than json reads)."""
+        try:
+            value = json.loads(self.arguments)
+        except (ValueError, RecursionError):
+            return None
+        return value if isinstance(value, dict) else None
+
     def render(self, index: int | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "type": "function",
                                "function": {"name": self.name, "arguments": self.arguments}}
