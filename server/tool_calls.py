@@ -206,6 +206,47 @@ Piece = str | ToolCall | CallStart | CallArgs
 ARGUMENT_KEYS = ("arguments", "parameters")  # `call_from`'s
 
 
+class _StreamedCall:
+    """One call object read as its text comes (a hermes call's body, or one object of the JSON
+    forms): once its arguments open as an object after a name, the call's head (`CallStart`),
+    then its arguments as `CallArgs` pieces, and at `end` the `streamed` call. `streams` is None
+    until that is known, False where the object opened otherwise (its owner reads it whole)."""
+
+    def __init__(self) -> None:
+        self.reader = ObjectReader(ARGUMENT_KEYS)
+        self.head: CallStart | None = None
+        self.streams: bool | None = None
+        self._args: list[str] = []
+
+    def feed(self, text: str, allowed: bool, out: list[Piece]) -> bool:
+        """Reads on (`allowed`: the call may go out, see `parallel`); True where its head went
+        out just now."""
+        reader = self.reader
+        echoed = reader.feed(text)
+        opened = False
+        if self.streams is None and (reader.echo_open is not None or reader.done or reader.error):
+            name = reader.members.get("name")
+            self.streams = bool(reader.echo_open and name and allowed)
+            if self.streams:
+                self.head, opened = CallStart(_call_id(), name), True
+                out.append(self.head)
+        if self.head is not None and echoed:
+            self._args.append(echoed)
+            out.append(CallArgs(self.head.id, echoed))
+        return opened
+
+    def end(self, out: list[Piece]) -> None:
+        """The call's text has ended (a broken or cut call's as far as it was JSON): the rest of
+        its arguments, then the call."""
+        head = self.head
+        assert head is not None
+        last = self.reader.end()
+        if last:
+            self._args.append(last)
+            out.append(CallArgs(head.id, last))
+        out.append(ToolCall(head.name, "".join(self._args), head.id, streamed=True))
+
+
 class _CallSequence:
     """`stream_args` in the whole-reply forms (llama3_json: call objects separated by ";";
     mistral: a JSON array of them): each call object read as it comes, one that opens as
@@ -222,17 +263,14 @@ class _CallSequence:
         self.num_calls = 0
         self.broken = False
         self.rest = ""
-        self._reader: ObjectReader | None = None
+        self._call: _StreamedCall | None = None  # the open object
         self._raw = ""  # the object's text so far
-        self._streams: bool | None = None  # the object goes out in parts (None: not known yet)
-        self._head: CallStart | None = None
-        self._args: list[str] = []
 
     def feed(self, text: str) -> list[Piece]:
         out: list[Piece] = []
         i = 0
         while i < len(text) and not self.broken:
-            if self._reader is not None:
+            if self._call is not None:
                 i += self._object(text[i:], out)
                 if self.broken:
                     self.rest += text[i:]
@@ -243,7 +281,7 @@ class _CallSequence:
             elif self.state in ("open", "end") and c == "[" or self.array and self.state == "sep" and c == ",":
                 self.state = "item"
             elif c == "{" and (self.state == "item" or not self.array and self.state == "sep"):
-                self._reader, self._raw, self._streams, self._head, self._args = ObjectReader(ARGUMENT_KEYS), "", None, None, []
+                self._call, self._raw = _StreamedCall(), ""
                 continue  # the reader takes the "{"
             elif self.state == "sep" and self.array and c == "]":
                 self.state = "end"
@@ -256,28 +294,20 @@ class _CallSequence:
         """The text has ended: an object still open ends as a call (a streamed one with the
         arguments sent) or, if it is none, is `rest`."""
         out: list[Piece] = []
-        if self._reader is not None and not self.broken:
+        if self._call is not None and not self.broken:
             self._end_object(out)
         return out
 
     def _object(self, piece: str, out: list[Piece]) -> int:
         """Feeds the open object; returns how much of `piece` it took."""
-        reader = self._reader
-        assert reader is not None
+        call = self._call
+        assert call is not None
+        reader = call.reader
         base = reader.fed
-        echoed = reader.feed(piece)
+        if call.feed(piece, self.parallel or self.num_calls == 0, out):
+            self.num_calls += 1
         used = reader.error_at - base if reader.error else len(piece)
         self._raw += piece[:used]
-        if self._streams is None and (reader.echo_open is not None or reader.done or reader.error):
-            name = reader.members.get("name")
-            self._streams = bool(reader.echo_open and name and (self.parallel or self.num_calls == 0))
-            if self._streams:
-                self._head = CallStart(_call_id(), name)
-                self.num_calls += 1
-                out.append(self._head)
-        if self._head is not None and echoed:
-            self._args.append(echoed)
-            out.append(CallArgs(self._head.id, echoed))
         if reader.done or reader.error:
             self._end_object(out)
             self.broken = self.broken or not reader.done  # the text stopped being JSON inside it
@@ -285,17 +315,13 @@ class _CallSequence:
         return used
 
     def _end_object(self, out: list[Piece]) -> None:
-        reader, head, self._reader = self._reader, self._head, None
-        assert reader is not None
-        if head is not None:
-            last = reader.end()
-            if last:
-                self._args.append(last)
-                out.append(CallArgs(head.id, last))
-            out.append(ToolCall(head.name, "".join(self._args), head.id, streamed=True))
+        streamed, self._call = self._call, None
+        assert streamed is not None
+        if streamed.head is not None:
+            streamed.end(out)
             return
         try:
-            call = call_from(json.loads(self._raw)) if reader.done else None
+            call = call_from(json.loads(self._raw)) if streamed.reader.done else None
         except (ValueError, RecursionError):
             call = None
         if call is None:  # not a call: the text from this object on
@@ -316,10 +342,8 @@ class ToolCallStream:
         # a call that opens as {"name": ..., "arguments": {...  goes out in parts as its text
         # arrives (`CallStart`, `CallArgs`, the `streamed` call): `_stream_body`, `_CallSequence`
         self.stream_args = stream_args
-        self._reader: ObjectReader | None = None  # hermes: the streamed call's JSON so far
-        self._fed = 0  # characters of the call's body given to `_reader`
-        self._open: CallStart | None = None
-        self._args: list[str] = []
+        self._call: _StreamedCall | None = None  # hermes: the call being streamed
+        self._fed = 0  # characters of the call's body given to `_call`
         self.num_calls = 0
         self._held = ""  # text not yet handed back
         self._space = ""  # hermes: content's trailing whitespace, sent before more content, dropped at the end
@@ -362,8 +386,7 @@ class ToolCallStream:
             self._held = self._held[start + len(HERMES_OPEN) :]
             self._in_call, self._scanned = True, 0
             streams = self.stream_args and (self.parallel or self.num_calls == 0)
-            self._reader = ObjectReader(ARGUMENT_KEYS) if streams else None
-            self._fed, self._open, self._args = 0, None, []
+            self._call, self._fed = _StreamedCall() if streams else None, 0
 
     def finish(self) -> list[Piece]:
         """What is left once the text has ended (an unclosed last call is read as a call)."""
@@ -436,40 +459,27 @@ class ToolCallStream:
         """A streamed call's body so far (up to its end or a tag it may be ending in) read on: once
         the arguments open as an object after a name, the call's head, then its arguments as they
         come. A body that opens otherwise (or breaks before that) is read whole at its end."""
-        reader = self._reader
-        if reader is None or len(body) <= self._fed:
+        call = self._call
+        if call is None or len(body) <= self._fed:
             return
-        text = reader.feed(body[self._fed :])
-        self._fed = len(body)
-        if self._open is None:
-            name = reader.members.get("name")
-            if reader.echo_open is None and not reader.error:
-                return
-            if not reader.echo_open or not name:
-                self._reader = None
-                return
-            self._open = CallStart(_call_id(), name)
+        if call.feed(body[self._fed :], True, out):
             self.num_calls += 1
-            out.append(self._open)
-        if text:
-            self._args.append(text)
-            out.append(CallArgs(self._open.id, text))
+        self._fed = len(body)
+        if call.streams is False:
+            self._call = None
 
     def _end_call(self, body: str, closed: bool, out: list[Piece]) -> None:
         """A call's body has ended: a streamed call ends with what went out of its arguments (a
         broken or cut one as far as it was JSON, the text from there on content); any other is
         read whole."""
-        reader, head, self._reader, self._open = self._reader, self._open, None, None
-        if head is None:
+        call, self._call = self._call, None
+        if call is None or call.head is None:
             self._hermes_call(body, closed, out)
             return
-        last = reader.end() if reader is not None else ""
-        if last:
-            self._args.append(last)
-            out.append(CallArgs(head.id, last))
-        out.append(ToolCall(head.name, "".join(self._args), head.id, streamed=True))
+        call.end(out)
         self._after_call = True
-        if reader is not None and reader.error and body[reader.error_at :].strip():
+        reader = call.reader
+        if reader.error and body[reader.error_at :].strip():
             self._after_call = False
             self._emit(body[reader.error_at :], out)
 
