@@ -210,7 +210,8 @@ class _StreamedCall:
     """One call object read as its text comes (a hermes call's body, or one object of the JSON
     forms): once its arguments open as an object after a name, the call's head (`CallStart`),
     then its arguments as `CallArgs` pieces, and at `end` the `streamed` call. `streams` is None
-    until that is known, False where the object opened otherwise (its owner reads it whole)."""
+    until that is known; False where the call may not go out (`allowed`), has no name, or
+    closed or broke before arguments that open as an object (its owner reads it whole)."""
 
     def __init__(self) -> None:
         self.reader = ObjectReader(ARGUMENT_KEYS)
