@@ -100,7 +100,7 @@ def test_several_decode_steps_per_dispatch_match_single_steps(smollm2, smol_runn
 
     # (a lean runner: with a DRY slot, its several steps run as the forward pass and sampler apart,
     # and its prompt of more than the smallest chunk ends in that chunk size's full-sampler program)
-    cfg = dataclasses.replace(SMOL_ENGINE, num_slots=2, context_buckets=(1024, 4096), decode_steps_per_dispatch=4,
+    cfg = dataclasses.replace(SMOL_ENGINE, num_slots=2, max_context=1024, context_buckets=(1024,), decode_steps_per_dispatch=4,
                               prompt_logprobs=False, constrained_overlap="on")
     runner = smollm2.make_runner(cfg)
     runner.warmup()
