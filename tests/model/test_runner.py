@@ -100,8 +100,8 @@ def test_several_decode_steps_per_dispatch_match_single_steps(smollm2, smol_runn
 
     # (a lean runner: with a DRY slot, its several steps run as the forward pass and sampler apart,
     # and its prompt of more than the smallest chunk ends in that chunk size's full-sampler program)
-    cfg = dataclasses.replace(SMOL_ENGINE, num_slots=2, max_context=1024, context_buckets=(1024,), decode_steps_per_dispatch=4,
-                              prompt_logprobs=False, constrained_overlap="on")
+    cfg = dataclasses.replace(SMOL_ENGINE, num_slots=2, max_context=1024, context_buckets=(1024,),
+                              decode_steps_per_dispatch=4, prompt_logprobs=False, constrained_overlap="on")
     runner = smollm2.make_runner(cfg)
     runner.warmup()
     assert runner.decode_steps == (1, 4) and runner._lean
@@ -136,8 +136,8 @@ def test_unrolled_decode_layers_match_the_scanned_loop(smollm2, prompt_ids):
     tokens, loops = {}, {}
     for mode in ("off", "on"):
         cfg = dataclasses.replace(SMOL_ENGINE, num_slots=2, max_context=1024, context_buckets=(1024,),
-                                  unroll_decode_layers=mode, decode_steps_per_dispatch=2 if mode == "on" else 1,
-                                  prompt_logprobs=False)
+                                  prefill_chunks=(64,), unroll_decode_layers=mode,
+                                  decode_steps_per_dispatch=2 if mode == "on" else 1, prompt_logprobs=False)
         runner = smollm2.make_runner(cfg)
         runner.warmup()
         tokens[mode] = generate(runner, prompt_ids[:2], 6)
