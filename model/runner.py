@@ -34,6 +34,7 @@ from model.pending import (
     _Pending,
     _SpecPending,
 )
+from model.slot_snapshot import SlotSnapshots
 from model.step_types import PrefillChunk, SamplingParams, StepPlan, mask_words
 from model.weights import Params
 
@@ -337,7 +338,7 @@ def _start_copies(outputs: Any) -> Any:
     return outputs
 
 
-class ModelRunner:
+class ModelRunner(SlotSnapshots):
     """Implements `model.step_types.StepModel` over a loaded model."""
 
     def __init__(
