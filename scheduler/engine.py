@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import gc
@@ -74,7 +75,7 @@ import numpy as np
 from model.config import EngineConfig
 from model.step_types import PendingStep, StepModel, StepOutput
 from model.tokenizer import IncrementalDetokenizer
-from scheduler import grammar
+from scheduler import grammar, slot_files
 from scheduler.gc_pauses import freeze_heap
 from scheduler.planning import StepPlanner, PlannedRows
 from scheduler.prompt_cache import PromptCache
@@ -90,6 +91,8 @@ from scheduler.types import (
     EngineUnavailableError,
     GenerationRequest,
     QueueFullError,
+    RequestValidationError,
+    SlotBusyError,
     StreamEvent,
 )
 
@@ -106,6 +109,14 @@ class _Submit:
 @dataclasses.dataclass(frozen=True)
 class _Shutdown:
     pass
+
+
+@dataclasses.dataclass(frozen=True)
+class _SlotCommand:  # a slot action's part on the engine thread (Engine.slot_action)
+    action: str
+    slot: int
+    data: Any
+    done: concurrent.futures.Future
 
 
 def unavailable_reason(stats: EngineStats) -> str:
@@ -262,6 +273,32 @@ class Engine(StepPlanner):
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("the engine thread did not stop within %s s", timeout)
+
+    def slot_action(self, action: str, slot: int, path: str | None = None) -> dict:
+        """llama-server's slot actions on an idle slot's cached prompt (scheduler/slot_files.py):
+        "save" it to the file at `path`, "restore" it from there, or "erase" it; returns
+        llama-server's answer. Blocks: call it from a worker thread, not the event loop's."""
+        slot_files.check_action(action)
+        self._check_available()
+        if not 0 <= slot < len(self._slots):
+            raise RequestValidationError(f"slot {slot} does not exist: this server has slots 0 to {len(self._slots) - 1}",
+                                         field="id_slot")
+        if getattr(self._model, "read_slot", None) is None:
+            raise NotImplementedError("this engine's model runner cannot save or restore slots")
+        if not self.config.prompt_cache and action != "erase":
+            raise RequestValidationError("the prompt cache is off: a slot keeps nothing to save or reuse")
+        layout = {**self._model.slot_layout(), "model": self._model_name, "prefill_chunk": self._chunk_sizes[-1]}
+        return slot_files.perform(action, slot, path, layout, self._max_context, self._ask_slot)
+
+    def _ask_slot(self, action: str, slot: int, data: Any) -> Any:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_SlotCommand(action, slot, data, done))
+        while True:  # (an engine that stops before reading the command never answers it)
+            try:
+                return done.result(timeout=1.0)
+            except concurrent.futures.TimeoutError:
+                if self._stats.state != "ready" and not done.done():
+                    raise EngineUnavailableError(self._unavailable_reason()) from None
 
     # ---- submit helpers (event-loop thread) ----
 
@@ -479,8 +516,35 @@ class Engine(StepPlanner):
                 self._finish(state, FINISH_CANCELLED)
         elif isinstance(command, _Shutdown):
             self._is_stopping = True
+        elif isinstance(command, _SlotCommand):
+            self._slot_command(command)
         else:
             raise TypeError(f"unknown engine command {command!r}")
+
+    def _slot_command(self, command: _SlotCommand) -> None:
+        """A slot action's part here, between steps: the cache is read or written after the steps
+        already dispatched (scheduler/slot_files.py)."""
+        slot, prompts = command.slot, self._prompts
+        try:
+            if self._slots[slot] is not None:
+                raise SlotBusyError(f"slot {slot} is busy: a request is running in it")
+            if command.action == "save":
+                held = prompts.held[slot]
+                rows = self._model.read_slot(slot, len(held)) if len(held) else None
+                result = (held.copy(), prompts.salts[slot], rows)
+            elif command.action == "restore":
+                tokens, salt, keys, values = command.data
+                prompts.forget(slot)  # nothing of it is reused while it is written
+                if len(tokens):
+                    self._model.write_slot(slot, tokens, keys, values)
+                prompts.restore(slot, tokens, salt, time.monotonic())
+                result = len(tokens)
+            else:
+                result = prompts.forget(slot)
+        except Exception as exc:  # noqa: BLE001 - the caller's to report
+            command.done.set_exception(exc)
+        else:
+            command.done.set_result(result)
 
     def _expire(self, now: float) -> None:
         for state in [s for s in self._requests.values() if now >= s.deadline]:
@@ -599,6 +663,8 @@ class Engine(StepPlanner):
                 return
             if isinstance(command, _Submit):
                 self._end_unqueued(command.state, error)
+            elif isinstance(command, _SlotCommand):
+                command.done.set_exception(EngineUnavailableError(error))
             elif isinstance(command, _Shutdown):
                 self._is_stopping = True
 
@@ -619,6 +685,8 @@ class Engine(StepPlanner):
             command = self._inbox.get()
             if isinstance(command, _Submit):
                 self._end_unqueued(command.state, error)
+            elif isinstance(command, _SlotCommand):
+                command.done.set_exception(EngineUnavailableError(error))
             elif isinstance(command, _Shutdown):
                 self._is_stopping = True
 
@@ -639,6 +707,7 @@ class Engine(StepPlanner):
             generation_tokens_total=self._generation_tokens_total,
             error=error,
             slots=tuple(s.slot_info() for s in self._slots if s is not None),
+            cached=tuple(len(held) for held in self._prompts.held),
         )
 
     def _publish(self, state: str, error: str | None = None) -> None:

@@ -13,10 +13,14 @@ tokenizer (from the GGUF's metadata; it renders and tokenizes prompts) and never
 child process (spawned) builds the real engine with `scheduler.loader.build_engine` and runs it.
 
 Wire: two one-way pipes of pickled tuples.
-  to the child:   ("submit", key, GenerationRequest), ("cancel", key), ("shutdown", timeout_s)
+  to the child:   ("submit", key, GenerationRequest), ("cancel", key), ("shutdown", timeout_s),
+                  ("slot", key, action, slot, path)
   to the parent:  ("ready", info, stats), ("failed", error, stats), ("events", [(key, event)],
-                  stats), ("timing", RequestTiming), ("stats", stats, GcSnapshot), ("stopped", stats)
-The child's engine thread sends a processed step's events in one message: the child's streams
+                  stats), ("timing", RequestTiming), ("stats", stats, GcSnapshot), ("stopped", stats),
+                  ("slot_done", key, answer, exception)
+A slot action (`slot_action`, scheduler/slot_files.py) runs on a thread of its own in the child,
+which reads or writes the file there, and answers with "slot_done". The child's engine thread
+sends a processed step's events in one message: the child's streams
 are given `_PipeLoop`, which stands in for an asyncio loop. A reader thread here hands them to
 their streams' loops in one `call_soon_threadsafe` per loop, as the engine does in process. The
 engine's timings (TTFT, inter-token gaps for /metrics) are taken at that hand-over in the child,
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import dataclasses
 import fcntl
 import gc
@@ -54,7 +59,7 @@ import threading
 from typing import Any, Callable
 
 from model.config import EngineConfig
-from scheduler import grammar
+from scheduler import grammar, slot_files
 from scheduler.engine import Engine, unavailable_reason
 from scheduler.gc_pauses import GcSnapshot, freeze_heap, gc_pauses
 from scheduler.request_stream import RequestStream, _Cancel, _hand_over
@@ -113,6 +118,7 @@ class EngineProcess:
         self._keys = itertools.count()
         self._lock = threading.Lock()  # guards _streams and _is_closed
         self._streams: dict[int, RequestStream] = {}
+        self._slot_calls: dict[int, concurrent.futures.Future] = {}  # slot actions the child has not answered
         self._is_closed = False  # the child's events ended: no stream may be added
         self._is_stopping = False  # `shutdown` was called
         self._froze_heap = False  # this process's heap was frozen once the engine was ready
@@ -278,6 +284,22 @@ class EngineProcess:
 
     # ---- this process's side ----
 
+    def slot_action(self, action: str, slot: int, path: str | None = None) -> dict:
+        """`Engine.slot_action`, done in the child (which reads or writes the file). Blocks: call
+        it from a worker thread."""
+        slot_files.check_action(action)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        key = next(self._keys)
+        with self._lock:
+            if self._is_closed or self._stats.state != "ready":
+                raise EngineUnavailableError(unavailable_reason(self._stats))
+            self._slot_calls[key] = done
+        if not self._send(("slot", key, action, slot, path)):
+            with self._lock:
+                self._slot_calls.pop(key, None)
+            raise EngineUnavailableError("the engine process is gone")
+        return done.result()  # the reader sets it, or fails it when the child's pipe closes
+
     def _forget(self, key: int) -> None:
         """A stream whose submit never reached the child: its place back, unless already ended."""
         with self._lock:
@@ -329,6 +351,13 @@ class EngineProcess:
                     self._settled.set()
                 elif kind == "stopped":
                     self._stats = dataclasses.replace(message[1] or self._stats, state="stopped")
+                elif kind == "slot_done":
+                    with self._lock:
+                        done = self._slot_calls.pop(message[1], None)
+                    if done is not None and message[3] is not None:
+                        done.set_exception(message[3])
+                    elif done is not None:
+                        done.set_result(message[2])
                 else:
                     log.error("unknown message from the engine process: %r", kind)
         except (EOFError, OSError):
@@ -365,6 +394,9 @@ class EngineProcess:
         with self._lock:
             self._is_closed = True
             keys = list(self._streams)
+            calls, self._slot_calls = self._slot_calls, {}
+        for done in calls.values():
+            done.set_exception(EngineUnavailableError(error))
         if self._stats.state in ("loading", "ready"):
             self._stats = dataclasses.replace(self._stats, state=state, error=error if state == "failed" else None)
         self._deliver([(key, StreamEvent(finish_reason=FINISH_ERROR, error=error)) for key in keys])
@@ -585,9 +617,23 @@ def _handle_command(engine: Engine, message: tuple, streams: _OpenStreams, loop:
             stream.cancel()
     elif kind == "shutdown":
         return message[1]
+    elif kind == "slot":  # off this thread: it waits for the engine thread and the file
+        threading.Thread(target=_slot_action, args=(engine, message, out), name="slot-action", daemon=True).start()
     else:
         log.error("unknown command from the server process: %r", kind)
     return _CONTINUE
+
+
+def _slot_action(engine: Engine, message: tuple, out: _Outbound) -> None:
+    _, key, action, slot, path = message
+    try:
+        answer, error = engine.slot_action(action, slot, path), None
+    except Exception as exc:  # noqa: BLE001 - the caller's to report
+        answer, error = None, exc
+    try:
+        out.send(("slot_done", key, answer, error))
+    except Exception:  # noqa: BLE001 - an exception that does not pickle: its text instead
+        out.send(("slot_done", key, None, RuntimeError(f"{type(error).__name__}: {error}")))
 
 
 def _send_stats(engine: Engine, out: _Outbound, stop: threading.Event) -> None:

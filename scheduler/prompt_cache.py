@@ -77,3 +77,18 @@ class PromptCache:
 
     def free(self, slot: int, now: float) -> None:
         self.freed_at[slot] = now
+
+    def restore(self, slot: int, tokens: np.ndarray, salt: str, now: float) -> None:
+        """The idle slot's keys and values at positions [0, len(tokens)) were just written (a
+        restored slot file, scheduler/slot_files.py): whole chunks of these tokens."""
+        self.held[slot] = tokens
+        self.salts[slot] = salt
+        self.freed_at[slot] = now
+
+    def forget(self, slot: int) -> int:
+        """The idle slot holds nothing to reuse any more; returns how many tokens it held."""
+        num_held = len(self.held[slot])
+        self.held[slot] = np.zeros((0,), np.int32)
+        self.copyable[slot] = 0
+        self.salts[slot] = ""
+        return num_held

@@ -34,6 +34,10 @@ class EngineUnavailableError(Exception):
     """The engine is loading, failed or shutting down (HTTP 503)."""
 
 
+class SlotBusyError(Exception):
+    """A slot action (scheduler/slot_files.py) named a slot a request is running in (HTTP 409)."""
+
+
 class RequestValidationError(ValueError):
     """A request the engine cannot take (HTTP 400); `field` names the offending input."""
 
@@ -200,6 +204,9 @@ class EngineStats:
     # the busy slots, by slot: each a SlotInfo's fields as a plain tuple, which the engine
     # process pickles at every step at a third of a named tuple's cost
     slots: tuple[tuple, ...] = ()
+    # by slot: the prompt tokens whose keys and values it keeps for reuse (its prompt cache entry,
+    # what a slot save writes; scheduler/slot_files.py)
+    cached: tuple[int, ...] = ()
 
     def slot_infos(self) -> list[SlotInfo]:
         return [SlotInfo(*fields) for fields in self.slots]

@@ -183,6 +183,27 @@ def test_shutdown_ends_open_streams_and_the_process(start_process):
     assert engine._join(0) == 0
 
 
+def test_slot_actions_run_in_the_child_and_their_errors_come_back(start_process, tmp_path):
+    """A slot saved and restored through the child (which writes and reads the file), and the
+    refusals with their types: the server maps them to 400, 404, 409."""
+    engine = start_process({"context_tokens": True}, num_slots=2)
+    prompt = list(range(65, 85))  # 20 tokens: two chunks of 8 kept
+    first = run(shared.collect_one(engine, req(prompt, 3)))
+    slot = engine.stats().cached.index(16)
+    saved = engine.slot_action("save", slot, str(tmp_path / "s.bin"))
+    assert saved["n_saved"] == 16 and saved["n_written"] == (tmp_path / "s.bin").stat().st_size
+    assert engine.slot_action("erase", slot) == {"id_slot": slot, "n_erased": 16}
+    assert engine.slot_action("restore", 1 - slot, str(tmp_path / "s.bin"))["n_restored"] == 16
+    again = run(shared.collect_one(engine, req(prompt, 3)))
+    assert again.final.cached_tokens == 16 and again.tokens == first.tokens
+    with pytest.raises(FileNotFoundError):
+        engine.slot_action("restore", 0, str(tmp_path / "missing.bin"))
+    with pytest.raises(RequestValidationError, match="slot 5 does not exist"):
+        engine.slot_action("erase", 5)
+    with pytest.raises(RequestValidationError, match="unknown slot action"):
+        engine.slot_action("load", 0)
+
+
 def test_load_failure_in_the_engine_process(start_process):
     engine = start_process({"load_error": "no such model"}, ready=False)
     assert not engine.wait_ready(START_TIMEOUT_S)
