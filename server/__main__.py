@@ -250,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="/infill's (and a /v1/completions suffix's) fill-in-the-middle prompt in the suffix, "
                         "prefix, middle order that some code models were trained in (default: prefix, suffix, "
                         "middle)")
+    p.add_argument("--slot-save-path", type=pathlib.Path, default=None, metavar="DIR",
+                   help="enable llama-server's slot actions (POST /slots/N?action=save|restore|erase): an idle "
+                        "slot's cached prompt saved to a file in DIR (created if missing) and restored from it")
     p.add_argument("--compile-cache", type=pathlib.Path, default=None,
                    help="JAX persistent compilation cache directory (default: in the model cache; 'none' disables)")
     p.add_argument("--coordinator", metavar="HOST:PORT",
@@ -325,6 +328,7 @@ def build_configs(args: argparse.Namespace, environ: dict[str, str] | os._Enviro
         reasoning_format=args.reasoning_format,
         pooling=args.pooling,
         spm_infill=args.spm_infill,
+        slot_save_path=str(args.slot_save_path) if args.slot_save_path is not None else None,
         log_level=args.log_level,
     )
     return engine_config, server_config
@@ -425,6 +429,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     if args.model is not None and not args.model.is_file():
         parser.error(f"--model: no such file {args.model}")
+    if args.slot_save_path is not None:
+        try:
+            args.slot_save_path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            parser.error(f"--slot-save-path: {e}")
 
     if args.switch_interval_ms is not None:
         if not (math.isfinite(args.switch_interval_ms) and 0.001 <= args.switch_interval_ms <= 1000):

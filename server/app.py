@@ -41,8 +41,8 @@ from starlette.routing import Route
 from model.chat_template import render_chat
 from scheduler.gc_pauses import GcSnapshot
 from scheduler.requests import RequestTiming
-from scheduler.types import SLOT_PARAMS, Constraint, EngineStats, GenerationRequest
-from server import embeddings_api, llama_api, messages_api, reasoning, responses_api, tool_calls
+from scheduler.types import Constraint, EngineStats, GenerationRequest
+from server import embeddings_api, llama_api, messages_api, reasoning, responses_api, slots_api, tool_calls
 from server import infill as infill_api
 from server.asgi import ApiKeyAuth, BodyLimit, ErrorBoundary, EventStreamResponse, HttpMetricsMiddleware, unless_disconnected
 from server.config import ServerConfig
@@ -54,7 +54,7 @@ from server.prompts import ModelLimits, PreparedPrompt, bos_eos_text, prepare
 from server.prompts import count as count_prompt
 from server.prompts import render as render_prompt
 from server.replies import ReplyFormat
-from server.samplers import llama_params, sampling_settings
+from server.samplers import sampling_settings
 
 if TYPE_CHECKING:
     from scheduler.engine import Engine
@@ -533,36 +533,6 @@ async def props(request: Request) -> Response:
     })
 
 
-async def slots(request: Request) -> Response:
-    """llama-server's `GET /slots`: each slot, idle or with its request's progress and sampling
-    settings (no prompt or output text); `?fail_on_no_slot=1`: a 503 when none is idle."""
-    engine, ready = request.app.state.holder.require_ready()
-    stats = engine.stats()
-    busy = {info.slot: info for info in stats.slot_infos()}
-    if "fail_on_no_slot" in request.query_params and len(busy) >= stats.num_slots:  # any value, as llama-server
-        raise unavailable("no slot available")
-    speculative = bool(ready.info.get("draft_max"))
-    out = []
-    for slot in range(stats.num_slots):
-        entry: dict[str, Any] = {"id": slot, "n_ctx": ready.limits.max_context, "speculative": speculative,
-                                 "is_processing": slot in busy}
-        info = busy.get(slot)
-        if info is not None:
-            params = llama_params(dict(zip(SLOT_PARAMS, info.params)))
-            entry.update({
-                # (not the request's id: a Responses API id in it would open the stored response)
-                "id_task": info.task,
-                "n_prompt_tokens": info.prompt_tokens,
-                "n_prompt_tokens_processed": info.prompt_done - info.prompt_cached,
-                "n_prompt_tokens_cache": info.prompt_cached,
-                "params": {**params, "n_predict": info.limit},
-                "next_token": [{"has_next_token": True, "n_remain": info.limit - info.generated,
-                                "n_decoded": info.generated}],
-            })
-        out.append(entry)
-    return json_response(out)
-
-
 @functools.cache
 def _version() -> str:
     try:
@@ -701,7 +671,8 @@ ROUTES = (
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/props", props, methods=["GET"]),
-    Route("/slots", slots, methods=["GET"]),
+    Route("/slots", slots_api.slots, methods=["GET"]),
+    Route("/slots/{id_slot}", slots_api.slot_action, methods=["POST"]),
 )
 
 

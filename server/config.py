@@ -23,6 +23,7 @@ class ServerConfig:
     tool_call_parser: str = "auto"  # --tool-call-parser: server/tool_calls.py's CHOICES
     reasoning_format: str = "auto"  # --reasoning-format: server/reasoning.py's CHOICES
     pooling: str = "auto"  # --pooling: /v1/embeddings' (server/embeddings_api.py); auto: the GGUF's, else last
+    slot_save_path: str | None = None  # --slot-save-path: slot files' directory (server/slots_api.py); None: no slot actions
     spm_infill: bool = False  # --spm-infill: FIM prompts (server/infill.py) as suffix, prefix, middle
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
     max_choices: int = 64  # prompts x n per request

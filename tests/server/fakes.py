@@ -194,6 +194,9 @@ class FakeEngine:
         self.is_shut_down = False
         self.ready_gate: threading.Event | None = None  # wait_ready blocks on it when set
         self.busy_slots: tuple[tuple, ...] = ()  # EngineStats.slots, as a test sets them
+        self.cached: tuple[int, ...] = ()  # EngineStats.cached, as a test sets them
+        self.slot_calls: list[tuple[str, int, str | None]] = []  # slot_action's arguments
+        self.slot_error: Exception | None = None  # what slot_action raises, when set
 
     def start(self) -> None:
         self.is_started = True
@@ -217,7 +220,19 @@ class FakeEngine:
             prompt_tokens_cached_total=5,
             error="device lost" if self.state == "failed" else None,
             slots=self.busy_slots,
+            cached=self.cached,
         )
+
+    def slot_action(self, action: str, slot: int, path: str | None = None) -> dict:
+        """Records the call; raises `slot_error` or answers as the engine would for a slot of 512."""
+        self.slot_calls.append((action, slot, path))
+        if self.slot_error is not None:
+            raise self.slot_error
+        if action == "erase":
+            return {"id_slot": slot, "n_erased": 512}
+        name = path.rsplit("/", 1)[-1] if path else None
+        count = "n_saved" if action == "save" else "n_restored"
+        return {"id_slot": slot, "filename": name, count: 512, "timings": {f"{action}_ms": 1.0}}
 
     def add_observer(self, observer: Callable[[RequestTiming], None]) -> None:
         self.observers.append(observer)

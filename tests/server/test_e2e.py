@@ -18,9 +18,10 @@ from tests.conftest import running_server
 
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("server")
     args = ["--model", str(smollm2_path), "--max-context", "1024", "--slots", "4", "--max-queue", "4",
-            "--numerics", "native", "--draft-max", "3"]
-    with running_server(args, tmp_path_factory.mktemp("server") / "server.log") as base:
+            "--numerics", "native", "--draft-max", "3", "--slot-save-path", str(logs / "slots")]
+    with running_server(args, logs / "server.log") as base:
         yield base
 
 
@@ -129,6 +130,52 @@ def test_a_chats_next_turn_reuses_its_history_with_the_same_answer(client):
     assert warm.usage.prompt_tokens_details.cached_tokens == 512
     assert warm.choices[0].message.content == cold.choices[0].message.content
     assert warm.usage.prompt_tokens == cold.usage.prompt_tokens
+
+
+def test_a_saved_slot_restored_into_another_serves_the_same_answer(server, client):
+    """llama-server's slot actions: the slot holding a chat's first 512 prompt tokens is saved,
+    every slot erased (nothing cached is left), the file restored into another slot; the chat's
+    next turn then reuses those 512 tokens and answers as the whole prompt prefilled cold does."""
+    def post(slot: int, action: str, **body) -> dict:
+        r = httpx.post(f"{server}/slots/{slot}?action={action}", json=body or None, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def cached_once(want) -> dict[int, int]:  # (the engine process sends its stats within 50 ms)
+        deadline = time.monotonic() + 10
+        while True:
+            cached = {s["id"]: s["n_cached"] for s in httpx.get(server + "/slots").json() if s["n_cached"]}
+            if want(cached) or time.monotonic() > deadline:
+                return cached
+            time.sleep(0.05)
+
+    system = "You are a terse librarian. " + " ".join(f"Shelf {i} holds books on topic {i * 7}." for i in range(70))
+    turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "Where are the maps?"}]
+    kwargs = dict(model="m", max_tokens=8, temperature=0)
+    for slot in range(4):  # earlier tests' prompts: only this chat's chunk is held after it
+        post(slot, "erase")
+    cached_once(lambda c: not c)
+    first = client.chat.completions.create(messages=turn1, **kwargs)
+    assert first.usage.prompt_tokens > 512
+    cached = cached_once(lambda c: list(c.values()) == [512])
+    assert list(cached.values()) == [512], cached
+    (held,) = cached
+    saved = post(held, "save", filename="librarian.bin")
+    assert saved["n_saved"] == 512 and saved["n_written"] > 0
+    for slot in range(4):
+        post(slot, "erase")
+    assert cached_once(lambda c: not c) == {}
+    into = (held + 1) % 4
+    assert post(into, "restore", filename="librarian.bin")["n_restored"] == 512
+    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And the atlases?"}]
+    warm = client.chat.completions.create(messages=turn2, **kwargs)  # first: only the restored slot holds it
+    cold = client.chat.completions.create(messages=turn2, extra_body={"cache_prompt": False}, **kwargs)
+    assert warm.usage.prompt_tokens_details.cached_tokens == 512
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+    missing = httpx.post(f"{server}/slots/0?action=restore", json={"filename": "nothing.bin"}, timeout=60)
+    assert missing.status_code == 404
 
 
 def _metric(server: str, name: str) -> float:

@@ -227,10 +227,10 @@ async def test_slots_as_llama_server_has_them(engine: FakeEngine) -> None:
         busy = (await c.get("/slots")).json()
         engine.busy_slots += ((0, 9, 4, 4, 0, 1, 8, SlotInfo.params_of(SamplingParams(seed=5))),)
         full = await c.get("/slots?fail_on_no_slot")
-    assert idle == [{"id": i, "n_ctx": 64, "speculative": False, "is_processing": False} for i in range(2)]
+    assert idle == [{"id": i, "n_ctx": 64, "speculative": False, "is_processing": False, "n_cached": 0} for i in range(2)]
     assert busy[0] == idle[0]
     assert busy[1] == {
-        "id": 1, "n_ctx": 64, "speculative": False, "is_processing": True, "id_task": 7,
+        "id": 1, "n_ctx": 64, "speculative": False, "is_processing": True, "n_cached": 0, "id_task": 7,
         "n_prompt_tokens": 10, "n_prompt_tokens_processed": 4, "n_prompt_tokens_cache": 2,
         "params": {"temperature": 0.7, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "top_k": 40, "top_p": 0.9,
                    "min_p": 0.05, "typical_p": 1.0, "top_n_sigma": 0.0, "xtc_probability": 0.5, "xtc_threshold": 0.1,

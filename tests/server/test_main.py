@@ -130,7 +130,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
             "--few-rows-attention", "--separate-kv-write", "--split-q4-k", "--no-reuse-kernel-lowering",
             "--no-prefill-cuda-graphs", "--no-gc-freeze", "--no-gather-x", "--no-ordered-values",
             "--no-gated-ffn", "--tool-call-parser", "llama3_json", "--reasoning-format", "none",
-            "--no-prompt-logprobs", "--no-prompt-cache",
+            "--no-prompt-logprobs", "--no-prompt-cache", "--slot-save-path", str(tmp_path / "slots"),
         ]
     )  # fmt: skip
     engine, server = build_configs(args, {})
@@ -150,6 +150,16 @@ def test_flags(tmp_path: pathlib.Path) -> None:
     assert (server.model_name, server.host, server.port, server.log_level) == ("m.gguf", "0.0.0.0", 0, "debug")
     assert server.chat_template == "{{ messages[0]['content'] }}"
     assert server.tool_call_parser == "llama3_json" and server.reasoning_format == "none"
+    assert server.slot_save_path == str(tmp_path / "slots")
+    assert build_configs(build_parser().parse_args([]), {})[1].slot_save_path is None
+
+
+def test_a_slot_save_path_that_cannot_be_made_exits(tmp_path: pathlib.Path) -> None:
+    from server.__main__ import main
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):
+        main(["--slot-save-path", str(tmp_path / "file" / "slots")])
 
 
 def test_api_key_from_flag_or_environment() -> None:
