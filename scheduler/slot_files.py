@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 import time
 import zipfile
 from typing import Any, Callable
@@ -92,9 +93,10 @@ def write(path: str, layout: dict[str, Any], tokens: np.ndarray, salt: str, keys
     """Writes a slot file; returns its size in bytes."""
     meta = json.dumps({"format": FORMAT, "layout": layout, "cache_salt": salt}).encode()
     as_int = np.dtype(f"u{_width(layout)}")
-    temp = f"{path}.{os.getpid()}.partial"
+    handle, temp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=os.path.basename(path) + ".",
+                                    suffix=".partial")  # (one of its own per save: two saves to a name may race)
     try:
-        with open(temp, "wb") as f:
+        with os.fdopen(handle, "wb") as f:
             np.savez(f, meta=np.frombuffer(meta, np.uint8), tokens=np.asarray(tokens, np.int32),
                      keys=keys.view(as_int), values=values.view(as_int))
         os.replace(temp, path)
