@@ -156,6 +156,8 @@ class Engine(StepPlanner):
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._settled = threading.Event()  # set when loading ends: ready, failed or stopped
+        self._slot_lock = threading.Lock()  # one slot action at a time (slot_action)
+        self._slot_commands: list[_SlotCommand] = []  # engine thread: drained, run before the next plan
         # Places for running + waiting requests: taken in submit, given back when a request ends.
         self._capacity = threading.BoundedSemaphore(config.num_slots + config.max_queue)
         self._seqs = itertools.count()
@@ -277,18 +279,26 @@ class Engine(StepPlanner):
     def slot_action(self, action: str, slot: int, path: str | None = None) -> dict:
         """llama-server's slot actions on an idle slot's cached prompt (scheduler/slot_files.py):
         "save" it to the file at `path`, "restore" it from there, or "erase" it; returns
-        llama-server's answer. Blocks: call it from a worker thread, not the event loop's."""
+        llama-server's answer. Blocks: call it from a worker thread, not the event loop's. One
+        action at a time (a save holds a copy of the slot's keys and values until its file is
+        written)."""
         slot_files.check_action(action)
         self._check_available()
         if not 0 <= slot < len(self._slots):
             raise RequestValidationError(f"slot {slot} does not exist: this server has slots 0 to {len(self._slots) - 1}",
                                          field="id_slot")
-        if getattr(self._model, "read_slot", None) is None:
+        if not self.config.prompt_cache:
+            raise RequestValidationError("the prompt cache is off (--no-prompt-cache): a slot keeps nothing to reuse")
+        model = self._model
+        if action != "erase" and getattr(model, "read_slot", None) is None:
             raise NotImplementedError("this engine's model runner cannot save or restore slots")
-        if not self.config.prompt_cache and action != "erase":
-            raise RequestValidationError("the prompt cache is off: a slot keeps nothing to save or reuse")
-        layout = {**self._model.slot_layout(), "model": self._model_name, "prefill_chunk": self._chunk_sizes[-1]}
-        return slot_files.perform(action, slot, path, layout, self._max_context, self._ask_slot)
+        with self._slot_lock:
+            if action == "save" and hasattr(model, "prepare_slot_read"):  # its first compile, not on the engine thread
+                model.prepare_slot_read(self._stats.cached[slot] if slot < len(self._stats.cached) else 0)
+            layout = {} if action == "erase" else {
+                **model.slot_layout(), "model": self._model_name, "prefill_chunk": self._chunk_sizes[-1]}
+            return slot_files.perform(action, slot, path, layout, self._max_context, self._ask_slot,
+                                      getattr(model, "stage_slot", None))
 
     def _ask_slot(self, action: str, slot: int, data: Any) -> Any:
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -465,6 +475,11 @@ class Engine(StepPlanner):
                 self._process(*in_flight.popleft())
                 self._publish("ready")
                 continue
+            # Slot actions here: the steps in flight are dispatched whole (a deferred step's
+            # sampling too, which writes its slots' state), so the cache a save reads or a
+            # restore writes follows every program that touches it.
+            while self._slot_commands:
+                self._slot_command(self._slot_commands.pop(0))
             plan, rows = self._plan_step()  # at most `_dispatch_ahead` steps are in flight here
             if plan is None and not in_flight:
                 # Nothing to run: block on the inbox (no polling).
@@ -517,7 +532,7 @@ class Engine(StepPlanner):
         elif isinstance(command, _Shutdown):
             self._is_stopping = True
         elif isinstance(command, _SlotCommand):
-            self._slot_command(command)
+            self._slot_commands.append(command)
         else:
             raise TypeError(f"unknown engine command {command!r}")
 
@@ -533,10 +548,10 @@ class Engine(StepPlanner):
                 rows = self._model.read_slot(slot, len(held)) if len(held) else None
                 result = (held.copy(), prompts.salts[slot], rows)
             elif command.action == "restore":
-                tokens, salt, keys, values = command.data
+                tokens, salt, staged = command.data
                 prompts.forget(slot)  # nothing of it is reused while it is written
                 if len(tokens):
-                    self._model.write_slot(slot, tokens, keys, values)
+                    self._model.write_slot(slot, staged)
                 prompts.restore(slot, tokens, salt, time.monotonic())
                 result = len(tokens)
             else:
@@ -660,13 +675,15 @@ class Engine(StepPlanner):
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             if isinstance(command, _Submit):
                 self._end_unqueued(command.state, error)
             elif isinstance(command, _SlotCommand):
                 command.done.set_exception(EngineUnavailableError(error))
             elif isinstance(command, _Shutdown):
                 self._is_stopping = True
+        while self._slot_commands:  # drained earlier, not yet run
+            self._slot_commands.pop().done.set_exception(EngineUnavailableError(error))
 
     def _fail(self, exc: BaseException) -> None:
         error = f"{type(exc).__name__}: {exc}"
@@ -707,7 +724,7 @@ class Engine(StepPlanner):
             generation_tokens_total=self._generation_tokens_total,
             error=error,
             slots=tuple(s.slot_info() for s in self._slots if s is not None),
-            cached=tuple(len(held) for held in self._prompts.held),
+            cached=tuple(len(held) for held in self._prompts.held) if self._prompts.enabled else (),
         )
 
     def _publish(self, state: str, error: str | None = None) -> None:

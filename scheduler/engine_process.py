@@ -632,8 +632,9 @@ def _slot_action(engine: Engine, message: tuple, out: _Outbound) -> None:
         answer, error = None, exc
     try:
         out.send(("slot_done", key, answer, error))
-    except Exception:  # noqa: BLE001 - an exception that does not pickle: its text instead
-        out.send(("slot_done", key, None, RuntimeError(f"{type(error).__name__}: {error}")))
+    except Exception as exc:  # noqa: BLE001 - what does not pickle: its text instead
+        what = f"{type(error).__name__}: {error}" if error is not None else f"its answer did not pickle ({exc})"
+        out.send(("slot_done", key, None, RuntimeError(f"the slot action failed: {what}")))
 
 
 def _send_stats(engine: Engine, out: _Outbound, stop: threading.Event) -> None:

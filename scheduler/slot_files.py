@@ -38,17 +38,19 @@ from scheduler.types import RequestValidationError
 
 ACTIONS = ("save", "restore", "erase")
 FORMAT = "pallas-serve slot file 1"
-_FILENAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+_FILENAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
 
 # ask(action, slot, data) -> the engine thread's result (Engine._ask_slot)
 Ask = Callable[[str, int, Any], Any]
+# stage(tokens, keys, values) -> what the engine thread writes (the runner's `stage_slot`)
+Stage = Callable[[np.ndarray, np.ndarray, np.ndarray], Any]
 
 
 def check_filename(name: Any) -> str:
     """A slot file's name as a request gives it: a plain file name in the save directory."""
     if not isinstance(name, str) or not _FILENAME.fullmatch(name):
         raise RequestValidationError(
-            f"invalid filename {name!r}: want 1 to 255 letters, digits, '.', '_' or '-', not starting with '.' "
+            f"invalid filename {name!r}: want 1 to 200 letters, digits, '.', '_' or '-', not starting with '.' "
             "or '-' (a name in the server's --slot-save-path)", field="filename")
     return name
 
@@ -60,7 +62,8 @@ def check_action(action: Any) -> str:
     return action
 
 
-def perform(action: str, slot: int, path: str | None, layout: dict[str, Any], max_context: int, ask: Ask) -> dict:
+def perform(action: str, slot: int, path: str | None, layout: dict[str, Any], max_context: int, ask: Ask,
+            stage: Stage | None = None) -> dict:
     """One slot action, as llama-server answers it; `layout`: the engine's (`write`)."""
     check_action(action)
     if action == "erase":
@@ -73,19 +76,22 @@ def perform(action: str, slot: int, path: str | None, layout: dict[str, Any], ma
         tokens, salt, rows = ask("save", slot, None)
         num = len(tokens)
         shape = (layout["num_layers"], num, layout["num_kv_heads"], layout["head_dim"])
-        keys, values = ((np.asarray(r)[:, :num] for r in rows) if rows is not None else
+        keys, values = ((np.asarray(rows[0])[:, :num], np.asarray(rows[1])[:, :num]) if rows is not None else
                         (np.zeros(shape, np.dtype(f"u{_width(layout)}")),) * 2)
+        del rows  # (the device's copy: not held while the file is written)
         written = write(path, layout, tokens, salt, keys, values)
         return {"id_slot": slot, "filename": name, "n_saved": num, "n_written": written,
                 "timings": {"save_ms": (time.perf_counter() - started) * 1e3}}
     tokens, salt, keys, values, read = load(path, layout, max_context)
-    num = ask("restore", slot, (tokens, salt, keys, values))
+    staged = stage(tokens, keys, values) if stage is not None and len(tokens) else (tokens, keys, values)
+    del keys, values
+    num = ask("restore", slot, (tokens, salt, staged))
     return {"id_slot": slot, "filename": name, "n_restored": num, "n_read": read,
             "timings": {"restore_ms": (time.perf_counter() - started) * 1e3}}
 
 
 def _width(layout: dict[str, Any]) -> int:
-    return {"float32": 4, "float16": 2, "bfloat16": 2}[layout["kv_dtype"]]
+    return int(layout["kv_itemsize"])
 
 
 def write(path: str, layout: dict[str, Any], tokens: np.ndarray, salt: str, keys: np.ndarray,
@@ -93,8 +99,8 @@ def write(path: str, layout: dict[str, Any], tokens: np.ndarray, salt: str, keys
     """Writes a slot file; returns its size in bytes."""
     meta = json.dumps({"format": FORMAT, "layout": layout, "cache_salt": salt}).encode()
     as_int = np.dtype(f"u{_width(layout)}")
-    handle, temp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=os.path.basename(path) + ".",
-                                    suffix=".partial")  # (one of its own per save: two saves to a name may race)
+    # one of its own per save (two saves to a name may race), never a valid name (a leading dot)
+    handle, temp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".slot-", suffix=".partial")
     try:
         with os.fdopen(handle, "wb") as f:
             np.savez(f, meta=np.frombuffer(meta, np.uint8), tokens=np.asarray(tokens, np.int32),
@@ -110,13 +116,15 @@ def load(path: str, layout: dict[str, Any], max_context: int) -> tuple[np.ndarra
     """(tokens, cache_salt, keys, values, the file's size) of a slot file saved from an engine of
     this `layout`; RequestValidationError for anything else. FileNotFoundError where none is."""
     name = os.path.basename(path)
-    size = os.path.getsize(path)
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            meta = json.loads(bytes(npz["meta"]).decode())
-            tokens, keys, values = npz["tokens"], npz["keys"], npz["values"]
-    except (ValueError, KeyError, OSError, zipfile.BadZipFile, UnicodeDecodeError) as e:
-        raise RequestValidationError(f"{name} is not a slot file ({type(e).__name__}: {e})", field="filename") from e
+    with open(path, "rb") as f:  # (OSError as it comes: a missing file, the directory's permissions)
+        size = os.fstat(f.fileno()).st_size
+        try:
+            with np.load(f, allow_pickle=False) as npz:
+                meta = json.loads(bytes(npz["meta"]).decode())
+                tokens, keys, values = npz["tokens"], npz["keys"], npz["values"]
+        except (ValueError, KeyError, EOFError, zipfile.BadZipFile, UnicodeDecodeError) as e:
+            raise RequestValidationError(f"{name} is not a slot file ({type(e).__name__}: {e})",
+                                         field="filename") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise RequestValidationError(f"{name} is not a slot file of this server's format ({FORMAT!r})",
                                      field="filename")

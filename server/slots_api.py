@@ -66,7 +66,7 @@ async def slot_action(request: Request) -> Response:
         raise ApiError(501, "this server does not support slot actions: start it with --slot-save-path",
                        type="not_supported_error", code="not_supported")
     raw_slot, action = request.path_params["id_slot"], request.query_params.get("action")
-    if not raw_slot.isdigit():
+    if not (raw_slot.isascii() and raw_slot.isdigit() and len(raw_slot) <= 9):
         raise invalid(f"invalid slot id {raw_slot!r}: want a slot number", "id_slot")
     try:
         slot_files.check_action(action)

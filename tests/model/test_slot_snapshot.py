@@ -1,11 +1,13 @@
 """model/slot_snapshot.py on a small cache of random keys and values (no model): a slot's
-positions read and written back bit for bit in bf16, f16 and f32, as a slot file stores them
-(unsigned integers of the dtype's width), the other slots and positions untouched."""
+positions read and written back bit for bit in bf16, f16, f32 and fp8, as a slot file stores them
+(unsigned integers of the dtype's width), the other slots and positions untouched; the programs
+compiled on the caller's thread are the ones the writes and reads then run."""
 
 from __future__ import annotations
 
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -29,15 +31,16 @@ class _Runner(SlotSnapshots):
         return 16 if end <= 16 else S
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float8_e4m3fn"])
 def test_a_slots_positions_go_out_and_back_bit_for_bit(dtype):
     runner = _Runner(jnp.dtype(dtype))
     before_k, before_v = np.asarray(runner._cache.k), np.asarray(runner._cache.v)
+    runner.prepare_slot_read(24)
     k, v = (np.asarray(a)[:, :24] for a in runner.read_slot(1, 24))  # a bucket of 64, the first 24 kept
     assert k.shape == (L, 24, K, D) and np.array_equal(k, before_k[:, 1, :24]) and np.array_equal(v, before_v[:, 1, :24])
     bits = np.dtype(f"u{jnp.dtype(dtype).itemsize}")
     tokens = np.arange(24, dtype=np.int32) % V
-    runner.write_slot(3, tokens, k.view(bits), v.view(bits))  # as a slot file hands them back
+    runner.write_slot(3, runner.stage_slot(tokens, k.view(bits), v.view(bits)))  # as a slot file hands them back
     after_k, after_v = np.asarray(runner._cache.k), np.asarray(runner._cache.v)
     assert np.array_equal(after_k[:, 3, :24], k) and np.array_equal(after_v[:, 3, :24], v)
     assert not after_k[:, 3, 24:].any() and not after_v[:, 3, 24:].any()  # past n: nothing held
@@ -46,7 +49,36 @@ def test_a_slots_positions_go_out_and_back_bit_for_bit(dtype):
     history = np.asarray(runner._state.history)
     assert np.array_equal(history[3, :24], tokens) and not history[3, 24:].any() and not history[others].any()
     assert runner.slot_layout() == {"arch": "llama", "num_layers": L, "num_kv_heads": K, "head_dim": D,
-                                    "vocab_size": V, "kv_dtype": dtype}
+                                    "vocab_size": V, "kv_dtype": dtype, "kv_itemsize": jnp.dtype(dtype).itemsize}
+
+
+def test_the_caller_compiles_so_the_write_and_read_do_not():
+    """stage_slot and prepare_slot_read compile on the caller's thread; the engine thread's
+    write_slot and read_slot then find the programs compiled."""
+    runner = _Runner(jnp.bfloat16)
+    rows = np.zeros((L, 8, K, D), jnp.bfloat16)
+    staged = runner.stage_slot(np.zeros((8,), np.int32), rows, rows)
+    runner.prepare_slot_read(8)
+    compiles = []
+
+    def listener(event: str, duration: float, **_) -> None:
+        if "compile" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        runner.write_slot(0, staged)
+        runner.read_slot(0, 8)[0].block_until_ready()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    other = _Runner(jnp.bfloat16)  # (the listener sees a program compiled at its first call)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        other.read_slot(0, 40)[0].block_until_ready()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles
 
 
 def test_wrong_shapes_dtypes_and_slots_are_refused():
@@ -54,10 +86,10 @@ def test_wrong_shapes_dtypes_and_slots_are_refused():
     rows = np.zeros((L, 8, K, D), jnp.bfloat16)
     tokens = np.zeros((8,), np.int32)
     with pytest.raises(ValueError, match="slot 4 is not one of"):
-        runner.write_slot(4, tokens, rows, rows)
+        runner.write_slot(4, runner.stage_slot(tokens, rows, rows))
     with pytest.raises(ValueError, match="want"):
-        runner.write_slot(0, tokens[:7], rows, rows)
+        runner.stage_slot(tokens[:7], rows, rows)
     with pytest.raises(ValueError, match="want bfloat16"):
-        runner.write_slot(0, tokens, rows.astype(np.float32), rows.astype(np.float32))
+        runner.stage_slot(tokens, rows.astype(np.float32), rows.astype(np.float32))
     with pytest.raises(ValueError, match="positions: want 1 to 63"):
         runner.read_slot(0, 64)

@@ -311,16 +311,22 @@ class FakeModel:
 
     # Slot snapshots (model/slot_snapshot.py's API): a position's "key" and "value" are the token
     # the fake cache holds there, as one f32 (a layer, a kv head of width 1).
+    def _no_deferred_rows_awaited(self) -> None:  # (a deferred step's sampling, still to dispatch, writes slot state)
+        assert self._unsupplied is None or not self._unsupplied.deferred, "a slot action before a deferred step's rows"
+
     def slot_layout(self) -> dict[str, Any]:
         return {"arch": "fake", "num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "vocab_size": VOCAB,
-                "kv_dtype": "float32"}
+                "kv_dtype": "float32", "kv_itemsize": 4}
 
     def read_slot(self, slot: int, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        self._no_deferred_rows_awaited()
         assert 0 < num_tokens < self.max_context and None not in self.cache[slot][:num_tokens], "a read of nothing"
         rows = np.asarray(self.cache[slot][:num_tokens], np.float32).reshape(1, num_tokens, 1, 1)
         return rows, rows + 0.5  # (the values differ from the keys: a swap would show)
 
-    def write_slot(self, slot: int, tokens: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+    def write_slot(self, slot: int, staged: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        self._no_deferred_rows_awaited()
+        tokens, k, v = staged  # (no stage_slot: the file's arrays as they come)
         k, v = (a.view(np.float32) if a.dtype == np.uint32 else a for a in (k, v))
         assert k.shape == v.shape == (1, len(tokens), 1, 1) and np.array_equal(v, k + 0.5), "keys and values apart"
         self.cache[slot][:len(tokens)] = [int(t) for t in k.reshape(-1)]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from scheduler import slot_files
-from scheduler.types import EngineUnavailableError, RequestValidationError, SlotBusyError
+from scheduler.types import Constraint, EngineUnavailableError, RequestValidationError, SlotBusyError
 from tests.scheduler.streams import collect, collect_one, req, run, wait_until
 
 HISTORY = bytes(range(65, 84))  # 19 tokens: SECOND reuses two whole chunks of 8 of what FIRST leaves
@@ -111,6 +111,25 @@ def test_a_busy_slot_is_refused_and_the_request_goes_on(make_engine, fake_model_
     assert not (tmp_path / "busy.bin").exists()
 
 
+def test_slot_actions_wait_for_a_deferred_steps_rows(make_engine, fake_model_cls, tmp_path):
+    """A constrained request's step samples once the host supplies its rows, and that sampling
+    writes slot state: the fake model refuses a slot action in between; the engine runs its
+    actions after the supply."""
+    engine, _ = make_engine(fake_model_cls(num_slots=3, defers_allowed=True, context_tokens=True, step_delay=0.002))
+    _tokens(engine, FIRST)
+    slot = engine.stats().cached.index(24)
+
+    async def main():
+        stream = engine.submit(req("x", max_tokens=40, constraint=Constraint("regex", "[a-c]{40}")))
+        for i in range(6):
+            await asyncio.to_thread(engine.slot_action, "save", slot, str(tmp_path / f"s{i}.bin"))
+            await asyncio.to_thread(engine.slot_action, "restore", slot, str(tmp_path / f"s{i}.bin"))
+        return await collect(stream)
+
+    result = run(main())
+    assert result.final.error is None and len(result.tokens) == 40  # (the grammar ends there: "stop")
+
+
 def test_bad_actions_slots_and_files_are_refused(make_engine, fake_model_cls, tmp_path):
     engine, _ = make_engine(fake_model_cls(num_slots=2, context_tokens=True))
     with pytest.raises(RequestValidationError, match="unknown slot action 'load'"):
@@ -148,23 +167,31 @@ def test_a_model_that_cannot_read_its_cache_or_an_engine_without_a_prompt_cache(
     engine, _ = make_engine(Opaque(num_slots=2))
     with pytest.raises(NotImplementedError, match="cannot save or restore slots"):
         engine.slot_action("save", 0, str(tmp_path / "s.bin"))
+    assert engine.slot_action("erase", 0)["n_erased"] == 0  # (bookkeeping only)
     uncached, _ = make_engine(fake_model_cls(num_slots=2), prompt_cache=False)
-    with pytest.raises(RequestValidationError, match="the prompt cache is off"):
-        uncached.slot_action("save", 0, str(tmp_path / "s.bin"))
+    for action in ("save", "erase"):
+        with pytest.raises(RequestValidationError, match="the prompt cache is off"):
+            uncached.slot_action(action, 0, str(tmp_path / "s.bin"))
+    assert uncached.stats().cached == ()
     stopped, _ = make_engine(fake_model_cls(num_slots=2))
     stopped.shutdown(10)
     with pytest.raises(EngineUnavailableError):
         stopped.slot_action("erase", 0)
 
 
-@pytest.mark.parametrize("name", ["", ".hidden", "-x", "../up", "a/b", "a\\b", "x" * 256, None, 7, "sp ace"])
+@pytest.mark.parametrize("name", ["", ".hidden", "-x", "../up", "a/b", "a\\b", "x" * 201, None, 7, "sp ace"])
 def test_a_filename_is_a_plain_name(name):
     with pytest.raises(RequestValidationError, match="invalid filename"):
         slot_files.check_filename(name)
 
 
-def test_a_filename_may_have_dots_dashes_and_underscores():
+def test_a_filename_may_have_dots_dashes_and_underscores(tmp_path):
     assert slot_files.check_filename("slot_1.v2-final.bin") == "slot_1.v2-final.bin"
+    longest = slot_files.check_filename("x" * 200)  # and the longest is written, beside its temporary file
+    layout = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "kv_itemsize": 4}
+    rows = np.zeros((1, 0, 1, 1), np.float32)
+    assert slot_files.write(str(tmp_path / longest), layout, np.zeros((0,), np.int32), "", rows, rows) > 0
+    assert [p.name for p in tmp_path.iterdir()] == [longest]
 
 
 def test_a_bf16_file_holds_the_bits(tmp_path):
@@ -172,7 +199,7 @@ def test_a_bf16_file_holds_the_bits(tmp_path):
     import ml_dtypes
 
     layout = {"arch": "llama", "num_layers": 2, "num_kv_heads": 1, "head_dim": 4, "vocab_size": 100,
-              "kv_dtype": "bfloat16", "model": "m", "prefill_chunk": 4}
+              "kv_dtype": "bfloat16", "kv_itemsize": 2, "model": "m", "prefill_chunk": 4}
     keys = np.random.default_rng(0).standard_normal((2, 8, 1, 4)).astype(ml_dtypes.bfloat16)
     tokens = np.arange(8, dtype=np.int32)
     size = slot_files.write(str(tmp_path / "b.bin"), layout, tokens, "salt", keys, -keys)

@@ -41,6 +41,8 @@ async def test_save_restore_and_erase_reach_the_engine_with_the_files_path(engin
     ("/slots/0", {"filename": "a.bin"}, "action"),
     ("/slots/x?action=save", {"filename": "a.bin"}, "id_slot"),
     ("/slots/-1?action=save", {"filename": "a.bin"}, "id_slot"),
+    ("/slots/\u00b2?action=save", {"filename": "a.bin"}, "id_slot"),
+    ("/slots/" + "9" * 5000 + "?action=save", {"filename": "a.bin"}, "id_slot"),
     ("/slots/0?action=save", {"filename": "../a.bin"}, "filename"),
     ("/slots/0?action=save", {"filename": ".a"}, "filename"),
     ("/slots/0?action=restore", {}, "filename"),
