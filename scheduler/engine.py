@@ -557,8 +557,10 @@ class Engine(StepPlanner):
             else:
                 result = prompts.forget(slot)
         except Exception as exc:  # noqa: BLE001 - the caller's to report
+            self._publish("ready")
             command.done.set_exception(exc)
         else:
+            self._publish("ready")  # (the slots' cached counts as of the answer: GET /slots after it agrees)
             command.done.set_result(result)
 
     def _expire(self, now: float) -> None:

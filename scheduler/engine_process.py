@@ -17,7 +17,7 @@ Wire: two one-way pipes of pickled tuples.
                   ("slot", key, action, slot, path)
   to the parent:  ("ready", info, stats), ("failed", error, stats), ("events", [(key, event)],
                   stats), ("timing", RequestTiming), ("stats", stats, GcSnapshot), ("stopped", stats),
-                  ("slot_done", key, answer, exception)
+                  ("slot_done", key, answer, exception, stats)
 A slot action (`slot_action`, scheduler/slot_files.py) runs on a thread of its own in the child,
 which reads or writes the file there, and answers with "slot_done". The child's engine thread
 sends a processed step's events in one message: the child's streams
@@ -352,6 +352,8 @@ class EngineProcess:
                 elif kind == "stopped":
                     self._stats = dataclasses.replace(message[1] or self._stats, state="stopped")
                 elif kind == "slot_done":
+                    if self._stats.state == "ready":  # first: the stats as of the answer
+                        self._stats = message[4]
                     with self._lock:
                         done = self._slot_calls.pop(message[1], None)
                     if done is not None and message[3] is not None:
@@ -631,10 +633,10 @@ def _slot_action(engine: Engine, message: tuple, out: _Outbound) -> None:
     except Exception as exc:  # noqa: BLE001 - the caller's to report
         answer, error = None, exc
     try:
-        out.send(("slot_done", key, answer, error))
+        out.send(("slot_done", key, answer, error, engine.stats()))
     except Exception as exc:  # noqa: BLE001 - what does not pickle: its text instead
         what = f"{type(error).__name__}: {error}" if error is not None else f"its answer did not pickle ({exc})"
-        out.send(("slot_done", key, None, RuntimeError(f"the slot action failed: {what}")))
+        out.send(("slot_done", key, None, RuntimeError(f"the slot action failed: {what}"), engine.stats()))
 
 
 def _send_stats(engine: Engine, out: _Outbound, stop: threading.Event) -> None:

@@ -193,7 +193,9 @@ def test_slot_actions_run_in_the_child_and_their_errors_come_back(start_process,
     saved = engine.slot_action("save", slot, str(tmp_path / "s.bin"))
     assert saved["n_saved"] == 16 and saved["n_written"] == (tmp_path / "s.bin").stat().st_size
     assert engine.slot_action("erase", slot) == {"id_slot": slot, "n_erased": 16}
+    assert engine.stats().cached == (0, 0)  # as of the answer
     assert engine.slot_action("restore", 1 - slot, str(tmp_path / "s.bin"))["n_restored"] == 16
+    assert engine.stats().cached[1 - slot] == 16
     again = run(shared.collect_one(engine, req(prompt, 3)))
     assert again.final.cached_tokens == 16 and again.tokens == first.tokens
     with pytest.raises(FileNotFoundError):
