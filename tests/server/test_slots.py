@@ -81,3 +81,11 @@ async def test_the_engines_refusals_are_http_errors(engine: FakeEngine, tmp_path
     assert r.status_code == status, r.text
     assert r.json()["error"]["message"]
     assert after.status_code == 200  # the server goes on
+
+
+async def test_the_actions_need_the_api_key(engine: FakeEngine, tmp_path) -> None:
+    async with client_for(make_app(engine, slot_save_path=str(tmp_path), api_key="k")) as c:
+        refused = await c.post("/slots/0?action=erase")
+        allowed = await c.post("/slots/0?action=erase", headers={"Authorization": "Bearer k"})
+    assert (refused.status_code, allowed.status_code) == (401, 200)
+    assert engine.slot_calls == [("erase", 0, None)]
