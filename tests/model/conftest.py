@@ -1,11 +1,15 @@
-"""The real SmolLM2 model, loaded and compiled once per test run for the model tests."""
+"""The real SmolLM2 model, loaded and compiled once per test run for the model tests; and a
+check that nothing compiles (`no_compiles`)."""
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import subprocess
 import sys
+from typing import Iterator
 
+import jax
 import pytest
 
 from model.config import EngineConfig
@@ -47,3 +51,27 @@ def smol_runner(smollm2):
     runner = smollm2.make_runner(SMOL_ENGINE)
     runner.warmup()
     return runner
+
+
+@contextlib.contextmanager
+def compiles_seen() -> Iterator[list[str]]:
+    """The JAX compile events (their names) inside, as a list the block can read after."""
+    compiles: list[str] = []
+
+    def listener(event: str, duration: float, **_) -> None:
+        if "compile" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@contextlib.contextmanager
+def no_compiles() -> Iterator[None]:
+    """Fails if JAX compiles anything inside."""
+    with compiles_seen() as compiles:
+        yield
+    assert compiles == []

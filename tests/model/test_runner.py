@@ -3,7 +3,6 @@ nothing compiled after warm-up."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import re
@@ -17,6 +16,7 @@ import pytest
 from model import forward
 from model.offline import generate, teacher_forced_logits
 from model.step_types import PrefillChunk, PrefixCopy, SamplingParams, SlotSetup, StepPlan
+from tests.model.conftest import no_compiles
 
 PROMPTS = [
     "The quick brown fox",
@@ -69,26 +69,9 @@ def test_llama_cpp_samplers_reproducible_under_concurrency(smol_runner, prompt_i
         assert alone[0] != plain[0]
 
 
-@contextlib.contextmanager
-def _no_compiles():
-    """Fails if JAX compiles anything inside."""
-    compiles = []
-
-    def listener(event: str, duration: float, **_) -> None:
-        if "compile" in event:
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert compiles == []
-
-
 def test_nothing_compiles_after_warmup(smol_runner, prompt_ids):
     generate(smol_runner, prompt_ids[:2], 2)  # any lazy host-side setup happens here
-    with _no_compiles():
+    with no_compiles():
         long_prompt = prompt_ids[7] * 80  # > 1024 tokens: several chunks, the larger bucket
         generate(smol_runner, [long_prompt] + prompt_ids[1:4], 3,
                  sampling=SamplingParams(temperature=0.7, seed=1, repetition_penalty=1.1, logit_bias=((5, 2.0),)))
@@ -112,7 +95,7 @@ def test_several_decode_steps_per_dispatch_match_single_steps(smollm2, smol_runn
         assert single == generate(smol_runner, prompts, 9, sampling=params)
         setups = tuple(SlotSetup(s, sp) for s, sp in enumerate(params))
         prefills = tuple(PrefillChunk(s, np.asarray(ids, np.int32), 0, True) for s, ids in enumerate(prompts))
-        with _no_compiles():
+        with no_compiles():
             first = runner.dispatch(StepPlan(setups=setups, prefills=prefills)).results()
             assert len(first) == 1
             outs = runner.dispatch(StepPlan(decode_slots=(0, 1), num_decode_steps=4)).results()
@@ -404,7 +387,7 @@ def test_lean_sampling_runs_llama_cpp_samplers_in_programs_of_their_own(smol_run
     generate(lean_runner, prompts[:2], 2, sampling=plain)  # any lazy host-side setup happens here
     with (unittest.mock.patch.object(lean_runner, "_decode_apart", wraps=lean_runner._decode_apart) as apart,
           unittest.mock.patch.object(lean_runner, "_program", wraps=lean_runner._program) as programs,
-          _no_compiles()):
+          no_compiles()):
         assert generate(lean_runner, prompts[:2], 6, sampling=plain) == generate(smol_runner, prompts[:2], 6,
                                                                                  sampling=plain)
         assert apart.call_count == 0

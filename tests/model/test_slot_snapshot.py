@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import types
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ import pytest
 from model.forward import KVCache
 from model.runner import SlotState
 from model.slot_snapshot import SlotSnapshots
+from tests.model.conftest import compiles_seen, no_compiles
 
 L, B, S, K, D, V = 3, 4, 64, 2, 8, 50
 
@@ -59,25 +59,11 @@ def test_the_caller_compiles_so_the_write_and_read_do_not():
     rows = np.zeros((L, 8, K, D), jnp.bfloat16)
     staged = runner.stage_slot(np.zeros((8,), np.int32), rows, rows)
     runner.prepare_slot_read(8)
-    compiles = []
-
-    def listener(event: str, duration: float, **_) -> None:
-        if "compile" in event:
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with no_compiles():
         runner.write_slot(0, staged)
         runner.read_slot(0, 8)[0].block_until_ready()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert compiles == []
-    other = _Runner(jnp.bfloat16)  # (the listener sees a program compiled at its first call)
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        other.read_slot(0, 40)[0].block_until_ready()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+    with compiles_seen() as compiles:  # (the check sees a program compiled at its first call)
+        _Runner(jnp.bfloat16).read_slot(0, 40)[0].block_until_ready()
     assert compiles
 
 

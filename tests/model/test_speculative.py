@@ -14,6 +14,7 @@ import pytest
 from model import speculative
 from model.offline import generate
 from model.step_types import PrefillChunk, SamplingParams, SlotSetup, StepPlan
+from tests.model.conftest import no_compiles
 
 
 def test_layout_gives_each_busy_slot_a_row_and_the_spare_rows_in_turn():
@@ -154,18 +155,8 @@ def test_the_hosts_positions_come_back_to_the_tokens_emitted(spec_runners, spec_
 def test_speculation_compiles_nothing_after_warmup(spec_runners, spec_ids):
     _, spec = spec_runners
     generate(spec, spec_ids[:1], 3)
-    compiles = []
-
-    def listener(event: str, duration: float, **_) -> None:
-        if "compile" in event:
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with no_compiles():
         generate(spec, spec_ids, 12)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert compiles == []
 
 
 @pytest.mark.gpu
