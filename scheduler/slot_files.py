@@ -76,7 +76,9 @@ def perform(action: str, slot: int, path: str | None, layout: dict[str, Any], ma
         tokens, salt, rows = ask("save", slot, None)
         num = len(tokens)
         shape = (layout["num_layers"], num, layout["num_kv_heads"], layout["head_dim"])
-        keys, values = ((np.asarray(rows[0])[:, :num], np.asarray(rows[1])[:, :num]) if rows is not None else
+        # (a layer at a time: the engine thread, in this process, runs between the copies)
+        keys, values = ((np.stack([np.asarray(layer)[:num] for layer in rows[0]]),
+                         np.stack([np.asarray(layer)[:num] for layer in rows[1]])) if rows is not None else
                         (np.zeros(shape, np.dtype(f"u{_width(layout)}")),) * 2)
         del rows  # (the device's copy: not held while the file is written)
         written = write(path, layout, tokens, salt, keys, values)

@@ -36,7 +36,9 @@ def test_a_slots_positions_go_out_and_back_bit_for_bit(dtype):
     runner = _Runner(jnp.dtype(dtype))
     before_k, before_v = np.asarray(runner._cache.k), np.asarray(runner._cache.v)
     runner.prepare_slot_read(24)
-    k, v = (np.asarray(a)[:, :24] for a in runner.read_slot(1, 24))  # a bucket of 64, the first 24 kept
+    read = runner.read_slot(1, 24)
+    assert len(read[0]) == len(read[1]) == L and read[0][0].shape == (S, K, D)  # per layer, a bucket of 64
+    k, v = (np.stack([np.asarray(layer)[:24] for layer in part]) for part in read)  # the first 24 kept
     assert k.shape == (L, 24, K, D) and np.array_equal(k, before_k[:, 1, :24]) and np.array_equal(v, before_v[:, 1, :24])
     bits = np.dtype(f"u{jnp.dtype(dtype).itemsize}")
     tokens = np.arange(24, dtype=np.int32) % V
@@ -61,9 +63,9 @@ def test_the_caller_compiles_so_the_write_and_read_do_not():
     runner.prepare_slot_read(8)
     with no_compiles():
         runner.write_slot(0, staged)
-        runner.read_slot(0, 8)[0].block_until_ready()
+        runner.read_slot(0, 8)[0][0].block_until_ready()
     with compiles_seen() as compiles:  # (the check sees a program compiled at its first call)
-        _Runner(jnp.bfloat16).read_slot(0, 40)[0].block_until_ready()
+        _Runner(jnp.bfloat16).read_slot(0, 40)[0][0].block_until_ready()
     assert compiles
 
 
