@@ -50,9 +50,10 @@ def test_xla_contracts_one_product_and_sum():
 
 def test_xla_dot_is_a_chain_of_fmas():
     """ggml's tiled attention scores each key by a chain of fmas over the head dim from 0; an
-    f32 dot on the CPU is that chain (checked at the shapes the path uses)."""
+    f32 dot on the CPU is that chain (checked at the shapes the paths use: a tile's keys by a
+    chunk's rows, [64, D] x [D, T])."""
     rng = np.random.default_rng(1)
-    for m, k, n in [(512, 64, 64), (9, 64, 64), (1, 128, 64)]:
+    for m, k, n in [(64, 64, 512), (64, 64, 128), (512, 64, 64), (9, 64, 64), (1, 128, 64)]:
         a = rng.standard_normal((m, k)).astype(f32)
         b = rng.standard_normal((k, n)).astype(f32)
         chain = np.zeros((m, n), f32)
