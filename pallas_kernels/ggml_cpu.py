@@ -380,9 +380,11 @@ def _dot_f16(q16: jax.Array, k: jax.Array) -> jax.Array:
 def _online_chunks(q16, cache, starts, ends, scale, block: int = 128):
     """ggml_compute_forward_flash_attn_ext_f16_one_chunk over key ranges, all rows at once.
 
-    q16 [R, H, D] (f16 values); cache (keys, values, per_row): caches [B, S, K, D] whose row r
-    is query row r's (`per_row`), or one slot's [S, K, D] for every row; kv head h // G serves
-    query head h. starts/ends [R, C] int32: chunk c of row r covers cells [start, end), in
+    q16 [R, H, D] (f16 values); cache (keys, values, lead, rows): caches [*L, B, S, K, D] read at
+    the leading indices `lead` (say the layer of a stacked cache) and, for query row r, at cache
+    row rows[r] ([R] int32), or [*L, S, K, D] (one slot's) for every row when `rows` is None;
+    each block's cells are gathered from them, so no layer or slot is copied whole. kv head
+    h // G serves query head h. starts/ends [R, C] int32: chunk c of row r covers cells [start, end), in
     order. Per cell the score (ggml_vec_dot_f16, scaled), libm's expf, and a new maximum
     rescaling the f16 accumulator. -> (M, S, VKQ) [R, C, H], [R, C, H], [R, C, H, D].
 
@@ -390,14 +392,12 @@ def _online_chunks(q16, cache, starts, ends, scale, block: int = 128):
     the sequential `s > M` test's M) and exps at once; only the f16 accumulator and the sum, a
     chain of roundings, step cell by cell.
     """
-    keys, values, per_row = cache
-    if not per_row:
-        keys, values = keys[None], values[None]
+    keys, values, lead, cache_rows = cache
     r, h, d = q16.shape
     kv_heads = keys.shape[-2]
     g = h // kv_heads
     c = starts.shape[1]
-    rows = jnp.arange(r)[:, None, None] if per_row else jnp.zeros((r, 1, 1), jnp.int32)
+    at = tuple(lead) if cache_rows is None else (*lead, cache_rows[:, None, None])
     qg = q16.reshape(r, 1, 1, kv_heads, g, d)
     n_blocks = (jnp.max(ends - starts) + block - 1) // block
 
@@ -406,8 +406,8 @@ def _online_chunks(q16, cache, starts, ends, scale, block: int = 128):
         key = starts[..., None] + b * block + jnp.arange(block)  # [R, C, Bk]
         live = key < ends[..., None]
         idx = jnp.where(live, key, 0)
-        k = keys[rows, idx].astype(f32)  # [R, C, Bk, K, D]
-        v = values[rows, idx].astype(f32)
+        k = keys[(*at, idx)].astype(f32)  # [R, C, Bk, K, D]
+        v = values[(*at, idx)].astype(f32)
         s = mul(_dot_f16(qg, k[..., None, :]).reshape(r, c, block, h), f32(scale))
         s = jnp.where(live[..., None], s, -jnp.inf)
         seen = jnp.maximum(top[:, :, None], jax.lax.cummax(s, axis=2))  # M after each cell
@@ -520,13 +520,10 @@ def attention_decode(q, k_cache, v_cache, positions, scale, window=0, *, layer=N
     if k_cache.dtype != jnp.float16:
         raise NotImplementedError("ggml numerics: the cache must be f16 (llama.cpp's)")
     cells = k_cache.shape[-3]
-    if layer is not None:
-        k_cache = jax.lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
-        v_cache = jax.lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
-    if slots is not None:
-        k_cache, v_cache = k_cache[slots], v_cache[slots]
+    lead = () if layer is None else (jnp.asarray(layer, jnp.int32),)
+    rows = jnp.arange(q.shape[0], dtype=jnp.int32) if slots is None else jnp.asarray(slots, jnp.int32)
     pos = jnp.maximum(positions, 0)
-    return _rows_one_chunk(q, (k_cache, v_cache, True), pos, scale, cells, split=True,
+    return _rows_one_chunk(q, (k_cache, v_cache, lead, rows), pos, scale, cells, split=True,
                            threads=threads)
 
 
@@ -593,30 +590,30 @@ def attention_prefill(q, k_cache, v_cache, start_pos, scale, window=0, *, layer=
         raise NotImplementedError("ggml numerics: no sliding window")
     if k_cache.dtype != jnp.float16:
         raise NotImplementedError("ggml numerics: the cache must be f16 (llama.cpp's)")
-    if layer is not None:
-        k_cache = jax.lax.dynamic_index_in_dim(jax.lax.dynamic_index_in_dim(k_cache, layer, 0, False), slot, 0, False)
-        v_cache = jax.lax.dynamic_index_in_dim(jax.lax.dynamic_index_in_dim(v_cache, layer, 0, False), slot, 0, False)
-    cells = k_cache.shape[0]
-    if span is not None:
-        k_cache, v_cache = k_cache[:span], v_cache[:span]
+    cells = k_cache.shape[-3]
+    lead = () if layer is None else (jnp.asarray(layer, jnp.int32), jnp.asarray(slot, jnp.int32))
     t, h, d = q.shape
-    groups = h // k_cache.shape[1]
+    groups = h // k_cache.shape[-2]
     valid = jnp.int32(t) if num_valid is None else num_valid
     last = jnp.minimum(start_pos + jnp.arange(t), start_pos + valid - 1)  # padding rows: the last row
 
     def one_chunk(lone: bool):
         # a ubatch of one row runs as a decode step (it may split its cells)
-        return lambda _: _rows_one_chunk(q, (k_cache, v_cache, False), last, scale, cells, split=lone, threads=threads)
+        return lambda _: _rows_one_chunk(q, (k_cache, v_cache, lead, None), last, scale, cells, split=lone,
+                                         threads=threads)
 
     if t < TILE:
         return jax.lax.cond(valid == 1, one_chunk(True), one_chunk(False), None)
-    keys = _expand_heads(k_cache.astype(f32), groups)
-    values = _expand_heads(v_cache.astype(f32), groups)
-    pad = -keys.shape[0] % TILE
-    keys = jnp.pad(keys, ((0, pad), (0, 0), (0, 0)))
-    values = jnp.pad(values, ((0, pad), (0, 0), (0, 0)))
 
     def tiled(_):
+        keys, values = k_cache, v_cache
+        for i in lead:
+            keys = jax.lax.dynamic_index_in_dim(keys, i, 0, False)
+            values = jax.lax.dynamic_index_in_dim(values, i, 0, False)
+        if span is not None:
+            keys, values = keys[:span], values[:span]
+        pad = -keys.shape[0] % TILE
+        keys, values = (jnp.pad(_expand_heads(a.astype(f32), groups), ((0, pad), (0, 0), (0, 0))) for a in (keys, values))
         return _tiled(q, keys, values, last, scale, (start_pos + valid + TILE - 1) // TILE)
 
     return jax.lax.cond(valid >= TILE, tiled,

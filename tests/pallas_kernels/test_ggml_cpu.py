@@ -166,6 +166,26 @@ def test_decode_attention_one_chunk_and_split(positions, threads):
             assert _bits_differ(got[b, h], want) == 0, (int(p), h)
 
 
+def test_decode_attention_reads_a_stacked_caches_layer_and_slots():
+    """The engine's call: the stacked [L, B, S, K, D] cache, the layer and (speculative decode)
+    each row's slot, gathered block by block from it: the numbers of the same rows over their
+    own caches."""
+    rng = np.random.default_rng(8)
+    layers, slots, cells, heads, kv_heads = 3, 4, 1024, 4, 2
+    k = np.zeros((layers, slots, cells, kv_heads, 64), np.float16)
+    v = np.zeros_like(k)
+    for i in range(layers):
+        for b in range(slots):
+            k[i, b], v[i, b] = _cache(rng, cells, kv_heads, cells)
+    q = rng.standard_normal((5, heads, 64)).astype(f32)
+    rows, positions = np.array([2, 0, 2, 3, 1]), np.array([700, 3, 40, 300, -1])
+    fn = jax.jit(lambda q, k, v, p, layer, rows: ggml_cpu.attention_decode(q, k, v, p, 0.125, layer=layer, slots=rows))
+    got = np.asarray(fn(q, k, v, positions, np.int32(1), rows))
+    want = np.asarray(jax.jit(lambda q, k, v, p: ggml_cpu.attention_decode(q, k, v, p, 0.125))(q, k[1, rows], v[1, rows], positions))
+    assert _bits_differ(got, want) == 0
+    assert _bits_differ(got[0], got[2]) > 0  # the same slot, other positions
+
+
 @pytest.mark.parametrize("start, valid", [(0, 20), (0, 100), (64, 70), (300, 1)])
 def test_prefill_attention_paths(start, valid):
     """A chunk (llama.cpp's ubatch) of 64 rows or more takes the tiled path, fewer the one-chunk
