@@ -384,8 +384,8 @@ def _online_chunks(q16, cache, starts, ends, scale, block: int = 128):
     the leading indices `lead` (say the layer of a stacked cache) and, for query row r, at cache
     row rows[r] ([R] int32), or [*L, S, K, D] (one slot's) for every row when `rows` is None;
     each block's cells are gathered from them, so no layer or slot is copied whole. kv head
-    h // G serves query head h. starts/ends [R, C] int32: chunk c of row r covers cells [start, end), in
-    order. Per cell the score (ggml_vec_dot_f16, scaled), libm's expf, and a new maximum
+    h // G serves query head h. starts/ends [R, C] int32: chunk c of row r covers cells
+    [start, end), in order. Per cell the score (ggml_vec_dot_f16, scaled), libm's expf, and a new maximum
     rescaling the f16 accumulator. -> (M, S, VKQ) [R, C, H], [R, C, H], [R, C, H, D].
 
     Cells run `block` at a time: a block's scores, running maxima (a cumulative max, which is
@@ -613,7 +613,8 @@ def attention_prefill(q, k_cache, v_cache, start_pos, scale, window=0, *, layer=
         if span is not None:
             keys, values = keys[:span], values[:span]
         pad = -keys.shape[0] % TILE
-        keys, values = (jnp.pad(_expand_heads(a.astype(f32), groups), ((0, pad), (0, 0), (0, 0))) for a in (keys, values))
+        keys, values = (jnp.pad(_expand_heads(a.astype(f32), groups), ((0, pad), (0, 0), (0, 0)))
+                        for a in (keys, values))
         return _tiled(q, keys, values, last, scale, (start_pos + valid + TILE - 1) // TILE)
 
     return jax.lax.cond(valid >= TILE, tiled,
