@@ -53,7 +53,7 @@ def test_xla_dot_is_a_chain_of_fmas():
     f32 dot on the CPU is that chain (checked at the shapes the paths use: a tile's keys by a
     chunk's rows, [64, D] x [D, T])."""
     rng = np.random.default_rng(1)
-    for m, k, n in [(64, 64, 512), (64, 64, 128), (512, 64, 64), (9, 64, 64), (1, 128, 64)]:
+    for m, k, n in [(64, 64, 512), (64, 64, 128), (64, 128, 512), (512, 64, 64), (9, 64, 64), (1, 128, 64)]:
         a = rng.standard_normal((m, k)).astype(f32)
         b = rng.standard_normal((k, n)).astype(f32)
         chain = np.zeros((m, n), f32)
@@ -185,6 +185,28 @@ def test_decode_attention_reads_a_stacked_caches_layer_and_slots():
     want = np.asarray(plain(q, k[1, rows], v[1, rows], positions))
     assert _bits_differ(got, want) == 0
     assert _bits_differ(got[0], got[2]) > 0  # the same slot, other positions
+
+
+@pytest.mark.parametrize("start, valid", [(0, 20), (64, 70), (300, 1)])
+def test_prefill_attention_reads_a_stacked_caches_layer_and_slot(start, valid):
+    """The engine's call: the stacked [L, B, S, K, D] cache with the layer and the slot (and a
+    span), each path's numbers those of the slot's own cache."""
+    rng = np.random.default_rng(9)
+    layers, slots, cells, heads, kv_heads, t = 2, 3, 512, 4, 2, 128
+    k = np.zeros((layers, slots, cells, kv_heads, 64), np.float16)
+    v = np.zeros_like(k)
+    for i in range(layers):
+        for b in range(slots):
+            k[i, b], v[i, b] = _cache(rng, cells, kv_heads, cells)
+    q = rng.standard_normal((t, heads, 64)).astype(f32)
+    stacked = jax.jit(lambda q, k, v, s, n, layer, slot: ggml_cpu.attention_prefill(
+        q, k, v, s, 0.125, layer=layer, slot=slot, span=384, num_valid=n))
+    plain = jax.jit(lambda q, k, v, s, n: ggml_cpu.attention_prefill(q, k, v, s, 0.125, num_valid=n))
+    got = np.asarray(stacked(q, k, v, np.int32(start), np.int32(valid), np.int32(1), np.int32(2)))[:valid]
+    want = np.asarray(plain(q, k[1, 2], v[1, 2], np.int32(start), np.int32(valid)))[:valid]
+    assert _bits_differ(got, want) == 0
+    other = np.asarray(stacked(q, k, v, np.int32(start), np.int32(valid), np.int32(0), np.int32(2)))[:valid]
+    assert _bits_differ(other, want) > 0  # another layer's cells
 
 
 @pytest.mark.parametrize("start, valid", [(0, 20), (0, 100), (64, 70), (300, 1)])
