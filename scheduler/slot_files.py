@@ -76,9 +76,7 @@ def perform(action: str, slot: int, path: str | None, layout: dict[str, Any], ma
         tokens, salt, rows = ask("save", slot, None)
         num = len(tokens)
         shape = (layout["num_layers"], num, layout["num_kv_heads"], layout["head_dim"])
-        # (a layer at a time: the engine thread, in this process, runs between the copies)
-        keys, values = ((np.stack([np.asarray(layer)[:num] for layer in rows[0]]),
-                         np.stack([np.asarray(layer)[:num] for layer in rows[1]])) if rows is not None else
+        keys, values = ((_to_host(rows[0], num), _to_host(rows[1], num)) if rows is not None else
                         (np.zeros(shape, np.dtype(f"u{_width(layout)}")),) * 2)
         del rows  # (the device's copy: not held while the file is written)
         written = write(path, layout, tokens, salt, keys, values)
@@ -90,6 +88,18 @@ def perform(action: str, slot: int, path: str | None, layout: dict[str, Any], ma
     num = ask("restore", slot, (tokens, salt, staged))
     return {"id_slot": slot, "filename": name, "n_restored": num, "n_read": read,
             "timings": {"restore_ms": (time.perf_counter() - started) * 1e3}}
+
+
+def _to_host(layers: tuple, num: int) -> np.ndarray:
+    """Per-layer device arrays [span, K, D] -> [L, num, K, D] on the host, copied a layer at a time
+    (the engine thread, in this process, runs between the copies) into one array (no second
+    host copy of the whole slot)."""
+    first = np.asarray(layers[0])
+    out = np.empty((len(layers), num, *first.shape[1:]), first.dtype)
+    out[0] = first[:num]
+    for i in range(1, len(layers)):
+        out[i] = np.asarray(layers[i])[:num]
+    return out
 
 
 def _width(layout: dict[str, Any]) -> int:
