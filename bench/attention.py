@@ -383,7 +383,7 @@ def parse_decode_shapes(text: str) -> list[tuple[str, int, int, int]]:
 
 
 def parse_configs(text: str) -> list[dict[str, int | bool]]:
-    """'default;num_splits=1;block_s=32,merge_in_kernel=false' -> [{}, {"num_splits": 1}, {...}]."""
+    """'default;num_splits=1;block_s=32,num_warps=4' -> [{}, {"num_splits": 1}, {...}]; FIELD=true|false gives a bool."""
     configs = []
     for item in text.split(";"):
         fields: dict[str, int | bool] = {}

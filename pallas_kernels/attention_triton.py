@@ -13,19 +13,21 @@ takes.
 
 Decode is flash decoding (split-K): one program per (slot row, kv head, split) loads [block_s,
 D] tiles of K and V of its kv head once for all G = H / K query heads of that head (the G
-queries padded to >= 16 rows, the smallest Triton dot), keeps an online softmax in f32 and
-writes a partial (max, sum, unnormalised output); the last of a (row, kv head)'s programs to
-finish, counted with an atomic add, merges the splits' partials into the output
-(`_merge_if_last`; or, with `merge_in_kernel=False`, an elementwise jnp step after the call,
-which XLA fuses into what follows where it can, `_merge_splits`; with one split the kernel
-writes the final output itself). The grid's splits are static (`DecodeAttentionConfig.plan`: enough to
-fill about `target_programs` programs with all B rows). By default a row's tiles are divided among them by its own length
-alone, never by the span (the context bucket) or the other rows, so a row's output does not
-depend on what else is in the batch (the engine's batch invariance). Under `few_rows` (opt-in:
-the engine's `few_rows_attention`) the plan is made for a lone busy row and each row takes
-splits in proportion to its share of all rows' tiles, so a lone long row beside idle slots
-spreads over many programs; that output depends on the other rows in f32 rounding. Splits left
-without tiles write an empty partial and end. Each program loops only over tiles that hold
+queries padded to >= 16 rows, the smallest Triton dot). A row's keys are taken in chunks of
+`min_split_keys` from key 0 (whole tiles): each chunk's online softmax in f32 starts afresh
+(`_chunk_step`), and the row's result is its chunks' partials (max, sum, unnormalised output)
+folded in key order (`_fold`), then its new key's. One split folds them in its registers and
+writes the output; several splits each take a run of whole chunks and write each chunk's
+partial, and the last of a (row, kv head)'s programs to finish, counted with an atomic add,
+folds them all with the same operations (`_merge_if_last`). So a row's output is bitwise the
+same however its chunks are spread over programs: whatever the plan, the other rows and the
+span (the context bucket), the engine's batch invariance. The grid's splits are static
+(`DecodeAttentionConfig.plan`: enough to fill about `target_programs` programs with all B rows);
+by default a row divides its chunks among them by its own length. The plan for few busy rows
+(`few_rows`, which the engine runs when at most a quarter of its slots decode) fills them with
+one row instead and gives each row splits in proportion to its share of all rows' tiles, so a
+lone long row beside idle slots spreads over many programs, with the same output. Splits left
+without tiles write nothing but their count. Each program loops only over tiles that hold
 visible keys of its row, bounded by the row's position (and window) read from the positions
 array, so short and inactive rows read nothing past their last key. With `write_pos` (the
 forward pass's decode step) the call also writes each row's new key and value into the caches,
@@ -43,10 +45,9 @@ Scores use base-2 exponentials: the kernels multiply q by scale * log2(e) in f32
 it to the dots' dtype, `_dot_dtype`) and compute exp2(s - m); partial maxima are base-2 as well.
 bf16/f16 caches use tensor-core dots with f32 accumulation; an 8-bit float (e4m3) cache's tiles
 become f16 after their load, and q and the softmax weights are rounded to f16 for its dots; f32
-caches use IEEE f32 dots (`Precision.HIGHEST`; Triton's default would be tf32). A cache length that is not a multiple
-of the tile is read with masked loads on the last tile.
-Dimension letters: B slots, T queries, S cache positions, H query heads, K kv heads, G = H / K,
-D head dim.
+caches use IEEE f32 dots (`Precision.HIGHEST`; Triton's default would be tf32). A cache length
+not a multiple of the tile is read with masked loads on the last tile. Dimension letters: B
+slots, T queries, S cache positions, H query heads, K kv heads, G = H / K, D head dim.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ _MIN_DOT = 16  # Triton's tl.dot needs every dimension >= 16
 # there, a [G, 1024] f32 score tile and two [1024, 16] f16 tiles in registers.
 MAX_DEFAULT_BLOCK_S = 512
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
+_MERGE_GROUP = 16  # chunks whose partials the merge loads at once
 _KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), _FP8)
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 
@@ -122,8 +124,7 @@ class DecodeAttentionConfig:
     block_s: int | None = None
     # The most splits of a row's visible keys (the grid's third axis). None: enough for about
     # `target_programs` programs over the rows the call is planned for (all B, or one with
-    # `few_rows`; see `plan`), at most `max_splits`. A row uses as many as its length allows at
-    # `min_split_keys` keys or more each.
+    # `few_rows`; see `plan`), at most `max_splits`. A row uses as many as its chunks allow.
     num_splits: int | None = None
     # On the H200 (bench/results, tenth and eleventh sessions; kernel time from profiler
     # traces): 8 busy rows x 32 kv heads (Llama-2-7B, 256 programs) ran fastest in one split at
@@ -135,14 +136,14 @@ class DecodeAttentionConfig:
     # cost 8 busy rows (attention 372 -> 388-432 us per step at 200 keys, 1,099 -> 1,255 at 1,000)
     # while helping one (849 -> 450 us at 1,000 keys).
     target_programs: int = 256
+    # Keys per chunk (rounded up to whole tiles): the unit a split takes and of the fold's order,
+    # so part of what a row's output rounds like (the same in every plan). Each chunk costs the
+    # fold's few vector operations in one program, or a partial's store and load with splits.
     min_split_keys: int = 128
     max_splits: int = 16
     # None: 2 with the 8 KiB tile of one query per kv head, else 4.
     num_warps: int | None = None
     num_stages: int = 3
-    # Splits merged by the last of a row's programs to finish (`_merge_if_last`), not by XLA
-    # after the call (`_merge_splits`).
-    merge_in_kernel: bool = True
 
     def __post_init__(self) -> None:
         _check_pow2("block_s", self.block_s, _MIN_DOT)
@@ -199,7 +200,7 @@ class DecodeAttentionConfig:
         return max(1, num_rows // 4)
 
     def min_split_tiles(self, block_s: int) -> int:
-        """The fewest tiles a split of a row takes while the row has that many."""
+        """The tiles of a chunk: the fewest a split of a row takes while the row has that many."""
         return max(1, -(-self.min_split_keys // block_s))
 
 
@@ -334,6 +335,44 @@ def _online_softmax_step(carry, s, visible, v, precision):
 # decode
 
 
+def _fold(total, part, when=None):
+    """A chunk's partial `part` (acc [M, D], m [M], l [M]) added to a row's running `total`,
+    both rescaled to the larger max. One program's registers and the merge of several programs'
+    chunks (`_merge_if_last`) fold alike, so a row's output is bitwise the same however its
+    chunks were spread. The larger max's side keeps a scale of exactly 1: each sum is one
+    product and one add, which a compiler contracts into an FMA alike in both places (two
+    products summed could contract either way). An empty part (0, _NEG, 0) changes nothing;
+    nor does any part where `when` (a traced bool) is false (x + y * 0)."""
+    acc, m, l = total
+    part_acc, part_m, part_l = part
+    part_wins = part_m > m
+    m_new = jnp.maximum(m, part_m)
+    # the smaller max's side rescaled: exp2 of (smaller - larger), <= 1
+    scale = jnp.exp2(jnp.where(part_wins, m - part_m, part_m - m))
+    if when is not None:
+        m_new = jnp.where(when, m_new, m)
+        part_wins = part_wins & when
+        scale = jnp.where(when, scale, 0.0)
+    wins = part_wins[:, None]
+    acc = jnp.where(wins, part_acc + acc * scale[:, None], acc + part_acc * scale[:, None])
+    l = jnp.where(part_wins, part_l + l * scale, l + part_l * scale)
+    return acc, m_new, l
+
+
+def _chunk_step(carry, s, visible, v, precision, is_start):
+    """One key tile of a chunk's online softmax (`_online_softmax_step`), the chunk's state
+    (acc, m, l) starting afresh where `is_start` (a traced bool: the tile opens a chunk)."""
+    acc, m, l = carry
+    s = jnp.where(visible, s, _NEG)
+    m = jnp.where(is_start, _NEG, m)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)
+    corr = jnp.where(is_start, 0.0, jnp.exp2(m - m_new))
+    l = l * corr + jnp.sum(p, axis=1)
+    acc = acc * corr[:, None] + _dot_nn(p.astype(v.dtype), v, precision)
+    return acc, m_new, l
+
+
 def _decode_kernel(
     pos_ref,  # [B] int32, whole array
     work_ref,  # [1] int32: the tiles all rows hold up to their positions (windows aside)
@@ -347,11 +386,10 @@ def _decode_kernel(
     # with `writes`: wpos_ref [B] int32 (where each row's new key goes; outside [0, S): nowhere);
     # with `by_slot`: slots_ref [B] int32, the cache row each query row reads (and writes), and
     # k_ref / v_ref (and k_out_ref / v_out_ref) [L, B_cache, S, D], every cache row of this kv head;
-    # with `merge_in_kernel`: the counts [B, K] int32 (the output count_ref's buffer);
-    # then the outputs: one split: o_ref [H, D] (f32 or `out_dtype`); else acc_ref [G_pad, D], m_ref [G_pad],
-    # l_ref [G_pad] f32, or with `merge_in_kernel` o_ref [H, D] and whole acc_ref [P, B, K, G_pad, D],
-    # m_ref and l_ref [P, B, K, G_pad] and count_ref [B, K]; with `writes`, then k_out_ref,
-    # v_out_ref [L, S, D] (the caches, aliased to k_ref and v_ref)
+    # with several splits: the counts [B, K] int32 (the output count_ref's buffer);
+    # then the outputs: o_ref [H, D] (f32 or `out_dtype`); with several splits, the whole acc_ref
+    # [P, B, K, G_pad, D], m_ref, l_ref [P, B, K, G_pad] (P: the span's chunks, and the new key's
+    # with `writes`), count_ref [B, K]; with `writes`, k_out_ref, v_out_ref [L, S, D] (aliased)
     *refs,
     writes: bool,
     by_slot: bool,
@@ -359,19 +397,18 @@ def _decode_kernel(
     num_splits: int,
     by_share: bool,
     target_rows: int,
-    min_tiles: int,
+    chunk_tiles: int,
     num_keys: int,
     num_groups: int,
     g_pad: int,
     has_window: bool,
     is_ragged: bool,
-    merge_in_kernel: bool,
     interpret: bool,
 ):
     out_refs = list(refs)
     wpos_ref = out_refs.pop(0) if writes else None
     slots_ref = out_refs.pop(0) if by_slot else None
-    if merge_in_kernel:
+    if num_splits > 1:
         out_refs.pop(0)  # the counts as input: the output `count_ref` is the same buffer
     if writes:
         *out_refs, k_out_ref, v_out_ref = out_refs
@@ -381,21 +418,21 @@ def _decode_kernel(
     pos = pos_ref[row]
     # Only tiles holding visible keys of this row: nothing past its position is read.
     first_key, last_key, lo, hi, win = _visible_tiles(pos, pos, num_keys, win_ref, has_window, block_s)
-    # The split that attends the row's last tile takes its new key; split 0 where the row has no
-    # tile (a window wholly past the span, out of the contract: the write still happens).
+    # The row's chunks [c_lo, c_hi): runs of `chunk_tiles` tiles from key 0, whatever the plan.
     last_tile, has_tiles = hi - 1, lo < hi
+    c_lo, c_hi = lax.div(lo, chunk_tiles), lax.div(hi + chunk_tiles - 1, chunk_tiles)
     if num_splits > 1:
-        n = hi - lo
         wanted = num_splits
         if by_share:
             # This row's share of the splits: its tiles against all rows' (`work`), scaled so
             # that `target_rows` rows' worth of programs run.
-            wanted = lax.div(n * target_rows + work_ref[0] - 1, work_ref[0])
+            wanted = lax.div((hi - lo) * target_rows + work_ref[0] - 1, work_ref[0])
             wanted = lax.max(lax.min(wanted, num_splits), 1)
-        # consecutive runs of `per` tiles, at least `min_tiles` (the last run may be shorter)
-        per = lax.max(lax.div(n + wanted - 1, wanted), min_tiles)
-        lo = lo + split * per
-        hi = lax.min(hi, lo + per)
+        # consecutive runs of `per` whole chunks (the last run may be shorter)
+        per = lax.div(c_hi - c_lo + wanted - 1, wanted)
+        first = c_lo + split * per
+        lo = lax.max(lo, first * chunk_tiles)
+        hi = lax.min(hi, (first + per) * chunk_tiles)
 
     # The G queries of this kv head, padded to g_pad rows (zeros) for the dot.
     d = q_ref.shape[1]
@@ -412,22 +449,22 @@ def _decode_kernel(
     precision = _dot_precision(dot_dtype)
     s_max = k_ref.shape[-2]  # the cache's extent; attention reads [0, num_keys) of it
     if writes:
-        # One program per (row, kv head) takes the new key and value: the one whose run of tiles
-        # holds the row's last tile. It attends them (where visible) as one more key of the
-        # online softmax after the loop, and writes them into the caches (wherever the position
-        # lies in the cache, past the span too, as a scatter would; nowhere for a position
-        # outside it: an idle row). Taken from q rather than from a tile: a select in the tile
-        # before the dot kept Triton from pipelining the loads (attention 8 -> 12 us per layer
-        # on the H200). Their loads and the new key's score come before the loop, so that the
-        # loads' latency overlaps it; the stores after it (before it, they slowed the loop by a
-        # third at 1,000 keys).
+        # The new key and value: one more partial after the row's chunks (`_new_key_part`),
+        # written into the caches by the program whose run of tiles holds the row's last tile
+        # (wherever the position lies in the cache, as a scatter would; nowhere for one outside
+        # it: an idle row). Taken from q, not from a tile: a select in the tile before the dot
+        # kept Triton from pipelining the loads (8 -> 12 us per layer, H200). Their loads and the
+        # score come before the loop, to overlap it; the stores after it (before it, they slowed
+        # the loop by a third at 1,000 keys).
         wpos = wpos_ref[row]
         new_k = q_ref[pl.ds(q_at + num_groups, 1), :].astype(k_ref.dtype)  # [1, D]
         new_v = q_ref[pl.ds(q_at + num_groups + 1, 1), :].astype(v_ref.dtype)
         owns = jnp.where(has_tiles, (lo <= last_tile) & (last_tile < hi), split == 0)
-        attend = owns & (wpos >= first_key) & (wpos <= last_key)
-        s_new = jnp.sum(q.astype(jnp.float32) * jnp.broadcast_to(new_k.astype(jnp.float32), (g_pad, d)), axis=1)
-        s_new = jnp.where(attend, s_new, _NEG)
+        new_part = _new_key_part(q, new_k, new_v, (wpos >= first_key) & (wpos <= last_key), g_pad, d)
+
+    single = num_splits == 1
+    if not single:
+        o_ref, acc_ref, m_ref, l_ref, count_ref = out_refs
 
     def body(t, carry):
         start = pl.multiple_of(t * block_s, block_s)
@@ -437,97 +474,120 @@ def _decode_kernel(
         visible = keys <= last_key
         if has_window:
             visible = visible & ((win <= 0) | (keys > pos - win))
-        if writes:  # the cache's stale row at wpos: the new key is attended after the loop
+        if writes:  # the cache's stale row at wpos: the new key is attended after the chunks
             visible = visible & (keys != wpos)
         visible = jnp.broadcast_to(visible[None, :], s.shape)
         v = _load_tile(v_ref, start, block_s, s_max, is_ragged, lead)
-        return _online_softmax_step(carry, s, visible, _tile_for_dot(v, dot_dtype), precision)
+        in_chunk = lax.rem(t, chunk_tiles)
+        is_end = (in_chunk == chunk_tiles - 1) | (t == hi - 1)
+        chunk, total = carry
+        chunk = _chunk_step(chunk, s, visible, _tile_for_dot(v, dot_dtype), precision, in_chunk == 0)
+        if single:  # this program holds all of the row's chunks: fold each as it ends
+            total = _fold(total, chunk, when=is_end)
+        else:  # each chunk's partial for the merge, at its place in the row's order
+            _store_part(acc_ref, m_ref, l_ref, (lax.div(t, chunk_tiles), row, head), chunk, row_mask, is_end)
+        return chunk, total
 
-    init = (
-        jnp.zeros((g_pad, d), jnp.float32),
-        jnp.full((g_pad,), _NEG, jnp.float32),
-        jnp.zeros((g_pad,), jnp.float32),
-    )
-    acc, m, l = lax.fori_loop(lo, hi, body, init)
-    if writes:  # the new key: one more step of the online softmax; then the cache write
+    empty = _empty_part(g_pad, d)
+    _, total = lax.fori_loop(lo, hi, body, (empty, empty if single else ()))
+    if writes:  # the cache write
         mask = jnp.broadcast_to(owns & (wpos >= 0) & (wpos < s_max), (1, d))
         at = (*lead, pl.ds(lax.clamp(0, wpos, s_max - 1), 1), slice(None))
         _store(k_out_ref.at[at], new_k, mask=mask)
         _store(v_out_ref.at[at], new_v, mask=mask)
-        m_new = jnp.maximum(m, s_new)
-        p = jnp.where(attend, jnp.exp2(s_new - m_new), 0.0)
-        corr = jnp.exp2(m - m_new)
-        l = l * corr + p
-        p = p.astype(dot_dtype).astype(jnp.float32)  # as the tiles' p @ v rounds it
-        acc = acc * corr[:, None] + p[:, None] * jnp.broadcast_to(new_v.astype(jnp.float32), (g_pad, d))
-        m = m_new
-    out_rows = pl.ds(head * num_groups, g_pad)
-    if len(out_refs) == 1:  # one split: the final output, straight into [B, H, D] (in its dtype)
+    if single:  # the final output, straight into [B, H, D] (in its dtype)
+        if writes:
+            total = _fold(total, new_part)
         (o_ref,) = out_refs
-        out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
-        if row_mask is None:
-            o_ref[out_rows, :] = out
-        else:
-            _store(o_ref.at[out_rows, :], out, mask=row_mask)
+        _store_out(o_ref, pl.ds(head * num_groups, g_pad), total, row_mask)
         return
-    if len(out_refs) == 3:  # the splits' partials, merged by `_merge_splits` after the call
-        acc_ref, m_ref, l_ref = out_refs
-        if row_mask is None:
-            acc_ref[...] = acc
-        else:  # padding rows are never read back: do not write them
-            _store(acc_ref, acc, mask=row_mask)
-        m_ref[...] = m
-        l_ref[...] = l
-        return
-    # Merged in the kernel: every split's partial goes to the whole-array buffers, and the last
-    # split of this (row, kv head) to arrive merges them all.
-    o_ref, acc_ref, m_ref, l_ref, count_ref = out_refs
-    at = (split, row, head)
-    _store(acc_ref.at[(*at, slice(None), slice(None))], acc, mask=row_mask)
-    m_ref[(*at, slice(None))] = m
-    l_ref[(*at, slice(None))] = l
-    _merge_if_last(o_ref, acc_ref, m_ref, l_ref, count_ref, at, out_rows, num_splits, num_groups, interpret)
+    # Several splits: the new key's partial after the chunks', then the last program of this
+    # (row, kv head) to arrive merges them all.
+    num_parts = acc_ref.shape[0]
+    if writes:
+        _store_part(acc_ref, m_ref, l_ref, (jnp.int32(num_parts - 1), row, head), new_part, row_mask, owns)
+    _merge_if_last(o_ref, acc_ref, m_ref, l_ref, count_ref, (row, head), (c_lo, c_hi), num_parts - writes,
+                   writes, num_splits, num_groups, interpret)
 
 
-def _merge_if_last(o_ref, acc_ref, m_ref, l_ref, count_ref, at, out_rows, num_splits: int, num_groups: int,
-                   interpret: bool):
-    """The in-kernel merge: each split's program counts itself in `count_ref[row, kv head]`
-    (0 at the call) once its partial is written, and the one that counts last merges all of
-    them into the output rows: the same sums as `_merge_splits`, taken over the split axis at
-    once. Ordering: the barrier makes every thread's stores of the partial precede the count
-    (one thread's atomic add, acquire-release at GPU scope), so the program that sees the
-    others' counts also sees their partials; it reads them as volatile loads, past the L1,
-    which never held them. The merge depends on nothing but the row's partials: batch
-    invariance holds as with the merge outside. (Interpreted, the programs run one after
-    another: no barrier, which has no CPU lowering.)"""
-    split, row, head = at
+def _new_key_part(q, new_k, new_v, attend, g_pad: int, d: int):
+    """The new key's partial for the G_pad query rows: its score and value where attended."""
+    s_new = jnp.sum(q.astype(jnp.float32) * jnp.broadcast_to(new_k.astype(jnp.float32), (g_pad, d)), axis=1)
+    return (jnp.where(attend, jnp.broadcast_to(new_v.astype(jnp.float32), (g_pad, d)), 0.0),
+            jnp.where(attend, s_new, _NEG), jnp.broadcast_to(jnp.where(attend, jnp.float32(1), jnp.float32(0)), (g_pad,)))
+
+
+def _empty_part(rows: int, d: int):
+    return jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32)
+
+def _store_part(acc_ref, m_ref, l_ref, at, part, row_mask, when):
+    """Store a partial at `at` = (part, row, kv head) where `when` (acc's padding rows: never)."""
+    acc, m, l = part
+    g_pad, d = acc.shape
+    mask = jnp.broadcast_to(when, (g_pad, d))
+    if row_mask is not None:
+        mask = mask & row_mask
+    _store(acc_ref.at[(*at, slice(None), slice(None))], acc, mask=mask)
+    _store(m_ref.at[(*at, slice(None))], m, mask=jnp.broadcast_to(when, (g_pad,)))
+    _store(l_ref.at[(*at, slice(None))], l, mask=jnp.broadcast_to(when, (g_pad,)))
+
+
+def _store_out(o_ref, rows, total, row_mask):
+    acc, _, l = total
+    out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+    if row_mask is None:
+        o_ref[rows, :] = out
+    else:
+        _store(o_ref.at[rows, :], out, mask=row_mask)
+
+
+def _merge_if_last(o_ref, acc_ref, m_ref, l_ref, count_ref, at, chunks, num_chunk_parts: int, writes: bool,
+                   num_splits: int, num_groups: int, interpret: bool):
+    """Each split's program counts itself in `count_ref[row, kv head]` (0 at the call) once
+    its partials are written; the last to count folds the row's chunks [c_lo, c_hi) in order,
+    then the new key's partial (`writes`), as one program does in its registers. The barrier
+    makes every thread's stores precede the count (one thread's atomic add, acquire-release at
+    GPU scope); the partials are read as volatile loads, past the L1. Chunks come in groups of
+    `_MERGE_GROUP` whose loads issue together (one load and fold at a time was a chain of round
+    trips: 17.2 against 11.4 us, a lone Llama-3-8B row at 4k keys, H200). Interpreted, the
+    programs run one after another: no barrier (it has no CPU lowering)."""
+    row, head = at
+    c_lo, c_hi = chunks
     if not interpret:
         plt.debug_barrier()
     ticket = plt.atomic_add(count_ref, (row, head), jnp.int32(1))
 
     @pl.when(ticket == num_splits - 1)
     def _merge():
-        # All splits at once, each of the G query rows (padded to a power of two): one batch of
-        # loads rather than a chain of them.
-        p_pad, d = acc_ref.shape[0], acc_ref.shape[-1]
-        g_p = _pow2_at_least(num_groups)
-        splits = jnp.arange(p_pad, dtype=jnp.int32) < num_splits
-        ml_at = (pl.ds(0, p_pad), row, head, pl.ds(0, g_p))
-        ml_mask = jnp.broadcast_to(splits[:, None], (p_pad, g_p))
-        m = _load(m_ref.at[ml_at], mask=ml_mask, other=jnp.full((), _NEG, jnp.float32), volatile=True)
-        l = _load(l_ref.at[ml_at], mask=ml_mask, other=jnp.zeros((), jnp.float32), volatile=True)
-        acc = _load(acc_ref.at[(*ml_at, slice(None))], mask=jnp.broadcast_to(splits[:, None, None], (p_pad, g_p, d)),
-                    other=jnp.zeros((), jnp.float32), volatile=True)
-        w = jnp.exp2(m - jnp.max(m, axis=0)[None, :])  # [P, G]
-        num = jnp.sum(acc * w[:, :, None], axis=0)
-        den = jnp.sum(l * w, axis=0)
-        out = (num / den[:, None]).astype(o_ref.dtype)
-        rows = pl.ds(out_rows.start, g_p)
-        if g_p == num_groups:
-            o_ref[rows, :] = out
-        else:
+        d = acc_ref.shape[-1]
+        g_p = _pow2_at_least(num_groups)  # the query rows, padded to a power of two only
+
+        def load(c, live):
+            at_c = (c, row, head, pl.ds(0, g_p))
+            ml_mask = None if live is None else jnp.broadcast_to(live, (g_p,))
+            m = _load(m_ref.at[at_c], mask=ml_mask, other=None if live is None else jnp.full((), _NEG, jnp.float32),
+                      volatile=True)
+            l = _load(l_ref.at[at_c], mask=ml_mask, other=None if live is None else jnp.zeros((), jnp.float32),
+                      volatile=True)
+            acc = _load(acc_ref.at[(*at_c, slice(None))], mask=None if live is None else jnp.broadcast_to(live, (g_p, d)),
+                        other=None if live is None else jnp.zeros((), jnp.float32), volatile=True)
+            return acc, m, l
+
+        def group(i, total):
+            first = i * _MERGE_GROUP
+            parts = [load(first + j, (first + j >= c_lo) & (first + j < c_hi)) for j in range(_MERGE_GROUP)]
+            for part in parts:
+                total = _fold(total, part)
+            return total
+
+        total = lax.fori_loop(lax.div(c_lo, _MERGE_GROUP), lax.div(c_hi + _MERGE_GROUP - 1, _MERGE_GROUP), group,
+                              _empty_part(g_p, d))
+        if writes:
+            total = _fold(total, load(jnp.int32(num_chunk_parts), None))
+        live = None
+        if g_p > num_groups:
             live = jnp.broadcast_to((jnp.arange(g_p, dtype=jnp.int32) < num_groups)[:, None], (g_p, d))
-            _store(o_ref.at[rows, :], out, mask=live)
+        _store_out(o_ref, pl.ds(head * num_groups, g_p), total, live)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "static_scale", "static_window", "span",
@@ -550,28 +610,27 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, slo
     num_tiles = -(-s // block_s)
     scale_arr, win_arr = _scalar_inputs(scale, window, static_scale, static_window)
     if num_splits > 1 and plan.by_share:
-        # The tiles all rows hold up to their positions: the same for every layer of a step
-        # (XLA computed it once per step in the H200's traces).
+        # The tiles all rows hold up to their positions (XLA computes it once per step).
         work = jnp.sum(lax.div(jnp.clip(positions.astype(jnp.int32), 0, s - 1), block_s) + 1, keepdims=True)
     else:
         work = np.ones((1,), np.int32)
 
-    merge_in_kernel = num_splits > 1 and config.merge_in_kernel
+    chunk_tiles = config.min_split_tiles(block_s)
+    writes = write_pos is not None
     kernel = functools.partial(
         _decode_kernel,
-        writes=write_pos is not None,
+        writes=writes,
         by_slot=slots is not None,
         block_s=block_s,
         num_splits=num_splits,
         by_share=plan.by_share,
         target_rows=-(-config.target_programs // kh),
-        min_tiles=config.min_split_tiles(block_s),
+        chunk_tiles=chunk_tiles,
         num_keys=s,
         num_groups=g,
         g_pad=g_pad,
         has_window=static_window != 0,
         is_ragged=num_tiles * block_s > s_max,  # the last tile would cross the cache's end
-        merge_in_kernel=merge_in_kernel,
         interpret=interpret,
     )
     num_layers = k_cache.shape[0]
@@ -579,27 +638,17 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, slo
         kv_spec = pl.BlockSpec((num_layers, None, s_max, None, d), lambda i, j, p: (0, i, 0, j, 0))
     else:  # every cache row of the kv head: the kernel picks the row's own (a block index cannot read slots)
         kv_spec = pl.BlockSpec((num_layers, k_cache.shape[1], s_max, None, d), lambda i, j, p: (0, 0, 0, j, 0))
-    # merged in the kernel: room for a power of two of splits, which it loads at once
-    p_alloc = _pow2_at_least(num_splits) if merge_in_kernel else num_splits
-    partials = [
-        jax.ShapeDtypeStruct((p_alloc, b, kh, g_pad, d), jnp.float32),
-        jax.ShapeDtypeStruct((p_alloc, b, kh, g_pad), jnp.float32),
-        jax.ShapeDtypeStruct((p_alloc, b, kh, g_pad), jnp.float32),
-    ]
-    if num_splits == 1:
-        out_specs = [pl.BlockSpec((None, h, d), lambda i, j, p: (i, 0, 0))]
-        out_shape = [jax.ShapeDtypeStruct((b, h, d), out_dtype)]
-    elif merge_in_kernel:  # the output, then the partials and the counts whole (`_merge_if_last`)
-        out_specs = [pl.BlockSpec((None, h, d), lambda i, j, p: (i, 0, 0))] + [pl.BlockSpec() for _ in range(4)]
-        out_shape = [jax.ShapeDtypeStruct((b, h, d), out_dtype), *partials,
-                     jax.ShapeDtypeStruct((b, kh), jnp.int32)]
-    else:
-        out_specs = [
-            pl.BlockSpec((None, None, None, g_pad, d), lambda i, j, p: (p, i, j, 0, 0)),
-            pl.BlockSpec((None, None, None, g_pad), lambda i, j, p: (p, i, j, 0)),
-            pl.BlockSpec((None, None, None, g_pad), lambda i, j, p: (p, i, j, 0)),
+    out_specs = [pl.BlockSpec((None, h, d), lambda i, j, p: (i, 0, 0))]
+    out_shape = [jax.ShapeDtypeStruct((b, h, d), out_dtype)]
+    if num_splits > 1:  # then the partials, one per chunk of the span (and the new key's), and the counts, whole
+        num_parts = -(-num_tiles // chunk_tiles) + writes
+        out_specs += [pl.BlockSpec() for _ in range(4)]
+        out_shape += [
+            jax.ShapeDtypeStruct((num_parts, b, kh, g_pad, d), jnp.float32),
+            jax.ShapeDtypeStruct((num_parts, b, kh, g_pad), jnp.float32),
+            jax.ShapeDtypeStruct((num_parts, b, kh, g_pad), jnp.float32),
+            jax.ShapeDtypeStruct((b, kh), jnp.int32),
         ]
-        out_shape = partials
     in_specs = [
         pl.BlockSpec((b,), lambda i, j, p: (0,)),
         pl.BlockSpec((1,), lambda i, j, p: (0,)),
@@ -613,7 +662,7 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, slo
     args = [positions.astype(jnp.int32), work.astype(jnp.int32), win_arr, scale_arr, layer, q, k_cache, v_cache]
     aliases = {}
     num_outs = len(out_shape)
-    if write_pos is not None:
+    if writes:
         in_specs.append(pl.BlockSpec((b,), lambda i, j, p: (0,)))
         args.append(write_pos.astype(jnp.int32))
         out_specs += [kv_spec, kv_spec]
@@ -623,7 +672,7 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, slo
     if slots is not None:
         in_specs.append(pl.BlockSpec((b,), lambda i, j, p: (0,)))
         args.append(slots.astype(jnp.int32))
-    if merge_in_kernel:  # the counts, 0 at each call
+    if num_splits > 1:  # the counts, 0 at each call
         in_specs.append(pl.BlockSpec())
         args.append(jnp.zeros((b, kh), jnp.int32))
         aliases[len(args) - 1] = num_outs - 1
@@ -638,33 +687,8 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, slo
         interpret=interpret,
         name="attention_decode",
     )(*args)
-    caches = tuple(outs[num_outs:])
-    outs = outs[:num_outs]
-    if num_splits == 1 or merge_in_kernel:
-        out = outs[0]
-    else:
-        out = _merge_splits(*(x[:, :, :, :g] for x in outs)).reshape(b, h, d).astype(out_dtype)
-    return (out, *caches) if write_pos is not None else out
-
-
-def _merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
-    """acc [P, ...rows, D], m / l [P, ...rows] partials of P splits -> [...rows, D]. A split with
-    no visible key has acc = 0, m = _NEG, l = 0: weight 0. Written split by split with
-    elementwise ops only: XLA makes it one loop kernel, where reductions over the split axis
-    ran as two at 8 splits on the H200 (bench/results, eleventh session). In the engine's step
-    XLA fuses it into what takes the output: the conversion to `out_dtype`, and where the values
-    are not stored in the output projection's order (model/ordered_values.py) the permutation of
-    x before it where that is a gather (the Mosaic GPU matmul's `gather_x`), not where it is a
-    transpose (bench/results, twentieth session)."""
-    m_all = m[0]
-    for i in range(1, m.shape[0]):
-        m_all = jnp.maximum(m_all, m[i])
-    num, den = 0.0, 0.0
-    for i in range(m.shape[0]):
-        w = jnp.exp2(m[i] - m_all)
-        num = num + acc[i] * w[..., None]
-        den = den + l[i] * w
-    return num / den[..., None]
+    out = outs[0]
+    return (out, *outs[num_outs:]) if writes else out
 
 
 def _layer_arr(layer) -> jax.Array:
@@ -705,10 +729,9 @@ def attention_decode_triton(
     out_dtype: jnp.dtype = jnp.float32,
 ) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:  # [B, H, D] out_dtype (with write_pos: and the caches)
     """Same contract as `attention_decode_reference`. Positions must lie in [0, span); a
-    position past it attends to the whole span, as the reference does. By default a row's
-    output is bitwise the same whatever the other rows and the span; with `few_rows` it is
-    the same within f32 rounding (the splits, and so the order of the sums, follow the other
-    rows).
+    position past it attends to the whole span, as the reference does. A row's output is
+    bitwise the same whatever the other rows, the span and `few_rows` (its chunks are folded
+    in key order whichever programs hold them).
 
     With `write_pos`, the call also does what `KVCache.write_decode` would before it: the new
     keys and values (rounded to the cache's dtype) land at write_pos, and each row attends its

@@ -75,7 +75,7 @@ def test_attention_decode_configs_take_ints_and_booleans():
 
     from bench.attention import parse_configs
 
-    assert parse_configs("default;max_splits=32,merge_in_kernel=false;merge_in_kernel=True") == [
-        {}, {"max_splits": 32, "merge_in_kernel": False}, {"merge_in_kernel": True}]
+    assert parse_configs("default;max_splits=32,flag=false;flag=True") == [
+        {}, {"max_splits": 32, "flag": False}, {"flag": True}]
     with pytest.raises(argparse.ArgumentTypeError):
         parse_configs("block_s=big")

@@ -277,10 +277,9 @@ class DecodeConformance:
         """`slots=`: each query row reads (and with write_pos writes) the cache row it names,
         several rows sharing one at consecutive positions (the engine's speculative decode, the
         keys of the earlier positions already in the cache). Row r's output is bitwise the plain
-        call's for its slot at its position and query, and the caches come back as a scatter at
+        call's for its slot at its position and query (that one planned for all rows, whatever
+        the case's plan), and the caches come back as a scatter at
         (slot, write_pos) leaves them."""
-        if case.few_rows:
-            pytest.skip("a few-rows plan follows the other rows: no bitwise row identity to check")
         rng, seed = fresh_rng()
         q, k, v, positions = self.inputs(case, rng)
         b, window = case.b, case.windows[0]
@@ -299,7 +298,8 @@ class DecodeConformance:
         packed = attention.pack_decode_write(q, new_k, new_v)
         common = dict(layer=jnp.int32(1), span=case.s, config=case.config, interpret=self.interpret)
         run = jax.jit(lambda q, k, v, p, w, sl: attention_triton.attention_decode_triton(
-            q, k, v, p, case.d ** -0.5, window, write_pos=w, slots=sl, **common), donate_argnums=())
+            q, k, v, p, case.d ** -0.5, window, write_pos=w, slots=sl, few_rows=case.few_rows, **common),
+            donate_argnums=())
         plain = jax.jit(lambda q, k, v, p, w: attention_triton.attention_decode_triton(
             q, k, v, p, case.d ** -0.5, window, write_pos=w, **common))
         out, k_out, v_out = run(packed, k_pre, v_pre, pos_j, pos_j, slots_j)
@@ -449,9 +449,9 @@ class TestDecodeInterpret(DecodeConformance):
         # an 8-bit float cache, converted to f16 per tile
         DecodeCase(3, 100, 4, 2, 64, jnp.float8_e4m3fn, windows=(0, 7),
                    config=DecodeAttentionConfig(block_s=16, num_splits=2, min_split_keys=16), checks_out_dtype=False),
-        # the splits merged by XLA after the call, not in the kernel; out_dtype: that merge's
+        # chunks of 2 tiles, splits of whole chunks (a window's first chunk may be partial)
         DecodeCase(3, 100, 6, 2, 32, jnp.float32, windows=(0, 7, 40),
-                   config=DecodeAttentionConfig(block_s=16, num_splits=3, min_split_keys=16, merge_in_kernel=False)),
+                   config=DecodeAttentionConfig(block_s=16, num_splits=3, min_split_keys=32)),
     )
 
 
@@ -499,8 +499,8 @@ class TestDecodeGpu(DecodeConformance):
         DecodeCase(8, 2048, 32, 8, 128, jnp.bfloat16, windows=(0, 300), few_rows=True),  # Llama-3-8B: 16 splits
         DecodeCase(8, 4096, 32, 8, 128, jnp.float8_e4m3fn, is_window_static=True),  # Llama-3-8B, 8-bit cache
         DecodeCase(8, 1024, 32, 32, 128, jnp.float8_e4m3fn, windows=(0, 100)),  # the 7B's 8 slots, 8-bit cache
-        DecodeCase(8, 4096, 32, 8, 128, jnp.bfloat16, is_window_static=True,  # Llama-3-8B, merged by XLA
-                   config=DecodeAttentionConfig(merge_in_kernel=False)),
+        DecodeCase(8, 4096, 32, 8, 128, jnp.bfloat16, is_window_static=True,  # Llama-3-8B, one-tile chunks
+                   config=DecodeAttentionConfig(min_split_keys=64)),
     )
 
 
@@ -620,39 +620,62 @@ def test_decode_few_rows_limit():
     assert limit(8, 32, 1, 128, 2, 2048) == cfg.few_rows_limit(8, 32, 1, 128, 2, 2048)
 
 
+def _row_output_cases(b: int, s: int):
+    """(positions of the other rows, span, few_rows, config) for the invariance tests: a row
+    beside busy and idle rows, in a shorter context bucket, under the plan for few rows and
+    with explicit split counts."""
+    return (
+        ((s - 1, 17, 90) + (0,) * (b - 4), s, False, None),
+        ((3,) * (b - 1), s, False, None),
+        ((0,) * (b - 1), s // 2 + 32, False, None),
+        ((0,) * (b - 1), s, True, None),  # a lone row: the few-rows plan spreads it
+        ((s // 2, 0, s - 1) + (0,) * (b - 4), s, True, None),
+        ((100, 159, 0) + (0,) * (b - 4), s, False, DecodeAttentionConfig(num_splits=1)),
+        ((0,) * (b - 1), s, False, DecodeAttentionConfig(num_splits=3)),
+    )
+
+
 def test_decode_row_output_does_not_depend_on_the_other_rows_or_the_span():
-    """The engine's batch invariance on the GPU rests on this: by default a row's splits follow
-    its own length only, so its output is bitwise the same whatever the other rows' positions
-    and whatever context bucket (span) the step attends over. (Interpret mode on the CPU: the
-    same split structure and order of sums as the GPU program, not its float unit.)"""
+    """The engine's batch invariance on the GPU rests on this: a row's chunks are folded in
+    key order whichever programs hold them, so its output is bitwise the same whatever the
+    other rows' positions, the context bucket (span) the step attends over, the plan for few
+    rows and the split count. (Interpret mode on the CPU: the same chunks and order of folds
+    as the GPU program, not its float unit.)"""
     rng, seed = fresh_rng()
     b, s, h, kh, d = 4, 256, 4, 2, 32
     q = normal(rng, (b, h, d), jnp.float32)
     k, v = (stack_layers(normal(rng, (b, s, kh, d), jnp.float32), 0, 0, rng, 1) for _ in range(2))
-    cfg = DecodeAttentionConfig(block_s=16, min_split_keys=16, num_splits=4, target_programs=8)
-    run = jax.jit(lambda p, span: attention_triton.attention_decode_triton(
-        q, k, v, p, d ** -0.5, 0, layer=0, span=span, config=cfg, interpret=True), static_argnums=1)
-    first = np.asarray(run(jnp.asarray([150, 0, 0, 0], jnp.int32), 256))[0]
-    for others, span in (((255, 17, 90), 256), ((3, 3, 3), 256), ((0, 0, 0), 160), ((100, 159, 0), 160)):
-        out = np.asarray(run(jnp.asarray([150, *others], jnp.int32), span))[0]
-        np.testing.assert_array_equal(out, first, err_msg=f"seed {seed}, others {others}, span {span}")
+    base = dict(block_s=16, min_split_keys=32, target_programs=8)
+    run = jax.jit(lambda p, span, few, cfg: attention_triton.attention_decode_triton(
+        q, k, v, p, d ** -0.5, 0, layer=0, span=span, config=cfg, interpret=True, few_rows=few),
+        static_argnums=(1, 2, 3))
+    cfg = DecodeAttentionConfig(**base)
+    first = np.asarray(run(jnp.asarray([150, 0, 0, 0], jnp.int32), s, False, cfg))[0]
+    for others, span, few, config in _row_output_cases(b, s):
+        config = dataclasses.replace(config, **base) if config else cfg
+        plan = config.plan(b, kh, h // kh, d, 4, span, few_rows=few)
+        out = np.asarray(run(jnp.asarray([150, *others], jnp.int32), span, few, config))[0]
+        np.testing.assert_array_equal(out, first, err_msg=f"seed {seed}, others {others}, span {span}, {plan}")
 
 
 @_gpu[0]
 @_gpu[1]
-def test_decode_row_output_does_not_depend_on_the_other_rows_or_the_span_gpu():
-    """The same on the GPU's float unit, at the engine's shape of Llama-3-8B (8 slots of 8 kv
-    heads: 4 splits by default) in bf16, across context buckets 1024 and 2048."""
+@pytest.mark.parametrize("kh", [32, 8])
+def test_decode_row_output_does_not_depend_on_the_other_rows_or_the_span_gpu(kh):
+    """The same on the GPU's float unit, at the engine's shapes of Llama-2-7B (8 slots of 32
+    kv heads: one split by default, up to 8 under the few-rows plan) and Llama-3-8B (8 kv heads:
+    4 splits, up to 16), in bf16, across context buckets 1024 and 2048."""
     rng, seed = fresh_rng()
-    b, s, h, kh, d = 8, 2048, 32, 8, 128
+    b, s, h, d = 8, 2048, 32, 128
     q = normal(rng, (b, h, d), jnp.bfloat16)
     k, v = (normal(rng, (1, b, s, kh, d), jnp.bfloat16) for _ in range(2))
-    run = jax.jit(lambda p, span: attention_triton.attention_decode_triton(
-        q, k, v, p, d ** -0.5, 0, layer=0, span=span), static_argnums=1)
-    first = np.asarray(run(jnp.asarray([900] + [0] * 7, jnp.int32), 1024))[0]
-    for others, span in (((1023, 5, 77, 512, 0, 0, 1000), 1024), ((2047, 1500, 3, 3, 3, 3, 3), 2048)):
-        out = np.asarray(run(jnp.asarray([900, *others], jnp.int32), span))[0]
-        np.testing.assert_array_equal(out, first, err_msg=f"seed {seed}, others {others}, span {span}")
+    run = jax.jit(lambda p, span, few, cfg: attention_triton.attention_decode_triton(
+        q, k, v, p, d ** -0.5, 0, layer=0, span=span, few_rows=few, config=cfg), static_argnums=(1, 2, 3))
+    first = np.asarray(run(jnp.asarray([900] + [0] * 7, jnp.int32), 1024, False, None))[0]
+    for others, span, few, config in _row_output_cases(b, s):
+        out = np.asarray(run(jnp.asarray([900, *others], jnp.int32), span, few, config))[0]
+        np.testing.assert_array_equal(out, first, err_msg=f"seed {seed}, others {others}, span {span}, few {few}, "
+                                                          f"{config}")
 
 
 @pytest.mark.parametrize("kv_dtype, d, s, g", [(jnp.bfloat16, 128, 4096, 4), (jnp.float32, 64, 1000, 3),
