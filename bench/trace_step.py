@@ -16,7 +16,7 @@ The engine flags are the server's (`python -m server --help`), defaulting here t
 dtype of "auto", the context capped at the model's, 0 decode steps the engine's own choice);
 --max-queue, --timeout, --compile-threads and --no-gc-freeze change nothing here.
 
-With `--few-rows-attention`, where the decode attention has a plan for few busy slots at that
+With few-rows attention (on unless `--no-few-rows-attention`), where the decode attention has a plan for few busy slots at that
 position's context bucket (the Triton kernel from 1024 keys), one busy slot runs the program
 built with it (the runner builds it for its steady-state program, the most decode steps per
 dispatch; here for `--decode-steps`), and the program planned for all slots is timed at one busy

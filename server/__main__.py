@@ -90,10 +90,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
     p.add_argument("--compile-threads", type=int, default=0, metavar="N",
                    help="threads compiling the step programs at start (0 = auto: one per usable core, at most 8 "
                         "on CPU and 4 on GPU)")
-    p.add_argument("--few-rows-attention", action="store_true",
+    p.add_argument("--few-rows-attention", action=argparse.BooleanOptionalAction, default=True,
                    help="decode attention planned for few busy slots (a quarter of --slots or fewer) at 1024+ tokens "
-                        "of context: faster for a lone long-context user, but a request's tokens may then differ in rare "
-                        "near-ties with what else runs (not batch-invariant)")
+                        "of context, where the kernel has such a plan: faster for a lone long-context user, the same "
+                        "tokens (default on; one more compile per such context bucket)")
     p.add_argument("--constrained-overlap", default="auto", choices=("auto", "on", "off"),
                    help="constrained decoding: run a step's forward pass while the host reads the token its allowed "
                         "tokens follow, sampling after (two programs a step; auto: on a GPU with one device), or read "

@@ -165,10 +165,10 @@ def test_the_kv_write_goes_to_an_attention_kernel_that_takes_it(tiny_tp_path):
         chosen.update(saved_chosen)
 
 
-def test_the_few_rows_attention_plan_is_opt_in(tiny_tp_path):
+def test_the_few_rows_attention_plan_can_be_turned_off(tiny_tp_path):
     """A decode attention with a plan for few busy rows (a `few_rows_limit` attribute, as the
-    Triton kernel has) gets it used only under EngineConfig.few_rows_attention: otherwise the
-    engine stays batch-invariant (model/config.py)."""
+    Triton kernel has) gets it used by default, and not under `few_rows_attention=False`
+    (`--no-few-rows-attention`)."""
     from pallas_kernels.attention import attention_decode_reference
 
     def with_plan(*args, few_rows=False, **kwargs):
@@ -179,10 +179,10 @@ def test_the_few_rows_attention_plan_is_opt_in(tiny_tp_path):
     saved, saved_chosen = list(impls), dict(chosen)
     registry.register("attention_decode", "with_plan", with_plan, priority=1000)
     try:
-        loaded, _ = _loaded(tiny_tp_path)
+        loaded, _ = _loaded(tiny_tp_path, few_rows_attention=False)
         assert loaded.kernel_names["attention_decode"] == "with_plan"
         assert loaded.kernels.decode_few_rows_limit(64) == 0
-        loaded, _ = _loaded(tiny_tp_path, few_rows_attention=True)
+        loaded, _ = _loaded(tiny_tp_path)
         assert loaded.kernels.decode_few_rows_limit(64) == 2  # 8 slots // 4
         assert loaded.kernels.decode_few_rows_limit(32) == 0  # not a bucket of this engine
     finally:

@@ -173,8 +173,8 @@ def test_parts_hand_over_the_steps_outputs_as_results_does(smol_runner, prompt_i
 
 
 def test_few_busy_slots_run_the_decode_programs_planned_for_them(smollm2, prompt_ids):
-    """Where the decode attention has a plan for few busy rows and the engine opted in (the Triton
-    kernel on the GPU with `--few-rows-attention`: `Kernels.decode_few_rows_limit`), warm-up
+    """Where the decode attention has a plan for few busy rows (the Triton kernel on the GPU,
+    unless `--no-few-rows-attention`: `Kernels.decode_few_rows_limit`), warm-up
     compiles the steady-state decode program (the most steps per dispatch) with it for each
     context bucket that has one, and such a step with at most that many decoding slots runs it;
     the tokens are those of the other programs. Here the CPU's reference attention stands in,

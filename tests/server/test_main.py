@@ -53,7 +53,7 @@ def test_defaults() -> None:
     assert engine.unrolls_decode("gpu") and not engine.unrolls_decode("cpu")
     assert engine.decode_steps_per_dispatch == 0 and engine.decode_steps() == 1  # 0: auto
     assert engine.dispatch_ahead == 1
-    assert not engine.few_rows_attention  # batch-invariant by default
+    assert engine.few_rows_attention  # the same tokens under either plan (the kernel's chunked fold)
     assert (engine.numerics, engine.ggml_threads) == ("auto", 2)  # llama.cpp's arithmetic where reproduced
     assert not engine.separate_kv_write  # the attention kernel writes the keys and values where it can
     assert engine.gather_x
@@ -127,7 +127,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
             "--max-queue", "0", "--prefill-budget", "256", "--max-context", "1024", "--timeout", "30",
             "--kernels", "attention=xla, matmul=triton", "--chat-template", str(template), "--log-level", "debug",
             "--unroll-decode-layers", "off", "--decode-steps", "4", "--compile-threads", "3", "--dispatch-ahead", "3",
-            "--few-rows-attention", "--separate-kv-write", "--split-q4-k", "--no-reuse-kernel-lowering",
+            "--no-few-rows-attention", "--separate-kv-write", "--split-q4-k", "--no-reuse-kernel-lowering",
             "--no-prefill-cuda-graphs", "--no-gc-freeze", "--no-gather-x", "--no-ordered-values",
             "--no-gated-ffn", "--tool-call-parser", "llama3_json", "--reasoning-format", "none",
             "--no-prompt-logprobs", "--no-prompt-cache", "--slot-save-path", str(tmp_path / "slots"),
@@ -142,7 +142,7 @@ def test_flags(tmp_path: pathlib.Path) -> None:
     assert engine.dispatch_ahead == 3
     assert engine.compile_workers("gpu", 12) == engine.compile_workers("cpu", 12) == 3
     assert engine.compile_workers("gpu", 2) == 2
-    assert engine.few_rows_attention and engine.separate_kv_write and engine.split_q4_k == "on"
+    assert not engine.few_rows_attention and engine.separate_kv_write and engine.split_q4_k == "on"
     assert not engine.reuse_kernel_lowering and not engine.prefill_cuda_graphs and not engine.gc_freeze
     assert not engine.gather_x and not engine.ordered_values and not engine.gated_ffn
     assert not engine.prompt_logprobs and not engine.prompt_cache
