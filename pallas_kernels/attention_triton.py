@@ -126,15 +126,11 @@ class DecodeAttentionConfig:
     # `target_programs` programs over the rows the call is planned for (all B, or one with
     # `few_rows`; see `plan`), at most `max_splits`. A row uses as many as its chunks allow.
     num_splits: int | None = None
-    # On the H200 (bench/results, tenth and eleventh sessions; kernel time from profiler
-    # traces): 8 busy rows x 32 kv heads (Llama-2-7B, 256 programs) ran fastest in one split at
-    # every length tried (200, 1000 and 4000 keys), and any second split, even an idle one,
-    # cost: 32.8 against 36.5 us at 1000 keys with 2 splits of which each row used one, 10.0
-    # against 11.0 at 200. One busy row of the 8 took 23.7 us at 1000 keys in one split and
-    # 12.1 sharing 8; at 4000 keys 89.6 against 28.9 sharing 8: the few-rows plan. Measured again
-    # with the merge fused into the next kernel (twentieth session): 2 or 4 splits per row still
-    # cost 8 busy rows (attention 372 -> 388-432 us per step at 200 keys, 1,099 -> 1,255 at 1,000)
-    # while helping one (849 -> 450 us at 1,000 keys).
+    # On the H200 (bench/results, tenth, eleventh and twentieth sessions): 8 busy rows x 32 kv
+    # heads (Llama-2-7B, 256 programs) ran fastest in one split at 200, 1000 and 4000 keys; any
+    # second split cost (32.8 against 36.5 us at 1000 keys, 10.0 against 11.0 at 200). One busy
+    # row of the 8 took 23.7 us at 1000 keys in one split and 12.1 sharing 8; at 4000 keys 89.6
+    # against 28.9 sharing 8: the few-rows plan.
     target_programs: int = 256
     # Keys per chunk (rounded up to whole tiles): the unit a split takes and of the fold's order,
     # so part of what a row's output rounds like (the same in every plan). Each chunk costs the
@@ -144,6 +140,9 @@ class DecodeAttentionConfig:
     # None: 2 with the 8 KiB tile of one query per kv head, else 4.
     num_warps: int | None = None
     num_stages: int = 3
+    # Splits write a partial per chunk of the span for every row and kv head (f32, G_pad rows);
+    # where those buffers would pass this many bytes the call runs one split, the same bits.
+    max_partial_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
         _check_pow2("block_s", self.block_s, _MIN_DOT)
@@ -160,9 +159,9 @@ class DecodeAttentionConfig:
     def plan(self, num_rows: int, num_kv_heads: int, groups: int, head_dim: int, itemsize: int, span: int,
              few_rows: bool = False) -> DecodePlan:
         """The tile, the most splits and the warps of a call over `span` keys of `num_rows`
-        rows; `few_rows`: planned for a lone busy row, rows sharing the splits by length. The
-        default plan does not depend on the span, so that a row's splits (and with them its
-        output's rounding) are the same in every context bucket. One query per kv head (G = 1,
+        rows; `few_rows`: planned for a lone busy row, rows sharing the splits by length; one
+        split where the partials would pass `max_partial_bytes`. A row's output is the same
+        under every plan (the chunks): a plan sets the speed only. One query per kv head (G = 1,
         the query rows padded 16x for the dot) takes half-size tiles and 2 warps: 10.1 against
         11.2 us at 8 x 32 programs and 200 keys on the H200, 10.9 against 12.1 for one busy row
         at 1000 keys in 8 splits; with G = 4 the full tile and 4 warps were faster (6.3 against
@@ -179,9 +178,13 @@ class DecodeAttentionConfig:
             splits = self.num_splits
         else:
             splits = min(self.max_splits, -(-self.target_programs // (rows * num_kv_heads)))
+        num_tiles = -(-span // block_s)
         if few_rows:  # no more splits than the span holds at min_split_keys each
-            num_tiles = -(-span // block_s)
             splits = min(splits, max(1, (num_tiles * block_s) // self.min_split_keys), num_tiles)
+        parts = -(-num_tiles // self.min_split_tiles(block_s)) + 1
+        g_pad = max(_MIN_DOT, _pow2_at_least(groups))
+        if parts * num_rows * num_kv_heads * (g_pad * head_dim + 2 * g_pad) * 4 > self.max_partial_bytes:
+            splits = 1
         num_warps = self.num_warps or (2 if small and self.block_s is None else 4)
         return DecodePlan(block_s, max(1, splits), num_warps, by_share=few_rows)
 

@@ -598,6 +598,10 @@ def test_decode_plan_choices():
     assert few(8, 8, 4, 128, 2, 4096) == plan(64, 16, 4, by_share=True)
     assert few(8, 8, 4, 128, 2, 100) == plan(64, 1, 4, by_share=True)  # fewer keys than a split's
     assert DecodeAttentionConfig(num_splits=2).plan(8, 32, 1, 128, 2, 512) == plan(32, 2, 2)
+    # partials past max_partial_bytes (512 MiB): one split. 32 slots of 32 kv heads at 32k keys
+    # would take 257 chunks x 32 x 32 x 16 x (128 + 2) x 4 bytes = 2.2 GB
+    assert few(32, 32, 1, 128, 2, 32768).num_splits == 1 and few(32, 32, 1, 128, 2, 4096).num_splits == 8
+    assert DecodeAttentionConfig(max_partial_bytes=0).plan(8, 8, 4, 128, 2, 512).num_splits == 1
     assert DecodeAttentionConfig(max_splits=2).plan(1, 8, 4, 128, 2, 4096).num_splits == 2
     assert DecodeAttentionConfig(block_s=16, num_warps=8).plan(8, 32, 1, 128, 2, 512) == plan(16, 1, 8)
     assert DecodeAttentionConfig(target_programs=1024).plan(8, 32, 1, 128, 2, 512).num_splits == 4
@@ -657,6 +661,34 @@ def test_decode_row_output_does_not_depend_on_the_other_rows_or_the_span():
         plan = config.plan(b, kh, h // kh, d, 4, span, few_rows=few)
         out = np.asarray(run(jnp.asarray([150, *others], jnp.int32), span, few, config))[0]
         np.testing.assert_array_equal(out, first, err_msg=f"seed {seed}, others {others}, span {span}, {plan}")
+
+
+def test_decode_row_output_under_every_plan_with_windows_and_the_cache_write():
+    """The same bits under 1, 5 and 16 splits and the few-rows plan where the row has a window
+    (its first chunk partial), writes its new key in the call, and holds more chunks (20 of one
+    tile) than the merge loads at once (16), beside busy, idle and write-less rows."""
+    rng, seed = fresh_rng()
+    b, s, h, kh, d = 4, 320, 4, 2, 16
+    q = normal(rng, (b, h, d), jnp.float32)
+    k, v = (normal(rng, (1, b, s, kh, d), jnp.float32) for _ in range(2))
+    packed = attention.pack_decode_write(q, normal(rng, (b, kh, d), jnp.float32), normal(rng, (b, kh, d), jnp.float32))
+    base = dict(block_s=16, min_split_keys=16, target_programs=8)
+    run = jax.jit(lambda p, w, win, few, cfg: attention_triton.attention_decode_triton(
+        packed, k, v, p, d ** -0.5, win, layer=0, write_pos=w, config=cfg, interpret=True, few_rows=few)[0],
+        static_argnums=(3, 4))
+    for window in (0, 37):
+        first = None
+        for others in ((0, 0, 0), (s - 1, 5, 100)):
+            pos = np.asarray([299, *others], np.int32)
+            wpos = pos.copy()
+            wpos[3] = s  # an idle row: writes nothing
+            for few, splits in ((False, 1), (False, 5), (False, 16), (True, None)):
+                out = np.asarray(run(jnp.asarray(pos), jnp.asarray(wpos), jnp.int32(window), few,
+                                     DecodeAttentionConfig(**base, num_splits=splits)))[0]
+                if first is None:
+                    first = out
+                np.testing.assert_array_equal(out, first, err_msg=f"seed {seed}, window {window}, others {others}, "
+                                                                  f"few {few}, splits {splits}")
 
 
 @_gpu[0]
