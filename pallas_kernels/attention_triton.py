@@ -519,6 +519,7 @@ def _new_key_part(q, new_k, new_v, attend, g_pad: int, d: int):
 def _empty_part(rows: int, d: int):
     return jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32)
 
+
 def _store_part(acc_ref, m_ref, l_ref, at, part, row_mask, when):
     """Store a partial at `at` = (part, row, kv head) where `when` (acc's padding rows: never)."""
     acc, m, l = part
