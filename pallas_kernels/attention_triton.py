@@ -97,6 +97,16 @@ def _check_pow2(name: str, value: int | None, minimum: int) -> None:
         raise ValueError(f"{name} must be a power of two >= {minimum}, got {value}")
 
 
+def _g_pad(groups: int) -> int:  # a kv head's query rows as the dots take them
+    return max(_MIN_DOT, _pow2_at_least(groups))
+
+
+def _partials(num_tiles: int, chunk_tiles: int, writes: bool, b: int, kh: int, groups: int, d: int) -> list:
+    """Several splits' partials acc, m, l: per chunk of the span (and new key), row and kv head."""
+    shape = (-(-num_tiles // chunk_tiles) + writes, b, kh, _g_pad(groups))
+    return [jax.ShapeDtypeStruct((*shape, d), jnp.float32), *[jax.ShapeDtypeStruct(shape, jnp.float32)] * 2]
+
+
 def _check_launch(num_warps: int | None, num_stages: int | None) -> None:
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {num_warps}")
@@ -181,9 +191,8 @@ class DecodeAttentionConfig:
         num_tiles = -(-span // block_s)
         if few_rows:  # no more splits than the span holds at min_split_keys each
             splits = min(splits, max(1, (num_tiles * block_s) // self.min_split_keys), num_tiles)
-        parts = -(-num_tiles // self.min_split_tiles(block_s)) + 1
-        g_pad = max(_MIN_DOT, _pow2_at_least(groups))
-        if parts * num_rows * num_kv_heads * (g_pad * head_dim + 2 * g_pad) * 4 > self.max_partial_bytes:
+        parts = _partials(num_tiles, self.min_split_tiles(block_s), True, num_rows, num_kv_heads, groups, head_dim)
+        if sum(math.prod(p.shape) * p.dtype.itemsize for p in parts) > self.max_partial_bytes:
             splits = 1
         num_warps = self.num_warps or (2 if small and self.block_s is None else 4)
         return DecodePlan(block_s, max(1, splits), num_warps, by_share=few_rows)
@@ -562,15 +571,13 @@ def _merge_if_last(o_ref, acc_ref, m_ref, l_ref, count_ref, at, chunks, num_chun
         d = acc_ref.shape[-1]
         g_p = _pow2_at_least(num_groups)  # the query rows, padded to a power of two only
 
-        def load(c, live):
+        def load(c, live):  # a part where `live`, else an empty one
             at_c = (c, row, head, pl.ds(0, g_p))
-            ml_mask = None if live is None else jnp.broadcast_to(live, (g_p,))
-            m = _load(m_ref.at[at_c], mask=ml_mask, other=None if live is None else jnp.full((), _NEG, jnp.float32),
-                      volatile=True)
-            l = _load(l_ref.at[at_c], mask=ml_mask, other=None if live is None else jnp.zeros((), jnp.float32),
-                      volatile=True)
-            acc = _load(acc_ref.at[(*at_c, slice(None))], mask=None if live is None else jnp.broadcast_to(live, (g_p, d)),
-                        other=None if live is None else jnp.zeros((), jnp.float32), volatile=True)
+            ml_mask = jnp.broadcast_to(live, (g_p,))
+            m = _load(m_ref.at[at_c], mask=ml_mask, other=jnp.full((), _NEG, jnp.float32), volatile=True)
+            l = _load(l_ref.at[at_c], mask=ml_mask, other=jnp.zeros((), jnp.float32), volatile=True)
+            acc = _load(acc_ref.at[(*at_c, slice(None))], mask=jnp.broadcast_to(live, (g_p, d)),
+                        other=jnp.zeros((), jnp.float32), volatile=True)
             return acc, m, l
 
         def group(i, total):
@@ -583,7 +590,7 @@ def _merge_if_last(o_ref, acc_ref, m_ref, l_ref, count_ref, at, chunks, num_chun
         total = lax.fori_loop(lax.div(c_lo, _MERGE_GROUP), lax.div(c_hi + _MERGE_GROUP - 1, _MERGE_GROUP), group,
                               _empty_part(g_p, d))
         if writes:
-            total = _fold(total, load(jnp.int32(num_chunk_parts), None))
+            total = _fold(total, load(jnp.int32(num_chunk_parts), jnp.bool_(True)))
         live = None
         if g_p > num_groups:
             live = jnp.broadcast_to((jnp.arange(g_p, dtype=jnp.int32) < num_groups)[:, None], (g_p, d))
@@ -604,7 +611,7 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, slo
         h -= 2 * kh  # the packed rows: G queries, a key and a value per kv head
     g = h // kh
     s = span
-    g_pad = max(_MIN_DOT, _pow2_at_least(g))
+    g_pad = _g_pad(g)
     plan = config.plan(b, kh, g, d, k_cache.dtype.itemsize, s, few_rows=few_rows)
     block_s, num_splits = plan.block_s, plan.num_splits
     num_tiles = -(-s // block_s)
@@ -640,15 +647,9 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, slo
         kv_spec = pl.BlockSpec((num_layers, k_cache.shape[1], s_max, None, d), lambda i, j, p: (0, 0, 0, j, 0))
     out_specs = [pl.BlockSpec((None, h, d), lambda i, j, p: (i, 0, 0))]
     out_shape = [jax.ShapeDtypeStruct((b, h, d), out_dtype)]
-    if num_splits > 1:  # then the partials, one per chunk of the span (and the new key's), and the counts, whole
-        num_parts = -(-num_tiles // chunk_tiles) + writes
+    if num_splits > 1:  # then the partials and the counts, whole
         out_specs += [pl.BlockSpec() for _ in range(4)]
-        out_shape += [
-            jax.ShapeDtypeStruct((num_parts, b, kh, g_pad, d), jnp.float32),
-            jax.ShapeDtypeStruct((num_parts, b, kh, g_pad), jnp.float32),
-            jax.ShapeDtypeStruct((num_parts, b, kh, g_pad), jnp.float32),
-            jax.ShapeDtypeStruct((b, kh), jnp.int32),
-        ]
+        out_shape += [*_partials(num_tiles, chunk_tiles, writes, b, kh, g, d), jax.ShapeDtypeStruct((b, kh), jnp.int32)]
     in_specs = [
         pl.BlockSpec((b,), lambda i, j, p: (0,)),
         pl.BlockSpec((1,), lambda i, j, p: (0,)),
@@ -687,8 +688,7 @@ def _decode(q, k_cache, v_cache, positions, scale, window, layer, write_pos, slo
         interpret=interpret,
         name="attention_decode",
     )(*args)
-    out = outs[0]
-    return (out, *outs[num_outs:]) if writes else out
+    return (outs[0], *outs[num_outs:]) if writes else outs[0]
 
 
 def _layer_arr(layer) -> jax.Array:
