@@ -139,6 +139,12 @@ def _cache(rng, cells: int, kv_heads: int, used: int):
     return k, v
 
 
+def _stacked_cache(rng, layers: int, slots: int, cells: int, kv_heads: int):
+    """[L, B, S, K, D] caches, every cell of every layer and slot drawn (`_cache`)."""
+    pairs = [[_cache(rng, cells, kv_heads, cells) for _ in range(slots)] for _ in range(layers)]
+    return tuple(np.stack([np.stack([pair[i] for pair in row]) for row in pairs]) for i in (0, 1))
+
+
 @pytest.mark.parametrize("positions, threads", [
     ([0, 37, 255, 256, 300, 700, -1, 1023], 2),
     ([0, 37, 255, 100, 5, 200, -1, 17], 2),  # no row splits (the path that skips the split)
@@ -171,12 +177,8 @@ def test_decode_attention_reads_a_stacked_caches_layer_and_slots():
     each row's slot, gathered block by block from it: the numbers of the same rows over their
     own caches."""
     rng = np.random.default_rng(8)
-    layers, slots, cells, heads, kv_heads = 3, 4, 1024, 4, 2
-    k = np.zeros((layers, slots, cells, kv_heads, 64), np.float16)
-    v = np.zeros_like(k)
-    for i in range(layers):
-        for b in range(slots):
-            k[i, b], v[i, b] = _cache(rng, cells, kv_heads, cells)
+    heads = 4
+    k, v = _stacked_cache(rng, 3, 4, 1024, 2)
     q = rng.standard_normal((5, heads, 64)).astype(f32)
     rows, positions = np.array([2, 0, 2, 3, 1]), np.array([700, 3, 40, 300, -1])
     fn = jax.jit(lambda q, k, v, p, layer, rows: ggml_cpu.attention_decode(q, k, v, p, 0.125, layer=layer, slots=rows))
@@ -192,12 +194,8 @@ def test_prefill_attention_reads_a_stacked_caches_layer_and_slot(start, valid):
     """The engine's call: the stacked [L, B, S, K, D] cache with the layer and the slot (and a
     span), each path's numbers those of the slot's own cache."""
     rng = np.random.default_rng(9)
-    layers, slots, cells, heads, kv_heads, t = 2, 3, 512, 4, 2, 128
-    k = np.zeros((layers, slots, cells, kv_heads, 64), np.float16)
-    v = np.zeros_like(k)
-    for i in range(layers):
-        for b in range(slots):
-            k[i, b], v[i, b] = _cache(rng, cells, kv_heads, cells)
+    heads, t = 4, 128
+    k, v = _stacked_cache(rng, 2, 3, 512, 2)
     q = rng.standard_normal((t, heads, 64)).astype(f32)
     stacked = jax.jit(lambda q, k, v, s, n, layer, slot: ggml_cpu.attention_prefill(
         q, k, v, s, 0.125, layer=layer, slot=slot, span=384, num_valid=n))
