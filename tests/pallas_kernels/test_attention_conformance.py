@@ -663,32 +663,50 @@ def test_decode_row_output_does_not_depend_on_the_other_rows_or_the_span():
         np.testing.assert_array_equal(out, first, err_msg=f"seed {seed}, others {others}, span {span}, {plan}")
 
 
+def _check_every_plan_with_the_cache_write(b, s, h, kh, d, dtype, base, splits, row_pos, others_list, interpret):
+    """Row 0's output (at `row_pos`, writing its new key in the call, windows 0 and 37 traced)
+    bitwise the same under one split, each of `splits` and the few-rows plan, beside the other
+    rows at `others_list` (the last of them idle: it writes nothing)."""
+    rng, seed = fresh_rng()
+    q = normal(rng, (b, h, d), dtype)
+    k, v = (normal(rng, (1, b, s, kh, d), dtype) for _ in range(2))
+    packed = attention.pack_decode_write(q, normal(rng, (b, kh, d), dtype), normal(rng, (b, kh, d), dtype))
+    run = jax.jit(lambda p, w, win, few, cfg: attention_triton.attention_decode_triton(
+        packed, k, v, p, d ** -0.5, win, layer=0, write_pos=w, config=cfg, interpret=interpret, few_rows=few)[0],
+        static_argnums=(3, 4))
+    for window in (0, 37):
+        first = None
+        for others in others_list:
+            pos = np.asarray([row_pos, *others], np.int32)
+            wpos = pos.copy()
+            wpos[-1] = s  # an idle row: writes nothing
+            for few, n in ((False, 1), *((False, n) for n in splits), (True, None)):
+                cfg = DecodeAttentionConfig(**base, num_splits=n)
+                out = np.asarray(run(jnp.asarray(pos), jnp.asarray(wpos), jnp.int32(window), few, cfg))[0]
+                if first is None:
+                    first = out
+                plan = cfg.plan(b, kh, h // kh, d, k.dtype.itemsize, s, few)
+                np.testing.assert_array_equal(out, first, err_msg=f"seed {seed}, window {window}, others {others}, "
+                                                                  f"few {few}, {plan}")
+
+
 def test_decode_row_output_under_every_plan_with_windows_and_the_cache_write():
     """The same bits under 1, 5 and 16 splits and the few-rows plan where the row has a window
     (its first chunk partial), writes its new key in the call, and holds more chunks (20 of one
     tile) than the merge loads at once (16), beside busy, idle and write-less rows."""
-    rng, seed = fresh_rng()
-    b, s, h, kh, d = 4, 320, 4, 2, 16
-    q = normal(rng, (b, h, d), jnp.float32)
-    k, v = (normal(rng, (1, b, s, kh, d), jnp.float32) for _ in range(2))
-    packed = attention.pack_decode_write(q, normal(rng, (b, kh, d), jnp.float32), normal(rng, (b, kh, d), jnp.float32))
-    base = dict(block_s=16, min_split_keys=16, target_programs=8)
-    run = jax.jit(lambda p, w, win, few, cfg: attention_triton.attention_decode_triton(
-        packed, k, v, p, d ** -0.5, win, layer=0, write_pos=w, config=cfg, interpret=True, few_rows=few)[0],
-        static_argnums=(3, 4))
-    for window in (0, 37):
-        first = None
-        for others in ((0, 0, 0), (s - 1, 5, 100)):
-            pos = np.asarray([299, *others], np.int32)
-            wpos = pos.copy()
-            wpos[3] = s  # an idle row: writes nothing
-            for few, splits in ((False, 1), (False, 5), (False, 16), (True, None)):
-                out = np.asarray(run(jnp.asarray(pos), jnp.asarray(wpos), jnp.int32(window), few,
-                                     DecodeAttentionConfig(**base, num_splits=splits)))[0]
-                if first is None:
-                    first = out
-                np.testing.assert_array_equal(out, first, err_msg=f"seed {seed}, window {window}, others {others}, "
-                                                                  f"few {few}, splits {splits}")
+    _check_every_plan_with_the_cache_write(4, 320, 4, 2, 16, jnp.float32, dict(block_s=16, min_split_keys=16,
+                                                                                target_programs=8),
+                                           (5, 16), 299, ((0, 0, 0), (319, 5, 100)), interpret=True)
+
+
+@_gpu[0]
+@_gpu[1]
+def test_decode_row_output_under_every_plan_with_windows_and_the_cache_write_gpu():
+    """The same on the GPU, as the engine calls it (the cache write in the call, bf16), at
+    Llama-3-8B's shape: one split, its default 4, 16 and the few-rows plan (12 chunks of the
+    row's 1,500 keys; 16 splits of 2,048 keys take one chunk each)."""
+    _check_every_plan_with_the_cache_write(8, 2048, 32, 8, 128, jnp.bfloat16, {}, (None, 16), 1500,
+                                           ((0,) * 7, (2047, 5, 100, 900, 0, 1, 0)), interpret=False)
 
 
 @_gpu[0]
