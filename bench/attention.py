@@ -123,11 +123,12 @@ class Bench:
 
     # -- implementations ------------------------------------------------------------------
 
-    def decode_fn(self, impl: str, config=None) -> Callable:
+    def decode_fn(self, impl: str, config=None, few_rows: bool = False) -> Callable:
         if impl == "reference":
             return self.attention.attention_decode_reference
         cfg = config or self.triton.DEFAULT_DECODE_CONFIG
-        return lambda *a: self.triton.attention_decode_triton(*a, config=cfg, interpret=self.args.interpret)
+        return lambda *a: self.triton.attention_decode_triton(*a, config=cfg, interpret=self.args.interpret,
+                                                              few_rows=few_rows)
 
     def prefill_fn(self, impl: str, config=None) -> Callable:
         if impl == "reference":
@@ -164,9 +165,11 @@ class Bench:
         return q, kvs, positions
 
     def run_decode(self, model, b, s, impls=("triton", "reference"), config=None, extra=None,
-                   pos: int | None = None, active: int | None = None) -> None:
+                   pos: int | None = None, active: int | None = None, few_rows: bool = False) -> None:
         """B rows attending over [0, S): the first `active` (default all) at position `pos`
-        (default S - 1: every key visible), the rest at position 0 (one key)."""
+        (default S - 1: every key visible), the rest at position 0 (one key); `few_rows`: the
+        Triton kernel's plan for few busy rows (the engine's decode program for up to
+        `few_rows_limit` busy slots)."""
         jax = self.jax
         h, k, d = (MODELS | TINY_MODELS)[model]
         pos = s - 1 if pos is None else pos
@@ -178,7 +181,7 @@ class Bench:
         scale = d ** -0.5
         outs, first_row = {}, len(self.rows)
         for impl in impls:
-            op = self.decode_fn(impl, config)
+            op = self.decode_fn(impl, config, few_rows)
             many = jax.jit(lambda q, kvs, p, op=op: [op(q, kc, vc, p, scale, 0) for kc, vc in kvs])
             one = jax.jit(lambda q, kc, vc, p, op=op: op(q, kc, vc, p, scale, 0))
             try:
@@ -297,19 +300,22 @@ class Bench:
     def run_decode_sweep(self, shapes: list[tuple[str, int, int, int]]) -> None:
         """Decode configurations at engine-like positions: (model, B, position, active) rows
         attending over the context bucket of that position (`bucket`), as a decode step of the
-        runner does (its inactive slots at position 0); the default config first."""
+        runner does (its inactive slots at position 0); the default config first. A config's
+        `few_rows=true` is no config field: it runs the plan for few busy rows."""
         cfg_cls = self.triton.DecodeAttentionConfig
         if self.args.decode_configs:
-            grid = [cfg_cls(**fields) for fields in self.args.decode_configs]
+            grid = [(cfg_cls(**{k: v for k, v in fields.items() if k != "few_rows"}), bool(fields.get("few_rows")))
+                    for fields in self.args.decode_configs]
         else:
-            grid = [self.triton.DEFAULT_DECODE_CONFIG]
-            grid += [cfg_cls(block_s=bs, num_warps=w, num_stages=st, num_splits=sp)
+            grid = [(self.triton.DEFAULT_DECODE_CONFIG, False)]
+            grid += [(cfg_cls(block_s=bs, num_warps=w, num_stages=st, num_splits=sp), False)
                      for bs, w, st, sp in itertools.product((32, 64, 128), (2, 4), (3,), (1, 4, 8))]
-        for (model, b, pos, active), cfg in itertools.product(shapes, grid):
+        for (model, b, pos, active), (cfg, few) in itertools.product(shapes, grid):
             s = bucket(pos + 1)
-            log.info("sweep decode %s b=%d pos=%d active=%d s=%d %s", model, b, pos, active, s, cfg)
-            self.run_decode(model, b, s, ("triton",), config=cfg, extra={"config": dataclasses.asdict(cfg)},
-                            pos=pos, active=active)
+            log.info("sweep decode %s b=%d pos=%d active=%d s=%d %s%s", model, b, pos, active, s, cfg,
+                     " few_rows" if few else "")
+            self.run_decode(model, b, s, ("triton",), config=cfg, pos=pos, active=active, few_rows=few,
+                            extra={"config": {**dataclasses.asdict(cfg), **({"few_rows": True} if few else {})}})
 
     def run_sweep(self) -> None:
         """Kernel configurations on a few shapes; the default config is included in each grid."""
@@ -415,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "the main plan and --sweep are skipped")
     ap.add_argument("--decode-configs", type=parse_configs, default=None,
                     help="--sweep-decode times these configurations instead of its grid: ';'-separated, each "
-                         "'default' or DecodeAttentionConfig fields (e.g. 'default;num_splits=1;block_s=32,num_splits=8')")
+                         "'default' or DecodeAttentionConfig fields (e.g. 'default;num_splits=1;block_s=32,"
+                         "num_splits=8'), few_rows=true among them for the plan for few busy rows")
     ap.add_argument("--device-time", action="store_true",
                     help="decode rows also get device_us: kernel time per call from a profiler trace")
     ap.add_argument("--triton-only", action="store_true", help="skip the reference rows")

@@ -289,9 +289,10 @@ class EngineConfig:
     # 512 or more cache cells splits them between its threads; nothing else depends on it).
     ggml_threads: int = 2
     # Decode attention planned for few busy slots (where the chosen kernel has such a plan: the
-    # Triton one from 1024-key context buckets), run when at most a quarter of the slots decode:
-    # it spreads a lone long row over many programs (H100, 7B Q4_0, one busy slot: a decode
-    # step 3.29 -> 2.89 ms at 1,500 tokens of context, 4.90 -> 3.36 at 3,900). A row's output
+    # Triton one from 1024-key context buckets; its `few_rows_limit`: 3 of 8 for a 7B's 32 kv
+    # heads, 2 with GQA): it spreads a lone long row over many programs (H100, 7B Q4_0, one busy
+    # slot: a decode step 3.29 -> 2.89 ms at 1,500 tokens of context, 4.90 -> 3.36 at 3,900; 3
+    # busy at 3,000: the attention 73.4 -> 65.4 us a layer). A row's output
     # is bitwise the same under either plan (the kernel folds a row's key chunks in order
     # whichever programs hold them), so the engine stays batch-invariant. Costs a compile per
     # context bucket that has it.

@@ -24,18 +24,16 @@ same however its chunks are spread over programs: whatever the plan, the other r
 span (the context bucket), the engine's batch invariance. The grid's splits are static
 (`DecodeAttentionConfig.plan`: enough to fill about `target_programs` programs with all B rows);
 by default a row divides its chunks among them by its own length. The plan for few busy rows
-(`few_rows`, which the engine runs when at most a quarter of its slots decode) fills them with
-one row instead and gives each row splits in proportion to its share of all rows' tiles, so a
-lone long row beside idle slots spreads over many programs, with the same output. Splits left
-without tiles write nothing but their count. Each program loops only over tiles that hold
-visible keys of its row, bounded by the row's position (and window) read from the positions
-array, so short and inactive rows read nothing past their last key. With `write_pos` (the
-forward pass's decode step) the call also writes each row's new key and value into the caches,
-aliased in and out (`attention_decode_triton`), instead of two XLA scatters before it. With
-`slots` each query row names its cache row, so that rows may share one at consecutive positions
-(the engine's speculative decode); each program then indexes its slot in the whole cache. The
-speculative decode writes all rows' keys and values before the call, in one kernel of its own
-(`pallas_kernels/kv_write_triton.py`, offered here as `attention_decode_triton.write_rows`).
+(`few_rows`; the engine runs it for up to `few_rows_limit` busy slots) fills them with one row
+and gives each row splits in proportion to its share of all rows' tiles, so a lone long row
+beside idle slots spreads over many programs, with the same output. Splits without tiles write
+only their count. Each program loops only over tiles that hold visible keys of its row (its
+position and window), so short and inactive rows read nothing past their last key. With
+`write_pos` (the forward pass's decode step) the call also writes each row's new key and value
+into the caches, aliased in and out, instead of two XLA scatters before it. With `slots` each
+query row names its cache row, so that rows may share one at consecutive positions (the
+speculative decode, which writes all rows' keys and values before the call in a kernel of its
+own, `pallas_kernels/kv_write_triton.py`, offered as `attention_decode_triton.write_rows`).
 
 Prefill is flash attention: one program per (block of queries, query head) loops over key
 tiles up to the causal limit of its last query (and from the window start of its first),
@@ -136,11 +134,10 @@ class DecodeAttentionConfig:
     # `target_programs` programs over the rows the call is planned for (all B, or one with
     # `few_rows`; see `plan`), at most `max_splits`. A row uses as many as its chunks allow.
     num_splits: int | None = None
-    # On the H200 (bench/results, tenth, eleventh and twentieth sessions): 8 busy rows x 32 kv
-    # heads (Llama-2-7B, 256 programs) ran fastest in one split at 200, 1000 and 4000 keys; any
-    # second split cost (32.8 against 36.5 us at 1000 keys, 10.0 against 11.0 at 200). One busy
-    # row of the 8 took 23.7 us at 1000 keys in one split and 12.1 sharing 8; at 4000 keys 89.6
-    # against 28.9 sharing 8: the few-rows plan.
+    # On the H200 (bench/results, sessions 10, 11 and 20): 8 busy rows x 32 kv heads (Llama-2-7B,
+    # 256 programs) ran fastest in one split at 200, 1000 and 4000 keys (32.8 against 36.5 us at
+    # 1000 keys, 10.0 against 11.0 at 200). One busy row of the 8 took 23.7 us at 1000 keys in
+    # one split and 12.1 sharing 8, 89.6 against 28.9 at 4000 keys: the few-rows plan.
     target_programs: int = 256
     # Keys per chunk (rounded up to whole tiles): the unit a split takes and of the fold's order,
     # so part of what a row's output rounds like (the same in every plan). Each chunk costs the
@@ -200,16 +197,21 @@ class DecodeAttentionConfig:
     def few_rows_limit(self, num_rows: int, num_kv_heads: int, groups: int, head_dim: int, itemsize: int,
                        span: int) -> int:
         """The most busy rows of `num_rows` for which the few-rows plan should run instead of
-        the plan for all of them, where an engine opts in: a quarter of the rows (at least
-        one), where the span holds 8 splits' worth of keys and the lone row's plan splits
-        further; else 0. At a span of 512 one busy row of 8 ran faster unsplit (7.0 against
-        8.6 us with the merge, 200 keys, H200)."""
+        the plan for all of them (where an engine opts in), from a span of 8 splits' keys and
+        where the lone row's plan splits further; else 0. With one query per kv head (thin
+        programs) while their programs under the plan for all rows stay under half of
+        `target_programs`, else a quarter of the rows (at least one): as measured on an H100 at
+        900-3,000 keys (bench/results, sixty-fifth session); at 512 one split ran faster (H200)."""
         if span < 8 * self.min_split_keys:
             return 0
         few = self.plan(num_rows, num_kv_heads, groups, head_dim, itemsize, span, few_rows=True)
-        if few.num_splits <= self.plan(num_rows, num_kv_heads, groups, head_dim, itemsize, span).num_splits:
+        every = self.plan(num_rows, num_kv_heads, groups, head_dim, itemsize, span)
+        if few.num_splits <= every.num_splits:
             return 0
-        return max(1, num_rows // 4)
+        if groups > 1:
+            return max(1, num_rows // 4)
+        per_row = num_kv_heads * every.num_splits  # a busy row's programs under the plan for all rows
+        return max(1, min(num_rows - 1, (self.target_programs // 2 - 1) // per_row))
 
     def min_split_tiles(self, block_s: int) -> int:
         """The tiles of a chunk: the fewest a split of a row takes while the row has that many."""
@@ -557,9 +559,8 @@ def _merge_if_last(o_ref, acc_ref, m_ref, l_ref, count_ref, at, chunks, num_chun
     then the new key's partial (`writes`), as one program does in its registers. The barrier
     makes every thread's stores precede the count (one thread's atomic add, acquire-release at
     GPU scope); the partials are read as volatile loads, past the L1. Chunks come in groups of
-    `_MERGE_GROUP` whose loads issue together (one load and fold at a time was a chain of round
-    trips: 17.2 against 11.4 us, a lone Llama-3-8B row at 4k keys, H200). Interpreted, the
-    programs run one after another: no barrier (it has no CPU lowering)."""
+    `_MERGE_GROUP` whose loads issue together (one at a time: 17.2 against 11.4 us, a lone
+    Llama-3-8B row at 4k keys, H200). Interpreted (programs in turn): no barrier."""
     row, head = at
     c_lo, c_hi = chunks
     if not interpret:

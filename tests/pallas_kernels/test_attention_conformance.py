@@ -610,14 +610,19 @@ def test_decode_plan_choices():
 
 
 def test_decode_few_rows_limit():
-    """The plan for a lone row runs for up to a quarter of the slots, from a span of 8 splits'
-    keys (1024), and only where it splits further than the plan for all rows."""
+    """The plan for few rows runs from a span of 8 splits' keys (1024), where it splits further
+    than the plan for all rows: with one query per kv head while the busy rows' programs under
+    the plan for all rows stay under half of target_programs, else for a quarter of the rows
+    (at least one)."""
     cfg = DecodeAttentionConfig()
     assert cfg.few_rows_limit(8, 32, 1, 128, 2, 512) == 0  # too short: one split ran faster
-    assert cfg.few_rows_limit(8, 32, 1, 128, 2, 1024) == 2
-    assert cfg.few_rows_limit(8, 32, 1, 128, 2, 4096) == 2
+    assert cfg.few_rows_limit(8, 32, 1, 128, 2, 1024) == 3  # 3 x 32 programs < 128; 4 x 32 are not
+    assert cfg.few_rows_limit(8, 32, 1, 128, 2, 4096) == 3
     assert cfg.few_rows_limit(8, 8, 4, 128, 2, 4096) == 2  # Llama-3-8B: 16 splits against 4
-    assert cfg.few_rows_limit(3, 32, 1, 128, 2, 4096) == 1
+    assert cfg.few_rows_limit(32, 8, 4, 128, 2, 4096) == 8
+    assert cfg.few_rows_limit(32, 32, 1, 128, 2, 4096) == 3  # 32 slots of a 7B: one split, 32 programs a row
+    assert cfg.few_rows_limit(3, 32, 1, 128, 2, 4096) == 1  # 3 splits, 96 programs a row
+    assert DecodeAttentionConfig(target_programs=1024).few_rows_limit(8, 32, 1, 128, 2, 4096) == 3  # 4 splits
     assert cfg.few_rows_limit(1, 32, 1, 128, 2, 4096) == 0  # one slot: the same plan
     assert DecodeAttentionConfig(num_splits=4).few_rows_limit(8, 32, 1, 128, 2, 4096) == 0
     limit = attention_triton.attention_decode_triton.few_rows_limit  # the protocol model/kernels.py reads
