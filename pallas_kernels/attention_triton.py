@@ -199,8 +199,8 @@ class DecodeAttentionConfig:
         """The most busy rows of `num_rows` for which the few-rows plan should run instead of
         the plan for all of them (where an engine opts in), from a span of 8 splits' keys and
         where the lone row's plan splits further; else 0. With one query per kv head (thin
-        programs) while their programs under the plan for all rows stay under half of
-        `target_programs`, else a quarter of the rows (at least one): as measured on an H100 at
+        programs): as many as keep the busy rows' programs under the plan for all rows below half
+        of `target_programs`; else a quarter of the rows; at least one. As measured on an H100 at
         900-3,000 keys (bench/results, sixty-fifth session); at 512 one split ran faster (H200)."""
         if span < 8 * self.min_split_keys:
             return 0
@@ -211,7 +211,7 @@ class DecodeAttentionConfig:
         if groups > 1:
             return max(1, num_rows // 4)
         per_row = num_kv_heads * every.num_splits  # a busy row's programs under the plan for all rows
-        return max(1, min(num_rows - 1, (self.target_programs // 2 - 1) // per_row))
+        return max(1, (self.target_programs // 2 - 1) // per_row)
 
     def min_split_tiles(self, block_s: int) -> int:
         """The tiles of a chunk: the fewest a split of a row takes while the row has that many."""

@@ -671,7 +671,7 @@ def test_decode_row_output_does_not_depend_on_the_other_rows_or_the_span():
 def _check_every_plan_with_the_cache_write(b, s, h, kh, d, dtype, base, splits, row_pos, others_list, interpret):
     """Row 0's output (at `row_pos`, writing its new key in the call, windows 0 and 37 traced)
     bitwise the same under one split, each of `splits` and the few-rows plan, beside the other
-    rows at `others_list` (the last of them idle: it writes nothing)."""
+    rows at `others_list` (the last of them writes nothing: its write position is past the cache)."""
     rng, seed = fresh_rng()
     q = normal(rng, (b, h, d), dtype)
     k, v = (normal(rng, (1, b, s, kh, d), dtype) for _ in range(2))
@@ -707,7 +707,7 @@ def test_decode_row_output_under_every_plan_with_windows_and_the_cache_write():
 @_gpu[0]
 @_gpu[1]
 def test_decode_row_output_under_every_plan_with_windows_and_the_cache_write_gpu():
-    """The same on the GPU, as the engine calls it (the cache write in the call, bf16), at
+    """The same on the GPU, on the engine's decode path (the cache write in the call), in bf16, at
     Llama-3-8B's shape: one split, its default 4, 16 and the few-rows plan (12 chunks of the
     row's 1,500 keys; 16 splits of 2,048 keys take one chunk each)."""
     _check_every_plan_with_the_cache_write(8, 2048, 32, 8, 128, jnp.bfloat16, {}, (None, 16), 1500,
