@@ -635,6 +635,7 @@ def _row_output_cases(b: int, s: int, explicit_splits: bool = True):
     (`explicit_splits`) with explicit split counts."""
     cases = (
         ((s - 1, 17, 90) + (0,) * (b - 4), s, False, None),
+        ((3,) * (b - 1), s, False, None),  # every other row busy and short
         ((0,) * (b - 1), s // 2 + 32, False, None),
         ((0,) * (b - 1), s, True, None),  # a lone row: the few-rows plan spreads it
         ((s // 2, 0, s - 1) + (0,) * (b - 4), s, True, None),
@@ -684,7 +685,7 @@ def _check_every_plan_with_the_cache_write(b, s, h, kh, d, dtype, base, splits, 
         for others in others_list:
             pos = np.asarray([row_pos, *others], np.int32)
             wpos = pos.copy()
-            wpos[-1] = s  # an idle row: writes nothing
+            wpos[-1] = s  # past the cache: this row writes nothing
             for few, n in ((False, 1), *((False, n) for n in splits), (True, None)):
                 cfg = DecodeAttentionConfig(**base, num_splits=n)
                 out = np.asarray(run(jnp.asarray(pos), jnp.asarray(wpos), jnp.int32(window), few, cfg))[0]
