@@ -196,20 +196,20 @@ class DecodeAttentionConfig:
 
     def few_rows_limit(self, num_rows: int, num_kv_heads: int, groups: int, head_dim: int, itemsize: int,
                        span: int) -> int:
-        """The most busy rows of `num_rows` for which the few-rows plan should run instead of
-        the plan for all of them (where an engine opts in), from a span of 8 splits' keys and
-        where the lone row's plan splits further; else 0. With one query per kv head (thin
-        programs): as many as keep the busy rows' programs under the plan for all rows below half
-        of `target_programs`; else a quarter of the rows; at least one. As measured on an H100 at
-        900-3,000 keys (bench/results, sixty-fifth session); at 512 one split ran faster (H200)."""
+        """The most busy rows of `num_rows` for which the few-rows plan should run instead of the
+        plan for all of them (where an engine opts in), from a span of 8 splits' keys and where the
+        lone row's plan splits further; else 0. One query per kv head (thin programs): as many as
+        keep the busy rows' programs under the plan for all rows below half of `target_programs`;
+        else a quarter of the rows from a span of 32 chunks; at least one. As measured on an H100 at
+        900-3,000 keys, 8-32 rows (bench/results, sessions 65-66); at 512 one split ran faster (H200)."""
         if span < 8 * self.min_split_keys:
             return 0
         few = self.plan(num_rows, num_kv_heads, groups, head_dim, itemsize, span, few_rows=True)
         every = self.plan(num_rows, num_kv_heads, groups, head_dim, itemsize, span)
         if few.num_splits <= every.num_splits:
             return 0
-        if groups > 1:
-            return max(1, num_rows // 4)
+        if groups > 1:  # several queries a program: below 32 chunks the plan for all rows ran faster
+            return max(1, num_rows // 4) if span >= 32 * self.min_split_keys else 0
         per_row = num_kv_heads * every.num_splits  # a busy row's programs under the plan for all rows
         return max(1, (self.target_programs // 2 - 1) // per_row)
 
