@@ -200,7 +200,7 @@ class DecodeAttentionConfig:
         plan for all of them (where an engine opts in), from a span of 8 splits' keys and where the
         lone row's plan splits further; else 0. One query per kv head (thin programs): as many as
         keep the busy rows' programs under the plan for all rows below half of `target_programs`;
-        else a quarter of the rows from a span of 32 chunks; at least one. As measured on an H100 at
+        else a quarter of the rows from a span over 16 chunks; at least one. As measured on an H100 at
         900-3,000 keys, 8-32 rows (bench/results, sessions 65-66); at 512 one split ran faster (H200)."""
         if span < 8 * self.min_split_keys:
             return 0
@@ -208,8 +208,8 @@ class DecodeAttentionConfig:
         every = self.plan(num_rows, num_kv_heads, groups, head_dim, itemsize, span)
         if few.num_splits <= every.num_splits:
             return 0
-        if groups > 1:  # several queries a program: below 32 chunks the plan for all rows ran faster
-            return max(1, num_rows // 4) if span >= 32 * self.min_split_keys else 0
+        if groups > 1:  # several queries a program: to 16 chunks the plan for all rows ran faster
+            return max(1, num_rows // 4) if span > 16 * self.min_split_keys else 0
         per_row = num_kv_heads * every.num_splits  # a busy row's programs under the plan for all rows
         return max(1, (self.target_programs // 2 - 1) // per_row)
 

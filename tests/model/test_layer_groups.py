@@ -30,6 +30,7 @@ def test_layer_runs():
     # a 7B's 32 layers: 4 with more bits, 8 repeats of (N, N, M), 4 with more bits
     assert layer_runs(q4_k_m_signatures(32)) == [(0, 1, 4), (4, 3, 8), (28, 1, 4)]
     assert layer_runs(q4_k_m_signatures(12)) == [(0, 3, 3), (9, 1, 3)]
+    assert layer_runs(q4_k_m_signatures(8)) == [(0, 3, 2), (6, 1, 2)]  # the fixture below
     assert layer_runs(["a"] * 5) == [(0, 1, 5)]
     assert layer_runs(list("abcd")) == [(i, 1, 1) for i in range(4)]
     assert layer_runs(list("abab")) == [(0, 2, 2)]
