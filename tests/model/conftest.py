@@ -4,6 +4,8 @@ check that nothing compiles (`no_compiles`)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import pathlib
 import subprocess
 import sys
@@ -46,10 +48,26 @@ def synthetic_gguf(tmp_path_factory):
     return write
 
 
+@contextlib.contextmanager
+def compiling_alone(*key: object) -> Iterator[None]:
+    """Holds a lock named by `key` across the test run's pytest-xdist workers: a worker that
+    warms up the same programs as another (the same model and engine config) waits for it, then
+    reads them from the run's shared compilation cache (tests/conftest.py) rather than compiling
+    them at the same time on the other core."""
+    name = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+    with open(pathlib.Path(jax.config.jax_compilation_cache_dir) / f"warmup-{name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
-def smol_runner(smollm2):
+def smol_runner(smollm2, smollm2_path):
     runner = smollm2.make_runner(SMOL_ENGINE)
-    runner.warmup()
+    with compiling_alone(smollm2_path, SMOL_ENGINE):  # test_runner, test_speculative, test_embeddings_agreement
+        runner.warmup()
     return runner
 
 
