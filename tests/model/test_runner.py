@@ -105,32 +105,42 @@ def test_several_decode_steps_per_dispatch_match_single_steps(smollm2, smol_runn
         assert multi == single
 
 
-def test_unrolled_decode_layers_match_the_scanned_loop(smollm2, prompt_ids):
+def test_unrolled_decode_layers_match_the_scanned_loop(synthetic_gguf):
     """`unroll_decode_layers` (on by default on GPU) changes the program's structure only: no
     while loop over the layers, the same tokens as the scanned body, in single steps and in
-    several steps per dispatch."""
+    several steps per dispatch. On a synthetic 7-layer model (bench/make_synthetic_gguf.py's
+    "tiny", random weights): unrolled, SmolLM2's 30 layers cost minutes of compiling."""
+    from model.loader import load_model
     from model.step_types import PrefillChunk, SlotSetup, StepPlan
     from tests.model.conftest import SMOL_ENGINE
 
-    def layer_loops(program) -> int:  # loops over the layers (the kernels' own loops are shorter)
+    layers = 7  # a trip count no other loop of the decode program has (the sampler has loops of 5)
+    path = synthetic_gguf("tiny", "q4_1", layers=layers)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 2048, n).tolist() for n in (13, 40)]  # "tiny": a vocabulary of 2,048
+
+    def layer_loops(program) -> int:
         trips = re.findall(r' while\(.*"known_trip_count":\{"n":"(\d+)"\}', program.as_text())
-        return trips.count(str(smollm2.config.num_layers))
+        return trips.count(str(layers))
 
     tokens, loops = {}, {}
     for mode in ("off", "on"):
         cfg = dataclasses.replace(SMOL_ENGINE, num_slots=2, max_context=1024, context_buckets=(1024,),
                                   prefill_chunks=(64,), unroll_decode_layers=mode,
                                   decode_steps_per_dispatch=2 if mode == "on" else 1, prompt_logprobs=False)
-        runner = smollm2.make_runner(cfg)
+        loaded = load_model(path, cfg)
+        assert loaded.config.num_layers == layers
+        runner = loaded.make_runner(cfg)
         runner.warmup()
-        tokens[mode] = generate(runner, prompt_ids[:2], 6)
+        tokens[mode] = generate(runner, prompts, 6)
         loops[mode] = layer_loops(runner._program("decode", 2, 1024))
     assert tokens["on"] == tokens["off"]
+    assert len(set(tokens["off"][0] + tokens["off"][1])) > 2  # not a degenerate stream
     assert loops == {"off": 1, "on": 0}
     # the multi-step program (the last runner's) unrolls its layers too, with the same tokens
     assert layer_loops(runner._program("decode", 2, 1024, 2)) == 0
     setups = tuple(SlotSetup(s, SamplingParams(temperature=0.0)) for s in range(2))
-    prefills = tuple(PrefillChunk(s, np.asarray(ids, np.int32), 0, True) for s, ids in enumerate(prompt_ids[:2]))
+    prefills = tuple(PrefillChunk(s, np.asarray(ids, np.int32), 0, True) for s, ids in enumerate(prompts))
     first = runner.dispatch(StepPlan(setups=setups, prefills=prefills)).results()
     outs = runner.dispatch(StepPlan(decode_slots=(0, 1), num_decode_steps=2)).results()
     outs += runner.dispatch(StepPlan(decode_slots=(0, 1), num_decode_steps=2)).results()
