@@ -198,10 +198,11 @@ class DecodeAttentionConfig:
                        span: int) -> int:
         """The most busy rows of `num_rows` for which the few-rows plan should run instead of the
         plan for all of them (where an engine opts in), from a span of 8 splits' keys and where the
-        lone row's plan splits further; else 0. One query per kv head (thin programs): as many as
-        keep the busy rows' programs under the plan for all rows below half of `target_programs`;
-        else a quarter of the rows from a span over 16 chunks; at least one. As measured on an H100 at
-        900-3,000 keys, 8-32 rows (bench/results, sessions 65-66); at 512 one split ran faster (H200)."""
+        lone row's plan splits further; else 0. One query per kv head: as many as keep the busy rows'
+        programs under the plan for all rows below half of `target_programs`, unless the few-rows
+        plan has 4 x `target_programs` programs (idle rows' too) a chunk; GQA: a quarter of the rows
+        from a span over 16 chunks; at least one. As measured on an H100 at 900-3,000 keys, 8-64 rows
+        (bench/results, sessions 65-67); at 512 one split ran faster (H200)."""
         if span < 8 * self.min_split_keys:
             return 0
         few = self.plan(num_rows, num_kv_heads, groups, head_dim, itemsize, span, few_rows=True)
@@ -210,8 +211,9 @@ class DecodeAttentionConfig:
             return 0
         if groups > 1:  # several queries a program: to 16 chunks the plan for all rows ran faster
             return max(1, num_rows // 4) if span > 16 * self.min_split_keys else 0
-        per_row = num_kv_heads * every.num_splits  # a busy row's programs under the plan for all rows
-        return max(1, (self.target_programs // 2 - 1) // per_row)
+        if num_rows * num_kv_heads * few.num_splits >= 4 * self.target_programs * (span // self.min_split_keys):
+            return 0  # 32 rows of 32 heads x 8 splits at 1,024 keys, 64 rows at 2,048: its idle programs lost
+        return max(1, (self.target_programs // 2 - 1) // (num_kv_heads * every.num_splits))
 
     def min_split_tiles(self, block_s: int) -> int:
         """The tiles of a chunk: the fewest a split of a row takes while the row has that many."""
@@ -774,14 +776,11 @@ def attention_decode_triton(
     return out, k_cache[0], v_cache[0]
 
 
-def _few_rows_limit(num_rows: int, num_kv_heads: int, groups: int, head_dim: int, itemsize: int, span: int) -> int:
-    return DEFAULT_DECODE_CONFIG.few_rows_limit(num_rows, num_kv_heads, groups, head_dim, itemsize, span)
-
-
 # The optional protocol of a decode attention implementation whose speed depends on how many
 # rows are busy (model/kernels.py reads it): the most busy rows for which its `few_rows=True`
-# call should run; 0: no such call.
-attention_decode_triton.few_rows_limit = _few_rows_limit
+# call should run; 0: no such call. (DEFAULT_DECODE_CONFIG's, read at each call: bench/common.py
+# may replace it.)
+attention_decode_triton.few_rows_limit = lambda *shape: DEFAULT_DECODE_CONFIG.few_rows_limit(*shape)
 # It takes the decode step's cache write (`write_pos=`, q packed): the forward pass hands it over.
 attention_decode_triton.writes_cache = True
 # It writes its output in the activations' dtype when asked (`out_dtype=`, model/kernels.py).

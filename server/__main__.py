@@ -91,10 +91,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, numerics: str = "auto") -> 
                    help="threads compiling the step programs at start (0 = auto: one per usable core, at most 8 "
                         "on CPU and 4 on GPU)")
     p.add_argument("--few-rows-attention", action=argparse.BooleanOptionalAction, default=True,
-                   help="decode attention planned for few busy slots (3 of 8 for a 7B in context buckets of "
-                        "1024+ keys, a quarter with GQA in buckets over 2048), where the kernel has such a plan: "
-                        "faster for a lone long-context user, the same tokens (default on; one more compile per "
-                        "such bucket)")
+                   help="decode attention planned for few busy slots (3 of 8 to 24 for a 7B in context buckets "
+                        "of 1024+ keys, of 32 from 2048; a quarter with GQA in buckets over 2048), where the "
+                        "kernel has such a plan: faster for a lone long-context user, the same tokens (default on; "
+                        "one more compile per such bucket)")
     p.add_argument("--constrained-overlap", default="auto", choices=("auto", "on", "off"),
                    help="constrained decoding: run a step's forward pass while the host reads the token its allowed "
                         "tokens follow, sampling after (two programs a step; auto: on a GPU with one device), or read "
