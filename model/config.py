@@ -290,7 +290,7 @@ class EngineConfig:
     ggml_threads: int = 2
     # Decode attention planned for few busy slots (where the chosen kernel has such a plan: the
     # Triton one from 1024-key context buckets; its `few_rows_limit`: 3 of 8 for a 7B's 32 kv
-    # heads, of 32 from 2048 keys, none of 64; with GQA 2 of 8 in buckets over 2048 keys): it
+    # heads, of 32 from 2048 keys, of 64 none to 2048; with GQA 2 of 8 in buckets over 2048 keys): it
     # spreads a lone long row over many programs (H100, 7B Q4_0, one busy slot: a decode step
     # 3.29 -> 2.89 ms at 1,500 tokens of context, 4.90 -> 3.36 at 3,900; 3 busy at 3,000: the
     # attention 73.4 -> 65.4 us a layer).

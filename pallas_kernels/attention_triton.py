@@ -199,10 +199,10 @@ class DecodeAttentionConfig:
         """The most busy rows of `num_rows` for which the few-rows plan should run instead of the
         plan for all of them (where an engine opts in), from a span of 8 splits' keys and where the
         lone row's plan splits further; else 0. One query per kv head: as many as keep the busy rows'
-        programs under the plan for all rows below half of `target_programs`, unless the few-rows
-        plan has 4 x `target_programs` programs (idle rows' too) a chunk; GQA: a quarter of the rows
-        from a span over 16 chunks; at least one. As measured on an H100 at 900-3,000 keys, 8-64 rows
-        (bench/results, sessions 65-67); at 512 one split ran faster (H200)."""
+        programs under the plan for all rows below half of `target_programs`, none where the few-rows
+        plan has 4 x `target_programs` programs or more (idle rows' too) per chunk of the span; GQA:
+        a quarter of the rows from a span over 16 chunks; at least one. As measured on an H100 at
+        900-3,000 keys, 8-64 rows (bench/results, sessions 65-67); at 512 one split ran faster (H200)."""
         if span < 8 * self.min_split_keys:
             return 0
         few = self.plan(num_rows, num_kv_heads, groups, head_dim, itemsize, span, few_rows=True)
@@ -780,7 +780,7 @@ def attention_decode_triton(
 # rows are busy (model/kernels.py reads it): the most busy rows for which its `few_rows=True`
 # call should run; 0: no such call. (DEFAULT_DECODE_CONFIG's, read at each call: bench/common.py
 # may replace it.)
-attention_decode_triton.few_rows_limit = lambda *shape: DEFAULT_DECODE_CONFIG.few_rows_limit(*shape)
+attention_decode_triton.few_rows_limit = lambda *a, **k: DEFAULT_DECODE_CONFIG.few_rows_limit(*a, **k)
 # It takes the decode step's cache write (`write_pos=`, q packed): the forward pass hands it over.
 attention_decode_triton.writes_cache = True
 # It writes its output in the activations' dtype when asked (`out_dtype=`, model/kernels.py).

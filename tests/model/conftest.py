@@ -9,6 +9,7 @@ import hashlib
 import pathlib
 import subprocess
 import sys
+import tempfile
 from typing import Iterator
 
 import jax
@@ -55,7 +56,9 @@ def compiling_alone(*key: object) -> Iterator[None]:
     reads them from the run's shared compilation cache (tests/conftest.py) rather than compiling
     them at the same time on the other core."""
     name = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
-    with open(pathlib.Path(jax.config.jax_compilation_cache_dir) / f"warmup-{name}.lock", "w") as f:
+    locks = pathlib.Path(jax.config.jax_compilation_cache_dir or tempfile.gettempdir())
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"warmup-{name}.lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
