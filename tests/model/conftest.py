@@ -59,11 +59,8 @@ def compiling_alone(*key: object) -> Iterator[None]:
     locks = pathlib.Path(jax.config.jax_compilation_cache_dir or tempfile.gettempdir())
     locks.mkdir(parents=True, exist_ok=True)
     with open(locks / f"warmup-{name}.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 @pytest.fixture(scope="session")

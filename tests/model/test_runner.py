@@ -115,9 +115,10 @@ def test_unrolled_decode_layers_match_the_scanned_loop(synthetic_gguf):
     from tests.model.conftest import SMOL_ENGINE
 
     layers = 7  # a trip count no other loop of the decode program has (the sampler has loops of 5)
-    path = synthetic_gguf("tiny", "q4_1", layers=layers)
+    loaded = load_model(synthetic_gguf("tiny", "q4_1", layers=layers), SMOL_ENGINE)
+    assert loaded.config.num_layers == layers
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 2048, n).tolist() for n in (13, 40)]  # "tiny": a vocabulary of 2,048
+    prompts = [rng.integers(0, loaded.config.vocab_size, n).tolist() for n in (13, 40)]
 
     def layer_loops(program) -> int:
         trips = re.findall(r' while\(.*"known_trip_count":\{"n":"(\d+)"\}', program.as_text())
@@ -128,8 +129,6 @@ def test_unrolled_decode_layers_match_the_scanned_loop(synthetic_gguf):
         cfg = dataclasses.replace(SMOL_ENGINE, num_slots=2, max_context=1024, context_buckets=(1024,),
                                   prefill_chunks=(64,), unroll_decode_layers=mode,
                                   decode_steps_per_dispatch=2 if mode == "on" else 1, prompt_logprobs=False)
-        loaded = load_model(path, cfg)
-        assert loaded.config.num_layers == layers
         runner = loaded.make_runner(cfg)
         runner.warmup()
         tokens[mode] = generate(runner, prompts, 6)
