@@ -78,9 +78,12 @@ def test_logits_close(forced):
 # the shortest over 2,000 tokens (five chunks of up to 512 through the tiled attention, then
 # decode steps over n_kv = 2,560 cells, split between llama.cpp's threads), as one batch of the
 # engine's 8 slots: a second batch cost 79 of the fixture's 512 s on this machine.
-# `bench/agreement.py --numerics ggml` runs all 42.
+# `bench/agreement.py --numerics ggml` runs all 42. One context bucket: the batch's decodes
+# attend the long prompt's bucket anyway, and a 1,024 bucket's four programs (half the warm-up)
+# would serve only the short prompts' prefill (the same tokens; 280 -> 242 s alone). llama.cpp's
+# n_kv is set by the cells used, not by the bucket (`ggml_cpu.n_kv`).
 GGML_SHORT = 7
-GGML_ENGINE = EngineConfig(num_slots=8, max_context=4096, context_buckets=(1024, 4096), prefill_chunks=(64, 512),
+GGML_ENGINE = EngineConfig(num_slots=8, max_context=4096, context_buckets=(4096,), prefill_chunks=(64, 512),
                            numerics="ggml", kv_dtype="float16")
 
 
