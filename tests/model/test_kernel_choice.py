@@ -142,7 +142,7 @@ def test_unknown_forced_op_is_an_error(tiny_tp_path):
 def test_the_kv_write_goes_to_an_attention_kernel_that_takes_it(tiny_tp_path):
     """A decode attention that writes the cache itself (a `writes_cache` attribute, as the Triton
     kernel has) is handed the write (Kernels.decode_writes_cache) unless the engine asks for
-    separate scatters (EngineConfig.separate_kv_write); the reference is never handed it."""
+    separate scatters (EngineConfig.separate_kv_write); the CPU's own is never handed it."""
     from pallas_kernels.attention import attention_decode_reference
 
     def writes(*args, **kwargs):
@@ -150,7 +150,7 @@ def test_the_kv_write_goes_to_an_attention_kernel_that_takes_it(tiny_tp_path):
 
     writes.writes_cache = True
     loaded, _ = _loaded(tiny_tp_path)
-    assert loaded.kernel_names["attention_decode"] == "reference" and not loaded.kernels.decode_writes_cache
+    assert loaded.kernel_names["attention_decode"] == "chunked" and not loaded.kernels.decode_writes_cache
     impls, chosen = registry._REGISTRY._impls["attention_decode"], registry._REGISTRY._chosen
     saved, saved_chosen = list(impls), dict(chosen)
     registry.register("attention_decode", "writes", writes, priority=1000)

@@ -155,7 +155,9 @@ def test_arrays_live_where_the_rules_say(runs) -> None:
             "wo": str(P(None, TP, None)),  # q8_0 scales are held [L, K/32, N]: a row split shards K/32
             "embed": str(P(TP, None)),
         }
-        assert set(runs[tp]["kernels"].values()) == {"reference"}
+        kernels = runs[tp]["kernels"]  # the CPU's: the references, and decode attention's own
+        assert kernels["attention_decode"] == "chunked"
+        assert {name for op, name in kernels.items() if op != "attention_decode"} == {"reference"}
 
 
 def test_sampling_runs_on_logits_gathered_once(runs) -> None:

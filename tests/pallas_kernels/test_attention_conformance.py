@@ -538,8 +538,8 @@ def test_registered_above_the_reference():
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="CPU: the triton implementation is unavailable")
-def test_reference_is_chosen_on_cpu():
-    assert registry.choose("attention_decode") is attention.attention_decode_reference
+def test_the_cpus_are_chosen_on_cpu():  # decode's reads only the keys in use (test_attention_chunked.py)
+    assert registry.choose("attention_decode") is attention.attention_decode_chunked
 
 
 @pytest.mark.parametrize(
