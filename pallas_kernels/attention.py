@@ -70,9 +70,9 @@ def attention_decode_reference(
 
 
 # `attention_decode_chunked`'s keys per loop trip (where the span is a multiple of it). On 2
-# EPYC cores, SmolLM2's 30 layers at 8 slots and a 1,024-key span: 13 ms at positions near
-# 100 and 91 ms near 1,000, against the reference's 179-191 ms; chunks of 64 and 256 were
-# slower at both (17 / 99 and 31 / 159 ms).
+# EPYC cores, SmolLM2's 30 layers at 8 slots and a 1,024-key span (bench/cpu_decode_attention.py):
+# 15.7 ms at positions of 50-99 and 101 ms at 500-999, against the reference's 145-179 ms;
+# chunks of 64 and 256 were slower at both (16.8 / 113 and 40.0 / 147 ms).
 DECODE_KEY_CHUNK = 128
 
 
