@@ -69,10 +69,10 @@ def attention_decode_reference(
     return out.reshape(b, h, d)
 
 
-# `attention_decode_chunked`'s keys per loop trip (where the span is a multiple of it). On 2
-# EPYC cores, SmolLM2's 30 layers at 8 slots and a 1,024-key span (bench/cpu_decode_attention.py):
-# 15.7 ms at positions of 50-99 and 101 ms at 500-999, against the reference's 145-179 ms;
-# chunks of 64 and 256 were slower at both (16.8 / 113 and 40.0 / 147 ms).
+# `attention_decode_chunked`'s keys per loop trip. On 2 EPYC cores, SmolLM2's 30 layers at 8
+# slots and a 1,024-key span (bench/cpu_decode_attention.py): 15.7 ms at positions of 50-99 and
+# 101 ms at 500-999, against the reference's 145-179 ms; chunks of 64 and 256 were slower at
+# both (16.8 / 113 and 40.0 / 147 ms; bench/results/README.md, sixty-eighth session).
 DECODE_KEY_CHUNK = 128
 
 
@@ -80,7 +80,7 @@ def attention_decode_chunked(
     q: jax.Array,  # [B, H, D]
     k_cache: jax.Array,  # [B, S, K, D], or [L, B, S, K, D] with `layer`
     v_cache: jax.Array,
-    positions: jax.Array,  # [B] int32 (-1: an idle row)
+    positions: jax.Array,  # [B] int32 (an idle row: -1, or 0 as the forward pass gives it)
     scale: float,
     window: jax.Array | int = 0,
     *,
@@ -88,21 +88,25 @@ def attention_decode_chunked(
     span: int | None = None,
     slots: jax.Array | None = None,
 ) -> jax.Array:  # [B, H, D] f32
-    """The reference's attention (same arguments) read in chunks of DECODE_KEY_CHUNK keys, only
-    the chunks some row sees: from the earliest key a busy row's window shows to the latest busy
-    row's position, in a loop whose trip count is traced (the CPU's implementation: its decode
-    reads the keys a step needs, not the whole context bucket). An online softmax carries each
-    row's running maximum, sum and weighted values across chunks.
+    """The reference's attention (same arguments; its f32 math, softmax online) read in chunks
+    of DECODE_KEY_CHUNK keys, only the chunks some row sees: the first chunk, then those from
+    the earliest key the window of a row past position 0 shows to the latest row's position, in
+    a loop whose trip count is traced (the CPU's implementation: its decode reads the keys a
+    step needs, not the whole context bucket). An online softmax carries each row's running
+    maximum, sum and weighted values across chunks. A span that is not a multiple of the chunk
+    ends in a chunk moved back to end at the cache's edge, its keys already read masked.
 
     A row's output does not depend on the other rows: a chunk wholly before or after the keys a
     row sees leaves its sums bit for bit as they were (its weights are exactly 0, and the
     rescale by exp(0) is exactly 1, or, before the row's first visible key, its placeholder sums
-    are multiplied by exactly 0), so the trip count that the other rows set changes nothing."""
+    are multiplied by exactly 0), so the trip count that the other rows set changes nothing.
+    Rows at position 0 (the forward pass's idle rows) see only the first chunk, which is always
+    read: they do not hold the loop's start back."""
     s_all = k_cache.shape[-3]
     span = s_all if span is None else span
     if not 1 <= span <= s_all:
         raise ValueError(f"span {span} outside the cache's [1, {s_all}]")
-    c = DECODE_KEY_CHUNK if span % DECODE_KEY_CHUNK == 0 else span
+    c = min(DECODE_KEY_CHUNK, s_all)
     b, h, d = q.shape
     rows_in_cache, kh = k_cache.shape[-4], k_cache.shape[-2]
     g = h // kh
@@ -118,9 +122,10 @@ def attention_decode_chunked(
 
     def body(i, carry):
         top, total, acc = carry  # [B, K, G], [B, K, G], [B, K, G, D]
-        start = i * c
+        start = jnp.minimum(i * c, s_all - c)  # the last chunk of a span short of a multiple: moved back
+        keys = start + jnp.arange(c)
         scores = jnp.sum(qg * load(k_cache, start)[:, :, :, None, :], axis=-1) * scale  # [B, c, K, G]
-        mask = _visible(positions[:, None], start + jnp.arange(c)[None, :], window)
+        mask = _visible(positions[:, None], keys[None, :], window) & ((keys >= i * c) & (keys < span))[None, :]
         scores = jnp.where(mask[:, :, None, None], scores, _NEG)
         new_top = jnp.maximum(top, jnp.max(scores, axis=1))
         rescale = jnp.exp(top - new_top)
@@ -129,13 +134,13 @@ def attention_decode_chunked(
         acc = acc * rescale[..., None] + jnp.sum(weights[..., None] * load(v_cache, start)[:, :, :, None, :], axis=1)
         return new_top, total, acc
 
-    busy = positions >= 0
-    n_chunks = span // c
-    last = jnp.clip((jnp.max(positions) + c) // c, 1, n_chunks)  # one past the latest busy row's chunk
+    n_chunks = -(-span // c)
+    last = jnp.clip((jnp.max(positions) + c) // c, 1, n_chunks)  # one past the latest row's chunk
     seen_from = jnp.where(jnp.asarray(window) > 0, jnp.maximum(positions - window + 1, 0), 0)
-    first = jnp.minimum(jnp.min(jnp.where(busy, seen_from, span)) // c, last - 1)
+    first = jnp.min(jnp.where(positions > 0, seen_from, span)) // c
     init = (jnp.full((b, kh, g), _NEG, f32), jnp.zeros((b, kh, g), f32), jnp.zeros((b, kh, g, d), f32))
-    _, total, acc = jax.lax.fori_loop(first, last, body, init)
+    carry = body(0, init)
+    _, total, acc = jax.lax.fori_loop(jnp.maximum(first, 1), last, body, carry)
     return (acc / total[..., None]).reshape(b, h, d)
 
 
