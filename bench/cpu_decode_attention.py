@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def step_of(fn):
         @jax.jit
-        def step(q, positions):  # each layer's query depends on the last layer's output, as in a model
-            def layer(x, i):
+        def step(q, k_cache, v_cache, positions):  # the caches as arguments, as the engine passes them
+            def layer(x, i):  # each layer's query depends on the last layer's output, as in a model
                 return x + fn(q + 1e-3 * x, k_cache, v_cache, positions, d ** -0.5, layer=i, span=s), None
             return jax.lax.scan(layer, jnp.zeros_like(q), jnp.arange(n_l))[0]
         return step
@@ -70,11 +70,11 @@ def main(argv: list[str] | None = None) -> None:
         positions = jnp.asarray(pos)
         outs, row = {}, {"context": context, "positions": pos.tolist()}
         for name, step in steps.items():
-            outs[name] = np.asarray(step(q, positions))  # compiles
+            outs[name] = np.asarray(step(q, k_cache, v_cache, positions))  # compiles
             times = []
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
-                step(q, positions).block_until_ready()
+                step(q, k_cache, v_cache, positions).block_until_ready()
                 times.append(time.perf_counter() - t0)
             row[f"{name}_ms"] = round(statistics.median(times) * 1e3, 2)
         first = next(iter(outs.values()))
