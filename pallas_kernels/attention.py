@@ -70,9 +70,10 @@ def attention_decode_reference(
 
 
 # `attention_decode_chunked`'s keys per loop trip. On 2 EPYC cores, SmolLM2's 30 layers at 8
-# slots and a 1,024-key span (bench/cpu_decode_attention.py): 15.7 ms at positions of 50-99 and
-# 101 ms at 500-999, against the reference's 145-179 ms; chunks of 64 and 256 were slower at
-# both (16.8 / 113 and 40.0 / 147 ms; bench/results/README.md, sixty-eighth session).
+# slots and a 1,024-key span (bench/cpu_decode_attention.py): 17.7 ms at positions of 50-99 and
+# 106 ms at 500-999, against the reference's 202-207 ms; chunks of 64 and 256 were slower at
+# both (16.8 / 113 and 40.0 / 147 ms against 15.7 / 101, the script's earlier form;
+# bench/results/README.md, sixty-eighth session).
 DECODE_KEY_CHUNK = 128
 
 
